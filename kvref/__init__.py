@@ -1,0 +1,18 @@
+"""kvref: a reference decoder-only transformer whose KV cache is an explicit object."""
+
+from .cache import ContiguousCache, KVCache, cache_bytes
+from .config import ModelConfig
+from .errors import (BackendError, CacheError, CacheFullError, ConfigError, ContextOverflowError,
+                     DTypeError, GenerationError, GGUFError, KVRefError, ModelNotFoundError,
+                     SamplingError, ShapeError, TokenError, TokenizerError)
+from .generate import generate
+from .model import Model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
+    "ContiguousCache", "DTypeError", "GenerationError", "GGUFError", "KVCache", "KVRefError", "Model",
+    "ModelConfig", "ModelNotFoundError", "SamplingError", "ShapeError", "TokenError", "TokenizerError",
+    "cache_bytes", "generate",
+]

@@ -1,0 +1,1 @@
+"""The readable specification: kernels (ops) and the decoder, in NumPy, no speed tricks."""

@@ -1,0 +1,96 @@
+"""The kernels of the spec, in NumPy, written as the definition rather than for speed.
+
+Shape legend (used in every shape comment in kvref):
+    T   new positions in this execution        S   positions attended to (cached + new)
+    H   query heads      Hkv  kv heads          G   H // Hkv, query heads per kv head
+    D   head_dim         E    d_model           F   d_ff         V   vocab_size
+    N   output rows of a weight matrix          K   input columns of a weight matrix
+
+The native module provides the same names with the same meaning; the decoder calls them by name.
+Weights stay in file layout: a projection matrix is [N, K] (out, in), so y = x @ W.T.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def embed(table, token_ids):
+    # [V, E], [T] -> [T, E]
+    return table[token_ids]
+
+
+def matmul(x, w):
+    # [T, K], [N, K] -> [T, N]
+    return x @ w.T
+
+
+def rms_norm(x, weight, eps):
+    # [T, E], [E] -> [T, E]
+    # The mean square is taken in at least float32 so float16 inputs do not overflow it.
+    acc = np.result_type(x.dtype, np.float32)
+    ms = np.mean(np.square(x, dtype=acc), axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + eps)).astype(x.dtype) * weight
+
+
+def rope_angles(positions, head_dim, theta, dtype):
+    # [T] -> [T, D/2]: pair i at position p turns by p * theta**(-2i/D)
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return np.outer(np.asarray(positions, dtype=np.float64), inv_freq).astype(dtype)
+
+
+def rope(x, positions, theta):
+    # [T, nh, D], [T] -> [T, nh, D]
+    # Rotates adjacent pairs (x[2i], x[2i+1]) by an angle proportional to the absolute position,
+    # the convention of the original Llama and of GGUF files (see docs/formats.md). Computed in
+    # float64 then rounded once, so float32 and float64 runs differ only by that rounding.
+    angles = rope_angles(positions, x.shape[-1], theta, np.float64)[:, None, :]  # [T, 1, D/2]
+    cos, sin = np.cos(angles), np.sin(angles)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def softmax(scores, axis=-1):
+    """Softmax along `axis`, subtracting the row max first; accumulates in at least float32.
+
+    A row in which every entry is -inf (every key masked) has no distribution to normalise: it
+    yields all zeros, so the attention output for such a row is the zero vector, never NaN.
+    """
+    acc = np.result_type(scores.dtype, np.float32)
+    s = scores.astype(acc, copy=False)
+    row_max = np.max(s, axis=axis, keepdims=True)
+    row_max = np.where(np.isneginf(row_max), 0.0, row_max)  # all -inf: exp(-inf) = 0 below
+    e = np.exp(s - row_max)
+    total = np.sum(e, axis=axis, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0).astype(scores.dtype)
+
+
+def attention(q, k, v, q_positions, k_positions):
+    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+    # Causal by position, not by index: query at position p sees every stored key at a position
+    # <= p. The cache decides which positions it still holds (a window drops old ones).
+    # GQA without copying K/V: query head h reads kv head h // G, expressed as a group axis.
+    T, H, D = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    kh = k.transpose(1, 2, 0)  # [Hkv, D, S]
+    vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
+    scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
+    visible = np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]  # [T, S]
+    scores = np.where(visible, scores, -np.inf)
+    out = softmax(scores) @ vh[:, None]  # [Hkv, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(T, H, D)
+
+
+def silu(x):
+    # x * sigmoid(x), with sigmoid written through tanh so large |x| cannot overflow exp
+    return x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+
+
+def swiglu(gate, up):
+    # [T, F], [T, F] -> [T, F]
+    return silu(gate) * up
