@@ -1,0 +1,1 @@
+"""Weight file formats (GGUF) and the block layouts of their tensor types."""
