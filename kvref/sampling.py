@@ -34,7 +34,7 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> n
     z = np.asarray(logits, dtype=np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
-    order = np.argsort(-p, kind="stable")  # most likely first, ties by token id
+    order = np.argsort(-z, kind="stable")  # most likely first (by logit, exact), ties by token id
     keep = np.ones(p.size, dtype=bool)  # over `order`
     if top_k is not None:
         keep[top_k:] = False

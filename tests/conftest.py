@@ -1,0 +1,49 @@
+"""Shared hypothesis profiles and strategies.
+
+Profiles: "ci" (the default; thorough but keeps the whole suite within minutes on 2 cores) and
+"dev" (quick). Choose with HYPOTHESIS_PROFILE=dev.
+"""
+
+import os
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+
+import kvref
+
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=10, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@st.composite
+def configs(draw, max_layers=4, max_seq_len=96):
+    """Small random Llama configs covering MHA (group 1), GQA and MQA (one kv head)."""
+    n_kv_heads = draw(st.integers(1, 4))
+    group = draw(st.integers(1, 4))
+    return kvref.ModelConfig(
+        n_layers=draw(st.integers(1, max_layers)),
+        d_model=draw(st.integers(4, 48)),
+        n_heads=n_kv_heads * group,
+        n_kv_heads=n_kv_heads,
+        head_dim=2 * draw(st.integers(1, 32)),
+        d_ff=draw(st.integers(4, 96)),
+        vocab_size=draw(st.integers(8, 96)),
+        max_seq_len=max_seq_len,
+        rope_theta=draw(st.sampled_from([10000.0, 100000.0, 500.0])),
+        tie_embeddings=draw(st.booleans()),
+    )
+
+
+def token_lists(config, min_size=1, max_size=64):
+    return st.lists(st.integers(0, config.vocab_size - 1), min_size=min_size, max_size=max_size)
+
+
+@st.composite
+def chunkings(draw, n):
+    """A random split of n positions into consecutive non-empty chunks, as chunk sizes."""
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    bounds = [0, *cuts, n]
+    return [b - a for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,119 @@
+"""The contiguous cache and the memory formula."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvref
+from kvref.errors import CacheError, CacheFullError, DTypeError, ShapeError
+
+CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32)
+
+
+def test_cache_bytes_reproduces_the_articles_example_of_one_gib():
+    assert kvref.cache_bytes(n_layers=32, n_tokens=8192, n_kv_heads=8, head_dim=128, dtype="float16") == 2**30
+
+
+@given(st.integers(1, 64), st.integers(0, 10_000), st.integers(1, 16), st.integers(1, 256),
+       st.sampled_from(["float64", "float32", "float16", "bfloat16", "int8"]))
+def test_cache_bytes_is_two_times_layers_tokens_kv_heads_head_dim_bytes(layers, tokens, kv_heads, head_dim, dtype):
+    size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[dtype]
+    assert kvref.cache_bytes(layers, tokens, kv_heads, head_dim, dtype) == 2 * layers * tokens * kv_heads * head_dim * size
+
+
+def test_cache_bytes_accepts_numpy_dtypes_and_rejects_unknown_names():
+    assert kvref.cache_bytes(1, 1, 1, 1, np.float32) == 8
+    with pytest.raises(DTypeError, match="float8"):
+        kvref.cache_bytes(1, 1, 1, 1, "float8")
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=5), st.sampled_from(["float32", "float16", "float64"]))
+def test_nbytes_of_a_cache_holding_n_positions_equals_cache_bytes(chunks, kv_dtype):
+    model = kvref.Model.random(CFG, seed=0)
+    cache = model.new_cache(kv_dtype=kv_dtype)
+    assert cache.nbytes == 0
+    for n in chunks:
+        model.forward(list(range(n)), cache)
+        assert cache.nbytes == kvref.cache_bytes(CFG.n_layers, cache.length, CFG.n_kv_heads, CFG.head_dim, kv_dtype)
+
+
+def test_kv_is_stored_in_the_model_dtype_unless_kv_dtype_says_otherwise():
+    assert kvref.Model.random(CFG, dtype="float64").new_cache().keys(0).dtype == np.float64
+    model = kvref.Model.random(CFG)
+    assert model.new_cache().keys(0).dtype == np.float32
+    assert model.new_cache(kv_dtype="float16").keys(0).dtype == np.float16
+
+
+def test_float16_cache_stays_close_to_the_float32_cache():
+    model = kvref.Model.random(CFG, seed=2)
+    tokens = list(range(20))
+    a = model.forward(tokens, model.new_cache(), all_logits=True)
+    b = model.forward(tokens, model.new_cache(kv_dtype="float16"), all_logits=True)
+    # float16 keeps 11 significant bits: relative error 2**-11 per stored K/V element
+    np.testing.assert_allclose(b, a, atol=2e-2)
+    assert np.mean(np.argmax(a, -1) == np.argmax(b, -1)) >= 0.9
+
+
+def test_capacity_defaults_to_max_seq_len_and_a_full_cache_refuses_to_append():
+    model = kvref.Model.random(CFG)
+    assert model.new_cache().capacity == CFG.max_seq_len
+    cache = model.new_cache(capacity=4)
+    model.forward([1, 2, 3], cache)
+    with pytest.raises(CacheFullError, match=r"cannot append 2 positions: the cache holds 3 of 4 \(1 free\)"):
+        model.forward([4, 5], cache)
+    assert cache.length == 3
+
+
+def test_new_cache_rejects_bad_layouts_capacities_and_dtypes():
+    model = kvref.Model.random(CFG)
+    with pytest.raises(CacheError, match="'ring'"):
+        model.new_cache(layout="ring")
+    with pytest.raises(CacheError, match="capacity=0"):
+        model.new_cache(capacity=0)
+    with pytest.raises(kvref.ContextOverflowError, match="max_seq_len=32"):
+        model.new_cache(capacity=33)
+    with pytest.raises(DTypeError):
+        model.new_cache(kv_dtype="float8")
+
+
+def test_update_rejects_kv_of_the_wrong_shape():
+    cache = kvref.Model.random(CFG).new_cache()
+    with pytest.raises(ShapeError, match=r"expected \[T, 2, 8\]"):
+        cache.update(0, np.zeros((1, 3, 8)), np.zeros((1, 3, 8)))
+    with pytest.raises(ShapeError, match="layer 2 out of range"):
+        cache.update(2, np.zeros((1, 2, 8)), np.zeros((1, 2, 8)))
+
+
+def test_truncate_rolls_back_and_generation_resumes_as_if_never_extended():
+    model = kvref.Model.random(CFG, seed=4, dtype="float64")
+    cache = model.new_cache()
+    model.forward([1, 2, 3], cache)
+    model.forward([9, 9], cache)  # rejected speculative tokens
+    cache.truncate(3)
+    resumed = model.forward([4], cache)
+    reference = model.forward([1, 2, 3, 4])
+    np.testing.assert_allclose(resumed, reference, atol=1e-10)
+    with pytest.raises(CacheError, match="cannot truncate to 5"):
+        cache.truncate(5)
+    assert cache.length == 4 and cache.can_truncate(4) and not cache.can_truncate(5)
+
+
+def test_fork_is_independent_of_its_parent():
+    model = kvref.Model.random(CFG, seed=5, dtype="float64")
+    parent = model.new_cache()
+    model.forward([1, 2, 3], parent)
+    child = parent.fork()
+    a = model.forward([7], child)
+    b = model.forward([8], parent)
+    assert child.length == parent.length == 4
+    np.testing.assert_allclose(a, model.forward([1, 2, 3, 7]), atol=1e-10)
+    np.testing.assert_allclose(b, model.forward([1, 2, 3, 8]), atol=1e-10)
+
+
+def test_stored_kv_is_read_only_through_the_accessors():
+    model = kvref.Model.random(CFG)
+    cache = model.new_cache()
+    model.forward([1], cache)
+    with pytest.raises(ValueError):
+        cache.keys(0)[0, 0, 0] = 1.0

@@ -1,0 +1,98 @@
+"""Model: construction and the checks at its public entry points; failed calls change nothing."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvref
+from kvref.errors import BackendError, CacheError, ContextOverflowError, DTypeError, TokenError
+
+CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=1, d_ff=64, vocab_size=50, max_seq_len=16)
+
+
+def test_random_models_are_deterministic_per_seed_and_differ_across_seeds():
+    a = kvref.Model.random(CFG, seed=7).forward([1, 2, 3])
+    b = kvref.Model.random(CFG, seed=7).forward([1, 2, 3])
+    c = kvref.Model.random(CFG, seed=8).forward([1, 2, 3])
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+
+
+def test_forward_returns_last_position_logits_or_all_of_them():
+    model = kvref.Model.random(CFG)
+    last = model.forward([1, 2, 3])
+    every = model.forward([1, 2, 3], all_logits=True)
+    assert last.shape == (50,) and every.shape == (3, 50)
+    np.testing.assert_allclose(every[-1], last, atol=1e-6)
+
+
+def test_model_dtype_and_backend_are_checked():
+    with pytest.raises(DTypeError, match="'float16'"):
+        kvref.Model.random(CFG, dtype="float16")
+    with pytest.raises(BackendError, match="'cuda'"):
+        kvref.Model.random(CFG, backend="cuda")
+    assert kvref.Model.random(CFG, backend="numpy").backend == "numpy"
+
+
+def snapshot(cache):
+    return cache.length, [cache.keys(i).copy() for i in range(cache.n_layers)], [
+        cache.values(i).copy() for i in range(cache.n_layers)]
+
+
+def assert_unchanged(cache, before):
+    length, keys, values = snapshot(cache)
+    assert length == before[0]
+    for a, b in zip(keys + values, before[1] + before[2]):
+        np.testing.assert_array_equal(a, b)
+
+
+BAD_CALLS = {
+    "id above vocab": ([3, 50], TokenError, r"token id 50 at index 1 is outside the vocabulary \[0, 50\)"),
+    "negative id": ([-1], TokenError, "token id -1 at index 0"),
+    "float ids": ([1.5], TokenError, "must be integers"),
+    "empty": ([], TokenError, "non-empty 1-D"),
+    "2-D ids": ([[1, 2]], TokenError, "non-empty 1-D"),
+    "past max_seq_len": (list(range(14)), ContextOverflowError, r"exceed max_seq_len=16 \(3 already used \+ 14 new\)"),
+}
+
+
+@given(st.sampled_from(sorted(BAD_CALLS)), st.integers(0, 3))
+def test_error_paths_leave_the_cache_unchanged(case, prefilled):
+    tokens, error, message = BAD_CALLS[case]
+    model = kvref.Model.random(CFG, seed=1)
+    cache = model.new_cache()
+    prefix = [4, 5, 6][:prefilled]
+    if prefix:
+        model.forward(prefix, cache)
+    if case == "past max_seq_len":
+        tokens = list(range(CFG.max_seq_len - cache.length + 1))
+        message = "exceed max_seq_len=16"
+    before = snapshot(cache)
+    with pytest.raises(error, match=message):
+        model.forward(tokens, cache)
+    assert_unchanged(cache, before)
+    np.testing.assert_allclose(model.forward([7], cache), model.forward(prefix + [7]), atol=1e-5)
+
+
+def test_a_full_cache_fails_before_any_layer_runs_and_keeps_its_contents():
+    model = kvref.Model.random(CFG, seed=1)
+    cache = model.new_cache(capacity=3)
+    model.forward([1, 2], cache)
+    before = snapshot(cache)
+    with pytest.raises(kvref.CacheFullError):
+        model.forward([3, 4], cache)
+    assert_unchanged(cache, before)
+
+
+def test_a_cache_from_another_model_shape_is_refused():
+    other = kvref.Model.random(CFG.replace(n_kv_heads=2, n_heads=4)).new_cache()
+    with pytest.raises(CacheError, match=r"does not match the model's \(2, 1, 8\)"):
+        kvref.Model.random(CFG).forward([1], other)
+    with pytest.raises(CacheError, match="expected a KVCache"):
+        kvref.Model.random(CFG).forward([1], cache={})
+
+
+def test_numpy_integer_arrays_are_accepted_as_token_ids():
+    model = kvref.Model.random(CFG)
+    np.testing.assert_array_equal(model.forward(np.array([1, 2], dtype=np.uint16)), model.forward([1, 2]))
