@@ -29,6 +29,8 @@ class Execution:
 
     @property
     def kind(self) -> str:
+        if self.recomputed:
+            return "recompute"  # the whole history again: what a cache avoids
         return "decode step" if self.computed == 1 else "prefill"
 
 
@@ -68,7 +70,7 @@ def render_grid(executions: list[Execution], labels: list[str]) -> str:
     """Executions x positions: N new, R recomputed, c read from the cache, . not yet in the history."""
     width = max(len(label) for label in labels) + 1
     header = "execution      " + "".join(label.rjust(width) for label in labels)
-    header += "    new  recomp  cached   proj MFLOP   attn MFLOP"
+    header += "    new  recomp  cached     proj FLOPs   attn FLOPs"
     lines = [header]
     for i, ex in enumerate(executions):
         cells = []
@@ -78,7 +80,7 @@ def render_grid(executions: list[Execution], labels: list[str]) -> str:
         lines.append(
             f"{i + 1:>3} {ex.kind:<11}" + "".join(cells)
             + f"  {len(ex.new):>5}  {len(ex.recomputed):>6}  {len(ex.cached):>6}"
-            + f"  {ex.projection_flops / 1e6:>11.2f}  {ex.attention_flops / 1e6:>11.2f}")
+            + f"  {ex.projection_flops:>13,}  {ex.attention_flops:>11,}")
     return "\n".join(lines)
 
 
