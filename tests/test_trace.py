@@ -1,0 +1,36 @@
+import kvref
+from kvref import trace
+
+CFG = kvref.ModelConfig(n_layers=3, d_model=48, n_heads=6, n_kv_heads=2, d_ff=80, vocab_size=100, max_seq_len=64)
+
+
+def test_projection_flops_are_two_per_weight_per_position():
+    model = kvref.Model.random(CFG)
+    layer = model.weights.layers[0]
+    per_layer = sum(w.size for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
+    assert trace.projection_flops(CFG, 5, 2) == 2 * (5 * 3 * per_layer + 2 * model.weights.output.size)
+
+
+def test_attention_flops_count_every_visible_key_once_per_head_and_layer():
+    # positions 4, 5, 6 see 5, 6, 7 keys: 18 q.k dot products and 18 weighted V rows per head and layer
+    assert trace.attention_flops(CFG, 4, 3) == 3 * 6 * 18 * 2 * 2 * CFG.head_dim
+
+
+def test_a_prefill_in_chunks_costs_the_same_flops_as_one_prefill():
+    whole = trace.execution(CFG, 0, 10, 0)
+    parts = [trace.execution(CFG, 0, 4, 0), trace.execution(CFG, 4, 10, 4)]
+    assert whole.attention_flops == sum(p.attention_flops for p in parts)
+    assert whole.projection_flops + trace.projection_flops(CFG, 0, 1) == sum(p.projection_flops for p in parts)
+
+
+def test_without_a_cache_flops_grow_quadratically_and_with_it_linearly():
+    def run(n_new, use_cache):
+        executions = []
+        model = kvref.Model.random(CFG)
+        list(kvref.generate(model, [1, 2], n_new, use_cache=use_cache, executions=executions))
+        return trace.totals(executions)
+
+    cached = [run(n, True)["projection_flops"] for n in (8, 16, 32)]
+    uncached = [run(n, False)["projection_flops"] for n in (8, 16, 32)]
+    assert cached[2] - cached[1] == 2 * (cached[1] - cached[0])  # constant cost per decode step
+    assert uncached[2] - uncached[1] > 3 * (uncached[1] - uncached[0])  # cost per step grows with length
