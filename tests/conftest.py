@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 import kvref
 
 settings.register_profile(
-    "ci", max_examples=40, deadline=None, derandomize=True, print_blob=True,
+    "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
