@@ -21,7 +21,7 @@ class Model:
                  tokenizer=None):
         self.config = config
         self.weights = weights
-        self.dtype = _model_dtype(dtype)
+        self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend)
         self.ops = backends.kernels(self.backend)
         self.tokenizer = tokenizer
@@ -29,7 +29,7 @@ class Model:
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto") -> "Model":
         """Deterministic random weights (see kvref.weights.random_weights)."""
-        dtype = _model_dtype(dtype)
+        dtype = model_dtype(dtype)
         return cls(config, random_weights(config, seed, dtype), dtype, backend)
 
     def new_cache(self, layout="contiguous", kv_dtype=None, capacity=None) -> KVCache:
@@ -95,7 +95,7 @@ class Model:
                 f"{(c.n_layers, c.n_kv_heads, c.head_dim)}")
 
 
-def _model_dtype(dtype) -> str:
+def model_dtype(dtype) -> str:
     name = dtype_name(dtype)
     if name not in MODEL_DTYPES:
         raise DTypeError(f"model dtype {name!r} is not supported; expected one of {MODEL_DTYPES}")
