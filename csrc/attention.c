@@ -1,0 +1,129 @@
+/* attention.c: causal grouped-query attention by position, single pass over K/V.
+ *
+ * Work units are (query t, kv head hk, key segment). A unit scores its keys for all G query heads
+ * that share hk, so each K/V row is read once per group, not once per head, and keeps an online
+ * softmax (running max m, sum of exponentials l, unnormalised output acc) over them.
+ *
+ * With few query positions (decode) there are too few (t, hk) pairs to keep every thread busy on
+ * a long cache, so the keys are cut into fixed segments of KVREF_ATTN_SEGMENT and the segments'
+ * (m, l, acc) are merged afterwards in segment order (the log-sum-exp merge). Segment boundaries
+ * depend only on S, so results are the same for every thread count.
+ */
+#include <math.h>
+
+#include "internal.h"
+
+#define KVREF_ATTN_SEGMENT 256
+#define KVREF_ATTN_SPLIT_MAX_T 4   /* split keys into segments when T <= this */
+
+typedef struct {
+    kvref_attn_args a;
+    kvref_pool *pool;
+    kvref_attn_unit_fn unit_fn;
+    int64_t nseg;
+    float *partial;            /* nseg > 1: [T, Hkv, nseg, G * (D + 2)] (m[G], l[G], acc[G, D]) */
+    float *out;                /* [T, H, D] */
+} attn_ctx;
+
+static void attn_task(void *vctx, int64_t unit, int thread) {
+    const attn_ctx *c = vctx;
+    const kvref_attn_args *a = &c->a;
+    const int64_t G = a->G, D = a->D;
+    const int64_t seg = unit % c->nseg;
+    const int64_t hk = (unit / c->nseg) % a->Hkv;
+    const int64_t t = unit / (c->nseg * a->Hkv);
+    const int64_t s0 = seg * KVREF_ATTN_SEGMENT;
+    const int64_t s1 = (c->nseg == 1 || s0 + KVREF_ATTN_SEGMENT > a->S) ? a->S : s0 + KVREF_ATTN_SEGMENT;
+    float *scratch = kvref_pool_scratch(c->pool, thread);
+    float *mla;
+    if (c->nseg > 1) {
+        mla = c->partial + unit * G * (D + 2);
+    } else {
+        mla = scratch;
+        scratch += G * (D + 2);
+    }
+    float *m = mla, *l = mla + G, *acc = mla + 2 * G;
+    c->unit_fn(a, t, hk, s0, s1, m, l, acc, scratch);
+    if (c->nseg == 1) {
+        for (int64_t g = 0; g < G; g++) {
+            float *o = c->out + (t * a->H + hk * G + g) * D;
+            /* l > 0 iff some key was visible; a query that sees nothing gets zeros */
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int64_t i = 0; i < D; i++) o[i] = l[g] > 0.0f ? acc[g * D + i] * inv : 0.0f;
+        }
+    }
+}
+
+/* out[t, hk*G + g] = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M), M = max_j m_j */
+static void merge_task(void *vctx, int64_t unit, int thread) {
+    const attn_ctx *c = vctx;
+    const kvref_attn_args *a = &c->a;
+    const int64_t G = a->G, D = a->D, nseg = c->nseg;
+    const int64_t hk = unit % a->Hkv, t = unit / a->Hkv;
+    (void)thread;
+    const float *base = c->partial + unit * nseg * G * (D + 2);
+    for (int64_t g = 0; g < G; g++) {
+        float *o = c->out + (t * a->H + hk * G + g) * D;
+        float M = -INFINITY;
+        for (int64_t j = 0; j < nseg; j++) {
+            const float mj = base[j * G * (D + 2) + g];
+            M = mj > M ? mj : M;
+        }
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        if (M == -INFINITY) continue;
+        float L = 0.0f;
+        for (int64_t j = 0; j < nseg; j++) {
+            const float *p = base + j * G * (D + 2);
+            if (p[g] == -INFINITY) continue;
+            const float w = expf(p[g] - M);
+            L += p[G + g] * w;
+            for (int64_t i = 0; i < D; i++) o[i] += p[2 * G + g * D + i] * w;
+        }
+        const float inv = 1.0f / L;
+        for (int64_t i = 0; i < D; i++) o[i] *= inv;
+    }
+}
+
+static int mul_overflows(int64_t a, int64_t b) { return a > 0 && b > 0 && a > INT64_MAX / b; }
+
+int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const void *k,
+                    const void *v, int32_t kv_type, int64_t S, int64_t Hkv,
+                    const int64_t *q_positions, const int64_t *k_positions, float *out) {
+    if (pool == NULL) return KVREF_ERR_NULL;
+    if (T < 0 || H < 0 || D < 0 || S < 0 || Hkv < 0) return KVREF_ERR_DIM;
+    if (kv_type != KVREF_TYPE_F32 && kv_type != KVREF_TYPE_F16) return KVREF_ERR_TYPE;
+    if (Hkv == 0 || H % Hkv != 0) return KVREF_ERR_SHAPE;
+    if (mul_overflows(T, H) || mul_overflows(T * H, D) || mul_overflows(S, Hkv) || mul_overflows(S * Hkv, D))
+        return KVREF_ERR_DIM;
+    if (T == 0 || H == 0 || D == 0) return KVREF_OK;
+    if (q == NULL || q_positions == NULL || out == NULL) return KVREF_ERR_NULL;
+    if (S == 0) {
+        for (int64_t i = 0; i < T * H * D; i++) out[i] = 0.0f; /* no key is visible */
+        return KVREF_OK;
+    }
+    if (k == NULL || v == NULL || k_positions == NULL) return KVREF_ERR_NULL;
+
+    const int64_t G = H / Hkv;
+    attn_ctx c;
+    c.a = (kvref_attn_args){q, k, v, kv_type, q_positions, k_positions, T, H, D, S, Hkv, G,
+                            (float)(1.0 / sqrt((double)D))};
+    c.pool = pool;
+    c.out = out;
+    c.nseg = (T <= KVREF_ATTN_SPLIT_MAX_T) ? (S + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT : 1;
+    c.partial = NULL;
+
+    kvref_pool_lock(pool);
+    c.unit_fn = kvref_pool_kernels(pool)->attn_unit;
+    size_t per_thread = (size_t)(kvref_attn_scratch_floats(G, D) + G * (D + 2)) * sizeof(float);
+    int status = kvref_pool_reserve(pool, per_thread);
+    if (status == KVREF_OK && c.nseg > 1) {
+        c.partial = kvref_pool_shared(pool, (size_t)(T * Hkv * c.nseg * G * (D + 2)) * sizeof(float));
+        if (c.partial == NULL) status = KVREF_ERR_NOMEM;
+    }
+    if (status == KVREF_OK) {
+        kvref_pool_run(pool, attn_task, &c, T * Hkv * c.nseg);
+        if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, T * Hkv);
+    }
+    kvref_pool_unlock(pool);
+    return status;
+}

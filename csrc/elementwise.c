@@ -1,0 +1,132 @@
+/* elementwise.c: RMSNorm, RoPE and SwiGLU.
+ *
+ * Each output element depends only on its own row (RMSNorm, RoPE) or its own index (SwiGLU), so
+ * large calls are split over rows/ranges and every element is computed identically whichever
+ * thread runs it. A decode step's calls are one unit and run on the calling thread.
+ */
+#include <math.h>
+
+#include "internal.h"
+
+#define KVREF_NORM_UNIT_ROWS 16
+#define KVREF_SWIGLU_UNIT 16384
+
+/* ---- RMSNorm ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *x, *weight;   /* [T, E], [E] */
+    double eps;
+    int64_t T, E;
+    float *out;                /* [T, E] */
+} norm_ctx;
+
+static void norm_task(void *vctx, int64_t unit, int thread) {
+    const norm_ctx *c = vctx;
+    (void)thread;
+    const int64_t t0 = unit * KVREF_NORM_UNIT_ROWS;
+    const int64_t t1 = t0 + KVREF_NORM_UNIT_ROWS < c->T ? t0 + KVREF_NORM_UNIT_ROWS : c->T;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *x = c->x + t * c->E;
+        float *o = c->out + t * c->E;
+        double ss = 0.0; /* double: no overflow, and a sum of E squares exact to ~1e-16 relative */
+        for (int64_t i = 0; i < c->E; i++) ss += (double)x[i] * (double)x[i];
+        const double r = 1.0 / sqrt(ss / (double)c->E + c->eps);
+        for (int64_t i = 0; i < c->E; i++) o[i] = (float)((double)x[i] * r) * c->weight[i];
+    }
+}
+
+int kvref_rms_norm(kvref_pool *pool, const float *x, int64_t T, int64_t E, const float *weight,
+                   double eps, float *out) {
+    if (pool == NULL) return KVREF_ERR_NULL;
+    if (T < 0 || E < 0) return KVREF_ERR_DIM;
+    if (!(eps >= 0.0) || isinf(eps)) return KVREF_ERR_VALUE;
+    if (T == 0 || E == 0) return KVREF_OK;
+    if (x == NULL || weight == NULL || out == NULL) return KVREF_ERR_NULL;
+    norm_ctx c = {x, weight, eps, T, E, out};
+    kvref_pool_lock(pool);
+    kvref_pool_run(pool, norm_task, &c, (T + KVREF_NORM_UNIT_ROWS - 1) / KVREF_NORM_UNIT_ROWS);
+    kvref_pool_unlock(pool);
+    return KVREF_OK;
+}
+
+/* ---- RoPE --------------------------------------------------------------------------------- */
+
+typedef struct {
+    kvref_pool *pool;
+    const float *x;            /* [T, nh, D] */
+    const int64_t *positions;  /* [T] */
+    const double *inv_freq;    /* [D/2]: theta ** (-2i / D) */
+    int64_t T, nh, D;
+    float *out;                /* [T, nh, D] */
+} rope_ctx;
+
+static void rope_task(void *vctx, int64_t t, int thread) {
+    const rope_ctx *c = vctx;
+    const int64_t half = c->D / 2;
+    double *cs = kvref_pool_scratch(c->pool, thread); /* [D/2] cos, then [D/2] sin */
+    const double p = (double)c->positions[t];
+    for (int64_t i = 0; i < half; i++) {
+        const double angle = p * c->inv_freq[i];
+        cs[i] = cos(angle);
+        cs[half + i] = sin(angle);
+    }
+    for (int64_t h = 0; h < c->nh; h++) {
+        const float *x = c->x + (t * c->nh + h) * c->D;
+        float *o = c->out + (t * c->nh + h) * c->D;
+        for (int64_t i = 0; i < half; i++) {
+            const double even = x[2 * i], odd = x[2 * i + 1];
+            o[2 * i] = (float)(even * cs[i] - odd * cs[half + i]);
+            o[2 * i + 1] = (float)(even * cs[half + i] + odd * cs[i]);
+        }
+    }
+}
+
+int kvref_rope(kvref_pool *pool, const float *x, int64_t T, int64_t nh, int64_t D,
+               const int64_t *positions, double theta, float *out) {
+    if (pool == NULL) return KVREF_ERR_NULL;
+    if (T < 0 || nh < 0 || D < 0) return KVREF_ERR_DIM;
+    if (D % 2 != 0) return KVREF_ERR_SHAPE;
+    if (!(theta > 0.0) || isinf(theta)) return KVREF_ERR_VALUE;
+    if (T == 0 || nh == 0 || D == 0) return KVREF_OK;
+    if (x == NULL || positions == NULL || out == NULL) return KVREF_ERR_NULL;
+    kvref_pool_lock(pool);
+    int status = kvref_pool_reserve(pool, (size_t)D * sizeof(double));
+    double *inv_freq = status == KVREF_OK ? kvref_pool_shared(pool, (size_t)(D / 2) * sizeof(double)) : NULL;
+    if (status == KVREF_OK && inv_freq == NULL) status = KVREF_ERR_NOMEM;
+    if (status == KVREF_OK) {
+        for (int64_t i = 0; i < D / 2; i++) inv_freq[i] = pow(theta, -(double)(2 * i) / (double)D);
+        rope_ctx c = {pool, x, positions, inv_freq, T, nh, D, out};
+        kvref_pool_run(pool, rope_task, &c, T);
+    }
+    kvref_pool_unlock(pool);
+    return status;
+}
+
+/* ---- SwiGLU ------------------------------------------------------------------------------- */
+
+typedef struct {
+    const kvref_kernels *kk;
+    const float *gate, *up;    /* [n] */
+    int64_t n;
+    float *out;                /* [n] */
+} swiglu_ctx;
+
+static void swiglu_task(void *vctx, int64_t unit, int thread) {
+    const swiglu_ctx *c = vctx;
+    (void)thread;
+    const int64_t i0 = unit * KVREF_SWIGLU_UNIT;
+    const int64_t n = i0 + KVREF_SWIGLU_UNIT < c->n ? KVREF_SWIGLU_UNIT : c->n - i0;
+    c->kk->swiglu(n, c->gate + i0, c->up + i0, c->out + i0);
+}
+
+int kvref_swiglu(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
+    if (pool == NULL) return KVREF_ERR_NULL;
+    if (n < 0) return KVREF_ERR_DIM;
+    if (n == 0) return KVREF_OK;
+    if (gate == NULL || up == NULL || out == NULL) return KVREF_ERR_NULL;
+    kvref_pool_lock(pool);
+    swiglu_ctx c = {kvref_pool_kernels(pool), gate, up, n, out};
+    kvref_pool_run(pool, swiglu_task, &c, (n + KVREF_SWIGLU_UNIT - 1) / KVREF_SWIGLU_UNIT);
+    kvref_pool_unlock(pool);
+    return KVREF_OK;
+}

@@ -1,0 +1,143 @@
+/* internal.h: what the C files share with each other and never with Python.
+ *
+ * The public API is kvref.h. This header holds the block layouts of the weight formats, the
+ * half-precision conversions, the per-instruction-set kernel table and the pool's work-splitting
+ * entry point.
+ */
+#ifndef KVREF_INTERNAL_H
+#define KVREF_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kvref.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVREF_X86 1
+#else
+#define KVREF_X86 0
+#endif
+
+/* ---- block layouts (GGML, as stored in GGUF files) ------------------------------------------ */
+
+#define QK4_0 32
+#define QK4_1 32
+#define QK8_0 32
+#define QK_K 256
+
+#define BYTES_Q4_0 18   /* f16 d; u8 qs[16]: value j = d * ((qs[j % 16] >> 4*(j / 16)) & 15) - 8) */
+#define BYTES_Q4_1 20   /* f16 d, m; u8 qs[16]: value j = d * nibble(j) + m */
+#define BYTES_Q8_0 34   /* f16 d; i8 qs[32]: value j = d * qs[j] */
+#define BYTES_Q4_K 144  /* f16 d, dmin; u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min); u8 qs[128] */
+#define BYTES_Q6_K 210  /* u8 ql[128], qh[64]; i8 scales[16]; f16 d */
+
+#define KVREF_TYPE_SLOTS 31 /* type ids are < 31 */
+
+/* ---- half precision ------------------------------------------------------------------------- */
+
+static inline float kvref_fp32_from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t kvref_bits_from_fp32(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+/* IEEE binary16 -> binary32, exact for every input (subnormals, infinities, NaN payloads). */
+static inline float kvref_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1fu) return kvref_fp32_from_bits(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {
+        if (mant == 0) return kvref_fp32_from_bits(sign);
+        /* subnormal: mant * 2**-24, exact in binary32 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return kvref_fp32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+static inline float kvref_bf16_to_fp32(uint16_t h) { return kvref_fp32_from_bits((uint32_t)h << 16); }
+
+static inline uint16_t kvref_load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float kvref_load_fp16(const uint8_t *p) { return kvref_fp16_to_fp32(kvref_load_u16(p)); }
+
+/* The 6-bit scale and min of sub-block j (0..7) of a Q4_K super-block (llama.cpp get_scale_min_k4). */
+static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = scales[j] & 63;
+        *m = scales[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4));
+        *m = (uint8_t)((scales[j + 4] >> 4) | ((scales[j] >> 6) << 4));
+    }
+}
+
+/* ---- kernel table: one per instruction set -------------------------------------------------- */
+
+/* dot of one weight row (K values in `type` blocks) with x [K] */
+typedef float (*kvref_vec_dot_fn)(int64_t K, const uint8_t *w_row, const float *x);
+/* one weight row (K values) -> float32 [K], each value rounded exactly as the NumPy dequantizer does */
+typedef void (*kvref_dequant_fn)(int64_t K, const uint8_t *w_row, float *out);
+/* y[t * ldy + n] = dot(x[t, :], w[n, :]) for t < T, n < nw; x [T, K], w [nw, K] float32 */
+typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
+                              float *y, int64_t ldy);
+
+/* One unit of attention: query t against keys [s0, s1) for the G query heads of kv head hk.
+ * Writes, for each head g of the group, the running max m[g], the sum of exponentials l[g] and
+ * the unnormalised output acc[g * D .. +D] (all relative to m[g]; m = -inf and l = 0 when no key
+ * of the range is visible). */
+typedef struct kvref_attn_args {
+    const float *q;            /* [T, H, D] */
+    const void *k, *v;         /* [S, Hkv, D] of kv_type */
+    int32_t kv_type;
+    const int64_t *q_positions, *k_positions; /* [T], [S] */
+    int64_t T, H, D, S, Hkv, G;
+    float scale;               /* 1 / sqrt(D) */
+} kvref_attn_args;
+
+typedef void (*kvref_attn_unit_fn)(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0,
+                                   int64_t s1, float *m, float *l, float *acc, float *scratch);
+
+/* Floats of per-thread scratch an attention unit needs. */
+#define KVREF_ATTN_CHUNK 64
+static inline int64_t kvref_attn_scratch_floats(int64_t G, int64_t D) {
+    return G * (KVREF_ATTN_CHUNK + D) + 64;
+}
+
+typedef struct kvref_kernels {
+    int32_t isa;
+    kvref_vec_dot_fn vec_dot[KVREF_TYPE_SLOTS];
+    kvref_dequant_fn dequant[KVREF_TYPE_SLOTS];
+    kvref_gemm_fn gemm_f32;
+    kvref_attn_unit_fn attn_unit;
+    /* out[i] = silu(gate[i]) * up[i] */
+    void (*swiglu)(int64_t n, const float *gate, const float *up, float *out);
+} kvref_kernels;
+
+extern const kvref_kernels kvref_kernels_scalar;
+#if KVREF_X86
+extern const kvref_kernels kvref_kernels_avx2;
+extern const kvref_kernels kvref_kernels_avx512;
+#endif
+
+/* scalar reference pieces the SIMD tables reuse for types they do not specialise */
+void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out);
+float kvref_silu_ref(float g);
+
+/* ---- pool internals ------------------------------------------------------------------------- */
+
+/* Runs fn(ctx, unit, thread) for every unit in [0, n_units) on the pool's threads (the caller's
+ * thread is thread 0). Units are claimed dynamically, so fn must make each unit's result
+ * independent of which thread runs it. Returns when every unit is done. */
+typedef void (*kvref_task_fn)(void *ctx, int64_t unit, int thread);
+void kvref_pool_run(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t n_units);
+
+/* Makes every thread's scratch at least nbytes (64-byte aligned); KVREF_OK or KVREF_ERR_NOMEM. */
+int kvref_pool_reserve(kvref_pool *pool, size_t nbytes);
+void *kvref_pool_scratch(kvref_pool *pool, int thread);
+/* A buffer shared by all threads of one call, at least nbytes; NULL if it cannot be allocated. */
+void *kvref_pool_shared(kvref_pool *pool, size_t nbytes);
+const kvref_kernels *kvref_pool_kernels(const kvref_pool *pool);
+/* Serialise kernel calls on one pool (scratch and the task slot belong to one call at a time). */
+void kvref_pool_lock(kvref_pool *pool);
+void kvref_pool_unlock(kvref_pool *pool);
+
+#endif /* KVREF_INTERNAL_H */

@@ -1,0 +1,392 @@
+/* kernels_avx2.c: the KVREF_ISA_AVX2 kernel table (AVX2 + FMA + F16C, 8 float lanes).
+ *
+ * Same algorithms and the same per-value rounding as kernels_avx512.c; tails shorter than a
+ * vector run the plain scalar loop. Quantized values are converted lane by lane
+ * (integer -> float, then the block's fma/mul), which rounds them exactly as the NumPy
+ * dequantizer does.
+ */
+#include "internal.h"
+
+#if KVREF_X86
+
+#include <immintrin.h>
+#include <math.h>
+
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+
+TARGET static inline float fp16_load(const uint8_t *p) { return _cvtsh_ss(kvref_load_u16(p)); }
+
+TARGET static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET static inline float load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+
+/* 8 bytes -> 8 int32 lanes */
+TARGET static inline __m256i bytes8_u(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+TARGET static inline __m256i bytes8_s(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* ---- float rows ---------------------------------------------------------------------------- */
+
+TARGET static float vec_dot_f32(int64_t K, const uint8_t *w, const float *x) {
+    const float *wf = (const float *)(const void *)w;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= K; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i), _mm256_loadu_ps(x + i), a0);
+    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < K; i++) acc += load_f32(w + 4 * i) * x[i];
+    return acc;
+}
+
+TARGET static float vec_dot_f16(int64_t K, const uint8_t *w, const float *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i + 16))), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    float acc = hsum8(_mm256_add_ps(a0, a1));
+    for (; i < K; i++) acc += fp16_load(w + 2 * i) * x[i];
+    return acc;
+}
+
+TARGET static inline __m256 bf16x8(const uint8_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+TARGET static float vec_dot_bf16(int64_t K, const uint8_t *w, const float *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) {
+        a0 = _mm256_fmadd_ps(bf16x8(w + 2 * i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(bf16x8(w + 2 * i + 16), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    float acc = hsum8(_mm256_add_ps(a0, a1));
+    for (; i < K; i++) acc += kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i)) * x[i];
+    return acc;
+}
+
+/* ---- 32-value blocks: two 8-byte halves of qs, low and high nibbles ------------------------ */
+
+TARGET static float vec_dot_q4_0(int64_t K, const uint8_t *w, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x += QK4_0) {
+        const __m256 d = _mm256_set1_ps(fp16_load(w));
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = bytes8_u(w + 2 + 8 * h);
+            const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, low4), eight)), d);
+            const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight)), d);
+            a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + 8 * h), a0);
+            a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 16 + 8 * h), a1);
+        }
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x += QK4_1) {
+        const __m256 d = _mm256_set1_ps(fp16_load(w)), m = _mm256_set1_ps(fp16_load(w + 2));
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = bytes8_u(w + 4 + 8 * h);
+            const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low4)), d, m);
+            const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, m);
+            a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + 8 * h), a0);
+            a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 16 + 8 * h), a1);
+        }
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
+        const __m256 d = _mm256_set1_ps(fp16_load(w));
+        for (int h = 0; h < 4; h += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 2 + 8 * h)), d), _mm256_loadu_ps(x + 8 * h), a0);
+            a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 10 + 8 * h)), d), _mm256_loadu_ps(x + 8 * h + 8), a1);
+        }
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
+        const float d = fp16_load(w), dmin = fp16_load(w + 2);
+        const uint8_t *scales = w + 4, *qs = w + 16;
+        for (int c = 0; c < 4; c++) {
+            uint8_t sc0, m0, sc1, m1;
+            kvref_q4k_scale_min(2 * c, scales, &sc0, &m0);
+            kvref_q4k_scale_min(2 * c + 1, scales, &sc1, &m1);
+            const __m256 d0 = _mm256_set1_ps(d * (float)sc0), n0 = _mm256_set1_ps(-(dmin * (float)m0));
+            const __m256 d1 = _mm256_set1_ps(d * (float)sc1), n1 = _mm256_set1_ps(-(dmin * (float)m1));
+            for (int g = 0; g < 4; g++) {
+                const __m256i q = bytes8_u(qs + 32 * c + 8 * g);
+                const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low4)), d0, n0);
+                const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, n1);
+                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + 64 * c + 8 * g), a0);
+                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 64 * c + 32 + 8 * g), a1);
+            }
+        }
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
+        const int8_t *scales = (const int8_t *)(w + 192);
+        const float d = fp16_load(w + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+            for (int l0 = 0; l0 < 32; l0 += 8) {
+                const __m256i la = bytes8_u(ql + l0), lb = bytes8_u(ql + 32 + l0), h = bytes8_u(qh + l0);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_slli_epi32(_mm256_and_si256(h, two), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), two), 4));
+                q[2] = _mm256_or_si256(_mm256_srli_epi32(la, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), two), 4));
+                q[3] = _mm256_or_si256(_mm256_srli_epi32(lb, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 6), two), 4));
+                for (int r = 0; r < 4; r++) {
+                    const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16];
+                    const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[r], off)), _mm256_set1_ps(ds));
+                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
+                }
+            }
+        }
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+/* ---- tiles: the scalar dequantizers (already exact); the GEMM is where the time goes ------- */
+
+TARGET static void dequant_f16(int64_t K, const uint8_t *w, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= K; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))));
+    for (; i < K; i++) out[i] = fp16_load(w + 2 * i);
+}
+
+#define GENERIC_DEQUANT(name, type) \
+    TARGET static void name(int64_t K, const uint8_t *w, float *out) { kvref_dequant_row(type, K, w, out); }
+GENERIC_DEQUANT(dequant_f32, KVREF_TYPE_F32)
+GENERIC_DEQUANT(dequant_bf16, KVREF_TYPE_BF16)
+GENERIC_DEQUANT(dequant_q4_0, KVREF_TYPE_Q4_0)
+GENERIC_DEQUANT(dequant_q4_1, KVREF_TYPE_Q4_1)
+GENERIC_DEQUANT(dequant_q8_0, KVREF_TYPE_Q8_0)
+GENERIC_DEQUANT(dequant_q4_k, KVREF_TYPE_Q4_K)
+GENERIC_DEQUANT(dequant_q6_k, KVREF_TYPE_Q6_K)
+
+/* ---- float32 GEMM, dot form; 4 x 3 blocks and single dots do identical work per output ---- */
+
+TARGET static float dot1(int64_t K, const float *a, const float *b) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    float s = hsum8(acc);
+    for (; k < K; k++) s += a[k] * b[k];
+    return s;
+}
+
+TARGET static void gemm_4x3(int64_t K, const float *x, const float *w, float *y, int64_t ldy) {
+    __m256 acc[4][3];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k), w2 = _mm256_loadu_ps(w + 2 * K + k);
+        for (int i = 0; i < 4; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) {
+            float s = hsum8(acc[i][j]);
+            for (int64_t kk = k; kk < K; kk++) s += x[i * K + kk] * w[j * K + kk];
+            y[i * ldy + j] = s;
+        }
+}
+
+TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y, int64_t ldy) {
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) {
+        int64_t n = 0;
+        for (; n + 3 <= nw; n += 3) gemm_4x3(K, x + t * K, w + n * K, y + t * ldy + n, ldy);
+        for (; n < nw; n++)
+            for (int64_t i = 0; i < 4; i++) y[(t + i) * ldy + n] = dot1(K, x + (t + i) * K, w + n * K);
+    }
+    for (; t < T; t++)
+        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
+}
+
+/* ---- exp (Cephes expf, as in kernels_avx512.c) ----------------------------------------------- */
+
+TARGET static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) out[i] = kvref_silu_ref(gate[i]) * up[i];
+}
+
+/* ---- attention unit (same algorithm as attn_unit_scalar in scalar.c) --------------------- */
+
+TARGET static inline __m256 load_kv8(const void *base, int32_t type, int64_t i) {
+    if (type == KVREF_TYPE_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+TARGET static inline float load_kv1(const void *base, int32_t type, int64_t i) {
+    if (type == KVREF_TYPE_F16) return fp16_load((const uint8_t *)base + 2 * i);
+    return ((const float *)base)[i];
+}
+
+TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
+                             float *m, float *l, float *acc, float *scratch) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+    const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
+    const int64_t qpos = a->q_positions[t];
+    const int64_t Dv = D / 8 * 8;
+    float *p = scratch; /* [G, C] */
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+
+    for (int64_t c0 = s0; c0 < s1; c0 += C) {
+        const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
+        const int64_t *kp = a->k_positions + c0;
+        int64_t nvis = 0;
+        for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
+        if (nvis == 0) continue;
+        const int all = nvis == n;
+
+        for (int64_t s = 0; s < n; s++) {
+            if (!all && kp[s] > qpos) {
+                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
+                continue;
+            }
+            const int64_t kb = ((c0 + s) * a->Hkv + hk) * D;
+            for (int64_t g = 0; g < G; g++) {
+                __m256 d = _mm256_setzero_ps();
+                int64_t i = 0;
+                for (; i < Dv; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(a->k, a->kv_type, kb + i), d);
+                float dot = hsum8(d);
+                for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, a->kv_type, kb + i);
+                p[g * C + s] = dot * a->scale;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *pg = p + g * C;
+            const int64_t nv = n / 8 * 8;
+            __m256 vmax = _mm256_set1_ps(-INFINITY);
+            int64_t s = 0;
+            for (; s < nv; s += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + s));
+            float cmax = hmax8(vmax);
+            for (; s < n; s++) cmax = pg[s] > cmax ? pg[s] : cmax;
+            const float mnew = cmax > m[g] ? cmax : m[g];
+            const float alpha = expf(m[g] - mnew);
+            const __m256 vm = _mm256_set1_ps(mnew);
+            __m256 vsum = _mm256_setzero_ps();
+            for (s = 0; s < nv; s += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + s), vm));
+                _mm256_storeu_ps(pg + s, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            float sum = hsum8(vsum);
+            for (; s < n; s++) {
+                pg[s] = expf(pg[s] - mnew);
+                sum += pg[s];
+            }
+            l[g] = l[g] * alpha + sum;
+            if (alpha != 1.0f)
+                for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
+            m[g] = mnew;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float *pg = p + g * C;
+            float *ag = acc + g * D;
+            int64_t i = 0;
+            for (; i < Dv; i += 8) {
+                __m256 av = _mm256_loadu_ps(ag + i);
+                for (int64_t s = 0; s < n; s++) {
+                    if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
+                    av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, a->kv_type, ((c0 + s) * a->Hkv + hk) * D + i), av);
+                }
+                _mm256_storeu_ps(ag + i, av);
+            }
+            for (; i < D; i++) {
+                float av = ag[i];
+                for (int64_t s = 0; s < n; s++) {
+                    if (!all && kp[s] > qpos) continue;
+                    av += pg[s] * load_kv1(a->v, a->kv_type, ((c0 + s) * a->Hkv + hk) * D + i);
+                }
+                ag[i] = av;
+            }
+        }
+    }
+}
+
+const kvref_kernels kvref_kernels_avx2 = {
+    .isa = KVREF_ISA_AVX2,
+    .vec_dot = {
+        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
+        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+    },
+    .dequant = {
+        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
+        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+    },
+    .gemm_f32 = gemm_f32,
+    .attn_unit = attn_unit,
+    .swiglu = swiglu,
+};
+
+#endif /* KVREF_X86 */

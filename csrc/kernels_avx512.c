@@ -1,0 +1,420 @@
+/* kernels_avx512.c: the KVREF_ISA_AVX512 kernel table (AVX-512 F/BW/VL/DQ + FMA + F16C).
+ *
+ * Compiled for baseline x86-64: every function carries a target attribute, and pool.c selects
+ * this table only after CPUID and XGETBV confirm the CPU and OS support it. On other
+ * architectures the file is empty.
+ *
+ * Float weights (F32/F16/BF16) take any K, with a masked final vector as the tail. Quantized
+ * weights are decoded in registers, never to memory: a 4-bit block's 16 possible values are
+ * computed once per block (value = fma(q, d, m), one rounding, as the NumPy dequantizer rounds)
+ * and each nibble selects its value with a permute, so every weight value is bit-identical to
+ * the spec's dequantized weight and only the summation order differs.
+ */
+#include "internal.h"
+
+#if KVREF_X86
+
+#include <immintrin.h>
+#include <math.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+TARGET static inline float fp16_load(const uint8_t *p) { return _cvtsh_ss(kvref_load_u16(p)); }
+
+TARGET static inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+
+TARGET static inline __m512 iota16(void) {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* ---- float rows ---------------------------------------------------------------------------- */
+
+TARGET static float vec_dot_f32(int64_t K, const uint8_t *w, const float *x) {
+    const float *wf = (const float *)(const void *)w; /* loadu: any alignment */
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= K; i += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    }
+    for (; i + 16 <= K; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i), _mm512_loadu_ps(x + i), a0);
+    if (i < K) {
+        const __mmask16 mk = tail_mask(K - i);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, wf + i), _mm512_maskz_loadu_ps(mk, x + i), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+TARGET static float vec_dot_f16(int64_t K, const uint8_t *w, const float *x) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i))), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i + 32))), _mm512_loadu_ps(x + i + 16), a1);
+    }
+    for (; i < K; i += 16) {
+        const __mmask16 mk = K - i >= 16 ? (__mmask16)0xffff : tail_mask(K - i);
+        a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, w + 2 * i)), _mm512_maskz_loadu_ps(mk, x + i), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+TARGET static inline __m512 bf16_to_ps(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+TARGET static float vec_dot_bf16(int64_t K, const uint8_t *w, const float *x) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm512_fmadd_ps(bf16_to_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i))), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(bf16_to_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i + 32))), _mm512_loadu_ps(x + i + 16), a1);
+    }
+    for (; i < K; i += 16) {
+        const __mmask16 mk = K - i >= 16 ? (__mmask16)0xffff : tail_mask(K - i);
+        a0 = _mm512_fmadd_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(mk, w + 2 * i)), _mm512_maskz_loadu_ps(mk, x + i), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+/* ---- 32-value blocks --------------------------------------------------------------------- */
+
+/* nibble bytes qs[16] -> int32 lanes; the permute reads bits 3:0 (low nibble), >> 4 gives the high */
+TARGET static inline __m512i load_nibble_bytes(const uint8_t *qs) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+}
+
+TARGET static float vec_dot_q4_0(int64_t K, const uint8_t *w, const float *x) {
+    const __m512 centred = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x += QK4_0) {
+        const __m512 table = _mm512_mul_ps(centred, _mm512_set1_ps(fp16_load(w))); /* d * (q - 8), exact */
+        const __m512i q = load_nibble_bytes(w + 2);
+        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), _mm512_loadu_ps(x), a0);
+        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), _mm512_loadu_ps(x + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
+    const __m512 iota = iota16();
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x += QK4_1) {
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16_load(w)), _mm512_set1_ps(fp16_load(w + 2)));
+        const __m512i q = load_nibble_bytes(w + 4);
+        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), _mm512_loadu_ps(x), a0);
+        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), _mm512_loadu_ps(x + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
+        const __m512 d = _mm512_set1_ps(fp16_load(w));
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2))));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 18))));
+        a0 = _mm512_fmadd_ps(_mm512_mul_ps(q0, d), _mm512_loadu_ps(x), a0); /* d * q exact */
+        a1 = _mm512_fmadd_ps(_mm512_mul_ps(q1, d), _mm512_loadu_ps(x + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+/* ---- 256-value super-blocks ------------------------------------------------------------------ */
+
+TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
+    const __m512 iota = iota16();
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
+        const float d = fp16_load(w), dmin = fp16_load(w + 2);
+        const uint8_t *scales = w + 4, *qs = w + 16;
+        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high */
+            uint8_t sc0, m0, sc1, m1;
+            kvref_q4k_scale_min(2 * c, scales, &sc0, &m0);
+            kvref_q4k_scale_min(2 * c + 1, scales, &sc1, &m1);
+            const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc0), _mm512_set1_ps(-(dmin * (float)m0)));
+            const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc1), _mm512_set1_ps(-(dmin * (float)m1)));
+            const __m512i q0 = load_nibble_bytes(qs + 32 * c), q1 = load_nibble_bytes(qs + 32 * c + 16);
+            const float *xc = x + 64 * c;
+            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xc), a0);
+            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q1, t0), _mm512_loadu_ps(xc + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t1), _mm512_loadu_ps(xc + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1), _mm512_loadu_ps(xc + 48), a3);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
+    const __m512i low4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
+        const int8_t *scales = (const int8_t *)(w + 192);
+        const float d = fp16_load(w + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+            for (int l0 = 0; l0 < 32; l0 += 16) {
+                const __m512i la = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l0)));
+                const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 + l0)));
+                const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l0)));
+                __m512i q[4];
+                q[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
+                q[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
+                q[2] = _mm512_or_si512(_mm512_srli_epi32(la, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), two), 4));
+                q[3] = _mm512_or_si512(_mm512_srli_epi32(lb, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), two), 4));
+                for (int r = 0; r < 4; r++) {
+                    const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16]; /* exact */
+                    const __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[r], off)), _mm512_set1_ps(ds));
+                    acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
+                }
+            }
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* ---- dequantize a row to memory (GEMM tiles); same values as the dot kernels use ----------- */
+
+TARGET static void dequant_q4_1(int64_t K, const uint8_t *w, float *out) {
+    const __m512 iota = iota16();
+    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, out += QK4_1) {
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16_load(w)), _mm512_set1_ps(fp16_load(w + 2)));
+        const __m512i q = load_nibble_bytes(w + 4);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, table));
+        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
+    }
+}
+
+TARGET static void dequant_q4_0(int64_t K, const uint8_t *w, float *out) {
+    const __m512 centred = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));
+    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, out += QK4_0) {
+        const __m512 table = _mm512_mul_ps(centred, _mm512_set1_ps(fp16_load(w)));
+        const __m512i q = load_nibble_bytes(w + 2);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, table));
+        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
+    }
+}
+
+TARGET static void dequant_q8_0(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, out += QK8_0) {
+        const __m512 d = _mm512_set1_ps(fp16_load(w));
+        _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2)))), d));
+        _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 18)))), d));
+    }
+}
+
+TARGET static void dequant_f16(int64_t K, const uint8_t *w, float *out) {
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i))));
+    for (; i < K; i++) out[i] = fp16_load(w + 2 * i);
+}
+
+TARGET static void dequant_bf16(int64_t K, const uint8_t *w, float *out) {
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) _mm512_storeu_ps(out + i, bf16_to_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i))));
+    for (; i < K; i++) out[i] = kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i));
+}
+
+TARGET static void dequant_generic(int32_t type, int64_t K, const uint8_t *w, float *out) { kvref_dequant_row(type, K, w, out); }
+TARGET static void dequant_f32(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_F32, K, w, out); }
+TARGET static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_Q4_K, K, w, out); }
+TARGET static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_Q6_K, K, w, out); }
+
+/* ---- float32 GEMM on a dequantized tile (dot form: both operands are rows along K) --------- */
+
+/* One accumulator per output, 16 lanes, a masked last step, then a fixed reduction: the 4 x 4
+ * block and the single dot below perform identical operations for each output element, so the
+ * result for y[t, n] does not depend on where the blocking put it. */
+TARGET static float dot1(int64_t K, const float *a, const float *b) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+    if (k < K) {
+        const __mmask16 mk = tail_mask(K - k);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + k), _mm512_maskz_loadu_ps(mk, b + k), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+TARGET static void gemm_4x4(int64_t K, const float *x, const float *w, float *y, int64_t ldy) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        for (int i = 0; i < 4; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 mk = tail_mask(K - k);
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * K + k);
+        for (int i = 0; i < 4; i++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mk, x + i * K + k);
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y, int64_t ldy) {
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) {
+        int64_t n = 0;
+        for (; n + 4 <= nw; n += 4) gemm_4x4(K, x + t * K, w + n * K, y + t * ldy + n, ldy);
+        for (; n < nw; n++)
+            for (int64_t i = 0; i < 4; i++) y[(t + i) * ldy + n] = dot1(K, x + (t + i) * K, w + n * K);
+    }
+    for (; t < T; t++)
+        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
+}
+
+/* ---- exp, for softmax and SiLU ---------------------------------------------------------------- */
+
+/* Cephes expf: exp(x) = 2**n * e**r, |r| <= ln2/2, degree-7 polynomial; within 2 ulp of expf on
+ * [-87, 88]; exp(-inf) and anything below -88.37 give 0, above 88.37 give +inf; NaN stays NaN. */
+TARGET static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x));
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+        const __m512 g = _mm512_maskz_loadu_ps(mk, gate + i);
+        const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(mk, up + i)));
+    }
+}
+
+/* ---- attention unit (same algorithm as attn_unit_scalar in scalar.c) --------------------- */
+
+TARGET static inline __m512 load_kv(const void *base, int32_t type, int64_t i, __mmask16 mk) {
+    if (type == KVREF_TYPE_F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + i));
+    return _mm512_maskz_loadu_ps(mk, (const float *)base + i);
+}
+
+TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
+                             float *m, float *l, float *acc, float *scratch) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+    const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
+    const int64_t qpos = a->q_positions[t];
+    const int64_t nvec = (D + 15) / 16;
+    const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
+    float *p = scratch; /* [G, C] */
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+
+    for (int64_t c0 = s0; c0 < s1; c0 += C) {
+        const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
+        const int64_t *kp = a->k_positions + c0;
+        int64_t nvis = 0;
+        for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
+        if (nvis == 0) continue;
+        const int all = nvis == n;
+
+        /* scores: one K row serves every head of the group */
+        for (int64_t s = 0; s < n; s++) {
+            if (!all && kp[s] > qpos) {
+                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
+                continue;
+            }
+            const int64_t kb = ((c0 + s) * a->Hkv + hk) * D;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 d = _mm512_setzero_ps();
+                for (int64_t j = 0; j < nvec; j++) {
+                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j), load_kv(a->k, a->kv_type, kb + 16 * j, mk), d);
+                }
+                p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
+            }
+        }
+        /* online softmax: move the running max once per chunk */
+        for (int64_t g = 0; g < G; g++) {
+            float *pg = p + g * C;
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            for (int64_t s = 0; s < n; s += 16) {
+                const __mmask16 mk = n - s >= 16 ? (__mmask16)0xffff : tail_mask(n - s);
+                vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, pg + s));
+            }
+            const float cmax = _mm512_reduce_max_ps(vmax);
+            const float mnew = cmax > m[g] ? cmax : m[g];
+            const float alpha = expf(m[g] - mnew);
+            const __m512 vm = _mm512_set1_ps(mnew);
+            __m512 vsum = _mm512_setzero_ps();
+            for (int64_t s = 0; s < n; s += 16) {
+                const __mmask16 mk = n - s >= 16 ? (__mmask16)0xffff : tail_mask(n - s);
+                const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pg + s), vm)));
+                _mm512_mask_storeu_ps(pg + s, mk, e);
+                vsum = _mm512_add_ps(vsum, e);
+            }
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(vsum);
+            if (alpha != 1.0f) {
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int64_t j = 0; j < nvec; j++) {
+                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                    _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, _mm512_mul_ps(va, _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j)));
+                }
+            }
+            m[g] = mnew;
+        }
+        /* acc += p * V, one 16-wide slice of every head at a time */
+        for (int64_t g = 0; g < G; g++) {
+            const float *pg = p + g * C;
+            for (int64_t j = 0; j < nvec; j++) {
+                const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
+                for (int64_t s = 0; s < n; s++) {
+                    if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
+                    const int64_t vb = ((c0 + s) * a->Hkv + hk) * D + 16 * j;
+                    av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv(a->v, a->kv_type, vb, mk), av);
+                }
+                _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
+            }
+        }
+    }
+}
+
+const kvref_kernels kvref_kernels_avx512 = {
+    .isa = KVREF_ISA_AVX512,
+    .vec_dot = {
+        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
+        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+    },
+    .dequant = {
+        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
+        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+    },
+    .gemm_f32 = gemm_f32,
+    .attn_unit = attn_unit,
+    .swiglu = swiglu,
+};
+
+#endif /* KVREF_X86 */

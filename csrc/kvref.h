@@ -1,0 +1,154 @@
+/* kvref.h: the whole C API of kvref's native kernels.
+ *
+ * This file is also the cffi cdef: kvref/native/build.py feeds it to ffibuilder.cdef() with every
+ * preprocessor line removed, so everything between the include guard must stay plain C
+ * declarations (enums, typedefs, prototypes) that cffi's parser accepts.
+ *
+ * Shape legend (as in kvref/spec/ops.py):
+ *   T new positions    S positions attended to (cached + new)    H query heads    Hkv kv heads
+ *   D head_dim         E d_model (or any row width)              N output rows    K input columns
+ *
+ * Conventions, for every function:
+ *   - the caller allocates every output; nothing here allocates memory the caller must free,
+ *     except the pool, which kvref_pool_destroy() releases;
+ *   - dimensions are int64_t and row-major (C order), with the shape written beside each pointer;
+ *   - the return value is a kvref_status; on any status but KVREF_OK the outputs are unspecified
+ *     but no memory outside them was written. Nothing calls exit() or abort();
+ *   - matrices are in file layout: a weight is [N, K] (out x in), so y = x @ W.T;
+ *   - a call with a zero dimension does nothing and returns KVREF_OK.
+ *
+ * Results are deterministic for a given pool (thread count and instruction set), and identical
+ * across thread counts: work is split over output rows (matmul) or over (query, kv head, key
+ * segment) units whose boundaries depend only on the shapes, so every output element is computed
+ * by the same sequence of floating-point operations whichever thread runs it.
+ */
+#ifndef KVREF_H
+#define KVREF_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum kvref_status {
+    KVREF_OK = 0,
+    KVREF_ERR_NULL = 1,        /* a required pointer is NULL */
+    KVREF_ERR_DIM = 2,         /* a dimension is negative or out of range */
+    KVREF_ERR_SHAPE = 3,       /* dimensions disagree with each other or with a block size */
+    KVREF_ERR_TYPE = 4,        /* a tensor type the kernel does not implement */
+    KVREF_ERR_SIZE = 5,        /* a byte count does not match the dimensions and type */
+    KVREF_ERR_NOMEM = 6,       /* scratch memory could not be allocated */
+    KVREF_ERR_THREAD = 7,      /* a worker thread could not be started */
+    KVREF_ERR_ISA = 8,         /* the requested instruction set is not available on this CPU/build */
+    KVREF_ERR_VALUE = 9        /* a scalar argument is out of range (a position < 0, eps < 0, ...) */
+};
+
+/* Instruction sets a pool can run its kernels with; chosen at run time from CPU detection. */
+enum kvref_isa {
+    KVREF_ISA_AUTO = -1,       /* the best this CPU supports */
+    KVREF_ISA_SCALAR = 0,      /* portable C (the reference loops) */
+    KVREF_ISA_AVX2 = 1,        /* x86-64 AVX2 + FMA + F16C */
+    KVREF_ISA_AVX512 = 2       /* x86-64 AVX-512 F/BW/VL/DQ (+ AVX2 + FMA + F16C) */
+};
+
+/* Tensor types, numbered as GGML/GGUF number them (kvref.formats.ggml.GGMLType). */
+enum kvref_type {
+    KVREF_TYPE_F32 = 0,
+    KVREF_TYPE_F16 = 1,
+    KVREF_TYPE_Q4_0 = 2,
+    KVREF_TYPE_Q4_1 = 3,
+    KVREF_TYPE_Q8_0 = 8,
+    KVREF_TYPE_Q4_K = 12,
+    KVREF_TYPE_Q6_K = 14,
+    KVREF_TYPE_BF16 = 30
+};
+
+/* A persistent pool of worker threads plus the instruction set its kernels use. The calling
+ * thread is one of the n_threads; n_threads - 1 workers are started. Kernel calls on one pool
+ * are serialised by the pool (one call runs at a time); separate pools are independent. */
+typedef struct kvref_pool kvref_pool;
+
+/* n_threads in [1, 1024]; isa one of kvref_isa. On success *out owns the pool. */
+int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out);
+/* Stops and joins the workers, frees the pool. NULL is allowed. */
+void kvref_pool_destroy(kvref_pool *pool);
+int64_t kvref_pool_threads(const kvref_pool *pool);
+int32_t kvref_pool_isa(const kvref_pool *pool);
+
+/* 1 if this CPU and this build can run `isa` (KVREF_ISA_AUTO: always 1), else 0. */
+int32_t kvref_isa_supported(int32_t isa);
+/* The instruction set KVREF_ISA_AUTO resolves to on this CPU. */
+int32_t kvref_isa_best(void);
+/* Bytes of one row of k values of `type`; -1 if the type is not implemented or k is not a whole
+ * number of blocks. */
+int64_t kvref_row_nbytes(int32_t type, int64_t k);
+/* Values per block of `type` (1 for F32/F16/BF16); -1 if not implemented. */
+int64_t kvref_block_values(int32_t type);
+/* A static, human-readable description of a status code. */
+const char *kvref_status_string(int32_t status);
+
+/* y = x @ W.T, W stored in `w_type` blocks, rows contiguous, read in place.
+ *   x:  float32 [T, K]
+ *   w:  bytes   [N, kvref_row_nbytes(w_type, K)], w_nbytes in total
+ *   y:  float32 [T, N] (must not overlap x or w)
+ * K must be a whole number of blocks of w_type. */
+int kvref_matmul(kvref_pool *pool,
+                 const float *x, int64_t T, int64_t K,
+                 const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
+                 float *y);
+
+/* out[t] = row ids[t] of the table, dequantized to float32.
+ *   table: bytes   [V, kvref_row_nbytes(type, E)], table_nbytes in total
+ *   ids:   int64   [T], each in [0, V)
+ *   out:   float32 [T, E] */
+int kvref_embed(kvref_pool *pool,
+                const void *table, int32_t type, int64_t table_nbytes, int64_t V, int64_t E,
+                const int64_t *ids, int64_t T,
+                float *out);
+
+/* out = x / sqrt(mean(x**2) + eps) * weight, row by row (the mean square accumulated in double).
+ *   x:      float32 [T, E]
+ *   weight: float32 [E]
+ *   out:    float32 [T, E] (may be x itself) */
+int kvref_rms_norm(kvref_pool *pool,
+                   const float *x, int64_t T, int64_t E,
+                   const float *weight, double eps,
+                   float *out);
+
+/* Rotary embedding on adjacent pairs: (x[2i], x[2i+1]) of each head at position p turns by
+ * p * theta**(-2i/D), computed in double and rounded once.
+ *   x:         float32 [T, nh, D], D even
+ *   positions: int64   [T], each >= 0
+ *   out:       float32 [T, nh, D] (may be x itself) */
+int kvref_rope(kvref_pool *pool,
+               const float *x, int64_t T, int64_t nh, int64_t D,
+               const int64_t *positions, double theta,
+               float *out);
+
+/* out = silu(gate) * up, silu(g) = g * sigmoid(g).
+ *   gate, up, out: float32 [n] (out may be gate or up) */
+int kvref_swiglu(kvref_pool *pool,
+                 const float *gate, const float *up, int64_t n,
+                 float *out);
+
+/* Causal grouped-query attention by position with a single-pass (online) softmax.
+ * Query t, head h attends to every key s with k_positions[s] <= q_positions[t], through kv head
+ * h / (H / Hkv); scores are (q . k) / sqrt(D). A query that sees no key gets a zero output.
+ *   q:           float32 [T, H, D]
+ *   k, v:        kv_type [S, Hkv, D], kv_type KVREF_TYPE_F32 or KVREF_TYPE_F16
+ *   q_positions: int64   [T]
+ *   k_positions: int64   [S]
+ *   out:         float32 [T, H, D] (must not overlap the inputs)
+ * H must be a multiple of Hkv. */
+int kvref_attention(kvref_pool *pool,
+                    const float *q, int64_t T, int64_t H, int64_t D,
+                    const void *k, const void *v, int32_t kv_type, int64_t S, int64_t Hkv,
+                    const int64_t *q_positions, const int64_t *k_positions,
+                    float *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVREF_H */

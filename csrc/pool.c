@@ -1,0 +1,356 @@
+/* pool.c: the persistent thread pool, run-time CPU detection, and the small query functions.
+ *
+ * A pool owns n_threads - 1 pthreads that live until kvref_pool_destroy. A kernel call publishes
+ * a task (a function over units) by bumping a generation counter; workers spin briefly on that
+ * counter after each task (decode issues hundreds of small calls per token, and a futex wake
+ * costs tens of microseconds), then sleep on a condition variable. The calling thread works too,
+ * so a 1-thread pool starts no thread at all.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "internal.h"
+
+#if KVREF_X86
+#include <cpuid.h>
+#endif
+
+/* How long an idle worker spins before sleeping: longer than the Python gap between two kernel
+ * calls of a decode step, short enough that an idle process stops burning a core quickly. */
+#define KVREF_SPIN_NS 300000L
+#define KVREF_MAX_THREADS 1024
+
+struct kvref_worker {
+    kvref_pool *pool;
+    int index;                          /* 1 .. n_threads-1; the caller is 0 */
+};
+
+struct kvref_pool {
+    int64_t n_threads;
+    int32_t isa;
+    const kvref_kernels *kernels;
+
+    pthread_mutex_t call_lock;          /* held for the whole of one kernel call */
+    pthread_mutex_t mu;                 /* guards sleeping on cv */
+    pthread_cond_t cv;
+    atomic_uint_fast64_t generation;    /* bumped to publish a task (or stop) */
+    atomic_int stop;
+
+    kvref_task_fn fn;                   /* the published task; written before generation */
+    void *ctx;
+    int64_t n_units;
+    atomic_int_fast64_t next_unit;
+    atomic_int n_finished;              /* workers done with the current generation */
+
+    pthread_t *threads;
+    struct kvref_worker *workers;
+    int n_started;
+
+    void **scratch;                     /* [n_threads] per-thread buffers */
+    size_t scratch_bytes;
+    void *shared;
+    size_t shared_bytes;
+};
+
+static inline void cpu_relax(void) {
+#if KVREF_X86
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void run_units(kvref_pool *pool, int thread) {
+    kvref_task_fn fn = pool->fn;
+    void *ctx = pool->ctx;
+    int64_t n = pool->n_units;
+    for (;;) {
+        int64_t u = atomic_fetch_add_explicit(&pool->next_unit, 1, memory_order_relaxed);
+        if (u >= n) break;
+        fn(ctx, u, thread);
+    }
+}
+
+static void *worker_main(void *arg) {
+    struct kvref_worker *w = arg;
+    kvref_pool *pool = w->pool;
+    uint_fast64_t seen = 0;
+    for (;;) {
+        uint_fast64_t g = atomic_load_explicit(&pool->generation, memory_order_acquire);
+        if (g == seen) {
+            int64_t deadline = now_ns() + KVREF_SPIN_NS;
+            for (int i = 0;; i++) {
+                cpu_relax();
+                g = atomic_load_explicit(&pool->generation, memory_order_acquire);
+                if (g != seen) break;
+                if ((i & 63) == 63 && now_ns() > deadline) break;
+            }
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&pool->mu);
+            while ((g = atomic_load_explicit(&pool->generation, memory_order_acquire)) == seen)
+                pthread_cond_wait(&pool->cv, &pool->mu);
+            pthread_mutex_unlock(&pool->mu);
+        }
+        seen = g;
+        if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
+        run_units(pool, w->index);
+        atomic_fetch_add_explicit(&pool->n_finished, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static void publish(kvref_pool *pool) {
+    pthread_mutex_lock(&pool->mu);
+    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool->cv);
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void kvref_pool_run(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t n_units) {
+    if (n_units <= 0) return;
+    if (pool->n_started == 0 || n_units == 1) {
+        for (int64_t u = 0; u < n_units; u++) fn(ctx, u, 0);
+        return;
+    }
+    pool->fn = fn;
+    pool->ctx = ctx;
+    pool->n_units = n_units;
+    atomic_store_explicit(&pool->next_unit, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool->n_finished, 0, memory_order_relaxed);
+    publish(pool);
+    run_units(pool, 0);
+    for (int i = 0; atomic_load_explicit(&pool->n_finished, memory_order_acquire) < pool->n_started; i++) {
+        cpu_relax();
+        if ((i & 1023) == 1023) sched_yield(); /* a worker was descheduled: let it run */
+    }
+}
+
+/* ---- CPU detection (no cached globals: pools ask once, at creation) -------------------------- */
+
+#if KVREF_X86
+static int x86_has_avx2(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    if (!(osxsave && avx && fma && f16c)) return 0;
+    unsigned xlo, xhi;
+    __asm__ __volatile__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    if ((xlo & 0x6) != 0x6) return 0; /* the OS saves XMM and YMM state */
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b >> 5) & 1;
+}
+
+static int x86_has_avx512(void) {
+    if (!x86_has_avx2()) return 0;
+    unsigned a, b, c, d, xlo, xhi;
+    __asm__ __volatile__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    if ((xlo & 0xe6) != 0xe6) return 0; /* the OS saves opmask and ZMM state */
+    __cpuid_count(7, 0, a, b, c, d);
+    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
+    return f && dq && bw && vl;
+}
+#endif
+
+int32_t kvref_isa_supported(int32_t isa) {
+    switch (isa) {
+    case KVREF_ISA_AUTO:
+    case KVREF_ISA_SCALAR:
+        return 1;
+#if KVREF_X86
+    case KVREF_ISA_AVX2:
+        return x86_has_avx2();
+    case KVREF_ISA_AVX512:
+        return x86_has_avx512();
+#endif
+    default:
+        return 0;
+    }
+}
+
+int32_t kvref_isa_best(void) {
+    if (kvref_isa_supported(KVREF_ISA_AVX512)) return KVREF_ISA_AVX512;
+    if (kvref_isa_supported(KVREF_ISA_AVX2)) return KVREF_ISA_AVX2;
+    return KVREF_ISA_SCALAR;
+}
+
+static const kvref_kernels *kernels_for(int32_t isa) {
+    switch (isa) {
+#if KVREF_X86
+    case KVREF_ISA_AVX512: return &kvref_kernels_avx512;
+    case KVREF_ISA_AVX2: return &kvref_kernels_avx2;
+#endif
+    default: return &kvref_kernels_scalar;
+    }
+}
+
+/* ---- pool lifetime ---------------------------------------------------------------------------- */
+
+static void stop_workers(kvref_pool *pool) {
+    if (pool->n_started > 0) {
+        atomic_store_explicit(&pool->stop, 1, memory_order_release);
+        publish(pool);
+        for (int i = 0; i < pool->n_started; i++) pthread_join(pool->threads[i], NULL);
+        pool->n_started = 0;
+    }
+}
+
+static void free_pool(kvref_pool *pool) {
+    if (pool->scratch) {
+        for (int64_t i = 0; i < pool->n_threads; i++) free(pool->scratch[i]);
+        free(pool->scratch);
+    }
+    free(pool->shared);
+    free(pool->threads);
+    free(pool->workers);
+    pthread_cond_destroy(&pool->cv);
+    pthread_mutex_destroy(&pool->mu);
+    pthread_mutex_destroy(&pool->call_lock);
+    free(pool);
+}
+
+int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
+    if (out == NULL) return KVREF_ERR_NULL;
+    *out = NULL;
+    if (n_threads < 1 || n_threads > KVREF_MAX_THREADS) return KVREF_ERR_DIM;
+    if (isa < KVREF_ISA_AUTO || isa > KVREF_ISA_AVX512) return KVREF_ERR_VALUE;
+    if (!kvref_isa_supported(isa)) return KVREF_ERR_ISA;
+    if (isa == KVREF_ISA_AUTO) isa = kvref_isa_best();
+
+    kvref_pool *pool = calloc(1, sizeof *pool);
+    if (pool == NULL) return KVREF_ERR_NOMEM;
+    pool->n_threads = n_threads;
+    pool->isa = isa;
+    pool->kernels = kernels_for(isa);
+    pthread_mutex_init(&pool->call_lock, NULL);
+    pthread_mutex_init(&pool->mu, NULL);
+    pthread_cond_init(&pool->cv, NULL);
+    atomic_init(&pool->generation, 0);
+    atomic_init(&pool->stop, 0);
+    atomic_init(&pool->next_unit, 0);
+    atomic_init(&pool->n_finished, 0);
+
+    pool->scratch = calloc((size_t)n_threads, sizeof(void *));
+    pool->threads = calloc((size_t)n_threads, sizeof(pthread_t));
+    pool->workers = calloc((size_t)n_threads, sizeof(struct kvref_worker));
+    if (pool->scratch == NULL || pool->threads == NULL || pool->workers == NULL) {
+        free_pool(pool);
+        return KVREF_ERR_NOMEM;
+    }
+    for (int i = 1; i < n_threads; i++) {
+        pool->workers[i].pool = pool;
+        pool->workers[i].index = i;
+        if (pthread_create(&pool->threads[pool->n_started], NULL, worker_main, &pool->workers[i]) != 0) {
+            stop_workers(pool);
+            free_pool(pool);
+            return KVREF_ERR_THREAD;
+        }
+        pool->n_started++;
+    }
+    *out = pool;
+    return KVREF_OK;
+}
+
+void kvref_pool_destroy(kvref_pool *pool) {
+    if (pool == NULL) return;
+    pthread_mutex_lock(&pool->call_lock); /* let a running call finish */
+    stop_workers(pool);
+    pthread_mutex_unlock(&pool->call_lock);
+    free_pool(pool);
+}
+
+int64_t kvref_pool_threads(const kvref_pool *pool) { return pool ? pool->n_threads : 0; }
+int32_t kvref_pool_isa(const kvref_pool *pool) { return pool ? pool->isa : -1; }
+const kvref_kernels *kvref_pool_kernels(const kvref_pool *pool) { return pool->kernels; }
+void kvref_pool_lock(kvref_pool *pool) { pthread_mutex_lock(&pool->call_lock); }
+void kvref_pool_unlock(kvref_pool *pool) { pthread_mutex_unlock(&pool->call_lock); }
+
+static size_t round_up_64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+int kvref_pool_reserve(kvref_pool *pool, size_t nbytes) {
+    nbytes = round_up_64(nbytes < 64 ? 64 : nbytes);
+    if (nbytes <= pool->scratch_bytes) return KVREF_OK;
+    for (int64_t i = 0; i < pool->n_threads; i++) {
+        void *p = aligned_alloc(64, nbytes);
+        if (p == NULL) return KVREF_ERR_NOMEM; /* buffers replaced so far are larger: still valid */
+        free(pool->scratch[i]);
+        pool->scratch[i] = p;
+    }
+    pool->scratch_bytes = nbytes;
+    return KVREF_OK;
+}
+
+void *kvref_pool_scratch(kvref_pool *pool, int thread) { return pool->scratch[thread]; }
+
+void *kvref_pool_shared(kvref_pool *pool, size_t nbytes) {
+    nbytes = round_up_64(nbytes < 64 ? 64 : nbytes);
+    if (nbytes > pool->shared_bytes) {
+        void *p = aligned_alloc(64, nbytes);
+        if (p == NULL) return NULL;
+        free(pool->shared);
+        pool->shared = p;
+        pool->shared_bytes = nbytes;
+    }
+    return pool->shared;
+}
+
+/* ---- small queries ---------------------------------------------------------------------------- */
+
+int64_t kvref_block_values(int32_t type) {
+    switch (type) {
+    case KVREF_TYPE_F32: case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 1;
+    case KVREF_TYPE_Q4_0: case KVREF_TYPE_Q4_1: case KVREF_TYPE_Q8_0: return 32;
+    case KVREF_TYPE_Q4_K: case KVREF_TYPE_Q6_K: return QK_K;
+    default: return -1;
+    }
+}
+
+static int64_t block_bytes(int32_t type) {
+    switch (type) {
+    case KVREF_TYPE_F32: return 4;
+    case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 2;
+    case KVREF_TYPE_Q4_0: return BYTES_Q4_0;
+    case KVREF_TYPE_Q4_1: return BYTES_Q4_1;
+    case KVREF_TYPE_Q8_0: return BYTES_Q8_0;
+    case KVREF_TYPE_Q4_K: return BYTES_Q4_K;
+    case KVREF_TYPE_Q6_K: return BYTES_Q6_K;
+    default: return -1;
+    }
+}
+
+int64_t kvref_row_nbytes(int32_t type, int64_t k) {
+    int64_t bv = kvref_block_values(type);
+    if (bv < 0 || k < 0 || k % bv != 0) return -1;
+    if (k / bv > INT64_MAX / block_bytes(type)) return -1;
+    return k / bv * block_bytes(type);
+}
+
+const char *kvref_status_string(int32_t status) {
+    switch (status) {
+    case KVREF_OK: return "ok";
+    case KVREF_ERR_NULL: return "a required pointer is NULL";
+    case KVREF_ERR_DIM: return "a dimension is negative or out of range";
+    case KVREF_ERR_SHAPE: return "dimensions disagree with each other or with the block size";
+    case KVREF_ERR_TYPE: return "tensor type not implemented by the native kernels";
+    case KVREF_ERR_SIZE: return "byte count does not match the dimensions and type";
+    case KVREF_ERR_NOMEM: return "out of memory for scratch buffers";
+    case KVREF_ERR_THREAD: return "could not start a worker thread";
+    case KVREF_ERR_ISA: return "instruction set not available on this CPU or build";
+    case KVREF_ERR_VALUE: return "a scalar argument is out of range";
+    default: return "unknown status";
+    }
+}

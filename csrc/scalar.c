@@ -1,0 +1,254 @@
+/* scalar.c: the reference kernels in portable C, one plain loop each.
+ *
+ * They are the KVREF_ISA_SCALAR kernel table (any CPU, including aarch64), the definition the
+ * SIMD tables are tested against, and the fallback the SIMD files call for shapes they do not
+ * specialise. Dequantization rounds each value exactly as the NumPy dequantizers do (one rounding
+ * of the exact block value), so a dequantized row here is bit-identical to the spec's.
+ */
+#include <math.h>
+
+#include "internal.h"
+
+/* ---- dequantization: one row of K values -> float32 ------------------------------------------ */
+
+static void dequant_f32(int64_t K, const uint8_t *w, float *out) { memcpy(out, w, (size_t)K * 4); }
+
+static void dequant_f16(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t i = 0; i < K; i++) out[i] = kvref_load_fp16(w + 2 * i);
+}
+
+static void dequant_bf16(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t i = 0; i < K; i++) out[i] = kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i));
+}
+
+static void dequant_q4_0(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, out += QK4_0) {
+        float d = kvref_load_fp16(w);
+        const uint8_t *qs = w + 2;
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((qs[j] & 0xF) - 8);
+            out[j + 16] = d * (float)((qs[j] >> 4) - 8);
+        }
+    }
+}
+
+static void dequant_q4_1(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, out += QK4_1) {
+        float d = kvref_load_fp16(w), m = kvref_load_fp16(w + 2);
+        const uint8_t *qs = w + 4;
+        for (int j = 0; j < 16; j++) {
+            /* d * q is exact in float32 (11 x 4 bits): the sum is the one rounding, as in NumPy */
+            out[j] = d * (float)(qs[j] & 0xF) + m;
+            out[j + 16] = d * (float)(qs[j] >> 4) + m;
+        }
+    }
+}
+
+static void dequant_q8_0(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, out += QK8_0) {
+        float d = kvref_load_fp16(w);
+        const int8_t *qs = (const int8_t *)(w + 2);
+        for (int j = 0; j < 32; j++) out[j] = d * (float)qs[j];
+    }
+}
+
+static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, out += QK_K) {
+        float d = kvref_load_fp16(w), dmin = kvref_load_fp16(w + 2);
+        const uint8_t *scales = w + 4, *qs = w + 16;
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            kvref_q4k_scale_min(j, scales, &sc, &mn);
+            float ds = d * (float)sc, dm = dmin * (float)mn; /* both exact (11 x 6 bits) */
+            const uint8_t *q = qs + 32 * (j / 2);
+            int shift = 4 * (j % 2);
+            for (int i = 0; i < 32; i++) out[32 * j + i] = ds * (float)((q[i] >> shift) & 0xF) - dm;
+        }
+    }
+}
+
+static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, out += QK_K) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *scales = (const int8_t *)(w + 192);
+        float d = kvref_load_fp16(w + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *l = ql + 64 * half, *h = qh + 32 * half;
+            float *o = out + 128 * half;
+            const int8_t *sc = scales + 8 * half;
+            for (int i = 0; i < 32; i++) {
+                int q0 = (l[i] & 0xF) | (((h[i] >> 0) & 3) << 4);
+                int q1 = (l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4);
+                int q2 = (l[i] >> 4) | (((h[i] >> 4) & 3) << 4);
+                int q3 = (l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4);
+                /* d * scale is exact (11 x 8 bits); times (q - 32) is the one rounding */
+                o[i] = (d * (float)sc[i / 16]) * (float)(q0 - 32);
+                o[i + 32] = (d * (float)sc[2 + i / 16]) * (float)(q1 - 32);
+                o[i + 64] = (d * (float)sc[4 + i / 16]) * (float)(q2 - 32);
+                o[i + 96] = (d * (float)sc[6 + i / 16]) * (float)(q3 - 32);
+            }
+        }
+    }
+}
+
+void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out) {
+    switch (type) {
+    case KVREF_TYPE_F32: dequant_f32(K, w_row, out); break;
+    case KVREF_TYPE_F16: dequant_f16(K, w_row, out); break;
+    case KVREF_TYPE_BF16: dequant_bf16(K, w_row, out); break;
+    case KVREF_TYPE_Q4_0: dequant_q4_0(K, w_row, out); break;
+    case KVREF_TYPE_Q4_1: dequant_q4_1(K, w_row, out); break;
+    case KVREF_TYPE_Q8_0: dequant_q8_0(K, w_row, out); break;
+    case KVREF_TYPE_Q4_K: dequant_q4_k(K, w_row, out); break;
+    case KVREF_TYPE_Q6_K: dequant_q6_k(K, w_row, out); break;
+    default: break; /* unreachable: callers validate the type */
+    }
+}
+
+/* ---- dot products: dequantize a block into a small buffer, then one float accumulator ------- */
+
+static float dot_f32(int64_t K, const float *a, const float *b) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < K; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* w may sit at any byte offset (a view into a file): load through memcpy, never a float* */
+static float vec_dot_f32(int64_t K, const uint8_t *w, const float *x) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < K; i++) {
+        float wi;
+        memcpy(&wi, w + 4 * i, 4);
+        acc += wi * x[i];
+    }
+    return acc;
+}
+
+#define BLOCKWISE_DOT(name, type, qk, bytes)                                       \
+    static float name(int64_t K, const uint8_t *w, const float *x) {               \
+        float buf[qk];                                                             \
+        float acc = 0.0f;                                                          \
+        for (int64_t b = 0; b < K / (qk); b++) {                                   \
+            kvref_dequant_row(type, qk, w + b * (bytes), buf);                     \
+            for (int i = 0; i < (qk); i++) acc += buf[i] * x[b * (qk) + i];        \
+        }                                                                          \
+        return acc;                                                                \
+    }
+
+BLOCKWISE_DOT(vec_dot_f16, KVREF_TYPE_F16, 32, 64)
+BLOCKWISE_DOT(vec_dot_bf16, KVREF_TYPE_BF16, 32, 64)
+BLOCKWISE_DOT(vec_dot_q4_0, KVREF_TYPE_Q4_0, QK4_0, BYTES_Q4_0)
+BLOCKWISE_DOT(vec_dot_q4_1, KVREF_TYPE_Q4_1, QK4_1, BYTES_Q4_1)
+BLOCKWISE_DOT(vec_dot_q8_0, KVREF_TYPE_Q8_0, QK8_0, BYTES_Q8_0)
+BLOCKWISE_DOT(vec_dot_q4_k, KVREF_TYPE_Q4_K, QK_K, BYTES_Q4_K)
+BLOCKWISE_DOT(vec_dot_q6_k, KVREF_TYPE_Q6_K, QK_K, BYTES_Q6_K)
+
+/* F16/BF16 rows are any length: the 32-value blocks above, then a tail one value at a time */
+static float vec_dot_f16_any(int64_t K, const uint8_t *w, const float *x) {
+    int64_t main = K / 32 * 32;
+    float acc = vec_dot_f16(main, w, x);
+    for (int64_t i = main; i < K; i++) acc += kvref_load_fp16(w + 2 * i) * x[i];
+    return acc;
+}
+
+static float vec_dot_bf16_any(int64_t K, const uint8_t *w, const float *x) {
+    int64_t main = K / 32 * 32;
+    float acc = vec_dot_bf16(main, w, x);
+    for (int64_t i = main; i < K; i++) acc += kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i)) * x[i];
+    return acc;
+}
+
+static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y,
+                     int64_t ldy) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot_f32(K, x + t * K, w + n * K);
+}
+
+/* ---- attention unit ----------------------------------------------------------------------- */
+
+static float kv_value(const void *base, int32_t type, int64_t i) {
+    if (type == KVREF_TYPE_F16) return kvref_load_fp16((const uint8_t *)base + 2 * i);
+    return ((const float *)base)[i];
+}
+
+/* One query position and one kv head against keys [s0, s1), in chunks of KVREF_ATTN_CHUNK keys:
+ * score the chunk for every head of the group, move each head's running max once per chunk
+ * (rescaling what was accumulated), then add probability x value. */
+static void attn_unit_scalar(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0,
+                             int64_t s1, float *m, float *l, float *acc, float *scratch) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+    const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
+    const int64_t qpos = a->q_positions[t];
+    float *p = scratch;                                /* [G, C] */
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc[g * D + i] = 0.0f;
+    }
+    for (int64_t c0 = s0; c0 < s1; c0 += C) {
+        const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
+        int any = 0;
+        for (int64_t s = 0; s < n; s++) any |= a->k_positions[c0 + s] <= qpos;
+        if (!any) continue;
+        for (int64_t s = 0; s < n; s++) {
+            const int visible = a->k_positions[c0 + s] <= qpos;
+            const int64_t kbase = ((c0 + s) * a->Hkv + hk) * D;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
+                if (visible)
+                    for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(a->k, a->kv_type, kbase + i);
+                p[g * C + s] = visible ? dot * a->scale : -INFINITY;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float cmax = -INFINITY;
+            for (int64_t s = 0; s < n; s++) cmax = p[g * C + s] > cmax ? p[g * C + s] : cmax;
+            const float mnew = cmax > m[g] ? cmax : m[g];
+            const float alpha = expf(m[g] - mnew); /* 0 while nothing was seen (m = -inf) */
+            float sum = 0.0f;
+            for (int64_t s = 0; s < n; s++) {
+                p[g * C + s] = expf(p[g * C + s] - mnew); /* masked: exp(-inf) = 0 */
+                sum += p[g * C + s];
+            }
+            l[g] = l[g] * alpha + sum;
+            if (alpha != 1.0f)
+                for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
+            m[g] = mnew;
+        }
+        for (int64_t s = 0; s < n; s++) {
+            if (a->k_positions[c0 + s] > qpos) continue; /* masked keys never touch acc */
+            const int64_t vbase = ((c0 + s) * a->Hkv + hk) * D;
+            for (int64_t i = 0; i < D; i++) {
+                const float vi = kv_value(a->v, a->kv_type, vbase + i);
+                for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
+            }
+        }
+    }
+}
+
+/* ---- SwiGLU ------------------------------------------------------------------------------- */
+
+float kvref_silu_ref(float g) { return g / (1.0f + expf(-g)); }
+
+static void swiglu_scalar(int64_t n, const float *gate, const float *up, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = kvref_silu_ref(gate[i]) * up[i];
+}
+
+const kvref_kernels kvref_kernels_scalar = {
+    .isa = KVREF_ISA_SCALAR,
+    .vec_dot = {
+        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16_any,
+        [KVREF_TYPE_BF16] = vec_dot_bf16_any, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+    },
+    .dequant = {
+        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
+        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+    },
+    .gemm_f32 = gemm_f32,
+    .attn_unit = attn_unit_scalar,
+    .swiglu = swiglu_scalar,
+};

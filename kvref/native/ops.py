@@ -1,0 +1,395 @@
+"""The native kernel set: the names and meanings of kvref.spec.ops, computed by the C module.
+
+    embed(table, token_ids)                          [V, E], [T] -> [T, E]
+    matmul(x, w)                                     [T, K], [N, K] -> [T, N]      (y = x @ W.T)
+    rms_norm(x, weight, eps)                         [T, E], [E] -> [T, E]
+    rope(x, positions, theta)                        [T, nh, D], [T] -> [T, nh, D]
+    attention(q, k, v, q_positions, k_positions)     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
+    swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
+
+Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
+float16) ndarray in file layout, or a kvref.formats.ggml.QuantizedTensor of type F32, F16, BF16,
+Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
+quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16.
+
+Every argument is checked here, before C runs: types, dtypes, C-contiguity, alignment, shapes,
+lengths, token ids, quantized byte counts and thread counts. A wrong call raises a KVRefError
+subclass naming the argument; it never reaches C. The C side checks its scalar arguments again
+and returns a status, which is mapped to the same exceptions. No cffi object leaves this module.
+
+Threads: the module functions run on a shared pool per (threads, isa), created on first use with
+`threads` from the argument, else KVREF_THREADS, else the CPUs this process may run on. Results
+do not depend on the thread count (see csrc/kvref.h). `Kernels(threads=..., isa=...)` binds the
+same functions to one pool, for a backend that wants its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from ..errors import BackendError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
+from ..formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
+from . import available, unavailable_reason
+
+if not available():
+    raise BackendError(unavailable_reason())
+
+from ._kvref import ffi, lib  # noqa: E402
+
+MAX_THREADS = 1024
+
+#: GGML types the native matmul/embed read directly
+WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
+                GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+
+ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.KVREF_ISA_AVX2,
+        "avx512": lib.KVREF_ISA_AVX512}
+_ISA_NAMES = {v: k for k, v in ISAS.items()}
+
+_F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+_U8 = np.dtype(np.uint8)
+_I64 = np.dtype(np.int64)
+
+_STATUS_ERRORS = {
+    lib.KVREF_ERR_NULL: ShapeError, lib.KVREF_ERR_DIM: ShapeError, lib.KVREF_ERR_SHAPE: ShapeError,
+    lib.KVREF_ERR_SIZE: ShapeError, lib.KVREF_ERR_VALUE: ShapeError, lib.KVREF_ERR_TYPE: DTypeError,
+    lib.KVREF_ERR_NOMEM: BackendError, lib.KVREF_ERR_THREAD: BackendError,
+    lib.KVREF_ERR_ISA: BackendError,
+}
+
+
+def _check_status(status, what):
+    if status != lib.KVREF_OK:
+        message = ffi.string(lib.kvref_status_string(status)).decode()
+        raise _STATUS_ERRORS.get(status, BackendError)(f"native {what} failed: {message} (status {status})")
+
+
+# ---- argument checks (all raise before any C call) ------------------------------------------
+
+def _array(a, name, dtypes, ndim):
+    """a as-is if it is a C-contiguous, aligned ndarray of one of `dtypes` with `ndim` axes."""
+    if not isinstance(a, np.ndarray):
+        raise ShapeError(f"{name} must be a NumPy array, not {type(a).__name__}")
+    if a.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise DTypeError(f"{name} has dtype {a.dtype}; the native kernels take {expected}")
+    if ndim is not None and a.ndim not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ShapeError(f"{name} must have {ndim} axes, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ShapeError(f"{name} is not C-contiguous (shape {a.shape}, strides {a.strides}); "
+                         f"pass np.ascontiguousarray({name})")
+    if not a.flags.aligned:
+        raise ShapeError(f"{name} is not aligned to its dtype; pass a copy")
+    return a
+
+
+def _positions(p, name, length):
+    """Integer positions/ids as a C-contiguous int64 [length] array (a copy if needed)."""
+    if isinstance(p, np.ndarray):
+        arr = p
+    else:
+        try:
+            arr = np.asarray(p)
+        except (TypeError, ValueError) as exc:
+            raise ShapeError(f"{name} must be a 1-D sequence of integers: {exc}") from None
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":  # np.asarray([]) is float64
+            arr = arr.astype(_I64)
+        else:
+            raise DTypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ShapeError(f"{name} must be 1-D, got shape {arr.shape}")
+    if length is not None and arr.shape[0] != length:
+        raise ShapeError(f"{name} has {arr.shape[0]} entries, expected {length}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ShapeError(f"{name} holds values beyond int64")
+    if arr.dtype != _I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
+        arr = np.ascontiguousarray(arr, dtype=_I64)
+    return arr
+
+
+def _real(value, name, minimum_exclusive=None, minimum=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{name}={value!r} must be a real number")
+    v = float(value)
+    if not np.isfinite(v) or (minimum is not None and v < minimum) or (
+            minimum_exclusive is not None and v <= minimum_exclusive):
+        bound = f">= {minimum}" if minimum is not None else f"> {minimum_exclusive}"
+        raise ConfigError(f"{name}={value!r} must be finite and {bound}")
+    return v
+
+
+def _weight(w, name):
+    """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K]."""
+    if isinstance(w, QuantizedTensor):
+        try:
+            gtype = GGMLType(w.ggml_type)
+        except ValueError:
+            raise DTypeError(f"{name} has unknown GGML type {w.ggml_type!r}") from None
+        if gtype not in WEIGHT_TYPES:
+            raise DTypeError(f"{name} is {gtype.name}; the native kernels read "
+                             f"{', '.join(t.name for t in WEIGHT_TYPES)}")
+        shape = w.shape
+        if (not isinstance(shape, tuple) or len(shape) != 2
+                or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise ShapeError(f"{name}.shape must be (N, K) with non-negative ints, got {shape!r}")
+        N, K = int(shape[0]), int(shape[1])
+        block_values, block_bytes = BLOCK_LAYOUT[gtype]
+        if K % block_values:
+            raise ShapeError(f"{name}: K={K} is not a whole number of {gtype.name} blocks of {block_values}")
+        row_bytes = K // block_values * block_bytes
+        data = w.data
+        if not isinstance(data, np.ndarray) or data.dtype != _U8:
+            raise DTypeError(f"{name}.data must be a uint8 ndarray, got "
+                             f"{type(data).__name__} {getattr(data, 'dtype', '')}")
+        if data.shape != (N, row_bytes):
+            raise ShapeError(f"{name}.data has shape {data.shape}; a {gtype.name} [{N}, {K}] tensor is "
+                             f"uint8 [{N}, {row_bytes}] ({N * row_bytes} bytes, got {data.nbytes})")
+        if not data.flags.c_contiguous:
+            raise ShapeError(f"{name}.data is not C-contiguous")
+        return int(gtype), data, N, K
+    if isinstance(w, np.ndarray):
+        _array(w, name, (_F32, _F16), 2)
+        return (lib.KVREF_TYPE_F32 if w.dtype == _F32 else lib.KVREF_TYPE_F16), w, w.shape[0], w.shape[1]
+    raise DTypeError(f"{name} must be a float32/float16 ndarray or a QuantizedTensor, not {type(w).__name__}")
+
+
+def _threads(threads):
+    if threads is None:
+        env = os.environ.get("KVREF_THREADS", "").strip()
+        if env:
+            try:
+                threads = int(env)
+            except ValueError:
+                raise BackendError(f"KVREF_THREADS={env!r} is not an integer") from None
+        else:
+            try:
+                threads = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                threads = os.cpu_count() or 1
+            return min(max(threads, 1), MAX_THREADS)
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
+        raise BackendError(f"threads={threads!r} must be an integer")
+    if not 1 <= threads <= MAX_THREADS:
+        raise BackendError(f"threads={threads} must be in [1, {MAX_THREADS}]")
+    return int(threads)
+
+
+def _isa(isa):
+    if isa is None:
+        isa = os.environ.get("KVREF_ISA", "auto").strip().lower() or "auto"
+    if isa not in ISAS:
+        raise BackendError(f"isa={isa!r} is unknown; expected one of {tuple(ISAS)}")
+    if not lib.kvref_isa_supported(ISAS[isa]):
+        raise BackendError(f"isa={isa!r} is not supported by this CPU (best: {best_isa()})")
+    return isa
+
+
+def best_isa() -> str:
+    """The instruction set 'auto' selects on this CPU."""
+    return _ISA_NAMES[lib.kvref_isa_best()]
+
+
+def supported_isas() -> tuple:
+    return tuple(name for name, v in ISAS.items() if name != "auto" and lib.kvref_isa_supported(v))
+
+
+# ---- pools --------------------------------------------------------------------------------
+
+class _Pool:
+    """Owns one C pool. Destroyed by the process that created it (a forked child never joins
+    threads it does not have)."""
+
+    def __init__(self, threads, isa):
+        out = ffi.new("kvref_pool **")
+        _check_status(lib.kvref_pool_create(threads, ISAS[isa], out), "pool creation")
+        self.ptr = out[0]
+        self.pid = os.getpid()
+
+    def close(self):
+        if self.ptr is not None and self.pid == os.getpid():
+            lib.kvref_pool_destroy(self.ptr)
+        self.ptr = None
+
+    def __del__(self):
+        self.close()
+
+
+_pools_lock = threading.Lock()
+_kernel_sets = {}  # (threads, isa) -> Kernels, for the module-level functions
+
+
+def _forget_pools_after_fork():
+    # the child has only the forking thread: its pools' workers are gone; drop them unclosed
+    for ks in _kernel_sets.values():
+        ks._pool.pid = -1
+    _kernel_sets.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+def kernels(threads=None, isa=None) -> "Kernels":
+    """The shared kernel set for a thread count and instruction set (created on first use)."""
+    key = (_threads(threads), _isa(isa))
+    ks = _kernel_sets.get(key)
+    if ks is None:
+        with _pools_lock:
+            ks = _kernel_sets.get(key)
+            if ks is None:
+                ks = _kernel_sets[key] = Kernels(*key)
+    return ks
+
+
+# ---- the kernel set -----------------------------------------------------------------------
+
+class Kernels:
+    """embed, matmul, rms_norm, rope, attention, swiglu on one pool of `threads` threads."""
+
+    def __init__(self, threads=None, isa=None):
+        self.threads = _threads(threads)
+        self.isa = _isa(isa)
+        self._pool = _Pool(self.threads, self.isa)
+        if self.isa == "auto":
+            self.isa = _ISA_NAMES[lib.kvref_pool_isa(self._pool.ptr)]
+
+    def __repr__(self):
+        return f"Kernels(threads={self.threads}, isa={self.isa!r})"
+
+    def embed(self, table, token_ids):
+        # [V, E], [T] -> [T, E] float32
+        gtype, data, V, E = _weight(table, "table")
+        ids = _positions(token_ids, "token_ids", None)
+        if ids.size and (ids.min() < 0 or ids.max() >= V):
+            bad = ids[(ids < 0) | (ids >= V)][0]
+            raise TokenError(f"token id {int(bad)} is outside the vocabulary [0, {V})")
+        out = np.empty((ids.shape[0], E), dtype=_F32)
+        status = lib.kvref_embed(self._pool.ptr, ffi.from_buffer(data), gtype, data.nbytes, V, E,
+                                 ffi.from_buffer("int64_t[]", ids), ids.shape[0],
+                                 ffi.from_buffer("float[]", out))
+        _check_status(status, "embed")
+        return out
+
+    def matmul(self, x, w):
+        # [T, K], [N, K] -> [T, N]
+        _array(x, "x", (_F32,), 2)
+        gtype, data, N, K = _weight(w, "w")
+        T = x.shape[0]
+        if x.shape[1] != K:
+            raise ShapeError(f"x has {x.shape[1]} columns but w is [{N}, {K}] (y = x @ W.T needs {K})")
+        y = np.empty((T, N), dtype=_F32)
+        status = lib.kvref_matmul(self._pool.ptr, ffi.from_buffer("float[]", x), T, K,
+                                  ffi.from_buffer(data), gtype, data.nbytes, N,
+                                  ffi.from_buffer("float[]", y))
+        _check_status(status, "matmul")
+        return y
+
+    def rms_norm(self, x, weight, eps):
+        # [T, E] (or [E]), [E] -> same shape as x
+        _array(x, "x", (_F32,), (1, 2))
+        _array(weight, "weight", (_F32, _F16), 1)
+        E = x.shape[-1]
+        if weight.shape[0] != E:
+            raise ShapeError(f"weight has {weight.shape[0]} entries, x rows have {E}")
+        if weight.dtype != _F32:
+            weight = weight.astype(_F32)  # float16 gains widen exactly
+        eps = _real(eps, "eps", minimum=0.0)
+        out = np.empty_like(x)
+        T = x.shape[0] if x.ndim == 2 else 1
+        status = lib.kvref_rms_norm(self._pool.ptr, ffi.from_buffer("float[]", x), T, E,
+                                    ffi.from_buffer("float[]", weight), eps,
+                                    ffi.from_buffer("float[]", out))
+        _check_status(status, "rms_norm")
+        return out
+
+    def rope(self, x, positions, theta):
+        # [T, nh, D], [T] -> [T, nh, D]
+        _array(x, "x", (_F32,), 3)
+        T, nh, D = x.shape
+        if D % 2:
+            raise ShapeError(f"x has head_dim {D}; RoPE rotates pairs, so it must be even")
+        pos = _positions(positions, "positions", T)
+        theta = _real(theta, "theta", minimum_exclusive=0.0)
+        out = np.empty_like(x)
+        status = lib.kvref_rope(self._pool.ptr, ffi.from_buffer("float[]", x), T, nh, D,
+                                ffi.from_buffer("int64_t[]", pos), theta,
+                                ffi.from_buffer("float[]", out))
+        _check_status(status, "rope")
+        return out
+
+    def attention(self, q, k, v, q_positions, k_positions):
+        # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+        _array(q, "q", (_F32,), 3)
+        _array(k, "k", (_F32, _F16), 3)
+        _array(v, "v", (_F32, _F16), 3)
+        T, H, D = q.shape
+        S, Hkv, Dk = k.shape
+        if v.shape != k.shape or v.dtype != k.dtype:
+            raise ShapeError(f"k and v must match: k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+        if Dk != D:
+            raise ShapeError(f"q has head_dim {D}, k has {Dk}")
+        if Hkv == 0 or H % Hkv:
+            raise ShapeError(f"{H} query heads cannot be grouped over {Hkv} kv heads (H % Hkv must be 0)")
+        qp = _positions(q_positions, "q_positions", T)
+        kp = _positions(k_positions, "k_positions", S)
+        kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
+        out = np.empty((T, H, D), dtype=_F32)
+        status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D,
+                                     ffi.from_buffer(k), ffi.from_buffer(v), kv_type, S, Hkv,
+                                     ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
+                                     ffi.from_buffer("float[]", out))
+        _check_status(status, "attention")
+        return out
+
+    def swiglu(self, gate, up):
+        # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
+        _array(gate, "gate", (_F32,), None)
+        _array(up, "up", (_F32,), None)
+        if gate.shape != up.shape:
+            raise ShapeError(f"gate {gate.shape} and up {up.shape} must have the same shape")
+        out = np.empty_like(gate)
+        status = lib.kvref_swiglu(self._pool.ptr, ffi.from_buffer("float[]", gate),
+                                  ffi.from_buffer("float[]", up), gate.size, ffi.from_buffer("float[]", out))
+        _check_status(status, "swiglu")
+        return out
+
+
+# ---- module-level kernel set (what the decoder calls as `ops.<name>`) --------------------
+
+def embed(table, token_ids, *, threads=None):
+    # [V, E], [T] -> [T, E]
+    return kernels(threads).embed(table, token_ids)
+
+
+def matmul(x, w, *, threads=None):
+    # [T, K], [N, K] -> [T, N]
+    return kernels(threads).matmul(x, w)
+
+
+def rms_norm(x, weight, eps, *, threads=None):
+    # [T, E], [E] -> [T, E]
+    return kernels(threads).rms_norm(x, weight, eps)
+
+
+def rope(x, positions, theta, *, threads=None):
+    # [T, nh, D], [T] -> [T, nh, D]
+    return kernels(threads).rope(x, positions, theta)
+
+
+def attention(q, k, v, q_positions, k_positions, *, threads=None):
+    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+    return kernels(threads).attention(q, k, v, q_positions, k_positions)
+
+
+def swiglu(gate, up, *, threads=None):
+    # [T, F], [T, F] -> [T, F]
+    return kernels(threads).swiglu(gate, up)
+
+
+__all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "kernels",
+           "matmul", "rms_norm", "rope", "supported_isas", "swiglu"]
