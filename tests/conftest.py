@@ -4,12 +4,15 @@ Profiles: "ci" (the default; thorough but keeps the whole suite within minutes o
 "dev" (quick). Choose with HYPOTHESIS_PROFILE=dev.
 """
 
+import functools
 import os
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 
 import kvref
+from kvref.formats.gguf import GGUFFile
+from kvref.loader import default_model_path
 
 settings.register_profile(
     "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
@@ -47,3 +50,10 @@ def chunkings(draw, n):
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
     bounds = [0, *cuts, n]
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_metadata() -> dict:
+    """Metadata of the default model file (SmolLM2-135M-Instruct), read once per test run."""
+    with GGUFFile(default_model_path()) as f:
+        return f.metadata

