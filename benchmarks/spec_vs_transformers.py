@@ -24,11 +24,13 @@ PROMPT = ("The KV cache stores the keys and values of every position already pro
 
 def worker(engine: str, n_new: int) -> dict:
     import kvref
+    from kvref.formats.gguf import GGUFFile
     from kvref.loader import model_path
+    from kvref.tokenizer import Tokenizer
 
     path = model_path()
-    tokenizer = kvref.load(path).tokenizer
-    prompt = tokenizer.encode(PROMPT)[:32]
+    with GGUFFile(path) as f:
+        prompt = Tokenizer.from_gguf_metadata(f.metadata).encode(PROMPT)[:32]
     assert len(prompt) == 32
     if engine == "kvref-numpy":
         model = kvref.load(path, backend="numpy")

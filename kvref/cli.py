@@ -10,7 +10,7 @@ import time
 from . import trace
 from .cache import ELEMENT_BYTES, cache_bytes
 from .config import ModelConfig
-from .errors import KVRefError
+from .errors import ConfigError, KVRefError
 from .generate import generate
 from .model import Model
 
@@ -233,16 +233,31 @@ def run_trace(args) -> int:
 
 def add_memory(commands):
     p = commands.add_parser("memory", help="KV cache size: 2 x layers x tokens x kv heads x head_dim x bytes")
-    p.add_argument("--layers", type=count, required=True)
-    p.add_argument("--kv-heads", type=count, required=True)
-    p.add_argument("--head-dim", type=count, required=True)
-    p.add_argument("--tokens", type=count, required=True)
+    p.add_argument("-m", "--model", help="take layers, kv heads and head_dim (and tokens) from a GGUF file")
+    p.add_argument("--layers", type=count)
+    p.add_argument("--kv-heads", type=count)
+    p.add_argument("--head-dim", type=count)
+    p.add_argument("--tokens", type=count, help="positions held (default with -m: the model's max context)")
     p.add_argument("--batch", type=count, default=1, help="sequences held at once")
     p.add_argument("--dtype", default="float16", choices=sorted(ELEMENT_BYTES))
     p.set_defaults(run=run_memory)
 
 
 def run_memory(args) -> int:
+    if args.model:
+        from .formats import llama
+        from .formats.gguf import GGUFFile
+        from .loader import model_path
+
+        with GGUFFile(model_path(args.model)) as gguf:
+            config = llama.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+        args.layers = config.n_layers if args.layers is None else args.layers
+        args.kv_heads = config.n_kv_heads if args.kv_heads is None else args.kv_heads
+        args.head_dim = config.head_dim if args.head_dim is None else args.head_dim
+        args.tokens = config.max_seq_len if args.tokens is None else args.tokens
+    missing = [name for name in ("layers", "kv_heads", "head_dim", "tokens") if getattr(args, name) is None]
+    if missing:
+        raise ConfigError("kvref memory needs -m MODEL or " + ", ".join(f"--{m.replace('_', '-')}" for m in missing))
     per_sequence = cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
     total = per_sequence * args.batch
     print(f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "

@@ -1,6 +1,7 @@
 import pytest
 
 from kvref.cli import main
+from kvref.loader import default_model_path
 
 
 def test_memory_prints_the_articles_example_as_one_gib(capsys):
@@ -36,3 +37,42 @@ def test_trace_draws_recomputation_without_the_cache_and_reads_with_it(capsys):
 def test_cli_reports_kvref_errors_without_a_traceback(capsys):
     assert main(["trace", "--heads", "4", "--kv-heads", "3"]) == 2
     assert "ConfigError: n_heads=4 must be a multiple of n_kv_heads=3" in capsys.readouterr().err
+
+
+def test_run_streams_coherent_text_and_ends_with_a_line_of_figures(capsys):
+    assert main(["run", "--max-tokens", "8", "--backend", "numpy", "The capital of France is"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(" Paris.")
+    figures = captured.err.strip().splitlines()[-1]
+    assert figures.startswith("[5 prompt tokens, prefill ") and "decode" in figures and "cache " in figures
+
+
+def test_chat_reuses_the_cache_across_turns(capsys, monkeypatch):
+    lines = iter(["What is the capital of France?", "And of Italy?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--max-tokens", "16", "--backend", "numpy"]) == 0
+    err = capsys.readouterr().err
+    turns = [line for line in err.splitlines() if line.startswith("[reused")]
+    assert len(turns) == 2
+    assert turns[0].startswith("[reused 0 cached positions")
+    assert not turns[1].startswith("[reused 0 ")
+
+
+def test_inspect_prints_tensors_and_kv_bytes_per_token(capsys):
+    assert main(["inspect"]) == 0
+    out = capsys.readouterr().out
+    assert "blk.0.attn_q.weight" in out and "Q4_1" in out and "576x576" in out
+    # 2 x 30 layers x 3 kv heads x 64 x 4 bytes
+    assert "KV cache (float32): 46,080 bytes per token" in out
+
+
+def test_memory_reads_the_architecture_from_a_model_file(capsys):
+    assert main(["memory", "-m", str(default_model_path()), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "2 (K and V) x 30 layers x 8,192 tokens x 3 kv heads x 64 head_dim x 4 bytes" in out
+    assert "46,080 bytes per token" in out
+
+
+def test_memory_without_a_model_needs_every_size(capsys):
+    assert main(["memory", "--layers", "2"]) == 2
+    assert "--kv-heads, --head-dim, --tokens" in capsys.readouterr().err
