@@ -100,3 +100,33 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
     with pytest.raises(GGUFError, match="partial RoPE"):
         config_from_metadata({"general.architecture": "llama", "llama.attention.head_count": 4,
                               "llama.embedding_length": 64, "llama.rope.dimension_count": 8}, [])
+
+
+def test_gguf_rows_with_adjacent_rope_equal_transformers_rows_with_rotate_half(model):
+    """docs/formats.md: GGUF row 2i+j of a head is transformers row j*D/2+i, for Q and K."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from kvref.spec import decoder, ops
+
+    c = model.config
+    D = c.head_dim
+
+    def to_transformers_rows(w, n_heads):
+        # [n_heads*D, E] GGUF order -> transformers order
+        return w.reshape(n_heads, D // 2, 2, -1).transpose(0, 2, 1, 3).reshape(n_heads * D, -1)
+
+    def rope_halves(x, positions, theta):
+        angles = ops.rope_angles(positions, D, theta, np.float64)[:, None, :]  # [T, 1, D/2]
+        cos, sin = np.cos(angles), np.sin(angles)
+        first, second = x[..., : D // 2], x[..., D // 2:]
+        return np.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
+
+    layers = [replace(lw, wq=to_transformers_rows(lw.wq, c.n_heads), wk=to_transformers_rows(lw.wk, c.n_kv_heads))
+              for lw in model.weights.layers]
+    weights = replace(model.weights, layers=layers)
+    halves = SimpleNamespace(**{name: getattr(ops, name) for name in dir(ops) if not name.startswith("_")})
+    halves.rope = rope_halves
+    ids = np.array(PROMPTS[1]["prompt_ids"])
+    got = decoder.forward(halves, c, weights, ids, model.new_cache(), all_logits=True)
+    assert_close(got, model.forward(ids, all_logits=True), "float32", "halves convention on transformers rows")
