@@ -5,14 +5,17 @@ from .config import ModelConfig
 from .errors import (BackendError, CacheError, CacheFullError, ConfigError, ContextOverflowError,
                      DTypeError, GenerationError, GGUFError, KVRefError, ModelNotFoundError,
                      SamplingError, ShapeError, TokenError, TokenizerError)
+from .conversation import Conversation
 from .generate import generate
+from .loader import load
 from .model import Model
+from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
-    "ContiguousCache", "DTypeError", "GenerationError", "GGUFError", "KVCache", "KVRefError", "Model",
+    "ContiguousCache", "Conversation", "DTypeError", "GenerationError", "GGUFError", "KVCache", "KVRefError", "Model",
     "ModelConfig", "ModelNotFoundError", "SamplingError", "ShapeError", "TokenError", "TokenizerError",
-    "cache_bytes", "generate",
+    "Tokenizer", "cache_bytes", "generate", "load",
 ]

@@ -16,7 +16,8 @@ import pytest
 
 import kvref
 from kvref.errors import GGUFError, ModelNotFoundError
-from kvref.loader import load, model_path
+from kvref.loader import model_path
+from kvref import load
 from kvref.tolerance import assert_close
 
 REFS = Path(__file__).parent / "data" / "refs"  # a copy of the project's shared/refs
