@@ -66,7 +66,11 @@ def run(engine, threads, n_new) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), KVREF_THREADS=str(threads))
     out = subprocess.run([sys.executable, __file__, "--worker", engine, "--new-tokens", str(n_new)],
-                         env=env, capture_output=True, text=True, check=True)
+                         env=env, capture_output=True, text=True)
+    if out.returncode != 0:  # reported and left out of the medians, not hidden
+        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  {engine} at {threads} thread(s) failed with exit code {out.returncode}: {tail}", file=sys.stderr)
+        return None
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -90,6 +94,8 @@ def main():
         for threads in args.threads:
             for engine in args.engines:
                 res = run(engine, threads, args.new_tokens)
+                if res is None:
+                    continue
                 results.setdefault((engine, threads), []).append(res["decode_tok_s"])
                 print(f"round {r + 1}: {engine:<13} {threads} thread(s): {res['decode_tok_s']:7.1f} tok/s decode",
                       file=sys.stderr)
