@@ -23,6 +23,20 @@ TARGET static inline float fp16_load(const uint8_t *p) { return _cvtsh_ss(kvref_
 
 TARGET static inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
+/* the float16 at p, converted and broadcast to 16 lanes (two vector ops, no scalar round trip) */
+TARGET static inline __m512 bcast_fp16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)kvref_load_u16(p)));
+}
+
+/* the float16 pair (d, m) at p, each broadcast to 16 lanes */
+TARGET static inline void bcast_fp16_pair(const uint8_t *p, __m512 *d, __m512 *m) {
+    uint32_t dm;
+    memcpy(&dm, p, 4);
+    const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi32((int)dm)); /* d, m, d, m, ... */
+    *d = _mm512_moveldup_ps(v);
+    *m = _mm512_movehdup_ps(v);
+}
+
 TARGET static inline __m512 iota16(void) {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -90,7 +104,7 @@ TARGET static float vec_dot_q4_0(int64_t K, const uint8_t *w, const float *x) {
     const __m512 centred = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x += QK4_0) {
-        const __m512 table = _mm512_mul_ps(centred, _mm512_set1_ps(fp16_load(w))); /* d * (q - 8), exact */
+        const __m512 table = _mm512_mul_ps(centred, bcast_fp16(w)); /* d * (q - 8), exact */
         const __m512i q = load_nibble_bytes(w + 2);
         a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), _mm512_loadu_ps(x), a0);
         a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), _mm512_loadu_ps(x + 16), a1);
@@ -102,7 +116,9 @@ TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
     const __m512 iota = iota16();
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x += QK4_1) {
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16_load(w)), _mm512_set1_ps(fp16_load(w + 2)));
+        __m512 d, m;
+        bcast_fp16_pair(w, &d, &m);
+        const __m512 table = _mm512_fmadd_ps(iota, d, m); /* d * q + m: one rounding, as NumPy */
         const __m512i q = load_nibble_bytes(w + 4);
         a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), _mm512_loadu_ps(x), a0);
         a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), _mm512_loadu_ps(x + 16), a1);
@@ -113,7 +129,7 @@ TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
 TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
-        const __m512 d = _mm512_set1_ps(fp16_load(w));
+        const __m512 d = bcast_fp16(w);
         const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2))));
         const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 18))));
         a0 = _mm512_fmadd_ps(_mm512_mul_ps(q0, d), _mm512_loadu_ps(x), a0); /* d * q exact */
@@ -180,7 +196,9 @@ TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
 TARGET static void dequant_q4_1(int64_t K, const uint8_t *w, float *out) {
     const __m512 iota = iota16();
     for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, out += QK4_1) {
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16_load(w)), _mm512_set1_ps(fp16_load(w + 2)));
+        __m512 d, m;
+        bcast_fp16_pair(w, &d, &m);
+        const __m512 table = _mm512_fmadd_ps(iota, d, m); /* d * q + m: one rounding, as NumPy */
         const __m512i q = load_nibble_bytes(w + 4);
         _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, table));
         _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
@@ -190,7 +208,7 @@ TARGET static void dequant_q4_1(int64_t K, const uint8_t *w, float *out) {
 TARGET static void dequant_q4_0(int64_t K, const uint8_t *w, float *out) {
     const __m512 centred = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));
     for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, out += QK4_0) {
-        const __m512 table = _mm512_mul_ps(centred, _mm512_set1_ps(fp16_load(w)));
+        const __m512 table = _mm512_mul_ps(centred, bcast_fp16(w));
         const __m512i q = load_nibble_bytes(w + 2);
         _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, table));
         _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
@@ -199,7 +217,7 @@ TARGET static void dequant_q4_0(int64_t K, const uint8_t *w, float *out) {
 
 TARGET static void dequant_q8_0(int64_t K, const uint8_t *w, float *out) {
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, out += QK8_0) {
-        const __m512 d = _mm512_set1_ps(fp16_load(w));
+        const __m512 d = bcast_fp16(w);
         _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2)))), d));
         _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 18)))), d));
     }
@@ -314,6 +332,20 @@ TARGET static inline __m512 load_kv(const void *base, int32_t type, int64_t i, _
     return _mm512_maskz_loadu_ps(mk, (const float *)base + i);
 }
 
+/* [16 x 16 lanes] -> 16 lanes: lane r = sum of the lanes of v[r] (a fixed tree of adds) */
+TARGET static inline __m512 reduce16(const __m512 *v) {
+    __m512 r[8], s[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums interleaved */
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the 4 keys 4i..4i+3 */
+        const __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
+        s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88), _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88), _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
+}
+
 TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
                              float *m, float *l, float *acc, float *scratch) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
@@ -336,12 +368,24 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
         if (nvis == 0) continue;
         const int all = nvis == n;
 
-        /* scores: one K row serves every head of the group */
-        for (int64_t s = 0; s < n; s++) {
-            if (!all && kp[s] > qpos) {
-                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
-                continue;
+        /* scores, 16 keys at a time: 16 dot-product vectors, then one transposing reduction */
+        const __m512 vscale = _mm512_set1_ps(a->scale);
+        int64_t s = 0;
+        for (; s + 16 <= n; s += 16) {
+            const int64_t kb = ((c0 + s) * a->Hkv + hk) * D, kstride = a->Hkv * D;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 d[16];
+                for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < nvec; j++) {
+                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                    const __m512 qv = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
+                    for (int r = 0; r < 16; r++)
+                        d[r] = _mm512_fmadd_ps(qv, load_kv(a->k, a->kv_type, kb + r * kstride + 16 * j, mk), d[r]);
+                }
+                _mm512_storeu_ps(p + g * C + s, _mm512_mul_ps(reduce16(d), vscale));
             }
+        }
+        for (; s < n; s++) { /* the chunk's last keys, one at a time */
             const int64_t kb = ((c0 + s) * a->Hkv + hk) * D;
             for (int64_t g = 0; g < G; g++) {
                 __m512 d = _mm512_setzero_ps();
@@ -352,6 +396,10 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
                 p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
             }
         }
+        if (!all) /* masked keys: scored like the rest (their values are never used), then hidden */
+            for (s = 0; s < n; s++)
+                if (kp[s] > qpos)
+                    for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
         /* online softmax: move the running max once per chunk */
         for (int64_t g = 0; g < G; g++) {
             float *pg = p + g * C;

@@ -12,7 +12,9 @@
 #include "internal.h"
 
 #define KVREF_GEMM_MIN_T 4     /* from this many x rows on, dequantize tiles and use the GEMM */
-#define KVREF_VEC_UNIT_N 16    /* weight rows per unit on the vec_dot path */
+#define KVREF_VEC_UNIT_MIN 16  /* at least this many weight rows per unit on the vec_dot path */
+#define KVREF_VEC_UNITS_PER_THREAD 4 /* long runs of rows keep the hardware prefetcher streaming;
+                                       several per thread still let a busy thread's share move */
 #define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path */
 
 typedef struct {
@@ -22,6 +24,7 @@ typedef struct {
     const uint8_t *w;          /* [N, rb] */
     int32_t type;
     int64_t T, K, N, rb;
+    int64_t unit_rows;         /* vec_dot path: rows per unit */
     float *y;                  /* [T, N] */
 } mm_ctx;
 
@@ -29,8 +32,8 @@ static void mm_vec_unit(void *vctx, int64_t unit, int thread) {
     const mm_ctx *c = vctx;
     (void)thread;
     const kvref_vec_dot_fn dot = c->kk->vec_dot[c->type];
-    const int64_t n0 = unit * KVREF_VEC_UNIT_N;
-    const int64_t n1 = n0 + KVREF_VEC_UNIT_N < c->N ? n0 + KVREF_VEC_UNIT_N : c->N;
+    const int64_t n0 = unit * c->unit_rows;
+    const int64_t n1 = n0 + c->unit_rows < c->N ? n0 + c->unit_rows : c->N;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t t = 0; t < c->T; t++) c->y[t * c->N + n] = dot(c->K, c->w + n * c->rb, c->x + t * c->K);
 }
@@ -67,10 +70,14 @@ int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const v
     if (x == NULL || w == NULL || y == NULL) return KVREF_ERR_NULL;
 
     kvref_pool_lock(pool);
-    mm_ctx c = {kvref_pool_kernels(pool), pool, x, (const uint8_t *)w, w_type, T, K, N, rb, y};
+    /* units only schedule rows: each y[t, n] is the same dot product whatever the unit size */
+    const int64_t per_unit = (N + kvref_pool_threads(pool) * KVREF_VEC_UNITS_PER_THREAD - 1) /
+                             (kvref_pool_threads(pool) * KVREF_VEC_UNITS_PER_THREAD);
+    const int64_t unit_rows = per_unit < KVREF_VEC_UNIT_MIN ? KVREF_VEC_UNIT_MIN : per_unit;
+    mm_ctx c = {kvref_pool_kernels(pool), pool, x, (const uint8_t *)w, w_type, T, K, N, rb, unit_rows, y};
     int status = KVREF_OK;
     if (T < KVREF_GEMM_MIN_T) {
-        kvref_pool_run(pool, mm_vec_unit, &c, (N + KVREF_VEC_UNIT_N - 1) / KVREF_VEC_UNIT_N);
+        kvref_pool_run(pool, mm_vec_unit, &c, (N + unit_rows - 1) / unit_rows);
     } else {
         if (w_type != KVREF_TYPE_F32 || ((uintptr_t)w & 3) != 0) status = kvref_pool_reserve(pool, (size_t)KVREF_TILE_N * (size_t)K * sizeof(float));
         if (status == KVREF_OK) kvref_pool_run(pool, mm_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);

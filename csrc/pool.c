@@ -1,10 +1,17 @@
 /* pool.c: the persistent thread pool, run-time CPU detection, and the small query functions.
  *
  * A pool owns n_threads - 1 pthreads that live until kvref_pool_destroy. A kernel call publishes
- * a task (a function over units) by bumping a generation counter; workers spin briefly on that
- * counter after each task (decode issues hundreds of small calls per token, and a futex wake
- * costs tens of microseconds), then sleep on a condition variable. The calling thread works too,
- * so a 1-thread pool starts no thread at all.
+ * a task (a function over units); the calling thread and every awake worker claim units one at a
+ * time and run them. Idle workers spin briefly on a generation counter after each task (decode
+ * issues hundreds of small calls per token, and a futex wake costs tens of microseconds), then
+ * sleep on a condition variable.
+ *
+ * The caller waits only for units that were claimed, never for a worker to show up: on a busy
+ * machine where a worker is descheduled, the caller simply runs every unit itself. Claims go
+ * through one atomic word holding (tag, unit count, next unit), so a worker that wakes late and
+ * still holds an old word cannot claim a unit of a newer task (its compare-exchange fails), and a
+ * claimed unit keeps its task alive: the caller does not return (and cannot publish the next task)
+ * until every claimed unit is done.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -30,6 +37,14 @@ struct kvref_worker {
     int index;                          /* 1 .. n_threads-1; the caller is 0 */
 };
 
+/* the claim word: tag (20 bits) | units in this batch (22 bits) | next unit (22 bits). The tag
+ * changes with every batch; a stale compare-exchange would need a worker to stall across 2**20
+ * batches and then find the identical word, which a runnable thread never does. */
+#define CLAIM_BITS 22
+#define CLAIM_MASK ((UINT64_C(1) << CLAIM_BITS) - 1)
+#define CLAIM_BATCH ((int64_t)CLAIM_MASK)
+#define TAG_MASK ((UINT64_C(1) << 20) - 1)
+
 struct kvref_pool {
     int64_t n_threads;
     int32_t isa;
@@ -38,14 +53,15 @@ struct kvref_pool {
     pthread_mutex_t call_lock;          /* held for the whole of one kernel call */
     pthread_mutex_t mu;                 /* guards sleeping on cv */
     pthread_cond_t cv;
-    atomic_uint_fast64_t generation;    /* bumped to publish a task (or stop) */
+    atomic_uint_fast64_t generation;    /* bumped to wake workers for a task (or to stop) */
     atomic_int stop;
 
-    kvref_task_fn fn;                   /* the published task; written before generation */
+    kvref_task_fn fn;                   /* the published task: written before the claim word */
     void *ctx;
-    int64_t n_units;
-    atomic_int_fast64_t next_unit;
-    atomic_int n_finished;              /* workers done with the current generation */
+    int64_t base;                       /* unit offset of the current batch */
+    uint64_t tag;                       /* caller-private: tag of the current batch */
+    atomic_uint_fast64_t claim;         /* tag | n | next unit, see above */
+    atomic_int_fast64_t done;           /* units of the current batch finished */
 
     pthread_t *threads;
     struct kvref_worker *workers;
@@ -71,14 +87,19 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-static void run_units(kvref_pool *pool, int thread) {
-    kvref_task_fn fn = pool->fn;
-    void *ctx = pool->ctx;
-    int64_t n = pool->n_units;
+/* Claim and run units of the published batch until none is left. */
+static void claim_units(kvref_pool *pool, int thread) {
+    uint_fast64_t cur = atomic_load_explicit(&pool->claim, memory_order_acquire);
     for (;;) {
-        int64_t u = atomic_fetch_add_explicit(&pool->next_unit, 1, memory_order_relaxed);
-        if (u >= n) break;
-        fn(ctx, u, thread);
+        const uint_fast64_t n = (cur >> CLAIM_BITS) & CLAIM_MASK, u = cur & CLAIM_MASK;
+        if (u >= n) return;
+        if (atomic_compare_exchange_weak_explicit(&pool->claim, &cur, cur + 1, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            /* the batch cannot end before this unit is done: fn, ctx and base are stable */
+            pool->fn(pool->ctx, pool->base + (int64_t)u, thread);
+            atomic_fetch_add_explicit(&pool->done, 1, memory_order_release);
+            cur = atomic_load_explicit(&pool->claim, memory_order_acquire);
+        }
     }
 }
 
@@ -94,7 +115,10 @@ static void *worker_main(void *arg) {
                 cpu_relax();
                 g = atomic_load_explicit(&pool->generation, memory_order_acquire);
                 if (g != seen) break;
-                if ((i & 63) == 63 && now_ns() > deadline) break;
+                if ((i & 255) == 255) {
+                    if (now_ns() > deadline) break;
+                    sched_yield(); /* on a busy core, let the caller or another process run */
+                }
             }
         }
         if (g == seen) {
@@ -105,8 +129,7 @@ static void *worker_main(void *arg) {
         }
         seen = g;
         if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
-        run_units(pool, w->index);
-        atomic_fetch_add_explicit(&pool->n_finished, 1, memory_order_release);
+        claim_units(pool, w->index);
     }
     return NULL;
 }
@@ -126,14 +149,20 @@ void kvref_pool_run(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t n_uni
     }
     pool->fn = fn;
     pool->ctx = ctx;
-    pool->n_units = n_units;
-    atomic_store_explicit(&pool->next_unit, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool->n_finished, 0, memory_order_relaxed);
-    publish(pool);
-    run_units(pool, 0);
-    for (int i = 0; atomic_load_explicit(&pool->n_finished, memory_order_acquire) < pool->n_started; i++) {
-        cpu_relax();
-        if ((i & 1023) == 1023) sched_yield(); /* a worker was descheduled: let it run */
+    for (int64_t base = 0; base < n_units; base += CLAIM_BATCH) {
+        const int64_t n = n_units - base < CLAIM_BATCH ? n_units - base : CLAIM_BATCH;
+        pool->base = base;
+        pool->tag = (pool->tag + 1) & TAG_MASK;
+        atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
+        atomic_store_explicit(&pool->claim, (pool->tag << (2 * CLAIM_BITS)) | ((uint_fast64_t)n << CLAIM_BITS),
+                              memory_order_release);
+        publish(pool);
+        claim_units(pool, 0);
+        /* wait only for units other threads claimed and are still running */
+        for (int i = 0; atomic_load_explicit(&pool->done, memory_order_acquire) < n; i++) {
+            cpu_relax();
+            if ((i & 255) == 255) sched_yield(); /* a worker holding a unit was descheduled */
+        }
     }
 }
 
@@ -241,8 +270,8 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
     pthread_cond_init(&pool->cv, NULL);
     atomic_init(&pool->generation, 0);
     atomic_init(&pool->stop, 0);
-    atomic_init(&pool->next_unit, 0);
-    atomic_init(&pool->n_finished, 0);
+    atomic_init(&pool->claim, 0);
+    atomic_init(&pool->done, 0);
 
     pool->scratch = calloc((size_t)n_threads, sizeof(void *));
     pool->threads = calloc((size_t)n_threads, sizeof(pthread_t));

@@ -485,13 +485,24 @@ def test_wrong_attention_calls_raise_the_named_kvref_error(args, error):
         nops.attention(*args)
 
 
-def test_bad_KVREF_THREADS_raises_a_backend_error(monkeypatch):
-    for bad in ("0", "abc", "-1", "5000"):
-        monkeypatch.setenv("KVREF_THREADS", bad)
+def test_bad_KVREF_THREADS_or_KVREF_ISA_raises_a_backend_error(monkeypatch):
+    try:
+        for bad in ("0", "abc", "-1", "5000"):
+            monkeypatch.setenv("KVREF_THREADS", bad)
+            nops.reset_default()
+            with pytest.raises(BackendError):
+                nops.matmul(X, W)
+        monkeypatch.setenv("KVREF_THREADS", "2")
+        monkeypatch.setenv("KVREF_ISA", "sse9")
+        nops.reset_default()
         with pytest.raises(BackendError):
             nops.matmul(X, W)
-    monkeypatch.setenv("KVREF_THREADS", "2")
-    assert nops.kernels().threads == 2
+        monkeypatch.setenv("KVREF_ISA", "scalar")
+        nops.reset_default()
+        assert (nops.kernels().threads, nops.kernels().isa) == (2, "scalar")
+    finally:
+        monkeypatch.undo()
+        nops.reset_default()
 
 
 def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():

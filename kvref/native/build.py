@@ -110,6 +110,8 @@ def build_in_place() -> Path:
     tmp = ROOT / "build" / "cffi"
     tmp.mkdir(parents=True, exist_ok=True)
     built = Path(make_builder(absolute_paths=True).compile(tmpdir=str(tmp), verbose=True))
+    for stale in HERE.glob("_kvref*.so"):  # e.g. an abi3 build from `pip install -e .` would shadow it
+        stale.unlink()
     target = HERE / built.name
     shutil.copy2(built, target)
     return target

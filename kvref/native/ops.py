@@ -18,7 +18,9 @@ subclass naming the argument; it never reaches C. The C side checks its scalar a
 and returns a status, which is mapped to the same exceptions. No cffi object leaves this module.
 
 Threads: the module functions run on a shared pool per (threads, isa), created on first use with
-`threads` from the argument, else KVREF_THREADS, else the CPUs this process may run on. Results
+`threads` from the argument, else KVREF_THREADS (read once, at the first call; reset_default()
+re-reads it), else the CPUs this process may run on. KVREF_ISA (auto|scalar|avx2|avx512) forces
+an instruction set the same way. Results
 do not depend on the thread count (see csrc/kvref.h). `Kernels(threads=..., isa=...)` binds the
 same functions to one pool, for a backend that wants its own.
 """
@@ -228,14 +230,28 @@ def _forget_pools_after_fork():
     for ks in _kernel_sets.values():
         ks._pool.pid = -1
     _kernel_sets.clear()
+    _default.clear()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
+_default = []  # [Kernels] for calls without threads/isa: KVREF_THREADS/KVREF_ISA read once
+
+
 def kernels(threads=None, isa=None) -> "Kernels":
-    """The shared kernel set for a thread count and instruction set (created on first use)."""
+    """The shared kernel set for a thread count and instruction set (created on first use).
+
+    Without arguments: the default set, from KVREF_THREADS and KVREF_ISA as they were at the
+    first such call (like OMP_NUM_THREADS); reset_default() re-reads them.
+    """
+    if threads is None and isa is None:
+        if _default:
+            return _default[0]
+        ks = kernels(_threads(None), _isa(None))
+        _default[:] = [ks]
+        return ks
     key = (_threads(threads), _isa(isa))
     ks = _kernel_sets.get(key)
     if ks is None:
@@ -244,6 +260,11 @@ def kernels(threads=None, isa=None) -> "Kernels":
             if ks is None:
                 ks = _kernel_sets[key] = Kernels(*key)
     return ks
+
+
+def reset_default():
+    """Forget the default kernel set, so the next call re-reads KVREF_THREADS and KVREF_ISA."""
+    _default.clear()
 
 
 # ---- the kernel set -----------------------------------------------------------------------
@@ -392,4 +413,4 @@ def swiglu(gate, up, *, threads=None):
 
 
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "kernels",
-           "matmul", "rms_norm", "rope", "supported_isas", "swiglu"]
+           "matmul", "reset_default", "rms_norm", "rope", "supported_isas", "swiglu"]

