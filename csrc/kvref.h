@@ -119,7 +119,7 @@ int kvref_rms_norm(kvref_pool *pool,
 /* Rotary embedding on adjacent pairs: (x[2i], x[2i+1]) of each head at position p turns by
  * p * theta**(-2i/D), computed in double and rounded once.
  *   x:         float32 [T, nh, D], D even
- *   positions: int64   [T], each >= 0
+ *   positions: int64   [T] (any values: the angle is position * frequency, in double)
  *   out:       float32 [T, nh, D] (may be x itself) */
 int kvref_rope(kvref_pool *pool,
                const float *x, int64_t T, int64_t nh, int64_t D,

@@ -15,6 +15,9 @@
 #define KVREF_VEC_UNIT_MIN 16  /* at least this many weight rows per unit on the vec_dot path */
 #define KVREF_VEC_UNITS_PER_THREAD 4 /* long runs of rows keep the hardware prefetcher streaming;
                                        several per thread still let a busy thread's share move */
+#ifndef KVREF_PREFETCH_ROWS
+#define KVREF_PREFETCH_ROWS 4  /* vec_dot path: software prefetch distance, in weight rows */
+#endif
 #define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path */
 
 typedef struct {
@@ -34,8 +37,15 @@ static void mm_vec_unit(void *vctx, int64_t unit, int thread) {
     const kvref_vec_dot_fn dot = c->kk->vec_dot[c->type];
     const int64_t n0 = unit * c->unit_rows;
     const int64_t n1 = n0 + c->unit_rows < c->N ? n0 + c->unit_rows : c->N;
-    for (int64_t n = n0; n < n1; n++)
+    for (int64_t n = n0; n < n1; n++) {
+        /* decode streams each weight once from DRAM: ask for a row a few rows ahead, so the
+         * prefetcher's ramp-up at the start of every unit does not stall the dot products */
+        if (KVREF_PREFETCH_ROWS > 0 && n + KVREF_PREFETCH_ROWS < n1) {
+            const uint8_t *ahead = c->w + (n + KVREF_PREFETCH_ROWS) * c->rb;
+            for (int64_t b = 0; b < c->rb; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        }
         for (int64_t t = 0; t < c->T; t++) c->y[t * c->N + n] = dot(c->K, c->w + n * c->rb, c->x + t * c->K);
+    }
 }
 
 static void mm_tile_unit(void *vctx, int64_t unit, int thread) {

@@ -12,6 +12,12 @@ float16) ndarray in file layout, or a kvref.formats.ggml.QuantizedTensor of type
 Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16.
 
+Numerics: every weight value is decoded to exactly the float32 the spec dequantizer
+(kvref.spec.quants) produces, and dot products accumulate in float32, so matmul differs from the
+spec only by summation order: |native - spec| <= 2 gamma(K) (|x| @ |W|.T), gamma(K) = K u / (1 - K u),
+u = 2**-24. Attention, RMSNorm, RoPE and SwiGLU have similar derived bounds; tests/test_native.py
+states and checks each one. Activations are never rounded to 8 bits.
+
 Every argument is checked here, before C runs: types, dtypes, C-contiguity, alignment, shapes,
 lengths, token ids, quantized byte counts and thread counts. A wrong call raises a KVRefError
 subclass naming the argument; it never reaches C. The C side checks its scalar arguments again
