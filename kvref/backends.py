@@ -1,22 +1,57 @@
-"""Which kernel set runs the decoder: the NumPy spec, or the native C module when it is built."""
+"""Which kernel set runs the decoder: the NumPy spec, or the native C module.
+
+Both provide the same names (embed, matmul, rms_norm, rope, attention, swiglu) with the same meaning;
+the decoder is shared. "auto" takes the native kernels when they are built and the model is float32
+(they compute in float32), and says once when it has to fall back to the spec.
+"""
 
 from __future__ import annotations
 
-from .errors import BackendError
+import os
+import warnings
+
+from . import native
+from .errors import BackendError, DTypeError
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
+NATIVE_DTYPES = ("float32",)
+# K/V element types each backend's attention reads
+KV_DTYPES = {"numpy": ("float64", "float32", "float16"), "c": ("float32", "float16")}
+_fallback_reported = []
 
 
-def resolve(backend: str) -> str:
-    """The concrete backend for a requested one ("auto" picks the fastest available)."""
+def resolve(backend: str, dtype: str = "float32") -> str:
+    """The concrete backend ("numpy" or "c") for a requested one; KVREF_BACKEND overrides "auto"."""
     if backend not in BACKENDS:
         raise BackendError(f"backend {backend!r} is unknown; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = os.environ.get("KVREF_BACKEND", "auto")
+        if backend not in BACKENDS:
+            raise BackendError(f"KVREF_BACKEND={backend!r} is unknown; expected one of {BACKENDS}")
+    if backend == "auto":
+        if dtype not in NATIVE_DTYPES:
+            return "numpy"  # the exactness path: float64 runs only in the spec
+        if native.available():
+            return "c"
+        if not _fallback_reported:
+            _fallback_reported.append(True)
+            warnings.warn(f"kvref runs on the NumPy spec path: {native.unavailable_reason()}", RuntimeWarning,
+                          stacklevel=3)
+        return "numpy"
     if backend == "c":
-        raise BackendError("the native backend is not part of this build yet; use backend='numpy'")
-    return "numpy"
+        if not native.available():
+            raise BackendError(native.unavailable_reason())
+        if dtype not in NATIVE_DTYPES:
+            raise DTypeError(f"the native backend computes in {NATIVE_DTYPES}; model dtype {dtype!r} needs "
+                             "backend='numpy'")
+    return backend
 
 
-def kernels(backend: str):
-    """The module whose functions (embed, matmul, rms_norm, rope, attention, swiglu) the decoder calls."""
-    return spec_ops
+def kernels(backend: str, threads: int | None = None):
+    """The kernel set of a resolved backend; `threads` sizes the native thread pool."""
+    if backend == "numpy":
+        return spec_ops
+    from .native import ops as native_ops
+
+    return native_ops.kernels(threads=threads)

