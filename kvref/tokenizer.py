@@ -186,15 +186,7 @@ class Tokenizer:
         pattern = self._special_all if special else self._special_always
         if pattern is None:
             return [text] if text else []
-        parts, start = [], 0
-        for match in pattern.finditer(text):
-            if match.start() > start:
-                parts.append(text[start:match.start()])
-            parts.append(self._ids[match.group()])
-            start = match.end()
-        if start < len(text):
-            parts.append(text[start:])
-        return parts
+        return [self._ids[piece] if matched else piece for piece, matched in _pieces(pattern, text)]
 
     def _pre_tokenize(self, text: str) -> list[str]:
         pieces = [text]
@@ -276,14 +268,19 @@ def _merge_by_rank(symbols: list[str], ranks: dict[tuple[str, str], int]) -> lis
 def _split_isolated(pattern, text: str) -> list[str]:
     """Matches and the text between them, each as its own piece (llama.cpp's unicode_regex_split,
     HF's Split behavior "isolated")."""
+    return [piece for piece, _ in _pieces(pattern, text)]
+
+
+def _pieces(pattern, text: str) -> list[tuple[str, bool]]:
+    """(piece, is_match) for every match of `pattern` and every stretch of text between them, in order."""
     pieces, start = [], 0
     for match in pattern.finditer(text):
         if match.start() > start:
-            pieces.append(text[start:match.start()])
-        pieces.append(match.group())
+            pieces.append((text[start:match.start()], False))
+        pieces.append((match.group(), True))
         start = match.end()
     if start < len(text):
-        pieces.append(text[start:])
+        pieces.append((text[start:], False))
     return pieces
 
 
