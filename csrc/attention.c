@@ -86,6 +86,31 @@ static void merge_task(void *vctx, int64_t unit, int thread) {
 
 static int mul_overflows(int64_t a, int64_t b) { return a > 0 && b > 0 && a > INT64_MAX / b; }
 
+static int64_t n_segments(int64_t T, int64_t S) {
+    return T <= KVREF_ATTN_SPLIT_MAX_T ? (S + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT : 1;
+}
+
+size_t kvref_attention_scratch_bytes(int64_t G, int64_t D) {
+    return (size_t)(kvref_attn_scratch_floats(G, D) + G * (D + 2)) * sizeof(float);
+}
+
+int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S) {
+    const int64_t nseg = n_segments(T, S);
+    return nseg > 1 ? T * Hkv * nseg * G * (D + 2) : 0;
+}
+
+void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *partial, float *out) {
+    attn_ctx c;
+    c.a = *a;
+    c.pool = pool;
+    c.out = out;
+    c.nseg = n_segments(a->T, a->S);
+    c.partial = partial;
+    c.unit_fn = kvref_pool_kernels(pool)->attn_unit;
+    kvref_pool_run(pool, attn_task, &c, a->T * a->Hkv * c.nseg);
+    if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, a->T * a->Hkv);
+}
+
 int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const void *k,
                     const void *v, int32_t kv_type, int64_t S, int64_t Hkv,
                     const int64_t *q_positions, const int64_t *k_positions, float *out) {
@@ -104,26 +129,17 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
     if (k == NULL || v == NULL || k_positions == NULL) return KVREF_ERR_NULL;
 
     const int64_t G = H / Hkv;
-    attn_ctx c;
-    c.a = (kvref_attn_args){q, k, v, kv_type, q_positions, k_positions, T, H, D, S, Hkv, G,
-                            (float)(1.0 / sqrt((double)D))};
-    c.pool = pool;
-    c.out = out;
-    c.nseg = (T <= KVREF_ATTN_SPLIT_MAX_T) ? (S + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT : 1;
-    c.partial = NULL;
-
+    const kvref_attn_args a = {q, k, v, kv_type, q_positions, k_positions, T, H, D, S, Hkv, G,
+                               (float)(1.0 / sqrt((double)D))};
     kvref_pool_lock(pool);
-    c.unit_fn = kvref_pool_kernels(pool)->attn_unit;
-    size_t per_thread = (size_t)(kvref_attn_scratch_floats(G, D) + G * (D + 2)) * sizeof(float);
-    int status = kvref_pool_reserve(pool, per_thread);
-    if (status == KVREF_OK && c.nseg > 1) {
-        c.partial = kvref_pool_shared(pool, (size_t)(T * Hkv * c.nseg * G * (D + 2)) * sizeof(float));
-        if (c.partial == NULL) status = KVREF_ERR_NOMEM;
+    int status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(G, D));
+    float *partial = NULL;
+    const int64_t np = kvref_attention_partial_floats(T, Hkv, G, D, S);
+    if (status == KVREF_OK && np > 0) {
+        partial = kvref_pool_shared(pool, (size_t)np * sizeof(float));
+        if (partial == NULL) status = KVREF_ERR_NOMEM;
     }
-    if (status == KVREF_OK) {
-        kvref_pool_run(pool, attn_task, &c, T * Hkv * c.nseg);
-        if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, T * Hkv);
-    }
+    if (status == KVREF_OK) kvref_attention_run(pool, &a, partial, out);
     kvref_pool_unlock(pool);
     return status;
 }

@@ -20,19 +20,19 @@ typedef struct {
     float *out;                /* [T, E] */
 } norm_ctx;
 
+void kvref_rms_norm_row(const float *x, int64_t E, const float *weight, double eps, float *out) {
+    double ss = 0.0; /* double: no overflow, and a sum of E squares exact to ~1e-16 relative */
+    for (int64_t i = 0; i < E; i++) ss += (double)x[i] * (double)x[i];
+    const double r = 1.0 / sqrt(ss / (double)E + eps);
+    for (int64_t i = 0; i < E; i++) out[i] = (float)((double)x[i] * r) * weight[i];
+}
+
 static void norm_task(void *vctx, int64_t unit, int thread) {
     const norm_ctx *c = vctx;
     (void)thread;
     const int64_t t0 = unit * KVREF_NORM_UNIT_ROWS;
     const int64_t t1 = t0 + KVREF_NORM_UNIT_ROWS < c->T ? t0 + KVREF_NORM_UNIT_ROWS : c->T;
-    for (int64_t t = t0; t < t1; t++) {
-        const float *x = c->x + t * c->E;
-        float *o = c->out + t * c->E;
-        double ss = 0.0; /* double: no overflow, and a sum of E squares exact to ~1e-16 relative */
-        for (int64_t i = 0; i < c->E; i++) ss += (double)x[i] * (double)x[i];
-        const double r = 1.0 / sqrt(ss / (double)c->E + c->eps);
-        for (int64_t i = 0; i < c->E; i++) o[i] = (float)((double)x[i] * r) * c->weight[i];
-    }
+    for (int64_t t = t0; t < t1; t++) kvref_rms_norm_row(c->x + t * c->E, c->E, c->weight, c->eps, c->out + t * c->E);
 }
 
 int kvref_rms_norm(kvref_pool *pool, const float *x, int64_t T, int64_t E, const float *weight,
@@ -60,25 +60,38 @@ typedef struct {
     float *out;                /* [T, nh, D] */
 } rope_ctx;
 
-static void rope_task(void *vctx, int64_t t, int thread) {
-    const rope_ctx *c = vctx;
-    const int64_t half = c->D / 2;
-    double *cs = kvref_pool_scratch(c->pool, thread); /* [D/2] cos, then [D/2] sin */
-    const double p = (double)c->positions[t];
+void kvref_rope_inv_freq(int64_t D, double theta, double *inv_freq) {
+    for (int64_t i = 0; i < D / 2; i++) inv_freq[i] = pow(theta, -(double)(2 * i) / (double)D);
+}
+
+void kvref_rope_cos_sin(int64_t D, const double *inv_freq, int64_t position, double *cs) {
+    const int64_t half = D / 2;
+    const double p = (double)position;
     for (int64_t i = 0; i < half; i++) {
-        const double angle = p * c->inv_freq[i];
+        const double angle = p * inv_freq[i];
         cs[i] = cos(angle);
         cs[half + i] = sin(angle);
     }
-    for (int64_t h = 0; h < c->nh; h++) {
-        const float *x = c->x + (t * c->nh + h) * c->D;
-        float *o = c->out + (t * c->nh + h) * c->D;
+}
+
+void kvref_rope_row(const float *x, int64_t nh, int64_t D, const double *cs, float *out) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < nh; h++) {
+        const float *xh = x + h * D;
+        float *o = out + h * D;
         for (int64_t i = 0; i < half; i++) {
-            const double even = x[2 * i], odd = x[2 * i + 1];
+            const double even = xh[2 * i], odd = xh[2 * i + 1];
             o[2 * i] = (float)(even * cs[i] - odd * cs[half + i]);
             o[2 * i + 1] = (float)(even * cs[half + i] + odd * cs[i]);
         }
     }
+}
+
+static void rope_task(void *vctx, int64_t t, int thread) {
+    const rope_ctx *c = vctx;
+    double *cs = kvref_pool_scratch(c->pool, thread); /* [D/2] cos, then [D/2] sin */
+    kvref_rope_cos_sin(c->D, c->inv_freq, c->positions[t], cs);
+    kvref_rope_row(c->x + t * c->nh * c->D, c->nh, c->D, cs, c->out + t * c->nh * c->D);
 }
 
 int kvref_rope(kvref_pool *pool, const float *x, int64_t T, int64_t nh, int64_t D,
@@ -94,7 +107,7 @@ int kvref_rope(kvref_pool *pool, const float *x, int64_t T, int64_t nh, int64_t 
     double *inv_freq = status == KVREF_OK ? kvref_pool_shared(pool, (size_t)(D / 2) * sizeof(double)) : NULL;
     if (status == KVREF_OK && inv_freq == NULL) status = KVREF_ERR_NOMEM;
     if (status == KVREF_OK) {
-        for (int64_t i = 0; i < D / 2; i++) inv_freq[i] = pow(theta, -(double)(2 * i) / (double)D);
+        kvref_rope_inv_freq(D, theta, inv_freq);
         rope_ctx c = {pool, x, positions, inv_freq, T, nh, D, out};
         kvref_pool_run(pool, rope_task, &c, T);
     }

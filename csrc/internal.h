@@ -56,6 +56,27 @@ static inline float kvref_fp16_to_fp32(uint16_t h) {
 
 static inline float kvref_bf16_to_fp32(uint16_t h) { return kvref_fp32_from_bits((uint32_t)h << 16); }
 
+/* binary32 -> binary16, round to nearest even (as NumPy's astype(float16) and F16C round):
+ * overflow goes to infinity, tiny values to subnormals or zero, NaN stays a quiet NaN.
+ * (F. Giesen's float_to_half_fast3_rtne; relies on IEEE float addition, which SSE gives.) */
+static inline uint16_t kvref_fp32_to_fp16(float f) {
+    uint32_t u = kvref_bits_from_fp32(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    uint16_t h;
+    if (u >= 0x47800000u) {                     /* >= 65536, infinity or NaN */
+        h = u > 0x7f800000u ? (uint16_t)(0x7e00u | ((u >> 13) & 0x3ffu)) : (uint16_t)0x7c00u;
+    } else if (u < 0x38800000u) {               /* below 2**-14: a subnormal half or zero */
+        const float magic = kvref_fp32_from_bits(126u << 23); /* 0.5: aligns the half ulp 2**-24 */
+        h = (uint16_t)(kvref_bits_from_fp32(kvref_fp32_from_bits(u) + magic) - (126u << 23));
+    } else {
+        const uint32_t odd = (u >> 13) & 1u;    /* ties go to the even mantissa */
+        u += 0xc8000fffu + odd;                 /* rebias the exponent (-112 << 23) and round */
+        h = (uint16_t)(u >> 13);
+    }
+    return (uint16_t)(h | sign);
+}
+
 static inline uint16_t kvref_load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline float kvref_load_fp16(const uint8_t *p) { return kvref_fp16_to_fp32(kvref_load_u16(p)); }
 
@@ -70,6 +91,26 @@ static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc
     }
 }
 
+/* ---- 8-bit activation blocks (the "int8" activation mode of the fused forward) ---------------- */
+
+/* 32 consecutive activations rounded to 8 bits, llama.cpp's Q8_1 idea with an exact sum:
+ * x[j] ~ d * qs[j]. d and qs are the same on every instruction set (d, 1/d and x * (1/d) are
+ * single IEEE operations, then round-to-nearest-even); s is a float32 sum whose order differs.
+ * For finite x, |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp
+ * anyway, which only matters for NaN (-> 127). */
+typedef struct kvref_q8_block {
+    float d;                   /* max |x| / 127 over the block; 0 for an all-zero block */
+    float s;                   /* sum of the block's float32 values (unrounded: the offset term of
+                                  Q4_1 multiplies it, so that term stays exact) */
+    int8_t qs[32];             /* rint(x * (1/d)) in [-127, 127] */
+} kvref_q8_block;
+
+/* the exact scale and inverse scale of a block whose largest magnitude is amax */
+static inline void kvref_q8_scale(float amax, float *d, float *id) {
+    *d = amax / 127.0f;
+    *id = *d != 0.0f ? 1.0f / *d : 0.0f;
+}
+
 /* ---- kernel table: one per instruction set -------------------------------------------------- */
 
 /* dot of one weight row (K values in `type` blocks) with x [K] */
@@ -77,6 +118,10 @@ typedef float (*kvref_vec_dot_fn)(int64_t K, const uint8_t *w_row, const float *
 /* one weight row (K values) -> float32 [K], each value rounded exactly as the NumPy dequantizer does */
 typedef void (*kvref_dequant_fn)(int64_t K, const uint8_t *w_row, float *out);
 /* y[t * ldy + n] = dot(x[t, :], w[n, :]) for t < T, n < nw; x [T, K], w [nw, K] float32 */
+/* dot of one weight row (K values in `type` blocks) with x [K] given as K/32 8-bit blocks */
+typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
+/* x [K] (K a multiple of 32) -> K/32 blocks */
+typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, kvref_q8_block *out);
 typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
                               float *y, int64_t ldy);
 
@@ -110,17 +155,82 @@ typedef struct kvref_kernels {
     kvref_attn_unit_fn attn_unit;
     /* out[i] = silu(gate[i]) * up[i] */
     void (*swiglu)(int64_t n, const float *gate, const float *up, float *out);
+    /* 8-bit activations: a dot kernel for the weight types that have one (NULL: use vec_dot) */
+    kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
+    kvref_quantize_q8_fn quantize_q8;
+    /* out[i] = kvref_fp32_to_fp16(x[i]) */
+    void (*to_fp16)(int64_t n, const float *x, uint16_t *out);
 } kvref_kernels;
 
 extern const kvref_kernels kvref_kernels_scalar;
 #if KVREF_X86
 extern const kvref_kernels kvref_kernels_avx2;
 extern const kvref_kernels kvref_kernels_avx512;
+extern const kvref_kernels kvref_kernels_avx512_vnni; /* avx512 plus VNNI 8-bit dot products */
+/* the AVX2 8-bit dot kernels (maddubs), which AVX-512 CPUs without VNNI use too */
+float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
+float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
+float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
 #endif
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
 void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out);
 float kvref_silu_ref(float g);
+void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out);
+
+/* ---- row kernels shared by the single-kernel API and the fused forward ----------------------- */
+
+/* out = x / sqrt(mean(x**2) + eps) * weight for one row of E values (mean square in double) */
+void kvref_rms_norm_row(const float *x, int64_t E, const float *weight, double eps, float *out);
+/* inv_freq[i] = theta ** (-2i / D), i < D/2 */
+void kvref_rope_inv_freq(int64_t D, double theta, double *inv_freq);
+/* cs[0..D/2) = cos(p * inv_freq), cs[D/2..D) = sin(p * inv_freq), in double */
+void kvref_rope_cos_sin(int64_t D, const double *inv_freq, int64_t position, double *cs);
+/* rotate the nh heads of one position: x, out [nh, D] (out may be x), cs from kvref_rope_cos_sin */
+void kvref_rope_row(const float *x, int64_t nh, int64_t D, const double *cs, float *out);
+
+/* ---- matmul and attention bodies (arguments checked, the pool lock held) -------------------- */
+
+#define KVREF_GEMM_MIN_T 4     /* from this many x rows on, matmul dequantizes tiles for a GEMM */
+#define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path */
+
+/* per-thread scratch bytes kvref_matmul_run needs for a weight of `type` with K columns */
+size_t kvref_matmul_scratch_bytes(int32_t type, int64_t T, int64_t K);
+/* y [T, N] = x [T, K] @ W.T: the work of kvref_matmul (any T) */
+void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
+                      int32_t type, int64_t N, float *y);
+
+/* Up to three weights that share one input, for T < KVREF_GEMM_MIN_T rows of x (decode): one
+ * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
+ * the residual add). With xq, weights that have an 8-bit kernel read xq instead of x. With
+ * swiglu, parts 0 and 1 are gate and up of equal N, and each unit finishes its rows with
+ * y_0 = silu(y_0) * y_1. Every element is one dot product whatever the split. */
+typedef struct kvref_mv_part {
+    const uint8_t *w;          /* [N, kvref_row_nbytes(type, K)] */
+    int32_t type;
+    int64_t N;
+    float *y;                  /* [T, ldy], columns [0, N) written */
+    int64_t ldy;
+} kvref_mv_part;
+
+typedef struct kvref_mv {
+    const float *x;            /* [T, K] */
+    const kvref_q8_block *xq;  /* [T, K / 32] or NULL */
+    int64_t T, K;
+    int nparts;
+    kvref_mv_part part[3];
+    int accumulate;
+    int swiglu;
+} kvref_mv;
+
+void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv);
+
+/* per-thread scratch bytes, and shared floats for segment partials, of kvref_attention_run */
+size_t kvref_attention_scratch_bytes(int64_t G, int64_t D);
+int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S);
+/* the work of kvref_attention for checked arguments (S > 0); partial holds
+ * kvref_attention_partial_floats floats */
+void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *partial, float *out);
 
 /* ---- pool internals ------------------------------------------------------------------------- */
 

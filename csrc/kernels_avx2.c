@@ -260,15 +260,24 @@ TARGET static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+TARGET static inline __m256 swiglu8(__m256 g, __m256 u) {
+    const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_mul_ps(sig, u);
+}
+
+/* The tail goes through the same vector code (via a padded copy), so each element's value does not
+ * depend on where it sits: the fused forward applies SwiGLU to row ranges, the single kernel to a
+ * whole [T, F] array, and both must agree bit for bit. */
 TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, swiglu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (i < n) {
+        float g[8] = {0}, u[8] = {0}, o[8];
+        memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
+        memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
+        _mm256_storeu_ps(o, swiglu8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+        memcpy(out + i, o, (size_t)(n - i) * sizeof(float));
     }
-    for (; i < n; i++) out[i] = kvref_silu_ref(gate[i]) * up[i];
 }
 
 /* ---- attention unit (same algorithm as attn_unit_scalar in scalar.c) --------------------- */
@@ -370,6 +379,121 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
     }
 }
 
+/* ---- 8-bit activations: integer dot products with maddubs ---------------------------------- */
+
+/* a block's 16 nibble bytes -> its 32 values 0..15 as bytes, in value order */
+TARGET static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+/* unsigned bytes u times signed bytes s, summed in 8 int32 lanes and converted (exact: each lane
+ * is at most 4 * 128 * 127 in magnitude; maddubs pairs stay below its int16 saturation) */
+TARGET static inline __m256 idot_ps(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* signed w times signed x: move w's sign onto x, so |w| can be the unsigned operand */
+TARGET static inline __m256 idot_signed_ps(__m256i w, __m256i x) {
+    return idot_ps(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+TARGET static inline __m256i load_qs(const kvref_q8_block *x) { return _mm256_loadu_si256((const __m256i *)x->qs); }
+
+/* [d_w * d_x, m_w * s_x, 0, 0] for a weight block starting with float16 (d, m) and an x block */
+TARGET static inline __m128 block_scales(const uint8_t *w_dm, const kvref_q8_block *x) {
+    uint32_t dm;
+    memcpy(&dm, w_dm, 4);
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)x)));
+}
+
+TARGET float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const int64_t nb = K / QK4_0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_0, x += 2) {
+        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        const __m256i q1 = _mm256_sub_epi8(nibbles32(w + BYTES_Q4_0 + 2), _mm256_set1_epi8(8));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x[0].d), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load(w + BYTES_Q4_0) * x[1].d), a1);
+    }
+    if (b < nb) {
+        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x->d), a0);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+TARGET float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(); /* lane 1: the sum of m_w * s_x */
+    const int64_t nb = K / QK4_1;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_1, x += 2) {
+        const __m128 s0 = block_scales(w, x), s1 = block_scales(w + BYTES_Q4_1, x + 1);
+        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
+        a1 = _mm256_fmadd_ps(idot_ps(nibbles32(w + BYTES_Q4_1 + 4), load_qs(x + 1)), _mm256_broadcastss_ps(s1), a1);
+        m0 = _mm_add_ps(m0, s0);
+        m1 = _mm_add_ps(m1, s1);
+    }
+    if (b < nb) {
+        const __m128 s0 = block_scales(w, x);
+        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
+        m0 = _mm_add_ps(m0, s0);
+    }
+    const __m128 m = _mm_add_ps(m0, m1);
+    return hsum8(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
+}
+
+TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const int64_t nb = K / QK8_0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q8_0, x += 2) {
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + BYTES_Q8_0 + 2));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x[0].d), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load(w + BYTES_Q8_0) * x[1].d), a1);
+    }
+    if (b < nb) {
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x->d), a0);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+/* the scalar kernel's blocks: the same d, 1/d and rint (cvtps rounds to nearest even) */
+TARGET static void quantize_q8(int64_t K, const float *x, kvref_q8_block *out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++, x += 32, out++) {
+        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            sum = _mm256_add_ps(sum, v[i]);
+        }
+        float d, id;
+        kvref_q8_scale(hmax8(amax), &d, &id);
+        out->d = d;
+        out->s = hsum8(sum);
+        const __m256 vid = _mm256_set1_ps(id);
+        const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(v[i], vid), hi), lo)); /* NaN -> 127, as scalar */
+        const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16, p16b); /* 32-bit groups in lane-interleaved order */
+        _mm256_storeu_si256((__m256i *)out->qs, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
+}
+
 const kvref_kernels kvref_kernels_avx2 = {
     .isa = KVREF_ISA_AVX2,
     .vec_dot = {
@@ -387,6 +511,12 @@ const kvref_kernels kvref_kernels_avx2 = {
     .gemm_f32 = gemm_f32,
     .attn_unit = attn_unit,
     .swiglu = swiglu,
+    .vec_dot_q8 = {
+        [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
+        [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
+    },
+    .quantize_q8 = quantize_q8,
+    .to_fp16 = to_fp16,
 };
 
 #endif /* KVREF_X86 */

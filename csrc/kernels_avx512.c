@@ -446,23 +446,159 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
     }
 }
 
+/* ---- 8-bit activations ------------------------------------------------------------------- */
+
+/* the scalar kernel's blocks: the same d, 1/d and rint (cvtps rounds to nearest even) */
+TARGET static void quantize_q8(int64_t K, const float *x, kvref_q8_block *out) {
+    for (int64_t b = 0; b < K / 32; b++, x += 32, out++) {
+        const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+        float d, id;
+        kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), &d, &id);
+        out->d = d;
+        out->s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        /* min(v, hi) returns hi for NaN, as the scalar kernel maps NaN to 127 */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v0, vid), hi), lo));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v1, vid), hi), lo));
+        _mm_storeu_si128((__m128i *)out->qs, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(out->qs + 16), _mm512_cvtepi32_epi8(q1));
+    }
+}
+
+TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
+}
+
+/* VNNI: vpdpbusd sums four unsigned x signed byte products per int32 lane in one instruction. */
+#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+TARGET_VNNI static inline float hsum8_vnni(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* a block's 16 nibble bytes -> its 32 values 0..15 as bytes, in value order */
+TARGET_VNNI static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+/* unsigned bytes u times signed bytes s, summed in 8 int32 lanes (exact), as float */
+TARGET_VNNI static inline __m256 idot_ps(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+}
+
+TARGET_VNNI static inline __m256 idot_signed_ps(__m256i w, __m256i x) {
+    return idot_ps(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); /* |-128| = 128 as an unsigned byte */
+}
+
+TARGET_VNNI static inline __m256i load_qs(const kvref_q8_block *x) { return _mm256_loadu_si256((const __m256i *)x->qs); }
+
+/* [d_w * d_x, m_w * s_x, 0, 0] for a weight block starting with float16 (d, m) and an x block */
+TARGET_VNNI static inline __m128 block_scales(const uint8_t *w_dm, const kvref_q8_block *x) {
+    uint32_t dm;
+    memcpy(&dm, w_dm, 4);
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)x)));
+}
+
+TARGET_VNNI static inline float fp16_load_vnni(const uint8_t *p) { return _cvtsh_ss(kvref_load_u16(p)); }
+
+TARGET_VNNI static float vec_dot_q8_q4_0_vnni(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const int64_t nb = K / QK4_0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_0, x += 2) {
+        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        const __m256i q1 = _mm256_sub_epi8(nibbles32(w + BYTES_Q4_0 + 2), _mm256_set1_epi8(8));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x[0].d), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load_vnni(w + BYTES_Q4_0) * x[1].d), a1);
+    }
+    if (b < nb) {
+        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x->d), a0);
+    }
+    return hsum8_vnni(_mm256_add_ps(a0, a1));
+}
+
+TARGET_VNNI static float vec_dot_q8_q4_1_vnni(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(); /* lane 1: the sum of m_w * s_x */
+    const int64_t nb = K / QK4_1;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_1, x += 2) {
+        const __m128 s0 = block_scales(w, x), s1 = block_scales(w + BYTES_Q4_1, x + 1);
+        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
+        a1 = _mm256_fmadd_ps(idot_ps(nibbles32(w + BYTES_Q4_1 + 4), load_qs(x + 1)), _mm256_broadcastss_ps(s1), a1);
+        m0 = _mm_add_ps(m0, s0);
+        m1 = _mm_add_ps(m1, s1);
+    }
+    if (b < nb) {
+        const __m128 s0 = block_scales(w, x);
+        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
+        m0 = _mm_add_ps(m0, s0);
+    }
+    const __m128 m = _mm_add_ps(m0, m1);
+    return hsum8_vnni(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
+}
+
+TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const int64_t nb = K / QK8_0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q8_0, x += 2) {
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + BYTES_Q8_0 + 2));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x[0].d), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load_vnni(w + BYTES_Q8_0) * x[1].d), a1);
+    }
+    if (b < nb) {
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x->d), a0);
+    }
+    return hsum8_vnni(_mm256_add_ps(a0, a1));
+}
+
+#define AVX512_TABLE_COMMON                                                                      \
+    .vec_dot = {                                                                                 \
+        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                          \
+        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,                      \
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,                      \
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,                      \
+    },                                                                                           \
+    .dequant = {                                                                                 \
+        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,                          \
+        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,                      \
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,                      \
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
+    },                                                                                           \
+    .gemm_f32 = gemm_f32,                                                                        \
+    .attn_unit = attn_unit,                                                                      \
+    .swiglu = swiglu,                                                                            \
+    .quantize_q8 = quantize_q8,                                                                  \
+    .to_fp16 = to_fp16
+
+/* AVX-512 without VNNI: the 8-bit dots are the AVX2 kernels (kernels_avx2.c) */
 const kvref_kernels kvref_kernels_avx512 = {
     .isa = KVREF_ISA_AVX512,
-    .vec_dot = {
-        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
-        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+    AVX512_TABLE_COMMON,
+    .vec_dot_q8 = {
+        [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
+        [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
     },
-    .dequant = {
-        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
-        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+};
+
+const kvref_kernels kvref_kernels_avx512_vnni = {
+    .isa = KVREF_ISA_AVX512,
+    AVX512_TABLE_COMMON,
+    .vec_dot_q8 = {
+        [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
+        [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
     },
-    .gemm_f32 = gemm_f32,
-    .attn_unit = attn_unit,
-    .swiglu = swiglu,
 };
 
 #endif /* KVREF_X86 */

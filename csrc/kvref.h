@@ -98,6 +98,17 @@ int kvref_matmul(kvref_pool *pool,
                  const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
                  float *y);
 
+/* The projection of the int8 activation mode: y = x~ @ W.T, where each row of x is first rounded
+ * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
+ * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block. For
+ * Q4_1 the block offset m multiplies the exact float32 sum of x over the block. Weight types
+ * without an 8-bit kernel (anything but Q4_0, Q4_1, Q8_0) give exactly kvref_matmul's result.
+ * Arguments as kvref_matmul; the fused forward uses this for executions of fewer than 4 rows. */
+int kvref_matmul_int8(kvref_pool *pool,
+                      const float *x, int64_t T, int64_t K,
+                      const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
+                      float *y);
+
 /* out[t] = row ids[t] of the table, dequantized to float32.
  *   table: bytes   [V, kvref_row_nbytes(type, E)], table_nbytes in total
  *   ids:   int64   [T], each in [0, V)
@@ -146,6 +157,90 @@ int kvref_attention(kvref_pool *pool,
                     const void *k, const void *v, int32_t kv_type, int64_t S, int64_t Hkv,
                     const int64_t *q_positions, const int64_t *k_positions,
                     float *out);
+
+/* ---- the fused forward: one whole execution (a prefill or a decode step) per call ------------ */
+
+/* A weight matrix in file layout, read in place: [rows, cols] = [N, K] values in `type` blocks. */
+typedef struct kvref_tensor {
+    const void *data;          /* bytes [rows, kvref_row_nbytes(type, cols)] */
+    int64_t nbytes;            /* rows * kvref_row_nbytes(type, cols) */
+    int32_t type;              /* a kvref_type */
+    int64_t rows, cols;
+} kvref_tensor;
+
+/* One transformer block's weights (shapes in the legend above; F = d_ff). */
+typedef struct kvref_layer_desc {
+    const float *attn_norm;    /* float32 [E]   RMSNorm gain before attention */
+    kvref_tensor wq;           /* [H*D, E]      query projection */
+    kvref_tensor wk;           /* [Hkv*D, E]    key projection */
+    kvref_tensor wv;           /* [Hkv*D, E]    value projection */
+    kvref_tensor wo;           /* [E, H*D]      attention output projection */
+    const float *ffn_norm;     /* float32 [E]   RMSNorm gain before the MLP */
+    kvref_tensor w_gate;       /* [F, E]        SwiGLU gate projection */
+    kvref_tensor w_up;         /* [F, E]        SwiGLU up projection */
+    kvref_tensor w_down;       /* [E, F]        SwiGLU down projection */
+} kvref_layer_desc;
+
+/* Everything a forward reads besides the tokens and the cache. kvref_model_create copies it (and
+ * the layer array); the memory the pointers point into must outlive the model. */
+typedef struct kvref_model_desc {
+    int64_t n_layers;          /* transformer blocks */
+    int64_t d_model;           /* E */
+    int64_t n_heads;           /* H */
+    int64_t n_kv_heads;        /* Hkv, H % Hkv == 0 */
+    int64_t head_dim;          /* D, even (RoPE rotates pairs) */
+    int64_t d_ff;              /* F */
+    int64_t vocab_size;        /* V */
+    double rope_theta;         /* > 0 */
+    double norm_eps;           /* >= 0 */
+    kvref_tensor tok_embeddings; /* [V, E] */
+    const kvref_layer_desc *layers; /* [n_layers] */
+    const float *output_norm;  /* float32 [E] */
+    kvref_tensor output;       /* [V, E] the LM head (may alias tok_embeddings) */
+} kvref_model_desc;
+
+/* A validated copy of a descriptor. */
+typedef struct kvref_model kvref_model;
+int kvref_model_create(const kvref_model_desc *desc, kvref_model **out);
+void kvref_model_destroy(kvref_model *model);
+
+/* The run state of one model: activation buffers, RoPE tables, attention partials and timing
+ * counters. Buffers grow to the largest execution seen (positions per call, cache length) and are
+ * reused: a decode step allocates nothing. One state serves one call at a time. */
+typedef struct kvref_state kvref_state;
+int kvref_state_create(const kvref_model *model, kvref_state **out);
+void kvref_state_destroy(kvref_state *state);
+
+/* How projections treat their input rows. */
+enum kvref_activations {
+    KVREF_ACT_F32 = 0,         /* exact: the float32 kernels of kvref_matmul, every execution */
+    KVREF_ACT_INT8 = 1         /* every projection of fewer than 4 rows (all of a decode step's,
+                                  and the last-position LM head of a prefill) is kvref_matmul_int8:
+                                  its input rounded to 8-bit blocks of 32 for Q4_0, Q4_1 and Q8_0
+                                  weights; other weights and longer projections stay exact */
+};
+
+/* Run T new tokens at positions length .. length+T-1 of a contiguous cache.
+ *   token_ids:  int64 [T], each in [0, V)
+ *   k_cache, v_cache: kv_type [n_layers, capacity, Hkv, D] (F32 or F16), rows [0, length) hold the
+ *               cached positions; rows [length, length+T) of every layer are overwritten with the
+ *               new K (after RoPE) and V. Nothing else in the cache is written.
+ *   logits:     float32 [T, V] with all_logits, else [V] for the last position
+ * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
+ * kvref_attention, kvref_rms_norm, kvref_rope and kvref_swiglu in the same order: with
+ * KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by one
+ * on the same pool. The caller commits the cache length (length + T) only after KVREF_OK. */
+int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state,
+                  const int64_t *token_ids, int64_t T,
+                  void *k_cache, void *v_cache, int32_t kv_type, int64_t capacity, int64_t length,
+                  int32_t activations, int32_t all_logits, float *logits);
+
+/* Time spent by kvref_forward on this state, in nanoseconds of the calling thread's wall clock,
+ * by kernel family: out[0] projections (matmuls, their 8-bit input rounding, the fused SwiGLU and
+ * residual adds), out[1] attention (scores, softmax, merge), out[2] everything else (embedding,
+ * norms, RoPE, cache writes), out[3] the number of kvref_forward calls counted. */
+void kvref_state_timings(const kvref_state *state, int64_t *out);
+void kvref_state_reset_timings(kvref_state *state);
 
 #ifdef __cplusplus
 }

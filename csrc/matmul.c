@@ -11,14 +11,29 @@
  */
 #include "internal.h"
 
-#define KVREF_GEMM_MIN_T 4     /* from this many x rows on, dequantize tiles and use the GEMM */
 #define KVREF_VEC_UNIT_MIN 16  /* at least this many weight rows per unit on the vec_dot path */
 #define KVREF_VEC_UNITS_PER_THREAD 4 /* long runs of rows keep the hardware prefetcher streaming;
                                        several per thread still let a busy thread's share move */
 #ifndef KVREF_PREFETCH_ROWS
 #define KVREF_PREFETCH_ROWS 4  /* vec_dot path: software prefetch distance, in weight rows */
 #endif
-#define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path */
+
+/* decode streams each weight once from DRAM: ask for a row a few rows ahead, so the prefetcher's
+ * ramp-up at the start of every unit does not stall the dot products */
+static inline void prefetch_row(const uint8_t *w, int64_t n, int64_t n1, int64_t rb) {
+    if (KVREF_PREFETCH_ROWS > 0 && n + KVREF_PREFETCH_ROWS < n1) {
+        const uint8_t *ahead = w + (n + KVREF_PREFETCH_ROWS) * rb;
+        for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+    }
+}
+
+/* rows per vec_dot unit for `rows` rows in all: units only schedule rows, each y[t, n] is the
+ * same dot product whatever the unit size */
+static int64_t vec_unit_rows(kvref_pool *pool, int64_t rows) {
+    const int64_t parts = kvref_pool_threads(pool) * KVREF_VEC_UNITS_PER_THREAD;
+    const int64_t per_unit = (rows + parts - 1) / parts;
+    return per_unit < KVREF_VEC_UNIT_MIN ? KVREF_VEC_UNIT_MIN : per_unit;
+}
 
 typedef struct {
     const kvref_kernels *kk;
@@ -38,12 +53,7 @@ static void mm_vec_unit(void *vctx, int64_t unit, int thread) {
     const int64_t n0 = unit * c->unit_rows;
     const int64_t n1 = n0 + c->unit_rows < c->N ? n0 + c->unit_rows : c->N;
     for (int64_t n = n0; n < n1; n++) {
-        /* decode streams each weight once from DRAM: ask for a row a few rows ahead, so the
-         * prefetcher's ramp-up at the start of every unit does not stall the dot products */
-        if (KVREF_PREFETCH_ROWS > 0 && n + KVREF_PREFETCH_ROWS < n1) {
-            const uint8_t *ahead = c->w + (n + KVREF_PREFETCH_ROWS) * c->rb;
-            for (int64_t b = 0; b < c->rb; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-        }
+        prefetch_row(c->w, n, n1, c->rb);
         for (int64_t t = 0; t < c->T; t++) c->y[t * c->N + n] = dot(c->K, c->w + n * c->rb, c->x + t * c->K);
     }
 }
@@ -63,8 +73,28 @@ static void mm_tile_unit(void *vctx, int64_t unit, int thread) {
     c->kk->gemm_f32(c->K, c->x, c->T, tile, nw, c->y + n0, c->N);
 }
 
-int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
-                 int32_t w_type, int64_t w_nbytes, int64_t N, float *y) {
+size_t kvref_matmul_scratch_bytes(int32_t type, int64_t T, int64_t K) {
+    if (T < KVREF_GEMM_MIN_T || type == KVREF_TYPE_F32) return 0; /* F32 tiles are read in place
+                                                                       (an unaligned F32 weight is
+                                                                       handled by the caller) */
+    return (size_t)KVREF_TILE_N * (size_t)K * sizeof(float);
+}
+
+void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
+                      int32_t type, int64_t N, float *y) {
+    if (T == 0 || N == 0) return;
+    if (K == 0) {
+        for (int64_t i = 0; i < T * N; i++) y[i] = 0.0f; /* an empty sum */
+        return;
+    }
+    mm_ctx c = {kvref_pool_kernels(pool), pool, x, w, type, T, K, N, kvref_row_nbytes(type, K),
+                vec_unit_rows(pool, N), y};
+    if (T < KVREF_GEMM_MIN_T) kvref_pool_run(pool, mm_vec_unit, &c, (N + c.unit_rows - 1) / c.unit_rows);
+    else kvref_pool_run(pool, mm_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);
+}
+
+static int check_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
+                        int32_t w_type, int64_t w_nbytes, int64_t N, float *y) {
     if (pool == NULL) return KVREF_ERR_NULL;
     if (T < 0 || K < 0 || N < 0 || w_nbytes < 0) return KVREF_ERR_DIM;
     if (kvref_block_values(w_type) < 0) return KVREF_ERR_TYPE;
@@ -73,27 +103,111 @@ int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const v
     if (N > 0 && rb > 0 && N > INT64_MAX / rb) return KVREF_ERR_SIZE;
     if (w_nbytes != N * rb) return KVREF_ERR_SIZE;
     if (T == 0 || N == 0) return KVREF_OK;
-    if (K == 0) {
-        for (int64_t i = 0; i < T * N; i++) y[i] = 0.0f; /* an empty sum */
-        return KVREF_OK;
-    }
-    if (x == NULL || w == NULL || y == NULL) return KVREF_ERR_NULL;
+    if (K > 0 && (x == NULL || w == NULL)) return KVREF_ERR_NULL;
+    if (y == NULL) return KVREF_ERR_NULL;
+    return -1; /* checked, and there is work to do */
+}
 
+int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
+                 int32_t w_type, int64_t w_nbytes, int64_t N, float *y) {
+    const int checked = check_matmul(pool, x, T, K, w, w_type, w_nbytes, N, y);
+    if (checked >= 0) return checked;
     kvref_pool_lock(pool);
-    /* units only schedule rows: each y[t, n] is the same dot product whatever the unit size */
-    const int64_t per_unit = (N + kvref_pool_threads(pool) * KVREF_VEC_UNITS_PER_THREAD - 1) /
-                             (kvref_pool_threads(pool) * KVREF_VEC_UNITS_PER_THREAD);
-    const int64_t unit_rows = per_unit < KVREF_VEC_UNIT_MIN ? KVREF_VEC_UNIT_MIN : per_unit;
-    mm_ctx c = {kvref_pool_kernels(pool), pool, x, (const uint8_t *)w, w_type, T, K, N, rb, unit_rows, y};
+    size_t scratch = kvref_matmul_scratch_bytes(w_type, T, K);
+    if (T >= KVREF_GEMM_MIN_T && w_type == KVREF_TYPE_F32 && ((uintptr_t)w & 3) != 0)
+        scratch = (size_t)KVREF_TILE_N * (size_t)K * sizeof(float); /* misaligned F32: copied per tile */
+    int status = kvref_pool_reserve(pool, scratch);
+    if (status == KVREF_OK) kvref_matmul_run(pool, x, T, K, (const uint8_t *)w, w_type, N, y);
+    kvref_pool_unlock(pool);
+    return status;
+}
+
+int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
+                      int32_t w_type, int64_t w_nbytes, int64_t N, float *y) {
+    const int checked = check_matmul(pool, x, T, K, w, w_type, w_nbytes, N, y);
+    if (checked >= 0) return checked;
+    if (K == 0) return kvref_matmul(pool, x, T, K, w, w_type, w_nbytes, N, y);
+    kvref_pool_lock(pool);
+    const kvref_kernels *kk = kvref_pool_kernels(pool);
     int status = KVREF_OK;
-    if (T < KVREF_GEMM_MIN_T) {
-        kvref_pool_run(pool, mm_vec_unit, &c, (N + unit_rows - 1) / unit_rows);
-    } else {
-        if (w_type != KVREF_TYPE_F32 || ((uintptr_t)w & 3) != 0) status = kvref_pool_reserve(pool, (size_t)KVREF_TILE_N * (size_t)K * sizeof(float));
-        if (status == KVREF_OK) kvref_pool_run(pool, mm_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);
+    kvref_q8_block *xq = NULL;
+    if (kk->vec_dot_q8[w_type] != NULL) { /* K is a whole number of 32-value blocks */
+        if (T > INT64_MAX / (int64_t)sizeof(kvref_q8_block) / (K / 32)) status = KVREF_ERR_DIM;
+        else xq = kvref_pool_shared(pool, (size_t)(T * (K / 32)) * sizeof(kvref_q8_block));
+        if (status == KVREF_OK && xq == NULL) status = KVREF_ERR_NOMEM;
+        for (int64_t t = 0; status == KVREF_OK && t < T; t++) kk->quantize_q8(K, x + t * K, xq + t * (K / 32));
+    }
+    if (status == KVREF_OK) {
+        const kvref_mv mv = {x, xq, T, K, 1, {{(const uint8_t *)w, w_type, N, y, N}}, 0, 0};
+        kvref_mv_run(pool, &mv);
     }
     kvref_pool_unlock(pool);
     return status;
+}
+
+/* ---- several weights sharing one input, decode path --------------------------------------- */
+
+typedef struct {
+    const kvref_mv *mv;
+    const kvref_kernels *kk;
+    int64_t unit_rows;
+    int64_t first_unit[4];     /* units of part p are [first_unit[p], first_unit[p + 1]) */
+} mv_ctx;
+
+/* y_p[t, n0:n1] (=, or +=) the dot products of rows n0..n1 of part p */
+static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t n1) {
+    const kvref_mv *mv = c->mv;
+    const int64_t rb = kvref_row_nbytes(p->type, mv->K);
+    const kvref_vec_dot_q8_fn dq = mv->xq != NULL ? c->kk->vec_dot_q8[p->type] : NULL;
+    const kvref_vec_dot_fn dot = c->kk->vec_dot[p->type];
+    const int64_t nb = mv->K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        prefetch_row(p->w, n, n1, rb);
+        for (int64_t t = 0; t < mv->T; t++) {
+            const float r = dq != NULL ? dq(mv->K, p->w + n * rb, mv->xq + t * nb)
+                                       : dot(mv->K, p->w + n * rb, mv->x + t * mv->K);
+            float *y = p->y + t * p->ldy + n;
+            *y = mv->accumulate ? *y + r : r;
+        }
+    }
+}
+
+static void mv_unit(void *vctx, int64_t unit, int thread) {
+    const mv_ctx *c = vctx;
+    const kvref_mv *mv = c->mv;
+    (void)thread;
+    if (mv->swiglu) {
+        const kvref_mv_part *g = &mv->part[0], *u = &mv->part[1];
+        const int64_t n0 = unit * c->unit_rows;
+        const int64_t n1 = n0 + c->unit_rows < g->N ? n0 + c->unit_rows : g->N;
+        mv_rows(c, g, n0, n1);
+        mv_rows(c, u, n0, n1);
+        for (int64_t t = 0; t < mv->T; t++)
+            c->kk->swiglu(n1 - n0, g->y + t * g->ldy + n0, u->y + t * u->ldy + n0, g->y + t * g->ldy + n0);
+        return;
+    }
+    int p = 0;
+    while (unit >= c->first_unit[p + 1]) p++;
+    const kvref_mv_part *part = &mv->part[p];
+    const int64_t n0 = (unit - c->first_unit[p]) * c->unit_rows;
+    mv_rows(c, part, n0, n0 + c->unit_rows < part->N ? n0 + c->unit_rows : part->N);
+}
+
+void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv) {
+    mv_ctx c = {mv, kvref_pool_kernels(pool), 0, {0, 0, 0, 0}};
+    if (mv->swiglu) {
+        c.unit_rows = vec_unit_rows(pool, mv->part[0].N);
+        kvref_pool_run(pool, mv_unit, &c, (mv->part[0].N + c.unit_rows - 1) / c.unit_rows);
+        return;
+    }
+    int64_t rows = 0;
+    for (int p = 0; p < mv->nparts; p++) rows += mv->part[p].N;
+    c.unit_rows = vec_unit_rows(pool, rows);
+    for (int p = 0; p < 3; p++) {
+        const int64_t n = p < mv->nparts ? (mv->part[p].N + c.unit_rows - 1) / c.unit_rows : 0;
+        c.first_unit[p + 1] = c.first_unit[p] + n;
+    }
+    kvref_pool_run(pool, mv_unit, &c, c.first_unit[3]);
 }
 
 int kvref_embed(kvref_pool *pool, const void *table, int32_t type, int64_t table_nbytes, int64_t V,

@@ -54,6 +54,7 @@ struct kvref_pool {
     pthread_mutex_t mu;                 /* guards sleeping on cv */
     pthread_cond_t cv;
     atomic_uint_fast64_t generation;    /* bumped to wake workers for a task (or to stop) */
+    atomic_int sleepers;                /* workers blocked (or about to block) on cv */
     atomic_int stop;
 
     kvref_task_fn fn;                   /* the published task: written before the claim word */
@@ -122,9 +123,13 @@ static void *worker_main(void *arg) {
             }
         }
         if (g == seen) {
+            /* announce the sleep before the last look at generation: publish() bumps generation
+             * before it reads sleepers (both sequentially consistent), so either this look sees
+             * the new task or publish() sees a sleeper and broadcasts under mu */
             pthread_mutex_lock(&pool->mu);
-            while ((g = atomic_load_explicit(&pool->generation, memory_order_acquire)) == seen)
-                pthread_cond_wait(&pool->cv, &pool->mu);
+            atomic_fetch_add(&pool->sleepers, 1);
+            while ((g = atomic_load(&pool->generation)) == seen) pthread_cond_wait(&pool->cv, &pool->mu);
+            atomic_fetch_sub(&pool->sleepers, 1);
             pthread_mutex_unlock(&pool->mu);
         }
         seen = g;
@@ -134,11 +139,16 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* Wake the workers for a new task. Spinning workers see the generation change by themselves;
+ * the mutex and broadcast are paid only when some worker sleeps (decode publishes a few hundred
+ * tasks per token, back to back, while the workers spin). */
 static void publish(kvref_pool *pool) {
-    pthread_mutex_lock(&pool->mu);
-    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
-    pthread_cond_broadcast(&pool->cv);
-    pthread_mutex_unlock(&pool->mu);
+    atomic_fetch_add(&pool->generation, 1);
+    if (atomic_load(&pool->sleepers) > 0) {
+        pthread_mutex_lock(&pool->mu);
+        pthread_cond_broadcast(&pool->cv);
+        pthread_mutex_unlock(&pool->mu);
+    }
 }
 
 void kvref_pool_run(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t n_units) {
@@ -193,6 +203,13 @@ static int x86_has_avx512(void) {
     int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
     return f && dq && bw && vl;
 }
+
+static int x86_has_avx512vnni(void) {
+    if (!x86_has_avx512()) return 0;
+    unsigned a, b, c, d;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (c >> 11) & 1;
+}
 #endif
 
 int32_t kvref_isa_supported(int32_t isa) {
@@ -220,7 +237,7 @@ int32_t kvref_isa_best(void) {
 static const kvref_kernels *kernels_for(int32_t isa) {
     switch (isa) {
 #if KVREF_X86
-    case KVREF_ISA_AVX512: return &kvref_kernels_avx512;
+    case KVREF_ISA_AVX512: return x86_has_avx512vnni() ? &kvref_kernels_avx512_vnni : &kvref_kernels_avx512;
     case KVREF_ISA_AVX2: return &kvref_kernels_avx2;
 #endif
     default: return &kvref_kernels_scalar;
@@ -269,6 +286,7 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->cv, NULL);
     atomic_init(&pool->generation, 0);
+    atomic_init(&pool->sleepers, 0);
     atomic_init(&pool->stop, 0);
     atomic_init(&pool->claim, 0);
     atomic_init(&pool->done, 0);

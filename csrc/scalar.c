@@ -226,6 +226,76 @@ static void attn_unit_scalar(const kvref_attn_args *a, int64_t t, int64_t hk, in
     }
 }
 
+/* ---- 8-bit activations ------------------------------------------------------------------- */
+
+/* x [K] -> K/32 blocks: d = max|x| / 127, qs = rint(x * (1/d)) (ties to even), s = sum of x */
+static void quantize_q8_scalar(int64_t K, const float *x, kvref_q8_block *out) {
+    for (int64_t b = 0; b < K / 32; b++, x += 32, out++) {
+        float amax = 0.0f, s = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            const float a = fabsf(x[j]);
+            amax = a > amax ? a : amax;
+            s += x[j];
+        }
+        float d, id;
+        kvref_q8_scale(amax, &d, &id);
+        out->d = d;
+        out->s = s;
+        for (int j = 0; j < 32; j++) {
+            float v = rintf(x[j] * id);          /* |v| <= 127 for finite x (see kvref_q8_block) */
+            v = v < 127.0f ? v : 127.0f;
+            v = v > -127.0f ? v : -127.0f;       /* NaN has gone to 127 on the line above */
+            out->qs[j] = (int8_t)v;
+        }
+    }
+}
+
+/* one block's integer dot product: sum_j wq[j] * xq[j], exact in int32 */
+static int32_t idot32(const int8_t *wq, const int8_t *xq) {
+    int32_t sum = 0;
+    for (int j = 0; j < 32; j++) sum += (int32_t)wq[j] * (int32_t)xq[j];
+    return sum;
+}
+
+/* sum_b d_w d_x sum_j (q_j - 8) qx_j */
+static float vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x++) {
+        int8_t q[32];
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)((w[2 + j] & 0xF) - 8);
+            q[j + 16] = (int8_t)((w[2 + j] >> 4) - 8);
+        }
+        acc += (kvref_load_fp16(w) * x->d) * (float)idot32(q, x->qs);
+    }
+    return acc;
+}
+
+/* sum_b d_w d_x sum_j q_j qx_j + m_w s_x: the offset m meets the exact block sum s */
+static float vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x++) {
+        int8_t q[32];
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(w[4 + j] & 0xF);
+            q[j + 16] = (int8_t)(w[4 + j] >> 4);
+        }
+        acc += (kvref_load_fp16(w) * x->d) * (float)idot32(q, x->qs) + kvref_load_fp16(w + 2) * x->s;
+    }
+    return acc;
+}
+
+static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x++)
+        acc += (kvref_load_fp16(w) * x->d) * (float)idot32((const int8_t *)(w + 2), x->qs);
+    return acc;
+}
+
+void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
+}
+
 /* ---- SwiGLU ------------------------------------------------------------------------------- */
 
 float kvref_silu_ref(float g) { return g / (1.0f + expf(-g)); }
@@ -251,4 +321,10 @@ const kvref_kernels kvref_kernels_scalar = {
     .gemm_f32 = gemm_f32,
     .attn_unit = attn_unit_scalar,
     .swiglu = swiglu_scalar,
+    .vec_dot_q8 = {
+        [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1,
+        [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0,
+    },
+    .quantize_q8 = quantize_q8_scalar,
+    .to_fp16 = kvref_to_fp16_ref,
 };

@@ -3,6 +3,11 @@
 Both provide the same names (embed, matmul, rms_norm, rope, attention, swiglu) with the same meaning;
 the decoder is shared. "auto" takes the native kernels when they are built and the model is float32
 (they compute in float32), and says once when it has to fall back to the spec.
+
+`forward_impl` picks the function a Model runs per execution: on the native backend, the fused C
+forward (kvref.native.fused: a whole prefill or decode step in one C call, checked against the
+shared decoder), which itself hands any execution it cannot take (another cache layout or kv dtype)
+to the shared decoder; on the spec backend, the shared decoder.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import warnings
 
 from . import native
 from .errors import BackendError, DTypeError
+from .errors import KVRefError
+from .spec import decoder
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
@@ -55,3 +62,21 @@ def kernels(backend: str, threads: int | None = None):
     from .native import ops as native_ops
 
     return native_ops.kernels(threads=threads)
+
+
+def forward_impl(backend: str, config, weights, activations: str | None = None):
+    """The forward(ops, config, weights, token_ids, cache, all_logits) a Model of this backend runs.
+
+    activations: "float32" (exact) or "int8" (decode rounds matmul inputs to 8-bit blocks; see
+    kvref.native.fused); default KVREF_ACTIVATIONS, else "float32". Native only.
+    """
+    if backend != "c":
+        return decoder.forward
+    from .native import fused
+
+    try:
+        return fused.FusedForward(config, weights, activations).forward
+    except KVRefError as exc:
+        if activations is not None or isinstance(exc, BackendError):
+            raise  # a mode was asked for explicitly, or KVREF_ACTIVATIONS is wrong: say so
+        return decoder.forward  # weights the C forward cannot take: the decoder runs them kernel by kernel

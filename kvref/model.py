@@ -9,7 +9,6 @@ from .cache import ContiguousCache, KVCache, dtype_name
 from .config import ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
-from .spec import decoder
 from .weights import Weights, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
@@ -25,6 +24,7 @@ class Model:
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype)
         self.ops = backends.kernels(self.backend, threads)
+        self._forward = backends.forward_impl(self.backend, config, weights)  # fused C forward or the decoder
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
@@ -67,7 +67,7 @@ class Model:
         else:
             self.check_cache(cache)
             self.check_context(cache.next_position, len(ids))
-        logits = decoder.forward(self.ops, self.config, self.weights, ids, cache, all_logits)
+        logits = self._forward(self.ops, self.config, self.weights, ids, cache, all_logits)
         return logits if all_logits else logits[0]
 
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:

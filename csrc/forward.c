@@ -1,0 +1,519 @@
+/* forward.c: one execution of the whole model (a prefill or a decode step) in one C call.
+ *
+ * This is kvref/spec/decoder.py step for step, computed with the kernels the single-kernel API
+ * uses (matmul.c, attention.c, elementwise.c) in the same order, so with exact activations its
+ * logits and cache rows are bit for bit those of the Python decoder running the native kernels.
+ * What it removes is the Python between the kernels (~400 calls per decode step), and it fuses
+ * what can share one dispatch to the thread pool:
+ *   - decode: the Q, K and V projections are one dispatch, gate and up (with SwiGLU on each
+ *     unit's rows) another, and the output and down projections add into the residual stream as
+ *     they produce it; every output element is still the one dot product kvref_matmul computes;
+ *   - RoPE's cos/sin are computed once per new position per call, not once per layer;
+ *   - K and V go straight into the cache rows of the new positions (rounded to float16 exactly as
+ *     NumPy's astype rounds, for a float16 cache).
+ *
+ * Work is split only by the pool (units of rows, heads, key segments), never by thread identity,
+ * so results are the same for every thread count. Shape legend as in kvref.h; x is the residual
+ * stream [T, E], S = length + T positions are attended to.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <math.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "internal.h"
+
+#define ROWS_PARALLEL_MIN 16   /* from this many new positions on, row-wise steps use the pool */
+#define ROWS_PER_UNIT 4
+
+struct kvref_model {
+    kvref_model_desc desc;     /* config and pointers; desc.layers points at `layers` */
+    kvref_layer_desc *layers;  /* [n_layers] */
+    int64_t max_k;             /* widest matmul input: max(E, H*D, F) */
+};
+
+enum { FAM_PROJ = 0, FAM_ATTN = 1, FAM_OTHER = 2 };
+
+struct kvref_state {
+    const kvref_model *model;
+    int64_t rows;              /* positions every row buffer below holds */
+    float *x;                  /* [rows, E]     residual stream */
+    float *xb;                 /* [rows, E]     a block's normed input */
+    float *q;                  /* [rows, H*D]   queries (rotated in place) */
+    float *k, *v;              /* [rows, Hkv*D] new keys (rotated in place) and values */
+    float *att;                /* [rows, H*D]   attention output */
+    float *gate, *up;          /* [rows, F]     MLP hidden; gate becomes silu(gate) * up */
+    float *tmp;                /* [rows, E]     a block's output before the residual add (prefill) */
+    double *cs;                /* [rows, D]     RoPE cos | sin of each new position */
+    int64_t *q_positions;      /* [rows] */
+    kvref_q8_block *xq;        /* [KVREF_GEMM_MIN_T - 1, max_k / 32] 8-bit copy of a matmul input */
+    int64_t keys;              /* k_positions holds 0 .. keys-1 */
+    int64_t *k_positions;      /* [keys] */
+    int64_t partial_floats;
+    float *partial;            /* attention's per-segment softmax states */
+    double *inv_freq;          /* [D/2] theta ** (-2i / D) */
+    int64_t ns[3], calls;      /* kvref_state_timings */
+};
+
+/* one call's arguments, passed to every step */
+typedef struct {
+    kvref_pool *pool;
+    const kvref_kernels *kk;
+    const kvref_model_desc *c; /* config and weights */
+    kvref_state *s;
+    const int64_t *token_ids;  /* [T] */
+    int64_t T, length, capacity;
+    uint8_t *k_cache, *v_cache; /* [n_layers, capacity, Hkv, D] of kv_type */
+    int32_t kv_type;
+    int64_t kv_esize;          /* bytes per cached element */
+    int int8;                  /* KVREF_ACT_INT8 */
+    int all_logits;
+    float *logits;
+    int64_t layer;             /* the layer being computed */
+    const kvref_layer_desc *lw;
+    const float *gain;         /* the RMSNorm gain of the current norm step */
+} fw;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+/* ---- row-wise steps: one function per new position, on the pool when there are many --------- */
+
+typedef void (*row_fn)(const fw *f, int64_t t);
+typedef struct {
+    const fw *f;
+    row_fn fn;
+} rows_ctx;
+
+static void rows_task(void *vctx, int64_t unit, int thread) {
+    const rows_ctx *c = vctx;
+    (void)thread;
+    const int64_t t1 = (unit + 1) * ROWS_PER_UNIT < c->f->T ? (unit + 1) * ROWS_PER_UNIT : c->f->T;
+    for (int64_t t = unit * ROWS_PER_UNIT; t < t1; t++) c->fn(c->f, t);
+}
+
+static void for_each_row(const fw *f, row_fn fn) {
+    if (f->T < ROWS_PARALLEL_MIN) {
+        for (int64_t t = 0; t < f->T; t++) fn(f, t);
+        return;
+    }
+    rows_ctx c = {f, fn};
+    kvref_pool_run(f->pool, rows_task, &c, (f->T + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT);
+}
+
+/* x[t] = tok_embeddings[token_ids[t]], dequantized exactly as kvref_embed does */
+static void embed_row(const fw *f, int64_t t) {
+    const kvref_tensor *e = &f->c->tok_embeddings;
+    const int64_t rb = kvref_row_nbytes(e->type, e->cols);
+    kvref_dequant_row(e->type, e->cols, (const uint8_t *)e->data + f->token_ids[t] * rb, f->s->x + t * f->c->d_model);
+}
+
+/* xb[t] = rms_norm(x[t]) * gain */
+static void norm_row(const fw *f, int64_t t) {
+    const int64_t E = f->c->d_model;
+    kvref_rms_norm_row(f->s->x + t * E, E, f->gain, f->c->norm_eps, f->s->xb + t * E);
+}
+
+/* rotate q[t] and k[t] for position length + t; k[t] and v[t] -> cache row length + t */
+static void rope_store_row(const fw *f, int64_t t) {
+    const kvref_model_desc *c = f->c;
+    const int64_t D = c->head_dim, Hkv = c->n_kv_heads, kvd = Hkv * D;
+    const double *cs = f->s->cs + t * D;
+    float *q = f->s->q + t * c->n_heads * D, *k = f->s->k + t * kvd, *v = f->s->v + t * kvd;
+    kvref_rope_row(q, c->n_heads, D, cs, q);
+    kvref_rope_row(k, Hkv, D, cs, k);
+    const int64_t row = (f->layer * f->capacity + f->length + t) * kvd * f->kv_esize; /* byte offset */
+    if (f->kv_type == KVREF_TYPE_F16) {
+        f->kk->to_fp16(kvd, k, (uint16_t *)(void *)(f->k_cache + row));
+        f->kk->to_fp16(kvd, v, (uint16_t *)(void *)(f->v_cache + row));
+    } else {
+        memcpy(f->k_cache + row, k, (size_t)kvd * sizeof(float));
+        memcpy(f->v_cache + row, v, (size_t)kvd * sizeof(float));
+    }
+}
+
+/* x[t] += tmp[t] */
+static void residual_row(const fw *f, int64_t t) {
+    const int64_t E = f->c->d_model;
+    float *x = f->s->x + t * E;
+    const float *y = f->s->tmp + t * E;
+    for (int64_t i = 0; i < E; i++) x[i] = x[i] + y[i];
+}
+
+/* gate[t] = silu(gate[t]) * up[t] */
+static void swiglu_row(const fw *f, int64_t t) {
+    const int64_t F = f->c->d_ff;
+    f->kk->swiglu(F, f->s->gate + t * F, f->s->up + t * F, f->s->gate + t * F);
+}
+
+/* ---- projections ------------------------------------------------------------------------- */
+
+/* The 8-bit copy of x [T, K] when this execution rounds activations and one of the weights it
+ * feeds has an 8-bit kernel, else NULL (every weight then reads x in float32). */
+static const kvref_q8_block *int8_input(const fw *f, const float *x, int64_t T, int64_t K, const kvref_tensor *w0,
+                                        const kvref_tensor *w1, const kvref_tensor *w2) {
+    if (!f->int8 || T >= KVREF_GEMM_MIN_T) return NULL;
+    const kvref_tensor *ws[3] = {w0, w1, w2};
+    int any = 0;
+    for (int i = 0; i < 3; i++) any |= ws[i] != NULL && f->kk->vec_dot_q8[ws[i]->type] != NULL;
+    if (!any) return NULL;
+    for (int64_t t = 0; t < T; t++) f->kk->quantize_q8(K, x + t * K, f->s->xq + t * (K / 32));
+    return f->s->xq;
+}
+
+static kvref_mv_part part(const kvref_tensor *w, float *y, int64_t ldy) {
+    return (kvref_mv_part){(const uint8_t *)w->data, w->type, w->rows, y, ldy};
+}
+
+/* y [T, N] = x [T, K] @ W.T on the prefill path */
+static void matmul(const fw *f, const float *x, const kvref_tensor *w, float *y) {
+    kvref_matmul_run(f->pool, x, f->T, w->cols, (const uint8_t *)w->data, w->type, w->rows, y);
+}
+
+/* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
+static void qkv_projections(fw *f) {
+    const int64_t t0 = now_ns();
+    const kvref_layer_desc *lw = f->lw;
+    kvref_state *s = f->s;
+    const int64_t E = f->c->d_model;
+    if (f->T < KVREF_GEMM_MIN_T) {
+        kvref_mv mv = {s->xb, int8_input(f, s->xb, f->T, E, &lw->wq, &lw->wk, &lw->wv), f->T, E, 3,
+                       {part(&lw->wq, s->q, lw->wq.rows), part(&lw->wk, s->k, lw->wk.rows),
+                        part(&lw->wv, s->v, lw->wv.rows)}, 0, 0};
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        matmul(f, s->xb, &lw->wq, s->q);
+        matmul(f, s->xb, &lw->wk, s->k);
+        matmul(f, s->xb, &lw->wv, s->v);
+    }
+    s->ns[FAM_PROJ] += now_ns() - t0;
+}
+
+/* x += att @ Wo.T */
+static void output_projection(fw *f) {
+    const int64_t t0 = now_ns();
+    const kvref_tensor *wo = &f->lw->wo;
+    kvref_state *s = f->s;
+    if (f->T < KVREF_GEMM_MIN_T) {
+        kvref_mv mv = {s->att, int8_input(f, s->att, f->T, wo->cols, wo, NULL, NULL), f->T, wo->cols, 1,
+                       {part(wo, s->x, wo->rows)}, 1, 0};
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        matmul(f, s->att, wo, s->tmp);
+        for_each_row(f, residual_row);
+    }
+    s->ns[FAM_PROJ] += now_ns() - t0;
+}
+
+/* gate = silu(xb @ Wg.T) * (xb @ Wu.T) */
+static void gate_up_projections(fw *f) {
+    const int64_t t0 = now_ns();
+    const kvref_layer_desc *lw = f->lw;
+    kvref_state *s = f->s;
+    const int64_t E = f->c->d_model, F = f->c->d_ff;
+    if (f->T < KVREF_GEMM_MIN_T) {
+        kvref_mv mv = {s->xb, int8_input(f, s->xb, f->T, E, &lw->w_gate, &lw->w_up, NULL), f->T, E, 2,
+                       {part(&lw->w_gate, s->gate, F), part(&lw->w_up, s->up, F)}, 0, 1};
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        matmul(f, s->xb, &lw->w_gate, s->gate);
+        matmul(f, s->xb, &lw->w_up, s->up);
+        for_each_row(f, swiglu_row);
+    }
+    s->ns[FAM_PROJ] += now_ns() - t0;
+}
+
+/* x += gate @ Wd.T */
+static void down_projection(fw *f) {
+    const int64_t t0 = now_ns();
+    const kvref_tensor *wd = &f->lw->w_down;
+    kvref_state *s = f->s;
+    if (f->T < KVREF_GEMM_MIN_T) {
+        kvref_mv mv = {s->gate, int8_input(f, s->gate, f->T, wd->cols, wd, NULL, NULL), f->T, wd->cols, 1,
+                       {part(wd, s->x, wd->rows)}, 1, 0};
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        matmul(f, s->gate, wd, s->tmp);
+        for_each_row(f, residual_row);
+    }
+    s->ns[FAM_PROJ] += now_ns() - t0;
+}
+
+/* ---- the other steps ------------------------------------------------------------------------ */
+
+/* x = tok_embeddings[token_ids] */
+static void embed_tokens(fw *f) {
+    const int64_t t0 = now_ns();
+    for_each_row(f, embed_row);
+    f->s->ns[FAM_OTHER] += now_ns() - t0;
+}
+
+/* xb = rms_norm(x) * gain */
+static void rms_norm(fw *f, const float *gain) {
+    const int64_t t0 = now_ns();
+    f->gain = gain;
+    for_each_row(f, norm_row);
+    f->s->ns[FAM_OTHER] += now_ns() - t0;
+}
+
+/* q, k rotated for their positions; k, v stored in the cache rows [length, length + T) */
+static void rope_and_store(fw *f) {
+    const int64_t t0 = now_ns();
+    for_each_row(f, rope_store_row);
+    f->s->ns[FAM_OTHER] += now_ns() - t0;
+}
+
+/* att = attention of the new queries over cache positions [0, S), each query seeing keys at
+ * positions <= its own */
+static void attend(fw *f) {
+    const int64_t t0 = now_ns();
+    const kvref_model_desc *c = f->c;
+    const int64_t D = c->head_dim, Hkv = c->n_kv_heads;
+    const int64_t layer_off = f->layer * f->capacity * Hkv * D * f->kv_esize;
+    const kvref_attn_args a = {f->s->q, f->k_cache + layer_off, f->v_cache + layer_off, f->kv_type,
+                               f->s->q_positions, f->s->k_positions, f->T, c->n_heads, D,
+                               f->length + f->T, Hkv, c->n_heads / Hkv, (float)(1.0 / sqrt((double)D))};
+    kvref_attention_run(f->pool, &a, f->s->partial, f->s->att);
+    f->s->ns[FAM_ATTN] += now_ns() - t0;
+}
+
+/* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or the last one */
+static void final_logits(fw *f) {
+    int64_t t0 = now_ns();
+    const kvref_model_desc *c = f->c;
+    const int64_t E = c->d_model, V = c->vocab_size;
+    kvref_state *s = f->s;
+    const int64_t first = f->all_logits ? 0 : f->T - 1, n = f->T - first;
+    for (int64_t t = first; t < f->T; t++) kvref_rms_norm_row(s->x + t * E, E, c->output_norm, c->norm_eps, s->xb + (t - first) * E);
+    s->ns[FAM_OTHER] += now_ns() - t0;
+    t0 = now_ns();
+    if (n < KVREF_GEMM_MIN_T) {
+        kvref_mv mv = {s->xb, int8_input(f, s->xb, n, E, &c->output, NULL, NULL), n, E, 1,
+                       {part(&c->output, f->logits, V)}, 0, 0};
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        kvref_matmul_run(f->pool, s->xb, n, E, (const uint8_t *)c->output.data, c->output.type, V, f->logits);
+    }
+    s->ns[FAM_PROJ] += now_ns() - t0;
+}
+
+/* ---- model and state ------------------------------------------------------------------------ */
+
+static int check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
+    if (t->data == NULL) return KVREF_ERR_NULL;
+    if (kvref_block_values(t->type) < 0) return KVREF_ERR_TYPE;
+    if (t->rows != rows || t->cols != cols) return KVREF_ERR_SHAPE;
+    const int64_t rb = kvref_row_nbytes(t->type, cols);
+    if (rb < 0) return KVREF_ERR_SHAPE;
+    if (rb > 0 && rows > INT64_MAX / rb) return KVREF_ERR_SIZE;
+    if (t->nbytes != rows * rb) return KVREF_ERR_SIZE;
+    return KVREF_OK;
+}
+
+#define KVREF_MAX_DIM (INT64_C(1) << 24) /* every config number; keeps every product below 2**63 */
+
+int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
+    if (out == NULL) return KVREF_ERR_NULL;
+    *out = NULL;
+    if (desc == NULL || desc->layers == NULL || desc->output_norm == NULL) return KVREF_ERR_NULL;
+    const kvref_model_desc *c = desc;
+    const int64_t dims[] = {c->n_layers, c->d_model, c->n_heads, c->n_kv_heads, c->head_dim, c->d_ff, c->vocab_size};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i] < 1 || dims[i] > KVREF_MAX_DIM) return KVREF_ERR_DIM;
+    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0) return KVREF_ERR_SHAPE;
+    if (!(c->rope_theta > 0.0) || isinf(c->rope_theta) || !(c->norm_eps >= 0.0) || isinf(c->norm_eps))
+        return KVREF_ERR_VALUE;
+    const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
+    int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
+    if (status == KVREF_OK) status = check_tensor(&c->output, c->vocab_size, E);
+    for (int64_t l = 0; status == KVREF_OK && l < c->n_layers; l++) {
+        const kvref_layer_desc *lw = &c->layers[l];
+        if (lw->attn_norm == NULL || lw->ffn_norm == NULL) return KVREF_ERR_NULL;
+        const struct { const kvref_tensor *t; int64_t rows, cols; } expect[] = {
+            {&lw->wq, QD, E}, {&lw->wk, KVD, E}, {&lw->wv, KVD, E}, {&lw->wo, E, QD},
+            {&lw->w_gate, F, E}, {&lw->w_up, F, E}, {&lw->w_down, E, F}};
+        for (size_t i = 0; status == KVREF_OK && i < sizeof expect / sizeof expect[0]; i++)
+            status = check_tensor(expect[i].t, expect[i].rows, expect[i].cols);
+    }
+    if (status != KVREF_OK) return status;
+
+    kvref_model *m = calloc(1, sizeof *m);
+    if (m == NULL) return KVREF_ERR_NOMEM;
+    m->layers = malloc((size_t)c->n_layers * sizeof *m->layers);
+    if (m->layers == NULL) {
+        free(m);
+        return KVREF_ERR_NOMEM;
+    }
+    memcpy(m->layers, c->layers, (size_t)c->n_layers * sizeof *m->layers);
+    m->desc = *c;
+    m->desc.layers = m->layers;
+    m->max_k = E > QD ? E : QD;
+    m->max_k = m->max_k > F ? m->max_k : F;
+    *out = m;
+    return KVREF_OK;
+}
+
+void kvref_model_destroy(kvref_model *model) {
+    if (model == NULL) return;
+    free(model->layers);
+    free(model);
+}
+
+static void free_rows(kvref_state *s) {
+    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->tmp, s->cs, s->q_positions};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->tmp = NULL;
+    s->cs = NULL;
+    s->q_positions = NULL;
+    s->rows = 0;
+}
+
+int kvref_state_create(const kvref_model *model, kvref_state **out) {
+    if (out == NULL) return KVREF_ERR_NULL;
+    *out = NULL;
+    if (model == NULL) return KVREF_ERR_NULL;
+    kvref_state *s = calloc(1, sizeof *s);
+    if (s == NULL) return KVREF_ERR_NOMEM;
+    s->model = model;
+    const int64_t D = model->desc.head_dim;
+    s->inv_freq = malloc((size_t)(D / 2 + 1) * sizeof(double));
+    s->xq = malloc((size_t)(KVREF_GEMM_MIN_T - 1) * (size_t)(model->max_k / 32 + 1) * sizeof(kvref_q8_block));
+    if (s->inv_freq == NULL || s->xq == NULL) {
+        kvref_state_destroy(s);
+        return KVREF_ERR_NOMEM;
+    }
+    kvref_rope_inv_freq(D, model->desc.rope_theta, s->inv_freq);
+    *out = s;
+    return KVREF_OK;
+}
+
+void kvref_state_destroy(kvref_state *state) {
+    if (state == NULL) return;
+    free_rows(state);
+    free(state->xq);
+    free(state->k_positions);
+    free(state->partial);
+    free(state->inv_freq);
+    free(state);
+}
+
+static void *alloc_floats(int64_t n) { return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63); }
+
+/* Grow the buffers to T new positions over S attended positions (never shrinks them). */
+static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t capacity) {
+    const kvref_model_desc *c = &s->model->desc;
+    const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
+    if (T > s->rows) {
+        const int64_t rows = T > 2 * s->rows ? T : 2 * s->rows;
+        free_rows(s);
+        s->x = alloc_floats(rows * E);
+        s->xb = alloc_floats(rows * E);
+        s->q = alloc_floats(rows * QD);
+        s->k = alloc_floats(rows * KVD);
+        s->v = alloc_floats(rows * KVD);
+        s->att = alloc_floats(rows * QD);
+        s->gate = alloc_floats(rows * c->d_ff);
+        s->up = alloc_floats(rows * c->d_ff);
+        s->tmp = alloc_floats(rows * E);
+        s->cs = malloc((size_t)(rows * c->head_dim) * sizeof(double));
+        s->q_positions = malloc((size_t)rows * sizeof(int64_t));
+        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->tmp || !s->cs || !s->q_positions) {
+            free_rows(s);
+            return KVREF_ERR_NOMEM;
+        }
+        s->rows = rows;
+    }
+    if (S > s->keys) {
+        int64_t *kp = malloc((size_t)capacity * sizeof(int64_t)); /* every position the cache can hold */
+        if (kp == NULL) return KVREF_ERR_NOMEM;
+        for (int64_t i = 0; i < capacity; i++) kp[i] = i;
+        free(s->k_positions);
+        s->k_positions = kp;
+        s->keys = capacity;
+    }
+    const int64_t np = kvref_attention_partial_floats(T, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim, S);
+    if (np > s->partial_floats) {
+        const int64_t grown = np > 2 * s->partial_floats ? np : 2 * s->partial_floats;
+        float *p = alloc_floats(grown);
+        if (p == NULL) return KVREF_ERR_NOMEM;
+        free(s->partial);
+        s->partial = p;
+        s->partial_floats = grown;
+    }
+    return KVREF_OK;
+}
+
+void kvref_state_timings(const kvref_state *state, int64_t *out) {
+    if (state == NULL || out == NULL) return;
+    for (int i = 0; i < 3; i++) out[i] = state->ns[i];
+    out[3] = state->calls;
+}
+
+void kvref_state_reset_timings(kvref_state *state) {
+    if (state == NULL) return;
+    for (int i = 0; i < 3; i++) state->ns[i] = 0;
+    state->calls = 0;
+}
+
+/* ---- the forward ---------------------------------------------------------------------------- */
+
+int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state, const int64_t *token_ids,
+                  int64_t T, void *k_cache, void *v_cache, int32_t kv_type, int64_t capacity, int64_t length,
+                  int32_t activations, int32_t all_logits, float *logits) {
+    if (pool == NULL || model == NULL || state == NULL) return KVREF_ERR_NULL;
+    if (state->model != model) return KVREF_ERR_VALUE;
+    const kvref_model_desc *c = &model->desc;
+    if (T < 1 || length < 0 || capacity < 0 || capacity > KVREF_MAX_DIM) return KVREF_ERR_DIM;
+    if (T > capacity - length) return KVREF_ERR_DIM; /* no room for T new positions */
+    if (kv_type != KVREF_TYPE_F32 && kv_type != KVREF_TYPE_F16) return KVREF_ERR_TYPE;
+    if ((activations != KVREF_ACT_F32 && activations != KVREF_ACT_INT8) || (all_logits != 0 && all_logits != 1))
+        return KVREF_ERR_VALUE;
+    if (token_ids == NULL || k_cache == NULL || v_cache == NULL || logits == NULL) return KVREF_ERR_NULL;
+    for (int64_t t = 0; t < T; t++)
+        if (token_ids[t] < 0 || token_ids[t] >= c->vocab_size) return KVREF_ERR_VALUE;
+
+    kvref_pool_lock(pool);
+    const int64_t t_start = now_ns();
+    const int64_t S = length + T;
+    int status = state_reserve(state, T, S, capacity);
+    if (status == KVREF_OK) { /* tiles of the prefill GEMM (any type, so a misaligned F32 weight too) */
+        size_t scratch = (size_t)KVREF_TILE_N * (size_t)model->max_k * sizeof(float);
+        const size_t attn = kvref_attention_scratch_bytes(c->n_heads / c->n_kv_heads, c->head_dim);
+        status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
+    }
+    if (status != KVREF_OK) {
+        kvref_pool_unlock(pool);
+        return status;
+    }
+    fw f = {pool, kvref_pool_kernels(pool), c, state, token_ids, T, length, capacity,
+            (uint8_t *)k_cache, (uint8_t *)v_cache, kv_type, kv_type == KVREF_TYPE_F16 ? 2 : 4,
+            activations == KVREF_ACT_INT8, all_logits, logits, 0, NULL, NULL};
+    for (int64_t t = 0; t < T; t++) { /* the new positions and their RoPE angles, once per call */
+        state->q_positions[t] = length + t;
+        kvref_rope_cos_sin(c->head_dim, state->inv_freq, length + t, state->cs + t * c->head_dim);
+    }
+    state->ns[FAM_OTHER] += now_ns() - t_start;
+
+    embed_tokens(&f);                           /* x = tok_embeddings[token_ids] */
+    for (f.layer = 0; f.layer < c->n_layers; f.layer++) {
+        f.lw = &c->layers[f.layer];
+        /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
+        rms_norm(&f, f.lw->attn_norm);          /* xb = rms_norm(x) * attn_norm */
+        qkv_projections(&f);                    /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
+        rope_and_store(&f);                     /* rotate q, k; k, v -> cache rows length.. */
+        attend(&f);                             /* att = softmax(q . K / sqrt(D)) V, causal by position */
+        output_projection(&f);                  /* x += att @ Wo.T */
+        /* MLP block: x += swiglu(...) @ Wd.T, position by position */
+        rms_norm(&f, f.lw->ffn_norm);           /* xb = rms_norm(x) * ffn_norm */
+        gate_up_projections(&f);                /* gate = silu(xb @ Wg.T) * (xb @ Wu.T) */
+        down_projection(&f);                    /* x += gate @ Wd.T */
+    }
+    final_logits(&f);                           /* logits = rms_norm(x) @ output.T */
+    state->calls++;
+    kvref_pool_unlock(pool);
+    return KVREF_OK;
+}

@@ -1,0 +1,212 @@
+"""The fused native forward: a whole execution (a prefill or a decode step) in one C call.
+
+    fused = FusedForward(config, weights, activations="float32")   # once, at load
+    logits = fused.forward(ops, config, weights, token_ids, cache, all_logits=False)
+
+`forward` has the signature and the meaning of kvref.spec.decoder.forward: it runs the new tokens
+at positions cache.next_position.., appends their K/V to `cache`, and returns logits [T, V] with
+all_logits, else [1, V] for the last position. It runs in C (csrc/forward.c) when it can:
+
+  - `ops` is a native kernel set (kvref.native.ops.Kernels): its thread pool runs the forward;
+  - `config` and `weights` are the ones this object was built from (every tensor, by identity);
+  - `cache` is a kvref.cache.ContiguousCache storing K and V as plain float32 or float16 arrays
+    (one dtype for both; the encoded bfloat16/int8 forms go to the decoder, which decodes them).
+
+Otherwise it calls the shared decoder with `ops`, which computes the same thing kernel by kernel.
+
+Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
+the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
+kernel set; the bounds of tests/test_native.py carry over unchanged. With activations="int8",
+every projection of fewer than 4 rows (all of a decode step's, and a prefill's last-position LM
+head) is Kernels.matmul_int8: each input row is rounded to blocks of 32 int8 values with scale
+d = max|x| / 127 before Q4_0, Q4_1 and Q8_0 weights, and multiplied with integer dot products
+(llama.cpp does the same). Each such output moves by at most
+sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j - m_b| (m_b: the block's offset, Q4_1 only) beyond the
+float32 rounding of the exact mode; other weight types and longer projections stay exact. Exact
+is the default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 15-23
+tokens, as llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
+
+Argument checks happen here, before C runs: token ids (TokenError), room in the cache
+(CacheFullError, from cache.next_positions), the cache arrays' dtype, shape and contiguity. C
+writes only rows [length, length + T) of the cache arrays, and cache.advance(T) commits them after
+C returns; a failed call leaves cache.length unchanged. No cffi object leaves this module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from ..cache import ContiguousCache
+from ..errors import BackendError, CacheError, DTypeError, ShapeError, TokenError
+from ..spec import decoder
+from . import ops as native_ops
+from .ops import _check_status, _weight, ffi, lib
+
+ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
+KV_TYPES = {"float32": lib.KVREF_TYPE_F32, "float16": lib.KVREF_TYPE_F16}
+
+
+def default_activations() -> str:
+    """KVREF_ACTIVATIONS (float32 | int8), else float32 (exact); KVREF_EXACT=1 forces float32."""
+    if os.environ.get("KVREF_EXACT", "").strip() not in ("", "0"):
+        return "float32"
+    name = os.environ.get("KVREF_ACTIVATIONS", "").strip().lower() or "float32"
+    if name not in ACTIVATIONS:
+        raise BackendError(f"KVREF_ACTIVATIONS={name!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
+    return name
+
+
+def _tensors(weights):
+    """Every tensor object of `weights`, in a fixed order (the identity check of `runs`)."""
+    out = [weights.tok_embeddings, weights.output_norm, weights.output]
+    for lw in weights.layers:
+        out += [lw.attn_norm, lw.wq, lw.wk, lw.wv, lw.wo, lw.ffn_norm, lw.w_gate, lw.w_up, lw.w_down]
+    return out
+
+
+class FusedForward:
+    """The C model descriptor and run state for one (config, weights), built once.
+
+    Raises DTypeError/ShapeError when the weights cannot run in C (a type the native kernels do not
+    read, a non-contiguous matrix); callers then use the shared decoder.
+    """
+
+    def __init__(self, config, weights, activations=None):
+        self.config = config
+        self.weights = weights
+        self.activations = default_activations() if activations is None else activations
+        if self.activations not in ACTIVATIONS:
+            raise BackendError(f"activations={self.activations!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
+        self._fingerprint = [id(t) for t in _tensors(weights)]
+        self._keep = []  # every array a descriptor pointer points into (no dangling pointers)
+        self._lock = threading.Lock()  # one state, one call at a time
+        c = config
+        if len(weights.layers) != c.n_layers:
+            raise ShapeError(f"weights have {len(weights.layers)} layers, config says {c.n_layers}")
+        layers = ffi.new("kvref_layer_desc[]", c.n_layers)
+        for i, lw in enumerate(weights.layers):
+            d = layers[i]
+            d.attn_norm = self._gain(lw.attn_norm, f"layers[{i}].attn_norm")
+            d.ffn_norm = self._gain(lw.ffn_norm, f"layers[{i}].ffn_norm")
+            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+                self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}")
+        desc = ffi.new("kvref_model_desc *")
+        desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
+        desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
+        desc.rope_theta, desc.norm_eps = float(c.rope_theta), float(c.norm_eps)
+        self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
+        self._tensor(desc.output, weights.output, "output")
+        desc.output_norm = self._gain(weights.output_norm, "output_norm")
+        desc.layers = layers
+        out = ffi.new("kvref_model **")
+        _check_status(lib.kvref_model_create(desc, out), "model descriptor")
+        self._model = ffi.gc(out[0], lib.kvref_model_destroy)
+        state = ffi.new("kvref_state **")
+        _check_status(lib.kvref_state_create(self._model, state), "run state")
+        self._state = ffi.gc(state[0], lib.kvref_state_destroy)
+
+    def _gain(self, g, name):
+        # [E] float32 RMSNorm gain; float16/float64 gains are converted once, here
+        if not isinstance(g, np.ndarray) or g.ndim != 1 or g.shape[0] != self.config.d_model:
+            raise ShapeError(f"{name} must be a 1-D array of {self.config.d_model} values")
+        if g.dtype.kind != "f":
+            raise DTypeError(f"{name} has dtype {g.dtype}; expected a float array")
+        g = np.ascontiguousarray(g, dtype=np.float32)
+        self._keep.append(g)
+        return ffi.cast("const float *", ffi.from_buffer(g))
+
+    def _tensor(self, dst, w, name):
+        gtype, data, N, K = _weight(w, name)  # validates type, shape, byte count, contiguity
+        if isinstance(w, np.ndarray) and not w.flags.aligned:
+            raise ShapeError(f"{name} is not aligned to its dtype")
+        self._keep.append(data)
+        dst.data = ffi.from_buffer(data)
+        dst.nbytes = data.nbytes
+        dst.type = gtype
+        dst.rows, dst.cols = N, K
+
+    # ---- running ------------------------------------------------------------------------------
+
+    def runs(self, ops, config, weights, cache) -> bool:
+        """True when forward() runs in C for these arguments (else it calls the shared decoder)."""
+        return (isinstance(ops, native_ops.Kernels) and config == self.config and _plain_float_cache(cache)
+                and weights is self.weights and [id(t) for t in _tensors(weights)] == self._fingerprint)
+
+    def forward(self, ops, config, weights, token_ids, cache, all_logits=False):
+        # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T
+        if not self.runs(ops, config, weights, cache):
+            return decoder.forward(ops, config, weights, token_ids, cache, all_logits)
+        c = config
+        ids = _token_ids(token_ids, c.vocab_size)
+        T = ids.shape[0]
+        positions = cache.next_positions(T)  # [T]; a full cache fails here, before any work
+        length = cache.length
+        if T and positions[0] != length:
+            raise CacheError(f"the contiguous cache's next position {positions[0]} is not its length {length}")
+        k, v = cache.k, cache.v
+        shape = (c.n_layers, cache.capacity, c.n_kv_heads, c.head_dim)
+        for name, a in (("k", k), ("v", v)):
+            if a.shape != shape or not a.flags.c_contiguous or not a.flags.aligned or not a.flags.writeable:
+                raise CacheError(f"cache.{name} must be a writeable C-contiguous array of shape {shape}; got "
+                                 f"shape {a.shape}, strides {a.strides}, writeable={a.flags.writeable}")
+        if not isinstance(all_logits, (bool, np.bool_)):
+            raise ShapeError(f"all_logits={all_logits!r} must be True or False")
+        logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
+        with self._lock:
+            status = lib.kvref_forward(ops._pool.ptr, self._model, self._state, ffi.from_buffer("int64_t[]", ids), T,
+                                       ffi.from_buffer(k, require_writable=True),
+                                       ffi.from_buffer(v, require_writable=True), KV_TYPES[k.dtype.name],
+                                       cache.capacity, length, ACTIVATIONS[self.activations], int(bool(all_logits)),
+                                       ffi.from_buffer("float[]", logits))
+        _check_status(status, "forward")
+        cache.advance(T)  # every layer wrote its K/V: commit the new positions
+        return logits
+
+    # ---- timing -------------------------------------------------------------------------------
+
+    def timings(self) -> dict:
+        """Seconds spent in C forwards since creation or reset_timings(), by kernel family:
+        projections (matmuls and their fused SwiGLU/residual adds), attention, other (embedding,
+        norms, RoPE, cache writes); `calls` counts the C forwards. Wall time of the calling thread."""
+        out = ffi.new("int64_t[4]")
+        with self._lock:
+            lib.kvref_state_timings(self._state, out)
+        return {"projections": out[0] * 1e-9, "attention": out[1] * 1e-9, "other": out[2] * 1e-9,
+                "calls": int(out[3])}
+
+    def reset_timings(self) -> None:
+        with self._lock:
+            lib.kvref_state_reset_timings(self._state)
+
+
+def _plain_float_cache(cache) -> bool:
+    """A ContiguousCache (exactly: a subclass may store differently) whose K and V rows are stored as
+    plain float32 or float16 arrays [n_layers, capacity, Hkv, D] of one dtype (not an encoded form)."""
+    if type(cache) is not ContiguousCache:
+        return False
+    k, v = getattr(cache, "k", None), getattr(cache, "v", None)
+    return (isinstance(k, np.ndarray) and isinstance(v, np.ndarray) and k.dtype == v.dtype
+            and k.dtype.name in KV_TYPES)
+
+
+def _token_ids(token_ids, vocab_size) -> np.ndarray:
+    """Token ids as a non-empty C-contiguous int64 [T] array, every id in [0, vocab_size)."""
+    try:
+        ids = np.asarray(token_ids)
+    except (TypeError, ValueError) as exc:
+        raise TokenError(f"token ids must be a 1-D sequence of integers: {exc}") from None
+    if ids.ndim != 1 or ids.size == 0:
+        raise TokenError(f"token ids must be a non-empty 1-D sequence; got shape {ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise TokenError(f"token ids must be integers; got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise TokenError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab_size})")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+__all__ = ["ACTIVATIONS", "FusedForward", "default_activations"]
