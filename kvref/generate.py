@@ -39,13 +39,49 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None
     # the last selected token is never run through the model, so it needs no position
     n_positions = len(prompt) + max(max_new_tokens - 1, 0)
     model.check_context(start, n_positions)
-    if cache is not None and cache.length + n_positions > cache.capacity:
+    if cache is not None and not cache.can_append(n_positions):
         raise CacheFullError(
             f"prompt ({len(prompt)}) + {max_new_tokens} new tokens need {n_positions} positions; "
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
     select = _selector(temperature, top_k, top_p, min_p, seed)
     loop = _cached_loop if use_cache else _uncached_loop
     return loop(model, prompt, max_new_tokens, select, frozenset(stop_ids), cache, executions)
+
+
+def resume(model, cache: KVCache, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
+           seed=None, stop_ids=(), executions: list | None = None):
+    """Continue a generation from a cache alone: the first token comes from cache.last_logits.
+
+    A cache records the logits of its last execution (Model.forward) and keeps them through
+    save/load, so `resume(model, model.load_cache(path), n)` selects exactly the tokens the
+    interrupted generation would have selected next (with the same sampling arguments and seed).
+    """
+    check_sampling(temperature, top_k, top_p, min_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    model.check_cache(cache)
+    if cache.last_logits is None:
+        raise GenerationError("the cache holds no last logits to select a token from (no execution ran into it)")
+    n_positions = max(max_new_tokens - 1, 0)  # the first token needs no execution, the last needs none either
+    model.check_context(cache.next_position, n_positions)
+    if not cache.can_append(n_positions):
+        raise CacheFullError(f"{max_new_tokens} new tokens need {n_positions} positions; the cache has "
+                             f"{cache.capacity - cache.length} free of {cache.capacity}")
+    select = _selector(temperature, top_k, top_p, min_p, seed)
+    return _resumed_loop(model, np.array(cache.last_logits), max_new_tokens, select, frozenset(stop_ids), cache,
+                         executions)
+
+
+def _resumed_loop(model, logits, max_new_tokens, select, stop_ids, cache, executions):
+    for step in range(max_new_tokens):
+        if step:  # a decode step for the token just selected
+            first = cache.next_position
+            logits = model.forward([token], cache)
+            _record(executions, model, first, first + 1, first)
+        token = select(logits)
+        yield token
+        if token in stop_ids:
+            return
 
 
 def _selector(temperature, top_k, top_p, min_p, seed):

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+
 import numpy as np
 
 from . import backends
-from .cache import ContiguousCache, KVCache, dtype_name
+from .cache import BlockPool, ContiguousCache, KVCache, WindowCache, dtype_name
+from .cache.fileformat import load_cache
+from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
+from .spec import decoder
 from .weights import Weights, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
+LAYOUTS = ("contiguous", "paged", "window")
+LAYOUT_OPTIONS = {"contiguous": ("capacity",), "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"),
+                  "window": ("window", "sinks")}
+# stored narrower than any kernel reads: every layout decodes them to float32 before attention
+DECODED_KV_DTYPES = ("bfloat16", "int8")
 
 
 class Model:
@@ -24,7 +36,6 @@ class Model:
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype)
         self.ops = backends.kernels(self.backend, threads)
-        self._forward = backends.forward_impl(self.backend, config, weights)  # fused C forward or the decoder
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
@@ -35,22 +46,119 @@ class Model:
         dtype = model_dtype(dtype)
         return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
 
-    def new_cache(self, layout="contiguous", kv_dtype=None, capacity=None) -> KVCache:
-        """An empty KV cache for this model; K/V are stored in the model dtype unless kv_dtype says otherwise."""
-        if layout != "contiguous":
-            raise CacheError(f"cache layout {layout!r} is not available; expected 'contiguous'")
-        capacity = self.config.max_seq_len if capacity is None else capacity
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
-            raise CacheError(f"capacity={capacity!r} must be a positive integer")
-        if capacity > self.config.max_seq_len:
-            raise ContextOverflowError(
-                f"capacity={capacity} exceeds the model's max_seq_len={self.config.max_seq_len}")
-        kv_dtype = self.dtype if kv_dtype is None else dtype_name(kv_dtype)
-        if kv_dtype not in backends.KV_DTYPES[self.backend]:
-            raise CacheError(f"kv_dtype {kv_dtype!r} is not supported by the {self.backend!r} backend; "
-                             f"expected one of {backends.KV_DTYPES[self.backend]}")
+    def new_cache(self, layout="contiguous", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
+                  group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,
+                  window=None, sinks=None) -> KVCache:
+        """An empty KV cache for this model; K/V are stored in the model dtype unless kv_dtype says otherwise.
+
+        layout     "contiguous" (capacity, default max_seq_len) | "paged" (block_size=16, num_blocks =
+                   enough for one max_seq_len sequence, prefix_reuse=False; or pool= an existing
+                   BlockPool to add a sequence to) | "window" (window=W required, sinks=0)
+        kv_dtype   None (model dtype) | "float32" | "float16" | "bfloat16" | "int8" for K and V;
+                   k_dtype / v_dtype set one of them; group_size: elements per int8 scale (default
+                   32 when head_dim allows, else head_dim)
+        An option that does not apply to the layout is an error, never ignored.
+        """
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise CacheError(f"cache layout {layout!r} is not available; expected one of {LAYOUTS}")
+        given = {name: value for name, value in (
+            ("capacity", capacity), ("block_size", block_size), ("num_blocks", num_blocks),
+            ("prefix_reuse", prefix_reuse), ("pool", pool), ("window", window), ("sinks", sinks))
+            if value is not None}
+        foreign = sorted(set(given) - set(LAYOUT_OPTIONS[layout]))
+        if foreign:
+            raise CacheError(f"{', '.join(foreign)} do{'es' if len(foreign) == 1 else ''} not apply to layout "
+                             f"{layout!r}; its options are {LAYOUT_OPTIONS[layout]}")
         c = self.config
-        return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), kv_dtype)
+        if pool is not None:
+            return self._sequence_in_pool(pool, kv_dtype, k_dtype, v_dtype, group_size, given)
+        k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
+        if group_size is not None and "int8" not in (k_name, v_name):
+            raise CacheError(f"group_size={group_size!r} applies to int8 K/V; these are {k_name}/{v_name}")
+        common = dict(v_dtype=v_name, group_size=group_size, rope_theta=c.rope_theta)
+        if layout == "contiguous":
+            capacity = c.max_seq_len if capacity is None else capacity
+            if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
+                raise CacheError(f"capacity={capacity!r} must be a positive integer")
+            if capacity > c.max_seq_len:
+                raise ContextOverflowError(
+                    f"capacity={capacity} exceeds the model's max_seq_len={c.max_seq_len}")
+            cache = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), k_name, **common)
+        elif layout == "paged":
+            block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+            if num_blocks is None and isinstance(block_size, (int, np.integer)) and block_size > 0:
+                num_blocks = -(-c.max_seq_len // int(block_size))  # one max_seq_len sequence
+            pool = BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
+                             k_dtype=k_name, max_positions=c.max_seq_len,
+                             prefix_reuse=False if prefix_reuse is None else prefix_reuse,
+                             model_fingerprint=self.fingerprint(), **common)
+            return pool.new_cache()
+        else:
+            if window is None:
+                raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
+            cache = WindowCache(c.n_layers, c.n_kv_heads, c.head_dim, window, 0 if sinks is None else sinks,
+                                k_name, **common)
+        cache.model_fingerprint = self.fingerprint()
+        return cache
+
+    def load_cache(self, path, pool=None) -> KVCache:
+        """A cache holding what cache.save(path) wrote, for this model only (see kvref/cache/fileformat.py).
+
+        Refuses a file saved from another model (config or weights), a corrupt or truncated file, or
+        a future format version, with a CacheError naming the problem; nothing is half-loaded.
+        A paged cache is loaded into a new pool, or into `pool` (any block size) if given.
+        """
+        return load_cache(self, path, pool=pool)
+
+    def fingerprint(self) -> dict:
+        """What identifies this model to a saved cache: its config, and a hash of a sample of its weights.
+
+        The weight sample (every norm gain, and three embedding rows) is cheap and changes with any
+        retraining or different random seed; K/V computed by one model are wrong for another.
+        """
+        if getattr(self, "_fingerprint", None) is None:
+            config = dataclasses.asdict(self.config)
+            w = self.weights
+            sample = [w.output_norm, *(g for lw in w.layers for g in (lw.attn_norm, lw.ffn_norm)),
+                      self.ops.embed(w.tok_embeddings, np.array([0, self.config.vocab_size // 2,
+                                                                 self.config.vocab_size - 1]))]
+            digest = hashlib.sha256()
+            for a in sample:
+                digest.update(np.ascontiguousarray(a, dtype=np.float64).tobytes())
+            self._fingerprint = {
+                "config": config,
+                "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+                "weights_sha256": digest.hexdigest(),
+            }
+        return self._fingerprint
+
+    def _kv_dtypes(self, kv_dtype, k_dtype, v_dtype):
+        base = self.dtype if kv_dtype is None else dtype_name(kv_dtype)
+        names = (base if k_dtype is None else dtype_name(k_dtype), base if v_dtype is None else dtype_name(v_dtype))
+        allowed = tuple(backends.KV_DTYPES[self.backend]) + tuple(
+            d for d in DECODED_KV_DTYPES if d not in backends.KV_DTYPES[self.backend])
+        for name in names:
+            if name not in allowed:
+                raise CacheError(f"kv_dtype {name!r} is not supported by the {self.backend!r} backend; "
+                                 f"expected one of {allowed}")
+        return names
+
+    def _sequence_in_pool(self, pool, kv_dtype, k_dtype, v_dtype, group_size, given):
+        if not isinstance(pool, BlockPool):
+            raise CacheError(f"pool= takes a BlockPool (cache.pool of a paged cache); got {type(pool).__name__}")
+        extra = sorted(set(given) - {"pool"})
+        if extra:
+            raise CacheError(f"{', '.join(extra)} come from the pool when pool= is given")
+        if pool.model_fingerprint != self.fingerprint():
+            raise CacheError("this pool was made for another model; its K/V would be wrong for this one")
+        if any(x is not None for x in (kv_dtype, k_dtype, v_dtype, group_size)):
+            k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
+            wanted = (k_name, v_name, group_size or pool.k_codec.group_size or pool.v_codec.group_size)
+            have = (pool.k_codec.name, pool.v_codec.name, pool.k_codec.group_size or pool.v_codec.group_size)
+            if wanted != have:
+                raise CacheError(f"the pool stores K/V as {have[0]}/{have[1]} (group {have[2]}); "
+                                 f"asked for {wanted[0]}/{wanted[1]} (group {wanted[2]})")
+        return pool.new_cache()
 
     def forward(self, token_ids, cache: KVCache | None = None, all_logits: bool = False):
         """Run the new tokens at positions cache.next_position.. and append their K/V to `cache`.
@@ -67,7 +175,8 @@ class Model:
         else:
             self.check_cache(cache)
             self.check_context(cache.next_position, len(ids))
-        logits = self._forward(self.ops, self.config, self.weights, ids, cache, all_logits)
+        logits = decoder.forward(self.ops, self.config, self.weights, ids, cache, all_logits)
+        cache.after_forward(ids, logits[-1])  # ids for prefix reuse, last logits for save and resume
         return logits if all_logits else logits[0]
 
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:

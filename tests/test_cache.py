@@ -75,8 +75,13 @@ def test_new_cache_rejects_bad_layouts_capacities_and_dtypes():
         model.new_cache(capacity=33)
     with pytest.raises(DTypeError):
         model.new_cache(kv_dtype="float8")
-    with pytest.raises(CacheError, match="kv_dtype 'bfloat16' is not supported by the 'numpy' backend"):
-        kvref.Model.random(CFG, backend="numpy").new_cache(kv_dtype="bfloat16")
+    with pytest.raises(CacheError, match="window does not apply to layout 'contiguous'"):
+        model.new_cache(window=8)
+    with pytest.raises(CacheError, match="group_size=8 applies to int8 K/V"):
+        model.new_cache(kv_dtype="float16", group_size=8)
+    if kvref.native.available():  # the native attention reads float32/float16; float64 stays in the spec
+        with pytest.raises(CacheError, match="kv_dtype 'float64' is not supported by the 'c' backend"):
+            kvref.Model.random(CFG, backend="c").new_cache(kv_dtype="float64")
 
 
 def test_update_rejects_kv_of_the_wrong_shape():

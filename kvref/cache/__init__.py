@@ -1,6 +1,18 @@
-"""The explicit KV cache: one interface (KVCache), several layouts behind it."""
+"""The explicit KV cache: one interface (KVCache), several layouts behind it.
 
-from .base import ELEMENT_BYTES, KVCache, cache_bytes, dtype_name
+    ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
+    PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
+    WindowCache       attention sinks + a ring buffer of the last W positions     (window.py)
+
+Each stores K and V as float64/float32/float16/bfloat16 or int8 with grouped scales (quant.py),
+saves to a versioned file (fileformat.py), and reports its bytes (report.py).
+"""
+
+from .base import ELEMENT_BYTES, KVCache, bytes_per_position, cache_bytes, dtype_name, reorder
 from .contiguous import ContiguousCache
+from .paged import BlockPool, PagedCache
+from .report import layout_report, layout_rows
+from .window import WindowCache
 
-__all__ = ["ELEMENT_BYTES", "KVCache", "ContiguousCache", "cache_bytes", "dtype_name"]
+__all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "KVCache", "PagedCache", "WindowCache",
+           "bytes_per_position", "cache_bytes", "dtype_name", "layout_report", "layout_rows", "reorder"]

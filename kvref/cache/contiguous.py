@@ -1,27 +1,33 @@
 """The plain cache: one preallocated [capacity, Hkv, D] array per layer for K and one for V.
 
 Position p of the sequence lives in row p. Every other layout is checked against this one.
+
+    k[layer]   row:  0    1    2    3    4    5   ...  capacity-1
+                    [p0] [p1] [p2] [p3] [  ] [  ] ... [  ]      length = 4, next_position = 4
+
+With kv_dtype "bfloat16" or "int8" the rows hold the encoded form (kvref/cache/quant.py) and
+`k_scales`/`v_scales` hold int8 scales row for row; a read decodes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CacheError
 from .base import KVCache
+from .quant import SlotStore
 
 
 class ContiguousCache(KVCache):
-    def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="float32"):
-        super().__init__(n_layers, n_kv_heads, head_dim, dtype)
-        if self.dtype_name not in ("float64", "float32", "float16"):
-            raise CacheError(
-                f"the contiguous cache stores float64, float32 or float16, not {self.dtype_name}")
+    layout = "contiguous"
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="float32", *, v_dtype=None,
+                 group_size=None, rope_theta=None):
+        super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
+                         rope_theta=rope_theta)
         self._capacity = int(capacity)
-        shape = (n_layers, self._capacity, n_kv_heads, head_dim)
-        # zeros, not empty: untouched pages are never materialised, and nothing reads rows >= length
-        self.k = np.zeros(shape, dtype=self.dtype_name)  # [L, capacity, Hkv, D]
-        self.v = np.zeros(shape, dtype=self.dtype_name)  # [L, capacity, Hkv, D]
+        self.store = SlotStore(n_layers, (self._capacity,), n_kv_heads, head_dim, self.k_codec, self.v_codec)
+        self.k = self.store.k  # [L, capacity, Hkv, D] stored form
+        self.v = self.store.v  # [L, capacity, Hkv, D]
         self._length = 0
 
     @property
@@ -35,51 +41,56 @@ class ContiguousCache(KVCache):
     @property
     def allocated_nbytes(self) -> int:
         """Bytes reserved for the full capacity (the OS commits pages only as rows are written)."""
-        return self.k.nbytes + self.v.nbytes
+        return self.store.allocated_nbytes
 
     def update(self, layer, k, v):
+        self._check_live()
         self._check_kv(layer, k, v)
         start, end = self._length, self._length + k.shape[0]
         if end > self._capacity:
             self.next_positions(k.shape[0])  # raises CacheFullError with the numbers
-        self.k[layer, start:end] = k
-        self.v[layer, start:end] = v
-        return self.k[layer, :end], self.v[layer, :end], np.arange(end)
+        self.store.write(layer, slice(start, end), k, v)  # rows >= length: nothing stored is touched
+        k_all, v_all = self.store.read(layer, slice(0, end))  # float types: views, no copy
+        return k_all, v_all, np.arange(end)
 
     def advance(self, n_new):
         self.next_positions(n_new)
         self._length += n_new
 
-    def truncate(self, n: int) -> None:
-        """Forget every position >= n (roll back rejected tokens). Rows past n become unreachable."""
-        if not 0 <= n <= self._length:
-            raise CacheError(f"cannot truncate to {n}: the cache holds {self._length} positions")
-        self._length = n
+    def read(self, layer):
+        return self.store.read(layer, slice(0, self._length))
 
-    def can_truncate(self, n: int) -> bool:
-        return 0 <= n <= self._length
+    def read_raw(self, layer):
+        return self.store.read_raw(layer, slice(0, self._length))
 
-    def fork(self) -> "ContiguousCache":
-        """An independent copy holding the same positions (the plain layout shares nothing)."""
-        child = ContiguousCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.dtype_name)
-        child.k[:, : self._length] = self.k[:, : self._length]
-        child.v[:, : self._length] = self.v[:, : self._length]
+    def _truncate(self, n):
+        self._length = n  # rows past n become unreachable
+
+    def _fork(self):
+        child = ContiguousCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.k_dtype,
+                                v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta)
+        rows = slice(0, self._length)
+        for name, a in self.store.arrays():
+            getattr(child.store, name)[:, rows] = a[:, rows]  # stored bytes, never re-encoded
         child._length = self._length
         return child
 
-    def keys(self, layer: int) -> np.ndarray:
-        # -> [length, Hkv, D], read-only view of what is stored
-        return _readonly(self.k[layer, : self._length])
+    def _shift(self, n, keep):
+        # rows keep+n..length-1 move to keep..length-n-1; their keys turn back by n positions
+        moved, dest = slice(keep + n, self._length), slice(keep, self._length - n)
+        for layer in range(self.n_layers):
+            k, ks, v, vs = (None if a is None else a.copy() for a in self.store.read_raw(layer, moved))
+            self.store.write_raw(layer, dest, (self._rerotate(k, n).astype(k.dtype), ks, v, vs))
+        self._length -= n
 
-    def values(self, layer: int) -> np.ndarray:
-        # -> [length, Hkv, D]
-        return _readonly(self.v[layer, : self._length])
+    def _free(self):
+        self.store = self.k = self.v = None
 
+    def _load_rows(self, positions, next_position, raw_layers):
+        n = len(positions)
+        for layer, raw in enumerate(raw_layers):
+            self.store.write_raw(layer, slice(0, n), raw)
+        self._length = n
 
-def _readonly(a):
-    view = a.view()
-    view.flags.writeable = False
-    return view
-
-
-
+    def _layout_options(self):
+        return {"capacity": self._capacity}

@@ -1,0 +1,438 @@
+"""The paged cache: a pool of fixed-size blocks shared by many sequences, vLLM style.
+
+A block holds `block_size` consecutive positions of one sequence, in every layer. The pool owns all
+blocks; a sequence (PagedCache) owns only its *block table*, the list of block ids that hold its
+positions in order: position p lives in block table[p // block_size] at offset p % block_size.
+
+    pool.store.k[layer]   [num_blocks, block_size, Hkv, D]      (scales alongside for int8)
+
+    sequence A  table [3, 0, 5]   positions 0..15 -> block 3, 16..31 -> block 0, 32..37 -> block 5
+    sequence B  table [3, 0, 7]   a fork of A: blocks 3 and 0 are shared (refcount 2)
+
+Blocks are reference counted. `fork()` shares every block of the parent; the first write into a
+shared block copies it (copy-on-write), so a fork costs nothing until the two sequences differ.
+Freed blocks go to the end of the free list and are reused oldest first.
+
+Prefix reuse (BlockPool(prefix_reuse=True)): a full block whose token ids are known gets a key,
+sha256(previous block's key + its token ids), so equal keys mean equal token prefixes and equal K/V.
+The pool indexes full blocks by key, and `prefill_reuse(ids)` lets a new sequence adopt the blocks
+of the longest indexed prefix of ids instead of computing them. A freed block keeps its key until
+the free list hands it out again, so a system prompt stays reusable after the request that computed
+it finished. Token ids reach the cache through Model.forward (`KVCache.after_forward`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ..errors import CacheError, CacheFullError, TokenError
+from .base import KVCache
+from .quant import Codec, SlotStore
+
+DEFAULT_BLOCK_SIZE = 16
+_ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0
+
+
+def block_key(previous: bytes, token_ids) -> bytes:
+    """The prefix key of a full block: sha256(previous block's key + the block's token ids as int64)."""
+    return hashlib.sha256(previous + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
+
+
+def blocks_for(n_positions: int, block_size: int) -> int:
+    return -(-n_positions // block_size)
+
+
+class BlockPool:
+    """num_blocks blocks of block_size positions for every layer, with refcounts, a free list and a prefix index."""
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, *, num_blocks, block_size=DEFAULT_BLOCK_SIZE,
+                 k_dtype="float32", v_dtype=None, group_size=None, rope_theta=None, max_positions=None,
+                 prefix_reuse=False, model_fingerprint=None):
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise CacheError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(prefix_reuse, bool):
+            raise CacheError(f"prefix_reuse={prefix_reuse!r} must be True or False")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.block_size, self.num_blocks = int(block_size), int(num_blocks)
+        self.k_codec = Codec(k_dtype, head_dim, group_size)
+        self.v_codec = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
+        self.rope_theta = rope_theta
+        self.max_positions = max_positions  # the model's max_seq_len: no sequence grows past it
+        self.prefix_reuse = prefix_reuse
+        self.model_fingerprint = model_fingerprint
+        self.store = SlotStore(n_layers, (self.num_blocks, self.block_size), n_kv_heads, head_dim,
+                               self.k_codec, self.v_codec)
+        self.refcount = np.zeros(self.num_blocks, dtype=np.int64)  # [num_blocks] table entries pointing at each block
+        self._free = dict.fromkeys(range(self.num_blocks))  # insertion order = reuse order (oldest freed first)
+        self._key_of: dict[int, bytes] = {}  # block -> prefix key (full blocks with known ids)
+        self._block_of: dict[bytes, int] = {}  # prefix key -> block
+        self.reused_positions = 0  # positions served from the prefix index so far (accounting)
+
+    # ---- accounting ----------------------------------------------------------------------------------
+
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def blocks_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def blocks_cached(self) -> int:
+        """Free blocks that still hold an indexed prefix (reusable until handed out again)."""
+        return sum(1 for b in self._free if b in self._key_of)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_size * self.n_layers * self.n_kv_heads * (
+            self.k_codec.bytes_per_vector() + self.v_codec.bytes_per_vector())
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the blocks in use (shared blocks counted once)."""
+        return self.blocks_used * self.block_nbytes
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return self.store.allocated_nbytes
+
+    def new_cache(self) -> "PagedCache":
+        """An empty sequence in this pool."""
+        return PagedCache(self)
+
+    def check(self, caches=()) -> None:
+        """Assert the pool's invariants (tests): refcounts equal table entries of `caches` if given."""
+        for b in range(self.num_blocks):
+            assert (b in self._free) == (self.refcount[b] == 0), f"block {b}: refcount {self.refcount[b]}"
+        for key, b in self._block_of.items():
+            assert self._key_of.get(b) == key, f"prefix index and block {b} disagree"
+        assert len(self._key_of) == len(self._block_of)
+        if caches:
+            expected = np.zeros(self.num_blocks, dtype=np.int64)
+            for c in caches:
+                if not c.freed:
+                    np.add.at(expected, np.asarray(c.block_table, dtype=np.int64), 1)
+            assert np.array_equal(expected, self.refcount), "refcounts differ from the block tables"
+
+    # ---- blocks --------------------------------------------------------------------------------------
+
+    def _allocate(self, n: int) -> list:
+        """Take n blocks from the free list, oldest freed first; their old prefix keys are dropped."""
+        if n > len(self._free):
+            raise CacheFullError(f"the pool has {len(self._free)} free blocks of {self.num_blocks}; {n} needed")
+        blocks = []
+        for _ in range(n):
+            b = next(iter(self._free))
+            del self._free[b]
+            if b in self._key_of:  # its old prefix is overwritten from now on
+                self._unregister(b)
+            self.refcount[b] = 1
+            blocks.append(b)
+        return blocks
+
+    def _incref(self, b):
+        if self.refcount[b] == 0:
+            del self._free[b]
+        self.refcount[b] += 1
+
+    def _decref(self, b):
+        self.refcount[b] -= 1
+        if self.refcount[b] == 0:
+            self._free[b] = None  # keeps its prefix key: reusable until handed out again
+
+    def _register(self, b, key):
+        if key not in self._block_of and b not in self._key_of:
+            self._block_of[key] = b
+            self._key_of[b] = key
+
+    def _unregister(self, b):
+        key = self._key_of.pop(b)
+        del self._block_of[key]
+
+
+class PagedCache(KVCache):
+    """One sequence in a BlockPool: a block table, a length, and (for prefix reuse) its blocks' keys."""
+
+    layout = "paged"
+
+    def __init__(self, pool: BlockPool):
+        super().__init__(pool.n_layers, pool.n_kv_heads, pool.head_dim, pool.k_codec.name,
+                         v_dtype=pool.v_codec.name, group_size=pool.k_codec.group_size or pool.v_codec.group_size,
+                         rope_theta=pool.rope_theta)
+        self.pool = pool
+        self.model_fingerprint = pool.model_fingerprint
+        self._table: list[int] = []
+        self._length = 0
+        self._pending = None  # an execution's reservation until advance() or abort()
+        self._chain: list[bytes] = []  # prefix keys of this sequence's full blocks (when ids are known)
+
+    # ---- accounting ----------------------------------------------------------------------------------
+
+    @property
+    def block_table(self) -> tuple:
+        return tuple(self._table)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        """Positions this sequence could hold now: its own room plus every free block of the pool."""
+        if self._freed:
+            return 0
+        bs = self.pool.block_size
+        room = max(0, (len(self._table) + self.pool.blocks_free - self._cow_needed()) * bs - self._length)
+        cap = self._length + room
+        return cap if self.pool.max_positions is None else min(cap, self.pool.max_positions)
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks in this sequence's table (shared ones included)."""
+        return len(self._table)
+
+    @property
+    def blocks_shared(self) -> int:
+        return sum(1 for b in self._table if self.pool.refcount[b] > 1)
+
+    @property
+    def blocks_free(self) -> int:
+        return self.pool.blocks_free
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes of the blocks in this sequence's table (a shared block counts for each sharer)."""
+        return len(self._table) * self.pool.block_nbytes
+
+    def stats(self) -> dict:
+        return {**super().stats(), "block_size": self.pool.block_size, "blocks_used": len(self._table),
+                "blocks_shared": self.blocks_shared, "pool_blocks_used": self.pool.blocks_used,
+                "pool_blocks_free": self.pool.blocks_free, "pool_num_blocks": self.pool.num_blocks}
+
+    def _cow_needed(self) -> int:
+        """1 if the next write lands in a shared, partly filled last block (it must be copied first)."""
+        if self._length % self.pool.block_size and self.pool.refcount[self._table[-1]] > 1:
+            return 1
+        return 0
+
+    def blocks_needed(self, n_new: int) -> int:
+        """Free blocks an execution of n_new positions takes from the pool (copy-on-write included)."""
+        if n_new <= 0:
+            return 0
+        fresh = blocks_for(self._length + n_new, self.pool.block_size) - len(self._table)
+        return fresh + self._cow_needed()
+
+    def can_append(self, n_new: int) -> bool:
+        return not self._freed and n_new <= self.capacity - self._length
+
+    # ---- one execution -------------------------------------------------------------------------------
+
+    def next_positions(self, n_new: int) -> np.ndarray:
+        """Reserve the blocks n_new positions need (copy a shared last block now); commit in advance()."""
+        self._check_live()
+        self.abort()
+        pool, bs = self.pool, self.pool.block_size
+        if pool.max_positions is not None and self._length + n_new > pool.max_positions:
+            raise CacheFullError(f"cannot append {n_new} positions: the sequence holds {self._length} of at "
+                                 f"most {pool.max_positions} (max_seq_len)")
+        need = self.blocks_needed(n_new)
+        if need > pool.blocks_free:
+            cow = " including a copy of its shared last block" if self._cow_needed() else ""
+            raise CacheFullError(
+                f"cannot append {n_new} positions: the sequence holds {self._length} positions in "
+                f"{len(self._table)} blocks of {bs} and needs {need} more{cow}; the pool has "
+                f"{pool.blocks_free} free of {pool.num_blocks}")
+        # Writes land only in blocks that are ours alone. A reservation is undone by abort(); a block
+        # unindexed here stays unindexed (the execution may already have written into it).
+        before, cow = list(self._table), None
+        if n_new > 0 and self._length % bs:
+            last = self._table[-1]
+            if pool.refcount[last] > 1:  # copy-on-write: the shared block stays as the others see it
+                (copy,) = pool._allocate(1)
+                pool.store.copy_slots(copy, last)
+                pool._decref(last)
+                self._table[-1] = copy
+                cow = (last, copy)
+            elif last in pool._key_of:  # ours alone, but indexed: its key will no longer describe it
+                pool._unregister(last)
+        fresh = pool._allocate(blocks_for(self._length + n_new, bs) - len(self._table))
+        self._table += fresh
+        self._pending = (n_new, before, cow, fresh)
+        return np.arange(self._length, self._length + n_new)  # [T]
+
+    def update(self, layer, k, v):
+        self._check_live()
+        self._check_kv(layer, k, v)
+        T = k.shape[0]
+        if self._pending is None or self._pending[0] != T:
+            raise CacheError(f"update of {T} positions without next_positions({T}) first")
+        bs, end = self.pool.block_size, self._length + T
+        new = np.arange(self._length, end)
+        table = np.asarray(self._table, dtype=np.int64)
+        self.pool.store.write(layer, (table[new // bs], new % bs), k, v)  # each position into its block slot
+        k_all, v_all = self.pool.store.decode_raw(self._gather(layer, end))
+        return k_all, v_all, np.arange(end)
+
+    def advance(self, n_new):
+        if self._pending is None or self._pending[0] != n_new:
+            raise CacheError(f"advance({n_new}) without a matching next_positions({n_new})")
+        self._length += n_new
+        self._pending = None
+
+    def abort(self):
+        if self._pending is None:
+            return
+        pool = self.pool
+        _, before, cow, fresh = self._pending
+        self._pending = None
+        for b in fresh:
+            pool._decref(b)
+        if cow is not None:
+            shared, copy = cow
+            pool._incref(shared)
+            pool._decref(copy)
+        self._table = before
+
+    def after_forward(self, token_ids, last_logits):
+        super().after_forward(token_ids, last_logits)
+        self._index_full_blocks()
+
+    # ---- prefix reuse --------------------------------------------------------------------------------
+
+    def prefill_reuse(self, token_ids) -> int:
+        """Adopt indexed blocks for the longest known prefix of token_ids; return the positions reused.
+
+        Only for an empty sequence in a pool made with prefix_reuse=True. At least one position is
+        always left to compute, so the caller's forward(token_ids[n:]) has logits to return; if every
+        block is indexed, the last block is adopted short of its last position (its next write
+        copies or unindexes it). The caller then runs model.forward(token_ids[n:], cache).
+        """
+        self._check_live()
+        self.abort()
+        pool, bs = self.pool, self.pool.block_size
+        if not pool.prefix_reuse:
+            raise CacheError("prefix reuse is off for this pool; make it with "
+                             "model.new_cache(layout='paged', prefix_reuse=True)")
+        if self._length:
+            raise CacheError(f"prefix reuse needs an empty sequence; this one holds {self._length} positions")
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise TokenError(f"token ids must be a non-empty 1-D sequence of integers; got {token_ids!r}")
+        key, found, keys = _ROOT_KEY, [], []
+        for i in range(len(ids) // bs):
+            key = block_key(key, ids[i * bs:(i + 1) * bs])
+            b = pool._block_of.get(key)
+            if b is None:
+                break
+            found.append(b)
+            keys.append(key)
+        n = min(len(found) * bs, len(ids) - 1)
+        if n <= 0:
+            return 0
+        self._table = found[:blocks_for(n, bs)]
+        for b in self._table:
+            pool._incref(b)
+        self._length = n
+        self._token_ids = [int(t) for t in ids[:n]]
+        self._chain = keys[: n // bs]
+        pool.reused_positions += n
+        return n
+
+    def _index_full_blocks(self):
+        if not self.pool.prefix_reuse or self._token_ids is None:
+            self._chain = []
+            return
+        bs, ids = self.pool.block_size, self._token_ids
+        for i in range(len(self._chain), self._length // bs):
+            previous = self._chain[-1] if self._chain else _ROOT_KEY
+            self._chain.append(block_key(previous, ids[i * bs:(i + 1) * bs]))
+            self.pool._register(self._table[i], self._chain[-1])
+
+    # ---- reading -------------------------------------------------------------------------------------
+
+    def _gather(self, layer, end):
+        # the first `end` positions of `layer` in position order, stored form: (k, ks, v, vs) [end, ...]
+        table = np.asarray(self._table[: blocks_for(end, self.pool.block_size)], dtype=np.int64)
+        raw = self.pool.store.read_raw(layer, table)  # [blocks, block_size, ...] each
+        return tuple(None if a is None else a.reshape(-1, *a.shape[2:])[:end] for a in raw)
+
+    def read(self, layer):
+        return self.pool.store.decode_raw(self._gather(layer, self._length))
+
+    def read_raw(self, layer):
+        return self._gather(layer, self._length)
+
+    # ---- operations ----------------------------------------------------------------------------------
+
+    def _truncate(self, n):
+        keep = blocks_for(n, self.pool.block_size)
+        for b in self._table[keep:]:
+            self.pool._decref(b)
+        del self._table[keep:]
+        del self._chain[n // self.pool.block_size:]
+        self._length = n
+
+    def _fork(self):
+        child = PagedCache(self.pool)
+        child._table = list(self._table)
+        for b in self._table:
+            self.pool._incref(b)
+        child._length = self._length
+        child._chain = list(self._chain)
+        return child
+
+    def _shift(self, n, keep):
+        # Positions before block keep // block_size stay where they are; from that block on, the kept
+        # rows are written (keys rotated back by n) into fresh blocks, then the old blocks are released.
+        pool, bs = self.pool, self.pool.block_size
+        first, new_length = keep // bs, self._length - n
+        need = blocks_for(new_length, bs) - first
+        if need > pool.blocks_free:
+            raise CacheFullError(f"shift rewrites {need} blocks; the pool has {pool.blocks_free} free of "
+                                 f"{pool.num_blocks}")
+        fresh = pool._allocate(need)
+        table = np.asarray(self._table, dtype=np.int64)
+        src = np.concatenate([np.arange(first * bs, keep), np.arange(keep + n, self._length)])
+        moved = src >= keep + n
+        dst = np.arange(first * bs, new_length) - first * bs
+        dst_index = (np.asarray(fresh, dtype=np.int64)[dst // bs], dst % bs)
+        for layer in range(self.n_layers):
+            k, ks, v, vs = pool.store.read_raw(layer, (table[src // bs], src % bs))  # copies
+            k[moved] = self._rerotate(k[moved], n).astype(k.dtype)
+            pool.store.write_raw(layer, dst_index, (k, ks, v, vs))
+        for b in self._table[first:]:
+            pool._decref(b)
+        self._table = self._table[:first] + fresh
+        self._chain = self._chain[:first]
+        self._length = new_length
+
+    def _free(self):
+        for b in self._table:
+            self.pool._decref(b)
+        self._table = []
+        self._chain = []
+
+    def _layout_options(self):
+        return {"block_size": self.pool.block_size, "num_blocks": self.pool.num_blocks,
+                "prefix_reuse": self.pool.prefix_reuse}
+
+    def _load_rows(self, positions, next_position, raw_layers):
+        n, bs = len(positions), self.pool.block_size
+        need = blocks_for(n, bs)
+        if need > self.pool.blocks_free:
+            raise CacheFullError(f"loading {n} positions needs {need} blocks of {bs}; the pool has "
+                                 f"{self.pool.blocks_free} free of {self.pool.num_blocks}")
+        self._table = self.pool._allocate(need)
+        p = np.arange(n)
+        index = (np.asarray(self._table, dtype=np.int64)[p // bs], p % bs)
+        for layer, raw in enumerate(raw_layers):
+            self.pool.store.write_raw(layer, index, raw)
+        self._length = n

@@ -1,0 +1,204 @@
+"""The sliding-window cache: the first `sinks` positions plus a ring buffer of the last `window`.
+
+StreamingLLM's observation: a model keeps attending to the first few positions (attention sinks)
+however long the text, so keeping them with a window of recent positions holds quality steady at a
+fixed memory cost. Positions stay absolute (RoPE scores depend only on offsets, so a key rotated for
+position p stays right); `next_position` keeps counting while `length` is the number stored.
+
+    slots:  [ s0 s1 s2 s3 | r0  r1  r2  r3  r4  r5 ]      sinks = 4, window = 6
+    holds:  [ p0 p1 p2 p3 | p12 p13 p8  p9  p10 p11 ]     after 14 positions; head = 2 (next write -> r2)
+
+    stored positions: 0..3 and 8..13; next_position = 14; length = 10
+
+What an execution sees: the positions the cache held before it, plus its own new positions (each
+query causally). A decode step therefore attends to the sinks, the last `window` positions and
+itself; after the execution the ring keeps only the last `window`. New K/V are staged until
+`advance`, so a failed execution overwrites nothing.
+
+A ring that has dropped a position cannot be rolled back (`truncate`) to an earlier state: the
+dropped positions would be needed again. `shift(n, keep=sinks)` closes the gap between the sinks
+and the ring by renumbering the ring (keys rotated back by n), so generation can continue past the
+model's max_seq_len, as StreamingLLM does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CacheError
+from .base import KVCache
+from .quant import SlotStore
+
+
+class WindowCache(KVCache):
+    layout = "window"
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
+                 group_size=None, rope_theta=None):
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
+            raise CacheError(f"window={window!r} must be a positive integer")
+        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
+            raise CacheError(f"sinks={sinks!r} must be an integer >= 0")
+        super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
+                         rope_theta=rope_theta)
+        self.window, self.sinks = int(window), int(sinks)
+        # slots 0..sinks-1 hold positions 0..sinks-1; slots sinks.. are the ring
+        self.store = SlotStore(n_layers, (self.sinks + self.window,), n_kv_heads, head_dim, self.k_codec,
+                               self.v_codec)
+        self._n_sinks = 0  # sink slots filled
+        self._n_ring = 0  # ring slots filled: positions next-n_ring .. next-1
+        self._head = 0  # ring slot (0..window-1) the next ring position is written to
+        self._next = 0  # next absolute position
+        self._staged = None  # (T, {layer: encoded new K/V}) until advance() or abort()
+
+    # ---- accounting ----------------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return self._n_sinks + self._n_ring
+
+    @property
+    def next_position(self) -> int:
+        return self._next
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return self.store.allocated_nbytes
+
+    def positions(self):
+        return np.concatenate([np.arange(self._n_sinks), np.arange(self._next - self._n_ring, self._next)])
+
+    def stats(self):
+        return {**super().stats(), "window": self.window, "sinks": self.sinks}
+
+    def _slots(self):
+        # storage slots of the stored positions, in position order: [length]
+        ring = (self._head - self._n_ring + np.arange(self._n_ring)) % self.window
+        return np.concatenate([np.arange(self._n_sinks), self.sinks + ring])
+
+    # ---- one execution -------------------------------------------------------------------------------
+
+    def can_append(self, n_new: int) -> bool:
+        return not self._freed  # the ring makes room by dropping its oldest positions
+
+    def next_positions(self, n_new: int) -> np.ndarray:
+        self._check_live()
+        self.abort()
+        self._staged = (n_new, {})
+        return np.arange(self._next, self._next + n_new)  # [T]
+
+    def update(self, layer, k, v):
+        self._check_live()
+        self._check_kv(layer, k, v)
+        T = k.shape[0]
+        if self._staged is None or self._staged[0] != T:
+            raise CacheError(f"update of {T} positions without next_positions({T}) first")
+        new = (*self.k_codec.encode(k), *self.v_codec.encode(v))  # encoded once, written in advance()
+        self._staged[1][layer] = new
+        k_old, v_old = self.store.read(layer, self._slots())  # [length, Hkv, D] in position order
+        k_new, v_new = self.store.decode_raw(new)  # [T, Hkv, D], read back as stored
+        positions = np.concatenate([self.positions(), np.arange(self._next, self._next + T)])
+        k_all, v_all = np.concatenate([k_old, k_new]), np.concatenate([v_old, v_new])
+        return k_all.astype(k_new.dtype, copy=False), v_all.astype(v_new.dtype, copy=False), positions
+
+    def advance(self, n_new):
+        if self._staged is None or self._staged[0] != n_new or len(self._staged[1]) != self.n_layers:
+            raise CacheError(f"advance({n_new}) without next_positions({n_new}) and an update of every layer")
+        staged = self._staged[1]
+        self._staged = None
+        new = np.arange(self._next, self._next + n_new)
+        to_sinks = np.flatnonzero(new < self.sinks)  # only while the sinks are not yet filled
+        to_ring = np.flatnonzero(new >= self.sinks)[-self.window:]  # earlier ones would be dropped anyway
+        ring_slots = self.sinks + (self._head + np.arange(len(to_ring))) % self.window
+        rows = np.concatenate([to_sinks, to_ring])
+        slots = np.concatenate([new[to_sinks], ring_slots])
+        for layer in range(self.n_layers):
+            self.store.write_raw(layer, slots, tuple(None if a is None else a[rows] for a in staged[layer]))
+        self._n_sinks += len(to_sinks)
+        self._head = (self._head + len(to_ring)) % self.window
+        self._n_ring = min(self._n_ring + len(to_ring), self.window)
+        self._next += n_new
+
+    def abort(self):
+        self._staged = None
+
+    # ---- reading -------------------------------------------------------------------------------------
+
+    def read(self, layer):
+        return self.store.read(layer, self._slots())
+
+    def read_raw(self, layer):
+        return self.store.read_raw(layer, self._slots())
+
+    # ---- operations ----------------------------------------------------------------------------------
+
+    def _truncate_problem(self, n):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            return f"n must be an integer, not {n!r}"
+        if not 0 <= n <= self._next:
+            return f"the cache's next position is {self._next}"
+        if n < self._next and self.length != self._next:
+            return (f"the window has dropped positions {self._n_sinks}..{self._next - self._n_ring - 1}; going "
+                    f"back to position {n} would need positions it no longer holds")
+        return None
+
+    def _truncate(self, n):
+        if n == self._next:
+            return
+        # nothing was dropped: sinks hold 0..n_sinks-1 and the ring holds sinks..next-1 in order
+        n_ring = max(0, n - self.sinks)
+        self._head = (self._head - (self._n_ring - n_ring)) % self.window
+        self._n_ring = n_ring
+        self._n_sinks = min(self._n_sinks, n)
+        self._next = n
+
+    def _shift_problem(self, n, keep):
+        problem = super()._shift_problem(n, keep)
+        if problem is None and keep != self.sinks:
+            problem = f"a window keeps exactly its {self.sinks} sink positions, so keep must be {self.sinks}"
+        return problem
+
+    def _shift(self, n, keep):
+        oldest = self._next - self._n_ring
+        dropped = max(0, min(self._n_ring, keep + n - oldest))  # ring positions in keep..keep+n-1
+        self._n_ring -= dropped  # the oldest ring slots simply become free
+        ring = self._slots()[self._n_sinks:]
+        for layer in range(self.n_layers):
+            k, ks, v, vs = self.store.read_raw(layer, ring)  # copies
+            self.store.write_raw(layer, ring, (self._rerotate(k, n).astype(k.dtype), ks, v, vs))
+        self._next -= n
+
+    def _fork(self):
+        child = WindowCache(self.n_layers, self.n_kv_heads, self.head_dim, self.window, self.sinks, self.k_dtype,
+                            v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta)
+        for name, a in self.store.arrays():
+            getattr(child.store, name)[...] = a
+        child._n_sinks, child._n_ring, child._head, child._next = self._n_sinks, self._n_ring, self._head, self._next
+        return child
+
+    def _free(self):
+        self.store = None
+        self._n_sinks = self._n_ring = 0
+
+    def _layout_options(self):
+        return {"window": self.window, "sinks": self.sinks}
+
+    def _load_rows(self, positions, next_position, raw_layers):
+        positions = np.asarray(positions)
+        n_sinks = int(np.sum(positions < self.sinks))
+        ring = positions[n_sinks:]
+        expected = np.concatenate([np.arange(n_sinks), np.arange(next_position - len(ring), next_position)])
+        if (len(ring) > self.window or not np.array_equal(positions, expected)
+                or (len(ring) and n_sinks != self.sinks)):
+            raise CacheError(f"the saved positions are not sinks 0..{self.sinks - 1} followed by the last "
+                             f"<= {self.window} positions before {next_position}")
+        slots = np.concatenate([np.arange(n_sinks), self.sinks + np.arange(len(ring))])
+        for layer, raw in enumerate(raw_layers):
+            self.store.write_raw(layer, slots, raw)
+        self._n_sinks, self._n_ring = n_sinks, len(ring)
+        self._head = len(ring) % self.window
+        self._next = int(next_position)
