@@ -8,6 +8,7 @@ import sys
 import time
 
 from . import trace
+from .bench import add_bench
 from .cache import ELEMENT_BYTES, cache_bytes
 from .config import ModelConfig
 from .errors import ConfigError, KVRefError
@@ -23,6 +24,7 @@ def main(argv=None) -> int:
     add_inspect(commands)
     add_trace(commands)
     add_memory(commands)
+    add_bench(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

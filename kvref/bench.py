@@ -1,0 +1,575 @@
+"""`kvref bench`: prefill and decode speed, decode speed over a long cache, where the time of a
+token goes, and peak memory, for one model, backend and thread count.
+
+    kvref bench [-m PATH] [--backend c|numpy|auto] [--threads N] [--prompt-tokens 32]
+                [--new-tokens 128] [--context N] [--prefill-tokens 512] [--repeat R] [--json]
+
+What is measured (every rate is a median over --repeat runs, after one warm-up run):
+
+  prefill    one execution over a --prefill-tokens prompt into an empty cache: tokens / seconds
+  decode     a --prompt-tokens prompt is prefilled (not timed), then --new-tokens decode steps, each
+             one forward over the token just selected plus the greedy choice of the next: steps / seconds
+  context    the cache is filled with --context positions by prefills of FILL_CHUNK positions (not
+             timed), then --context-steps decode steps are timed as above; between repeats the cache
+             is truncated back to --context positions, so every repeat reads the same cache length
+  split      a separate profiled pass of each of the above (one run): milliseconds per token by
+             kernel family, from a KernelClock (below)
+  memory     peak RSS of the process (getrusage ru_maxrss and /proc/self/status VmHWM), beside the
+             GGUF file size and the bytes of the largest cache used; the budget of issue 4 is
+             file + cache + 100 MB (no dequantized copy of the weights)
+
+Kernel families: projections (matmul: Q/K/V/O, the MLP and the LM head), attention, other (embedding,
+RMSNorm, RoPE, SwiGLU), and python: the rest of the wall time of an execution (the decoder's loop,
+residual adds, cache writes, argument checks, the greedy choice).
+
+A KernelClock is where the split comes from; two sources feed the same report:
+
+  - "native counters": the model's forward keeps its own timers (the fused C forward of
+    kvref.native.fused does: an object with reset_timings() and timings() -> {"projections",
+    "attention", "other": seconds, "calls": forwards}); the pass runs the normal forward;
+  - "kernel shims": the model's kernel set (model.ops) is wrapped so that every kernel call is
+    timed, and the profiled pass runs the shared decoder kernel by kernel with it. On the native
+    backend this is the kernel-by-kernel path, not the fused forward: the report names its source.
+
+Timing shims cost two clock reads per kernel call (well under a microsecond): the profiled pass is
+kept apart from the timed runs anyway, so the rates are never measured with instrumentation on.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+from .sampling import greedy
+
+FAMILIES = ("projections", "attention", "other")
+#: which family each kernel of the kernel set belongs to
+KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "other", "rms_norm": "other",
+                 "rope": "other", "swiglu": "other"}
+FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
+BUDGET_SLACK = 100 * 10**6  # issue 4: peak RSS <= file + KV cache + 100 MB
+WARMUP_PROMPT, WARMUP_STEPS = 8, 4
+
+# Real text for prompts: repeated to any length, the same for every engine (benchmarks/compare.py)
+PASSAGE = (
+    "The KV cache stores the keys and values of every position already processed, so that each new "
+    "token only needs its own query, key and value. Without it, every decode step would recompute the "
+    "whole history from the first position, and the work of generating a text would grow with the square "
+    "of its length. With it, a decode step reads the cache once and appends one position. The price is "
+    "memory: two vectors per layer, per kv head and per position, which for a long conversation can "
+    "exceed the size of the weights themselves. Grouped-query attention shares each key and value head "
+    "among several query heads and shrinks the cache by the same factor. ")
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+
+def prompt_ids(tokenizer, n: int, vocab_size: int | None = None) -> list[int]:
+    """n token ids of real text (PASSAGE repeated) from `tokenizer`; without one, n fixed ids in
+    [0, vocab_size). Deterministic: every engine and every run gets the same prompt."""
+    if n <= 0:
+        return []
+    if tokenizer is None:
+        return [int(i) for i in (np.arange(n, dtype=np.int64) * 7919 + 13) % vocab_size]
+    one = tokenizer.encode(PASSAGE)
+    return (one * (n // len(one) + 1))[:n]
+
+
+def model_prompt(model, n: int) -> list[int]:
+    return prompt_ids(model.tokenizer, n, model.config.vocab_size)
+
+
+# ---- kernel clocks ---------------------------------------------------------------------------------
+
+class TimedOps:
+    """A kernel set that times every call of another one, by kernel family (the "kernel shims")."""
+
+    def __init__(self, ops):
+        self._ops = ops
+        self.seconds = dict.fromkeys(FAMILIES, 0.0)
+        self.calls = 0
+        for name, family in KERNEL_FAMILY.items():
+            setattr(self, name, self._shim(getattr(ops, name), family))
+
+    def _shim(self, kernel, family):
+        clock, seconds = time.perf_counter, self.seconds
+
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                seconds[family] += clock() - start
+                self.calls += 1
+
+        timed.__name__ = getattr(kernel, "__name__", family)
+        return timed
+
+    def __getattr__(self, name):  # anything else the decoder may look up (constants, helpers)
+        return getattr(self._ops, name)
+
+
+class ShimClock:
+    """KernelClock over kernel shims: `model` is a shallow copy of the model running TimedOps."""
+
+    source = "kernel shims"
+
+    def __init__(self, model):
+        self.ops = TimedOps(model.ops)
+        self.model = copy.copy(model)  # shares config, weights, tokenizer; only the kernel set differs
+        self.model.ops = self.ops  # a forward that is not handed native Kernels runs the shared decoder
+
+    def reset(self):
+        self.ops.seconds.update(dict.fromkeys(FAMILIES, 0.0))
+        self.ops.calls = 0
+
+    def read(self) -> dict:
+        return dict(self.ops.seconds)
+
+
+class CounterClock:
+    """KernelClock over the counters a forward keeps itself (see native_counters)."""
+
+    source = "native counters"
+
+    def __init__(self, model, counters):
+        self.model = model
+        self.counters = counters
+        self.calls = 0
+
+    def reset(self):
+        self.counters.reset_timings()
+
+    def read(self) -> dict:
+        t = self.counters.timings()
+        self.calls = int(t.get("calls", 0))
+        return {f: float(t.get(f, 0.0)) for f in FAMILIES}
+
+
+def native_counters(model):
+    """The timers of the model's forward, when it keeps them: an object with reset_timings() and
+    timings() -> {"projections", "attention", "other": seconds, "calls": count} (today the fused C
+    forward, kvref.native.fused.FusedForward). None when the forward keeps none."""
+    owner = getattr(getattr(model, "_forward", None), "__self__", None)
+    if callable(getattr(owner, "timings", None)) and callable(getattr(owner, "reset_timings", None)):
+        return owner
+    return None
+
+
+def kernel_clock(model, source: str = "auto"):
+    """A KernelClock for `model`: "native" counters, "shims", or "auto" (counters when the forward has
+    them, else shims)."""
+    if source not in ("auto", "native", "shims"):
+        raise ConfigError(f"profile source {source!r} is unknown; expected 'auto', 'native' or 'shims'")
+    counters = native_counters(model) if source in ("auto", "native") else None
+    if counters is not None:
+        return CounterClock(model, counters)
+    if source == "native":
+        raise ConfigError(f"the {model.backend!r} backend's forward keeps no kernel counters; use --profile shims")
+    return ShimClock(model)
+
+
+# ---- measurements ----------------------------------------------------------------------------------
+
+class Progress:
+    """One self-overwriting status line on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled=None, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self._last = 0.0
+        self._width = 0
+
+    def __call__(self, text, force=False):
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if force or now - self._last >= 0.1:
+            self._last = now
+            line = f"kvref bench: {text}"
+            self.stream.write("\r" + line.ljust(self._width))
+            self.stream.flush()
+            self._width = len(line)
+
+    def done(self):
+        if self.enabled and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
+
+
+QUIET = Progress(enabled=False)
+
+
+def time_prefill(model, ids, kv_dtype=None) -> float:
+    """Seconds of one execution over `ids` into an empty cache."""
+    cache = model.new_cache(capacity=len(ids), kv_dtype=kv_dtype)
+    start = time.perf_counter()
+    model.forward(ids, cache)
+    return time.perf_counter() - start
+
+
+def time_decode(model, cache, first_token: int, steps: int, progress=None, label="decode") -> float:
+    """Seconds of `steps` decode steps (forward over the last selected token + greedy choice)."""
+    progress = progress or QUIET
+    token = first_token
+    start = time.perf_counter()
+    for i in range(steps):
+        token = greedy(model.forward([token], cache))
+        progress(f"{label} step {i + 1}/{steps}")
+    return time.perf_counter() - start
+
+
+def fill(model, cache, ids, progress=None, label="filling the cache") -> int:
+    """Prefill `ids` in chunks of FILL_CHUNK positions; returns the greedy token after the last one."""
+    progress = progress or QUIET
+    logits = None
+    for start in range(0, len(ids), FILL_CHUNK):
+        logits = model.forward(ids[start:start + FILL_CHUNK], cache)
+        progress(f"{label} {min(start + FILL_CHUNK, len(ids))}/{len(ids)} positions")
+    return greedy(logits)
+
+
+def profile(model, clock, prompt, steps, kv_dtype=None, capacity=None, progress=None, label="profile") -> dict:
+    """Milliseconds per token by kernel family: a prefill of `prompt` when steps == 0, else `steps`
+    decode steps after it. python = wall time not spent inside a kernel."""
+    runner = clock.model
+    cache = runner.new_cache(capacity=capacity or len(prompt) + steps, kv_dtype=kv_dtype)
+    if steps == 0:
+        clock.reset()
+        start = time.perf_counter()
+        runner.forward(prompt, cache)
+        wall, n = time.perf_counter() - start, len(prompt)
+    else:
+        token = fill(runner, cache, prompt, progress, f"{label}: filling")
+        clock.reset()
+        wall, n = time_decode(runner, cache, token, steps, progress, label), steps
+    seconds = clock.read()
+    if isinstance(clock, CounterClock) and clock.calls == 0:
+        return None  # the forward did not run where its counters are (it fell back to the decoder)
+    ms = {f: 1e3 * seconds[f] / n for f in FAMILIES}
+    total = 1e3 * wall / n
+    ms["python"] = max(total - sum(ms.values()), 0.0)
+    return {"source": clock.source, "tokens": n, "ms_per_token": ms, "total_ms_per_token": total}
+
+
+def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64, prefill_tokens=512,
+        repeat=3, kv_dtype=None, profile_source="auto", split=True, progress=None, model_path=None) -> dict:
+    """Run every measurement on `model`; a JSON-ready dict (see the module docstring)."""
+    progress = progress or QUIET
+    for name, value in (("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens), ("context", context),
+                        ("context_steps", context_steps), ("prefill_tokens", prefill_tokens), ("repeat", repeat)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ConfigError(f"{name}={value!r} must be a whole number >= 0")
+    if repeat < 1:
+        raise ConfigError("repeat must be at least 1")
+    if new_tokens and not prompt_tokens:
+        raise ConfigError("decode needs a prompt: --prompt-tokens must be at least 1")
+    max_len = model.config.max_seq_len
+    for what, n in (("prefill-tokens", prefill_tokens), ("prompt-tokens + new-tokens", prompt_tokens + new_tokens),
+                    ("context + context-steps", context + context_steps if context else 0)):
+        if n > max_len:
+            raise ConfigError(f"{what} = {n} exceeds the model's max_seq_len = {max_len}")
+    clock = kernel_clock(model, profile_source) if split else None
+    kv = model.dtype if kv_dtype is None else kv_dtype
+    rss_before = current_rss()
+    load_start = os.getloadavg()
+
+    progress("warm-up", force=True)
+    warm = model_prompt(model, min(WARMUP_PROMPT, max_len - WARMUP_STEPS))
+    cache = model.new_cache(capacity=len(warm) + WARMUP_STEPS, kv_dtype=kv_dtype)
+    time_decode(model, cache, fill(model, cache, warm), WARMUP_STEPS)
+
+    prefill_s, decode_s, context_s = [], [], []
+    prefill_prompt = model_prompt(model, prefill_tokens)
+    decode_prompt = model_prompt(model, prompt_tokens)
+    cache_sizes = [0]
+    for r in range(repeat):
+        tag = f"run {r + 1}/{repeat}:"
+        if prefill_tokens:
+            progress(f"{tag} prefill {prefill_tokens} tokens", force=True)
+            prefill_s.append(time_prefill(model, prefill_prompt, kv_dtype))
+            cache_sizes.append(_cache_bytes(model, prefill_tokens, kv))
+        if new_tokens:
+            cache = model.new_cache(capacity=prompt_tokens + new_tokens, kv_dtype=kv_dtype)
+            token = fill(model, cache, decode_prompt)
+            decode_s.append(time_decode(model, cache, token, new_tokens, progress, f"{tag} decode"))
+            cache_sizes.append(cache.nbytes)
+    result_context = None
+    if context and context_steps:
+        ids = model_prompt(model, context)
+        cache = model.new_cache(capacity=context + context_steps, kv_dtype=kv_dtype)
+        start = time.perf_counter()
+        token = fill(model, cache, ids, progress, f"context {context}: filling")
+        fill_s = time.perf_counter() - start
+        for r in range(repeat):
+            if r:
+                cache.truncate(context)
+            context_s.append(time_decode(model, cache, token, context_steps, progress,
+                                         f"context {context}: run {r + 1}/{repeat}"))
+        cache_sizes.append(cache.nbytes)
+        result_context = {"context": context, "steps": context_steps, **_rate(context_steps, context_s),
+                          "fill_tok_s": context / fill_s}
+        del cache
+
+    splits = {}
+    if clock is not None:
+        plans = [("prefill", prefill_prompt, 0), ("decode", decode_prompt, new_tokens)]
+        if context:
+            plans.append(("context", model_prompt(model, context), context_steps))
+        for name, ids, steps in plans:
+            if ids and (steps or name == "prefill"):
+                got = profile(model, clock, ids, steps, kv_dtype, progress=progress, label=f"profiling {name}")
+                if got is None and isinstance(clock, CounterClock):  # counters stayed at zero: use shims
+                    clock = ShimClock(model)
+                    got = profile(model, clock, ids, steps, kv_dtype, progress=progress, label=f"profiling {name}")
+                splits[name] = got
+    progress.done()
+
+    peak = peak_rss()
+    file_bytes = Path(model_path).stat().st_size if model_path else None
+    cache_max = max(cache_sizes)
+    memory = {"peak_rss_bytes": peak["maxrss"], "vmhwm_bytes": peak["vmhwm"], "rss_before_bytes": rss_before,
+              "file_bytes": file_bytes, "cache_bytes": cache_max}
+    if file_bytes is not None:
+        memory["budget_bytes"] = file_bytes + cache_max + BUDGET_SLACK
+        memory["within_budget"] = bool(peak["maxrss"] <= memory["budget_bytes"])
+    return {
+        "kvref_version": _version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(load_start),
+        "model": {"path": str(model_path) if model_path else None, "file_bytes": file_bytes,
+                  "n_layers": model.config.n_layers, "d_model": model.config.d_model,
+                  "vocab_size": model.config.vocab_size},
+        "backend": model.backend,
+        "threads": threads_of(model),
+        "isa": getattr(model.ops, "isa", None),
+        "kv_dtype": kv,
+        "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "context": context,
+                     "context_steps": context_steps, "prefill_tokens": prefill_tokens, "repeat": repeat},
+        "prefill": {"tokens": prefill_tokens, **_rate(prefill_tokens, prefill_s)} if prefill_tokens else None,
+        "decode": {"prompt_tokens": prompt_tokens, "steps": new_tokens, **_rate(new_tokens, decode_s)}
+        if new_tokens else None,
+        "context_decode": result_context,
+        "split": splits,
+        "memory": memory,
+    }
+
+
+def _rate(n, seconds) -> dict:
+    med = statistics.median(seconds)
+    return {"tok_s": n / med, "ms_per_token": 1e3 * med / n, "seconds": [round(s, 6) for s in seconds]}
+
+
+def _cache_bytes(model, positions, kv_dtype) -> int:
+    from .cache import cache_bytes
+
+    c = model.config
+    return cache_bytes(c.n_layers, positions, c.n_kv_heads, c.head_dim, kv_dtype)
+
+
+def _version():
+    from . import __version__
+
+    return __version__
+
+
+# ---- machine, threads, memory ----------------------------------------------------------------------
+
+def machine(load_start=None) -> dict:
+    return {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "cpu": _cpu_name(), "platform": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "load_avg_start": list(load_start) if load_start else None, "load_avg_end": list(os.getloadavg())}
+
+
+def _cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def threads_of(model):
+    """Threads the model's kernels run on: the native pool's size, or the NumPy BLAS thread count."""
+    n = getattr(model.ops, "threads", None)
+    return n if n is not None else blas_threads()
+
+
+def _blas_functions():
+    """(get, set) of the OpenBLAS NumPy links, found in this process' mapped libraries, or (None, None)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None, None
+    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and ".so" in line})
+    for path in libs:
+        try:
+            dll = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            for suffix in ("64_", ""):
+                get = getattr(dll, f"{prefix}get_num_threads{suffix}", None)
+                put = getattr(dll, f"{prefix}set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    get.restype = ctypes.c_int
+                    put.argtypes = [ctypes.c_int]
+                    return get, put
+    return None, None
+
+
+def blas_threads(n: int | None = None) -> int | None:
+    """NumPy's OpenBLAS thread count (set it first when n is given); None when it cannot be read."""
+    get, put = _blas_functions()
+    if get is None:
+        return None
+    if n is not None:
+        put(int(n))
+    return int(get())
+
+
+def current_rss() -> int | None:
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> dict:
+    """Peak resident set size of this process so far: getrusage (KiB on Linux) and VmHWM."""
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    maxrss *= 1 if sys.platform == "darwin" else 1024
+    return {"maxrss": maxrss, "vmhwm": _status_bytes("VmHWM")}
+
+
+def _status_bytes(field) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+def add_bench(commands):
+    """Register `kvref bench` on the CLI's subcommands."""
+    from .cli import add_model_arguments, count
+
+    p = commands.add_parser("bench", help="prefill/decode tokens/s, time per token by kernel family, peak memory")
+    add_model_arguments(p)
+    p.add_argument("--threads", type=count, default=None,
+                   help="native pool size, or NumPy BLAS threads (default: KVREF_THREADS, else every core)")
+    p.add_argument("--prompt-tokens", type=count, default=32, help="prompt before the decode steps (default 32)")
+    p.add_argument("--new-tokens", type=count, default=128, help="decode steps timed (default 128; 0 skips)")
+    p.add_argument("--prefill-tokens", type=count, default=512, help="prompt timed as one prefill (default 512; 0 skips)")
+    p.add_argument("--context", type=count, default=0, help="also time decode at N cached positions (default 0: skip)")
+    p.add_argument("--context-steps", type=count, default=64, help="decode steps timed at --context (default 64)")
+    p.add_argument("--kv-dtype", default=None, help="K/V element type of the cache (default: the model dtype)")
+    p.add_argument("--repeat", type=count, default=3, help="timed runs; medians are reported (default 3)")
+    p.add_argument("--profile", default="auto", choices=["auto", "native", "shims", "none"],
+                   help="source of the per-kernel split (default auto: native counters when the forward has them)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args) -> int:
+    from .loader import load, model_path
+
+    progress = Progress()
+    path = model_path(args.model)
+    progress(f"loading {path.name}", force=True)
+    model = load(path, backend=args.backend, threads=args.threads)
+    if model.backend == "numpy" and args.threads is not None and blas_threads(args.threads) is None:
+        print("kvref bench: cannot set NumPy's BLAS threads here; set OPENBLAS_NUM_THREADS before starting",
+              file=sys.stderr)
+    result = run(model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, context=args.context,
+                 context_steps=args.context_steps, prefill_tokens=args.prefill_tokens, repeat=args.repeat,
+                 kv_dtype=args.kv_dtype, profile_source="auto" if args.profile == "none" else args.profile,
+                 split=args.profile != "none", progress=progress, model_path=path)
+    result["command"] = command_line(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(report(result))
+    return 0
+
+
+def command_line(args) -> str:
+    """The kvref bench command that reproduces this run, every setting spelled out."""
+    parts = ["kvref bench"]
+    if args.model:
+        parts.append(f"-m {args.model}")
+    parts.append(f"--backend {args.backend}")
+    if args.threads is not None:
+        parts.append(f"--threads {args.threads}")
+    parts += [f"--prompt-tokens {args.prompt_tokens}", f"--new-tokens {args.new_tokens}",
+              f"--prefill-tokens {args.prefill_tokens}"]
+    if args.context:
+        parts.append(f"--context {args.context} --context-steps {args.context_steps}")
+    if args.kv_dtype:
+        parts.append(f"--kv-dtype {args.kv_dtype}")
+    parts.append(f"--repeat {args.repeat}")
+    if args.profile != "auto":
+        parts.append(f"--profile {args.profile}")
+    return " ".join(parts + (["--json"] if args.json else []))
+
+
+def report(r: dict) -> str:
+    """The human-readable table of a run() result."""
+    from .cli import human_bytes
+
+    m = r["model"]
+    name = Path(m["path"]).name if m["path"] else "model"
+    size = f" ({human_bytes(m['file_bytes'])})" if m["file_bytes"] else ""
+    load = r["machine"]["load_avg_start"]
+    lines = [f"kvref bench: {name}{size}, backend {r['backend']} ({r['threads']} threads"
+             + (f", {r['isa']}" if r["isa"] else "") + f"), K/V {r['kv_dtype']}, "
+             f"medians of {r['settings']['repeat']} runs; load average {load[0]:.2f} at start"]
+    if r["prefill"]:
+        p = r["prefill"]
+        lines.append(f"  prefill  {p['tokens']:>5} tokens                  {p['tok_s']:9.1f} tok/s"
+                     f"  ({p['ms_per_token'] * p['tokens'] / 1e3:.3f} s)")
+    if r["decode"]:
+        d = r["decode"]
+        lines.append(f"  decode   {d['steps']:>5} steps after {d['prompt_tokens']:>5}       {d['tok_s']:9.1f} tok/s"
+                     f"  ({d['ms_per_token']:.2f} ms/token)")
+    if r["context_decode"]:
+        c = r["context_decode"]
+        lines.append(f"  decode   {c['steps']:>5} steps at {c['context']:>6} cached  {c['tok_s']:9.1f} tok/s"
+                     f"  ({c['ms_per_token']:.2f} ms/token; filled at {c['fill_tok_s']:.1f} tok/s)")
+    if r["split"]:
+        sources = sorted({s["source"] for s in r["split"].values() if s})
+        lines.append(f"time per token by kernel family, ms (profiled pass, {' + '.join(sources)}):")
+        lines.append(f"  {'':<9}{'projections':>12}{'attention':>11}{'other':>8}{'python':>8}{'total':>8}")
+        for what, s in r["split"].items():
+            if s:
+                ms = s["ms_per_token"]
+                lines.append(f"  {what:<9}{ms['projections']:>12.3f}{ms['attention']:>11.3f}{ms['other']:>8.3f}"
+                             f"{ms['python']:>8.3f}{s['total_ms_per_token']:>8.3f}")
+    mem = r["memory"]
+    line = f"peak RSS {human_bytes(mem['peak_rss_bytes'])}"
+    if mem["vmhwm_bytes"]:
+        line += f" (VmHWM {human_bytes(mem['vmhwm_bytes'])})"
+    if mem["file_bytes"] is not None:
+        line += (f"; file {human_bytes(mem['file_bytes'])} + largest cache {human_bytes(mem['cache_bytes'])} "
+                 f"+ 100 MB = {human_bytes(mem['budget_bytes'])}: "
+                 + ("within" if mem["within_budget"] else "OVER") + " the budget")
+    else:
+        line += f"; largest cache {human_bytes(mem['cache_bytes'])}"
+    lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""kvref bench: the report's fields and their consistency, on tiny runs (no timing thresholds: speed
+targets live in the benchmarks, not in tests)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import kvref
+from kvref import bench, native
+from kvref.cli import main
+from kvref.loader import default_model_path
+
+CONFIG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32)
+BACKENDS = ["numpy"] + (["c"] if native.available() else [])
+TINY = dict(prompt_tokens=4, new_tokens=3, context=8, context_steps=2, prefill_tokens=8, repeat=2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_reports_every_figure_with_sane_values(backend):
+    model = kvref.Model.random(CONFIG, seed=0, backend=backend)
+    r = bench.run(model, **TINY)
+    json.dumps(r)  # JSON-ready as is
+    assert r["backend"] == backend and r["kv_dtype"] == "float32"
+    assert r["settings"] == {**TINY}
+    assert r["prefill"]["tokens"] == 8 and len(r["prefill"]["seconds"]) == 2
+    assert r["decode"]["steps"] == 3 and r["decode"]["prompt_tokens"] == 4
+    assert r["context_decode"]["context"] == 8 and r["context_decode"]["steps"] == 2
+    for figure in (r["prefill"], r["decode"], r["context_decode"]):
+        assert figure["tok_s"] > 0 and all(s > 0 for s in figure["seconds"])
+        assert figure["ms_per_token"] == pytest.approx(1e3 / figure["tok_s"])
+    assert set(r["split"]) == {"prefill", "decode", "context"}
+    for split in r["split"].values():
+        ms = split["ms_per_token"]
+        assert set(ms) == {"projections", "attention", "other", "python"}
+        assert all(v >= 0 for v in ms.values()) and ms["projections"] > 0
+        assert sum(ms.values()) == pytest.approx(split["total_ms_per_token"], rel=1e-6) or ms["python"] == 0
+    mem = r["memory"]
+    assert mem["peak_rss_bytes"] > 0 and mem["file_bytes"] is None
+    # the largest cache: context + steps positions, K and V, float32
+    assert mem["cache_bytes"] == kvref.cache_bytes(2, 10, 2, 8, "float32")
+
+
+def test_shims_time_every_kernel_call_and_change_nothing():
+    model = kvref.Model.random(CONFIG, seed=1, backend="numpy")
+    clock = bench.ShimClock(model)
+    ids = [3, 1, 4, 1, 5]
+    expected = model.forward(ids, model.new_cache())
+    got = clock.model.forward(ids, clock.model.new_cache())
+    np.testing.assert_array_equal(got, expected)
+    L = CONFIG.n_layers
+    # at least, per execution: embed 1, rms_norm 2L + 1, matmul 7L + 1 (LM head), rope 2L, attention L,
+    # swiglu L (the model may make further kernel calls of its own, e.g. to fingerprint its weights)
+    assert clock.ops.calls >= 1 + (2 * L + 1) + (7 * L + 1) + 2 * L + L + L
+    assert all(s > 0 for s in clock.read().values())
+    clock.reset()
+    assert clock.read() == dict.fromkeys(bench.FAMILIES, 0.0) and clock.ops.calls == 0
+    assert model.ops is kvref.spec.ops  # the model itself was not touched
+
+
+@pytest.mark.skipif(not native.available(), reason="native module not built")
+def test_auto_profile_takes_the_forwards_counters_when_it_keeps_them():
+    model = kvref.Model.random(CONFIG, seed=0, backend="c")
+    clock = bench.kernel_clock(model)
+    expected = "native counters" if bench.native_counters(model) is not None else "kernel shims"
+    assert clock.source == expected
+    assert bench.kernel_clock(model, "shims").source == "kernel shims"
+
+
+def test_numpy_backend_keeps_no_counters():
+    model = kvref.Model.random(CONFIG, seed=0, backend="numpy")
+    assert bench.native_counters(model) is None
+    with pytest.raises(kvref.ConfigError, match="no kernel counters"):
+        bench.kernel_clock(model, "native")
+
+
+def test_prompts_are_deterministic_real_text_or_ids_in_the_vocabulary():
+    ids = bench.prompt_ids(None, 50, vocab_size=64)
+    assert ids == bench.prompt_ids(None, 50, vocab_size=64) and len(ids) == 50
+    assert all(0 <= i < 64 for i in ids)
+
+
+def test_progress_writes_one_overwritten_line_and_clears_it():
+    import io
+
+    stream = io.StringIO()
+    progress = bench.Progress(enabled=True, stream=stream)
+    progress("decode step 1/3", force=True)
+    progress("decode step 2/3", force=True)
+    progress.done()
+    text = stream.getvalue()
+    assert text.startswith("\rkvref bench: decode step 1/3") and "\n" not in text and text.endswith("\r")
+    assert bench.Progress(stream=io.StringIO()).enabled is False  # not a terminal: silent
+
+
+def test_bad_settings_raise_before_any_work():
+    model = kvref.Model.random(CONFIG, seed=0, backend="numpy")
+    with pytest.raises(kvref.ConfigError, match="repeat"):
+        bench.run(model, **{**TINY, "repeat": 0})
+    with pytest.raises(kvref.ConfigError, match="max_seq_len"):
+        bench.run(model, **{**TINY, "context": 32})
+    with pytest.raises(kvref.ConfigError, match="prompt"):
+        bench.run(model, **{**TINY, "prompt_tokens": 0})
+
+
+QUICK = ["--prompt-tokens", "4", "--new-tokens", "2", "--prefill-tokens", "8", "--context", "8",
+         "--context-steps", "2", "--repeat", "1"]
+
+
+def test_cli_json_on_the_real_model(capsys):
+    assert main(["bench", *QUICK, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    path = default_model_path()
+    assert r["model"]["file_bytes"] == path.stat().st_size and r["model"]["path"] == str(path)
+    assert r["command"].startswith("kvref bench --backend auto") and r["command"].endswith("--json")
+    assert r["decode"]["tok_s"] > 0 and r["prefill"]["tok_s"] > 0 and r["context_decode"]["tok_s"] > 0
+    mem = r["memory"]
+    assert mem["budget_bytes"] == mem["file_bytes"] + mem["cache_bytes"] + bench.BUDGET_SLACK
+    assert mem["within_budget"] == (mem["peak_rss_bytes"] <= mem["budget_bytes"])
+
+
+def test_cli_table_on_the_real_model_with_kernel_shims(capsys):
+    backend = BACKENDS[-1]  # the native backend when built (it loads faster than the spec's dequantization)
+    assert main(["bench", *QUICK, "--backend", backend, "--threads", "1", "--profile", "shims"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert f"backend {backend} (1 threads" in out and "tok/s" in out and "peak RSS" in out
+    assert "kernel shims" in out and "projections" in out
+    assert "kvref bench:" not in captured.err  # no progress line when stderr is not a terminal
+
+
+def test_real_prompt_is_the_passage_tokenized():
+    from kvref.formats.gguf import GGUFFile
+    from kvref.tokenizer import Tokenizer
+
+    with GGUFFile(default_model_path()) as f:
+        tok = Tokenizer.from_gguf_metadata(f.metadata)
+    ids = bench.prompt_ids(tok, 300)
+    assert len(ids) == 300
+    assert tok.decode(ids[:20]) == tok.decode(tok.encode(bench.PASSAGE)[:20])
+    assert tok.decode(ids).startswith(bench.PASSAGE[:40])
+
+
+def test_blas_threads_reads_what_it_sets():
+    before = bench.blas_threads()
+    if before is None:
+        pytest.skip("NumPy's BLAS thread count is not reachable here")
+    try:
+        assert bench.blas_threads(1) == 1
+    finally:
+        bench.blas_threads(before)
+
+
+def test_cli_rejects_bad_settings(capsys):
+    assert main(["bench", "--repeat", "0"]) == 2
+    assert "repeat must be at least 1" in capsys.readouterr().err
