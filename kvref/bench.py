@@ -335,9 +335,13 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
                     clock = ShimClock(model)
                     got = profile(model, clock, ids, steps, kv_dtype, progress=progress, label=f"profiling {name}")
                 splits[name] = got
+    peak = peak_rss()  # before the bandwidth probe below allocates its buffer
+    if splits.get("context"):
+        progress("measuring memory read bandwidth", force=True)
+        splits["context"]["kv_read"] = kv_read(splits["context"], _cache_bytes(model, context, kv),
+                                               threads_of(model) or 1)
     progress.done()
 
-    peak = peak_rss()
     file_bytes = Path(model_path).stat().st_size if model_path else None
     cache_max = max(cache_sizes)
     memory = {"peak_rss_bytes": peak["maxrss"], "vmhwm_bytes": peak["vmhwm"], "rss_before_bytes": rss_before,
@@ -365,6 +369,33 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         "split": splits,
         "memory": memory,
     }
+
+
+def read_bandwidth(threads=1, nbytes=128 * 2**20, tries=5) -> float:
+    """Bytes per second of reading a `nbytes` float32 array once (np.max over `threads` slices, one
+    Python thread each: NumPy reductions release the GIL); the best of `tries`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.max, parts))
+        best = float("inf")
+        for _ in range(tries):
+            start = time.perf_counter()
+            list(pool.map(np.max, parts))
+            best = min(best, time.perf_counter() - start)
+    return a.nbytes / best
+
+
+def kv_read(split, kv_bytes, threads) -> dict:
+    """Attention time per decode step beside the time to read the cache's K/V once from memory
+    (issue 4: within 2x). kv_bytes: the K/V of every layer at the context length."""
+    bandwidth = read_bandwidth(threads)
+    read_ms = 1e3 * kv_bytes / bandwidth
+    attention_ms = split["ms_per_token"]["attention"]
+    return {"kv_bytes": kv_bytes, "bandwidth_gb_s": bandwidth / 1e9, "threads": threads, "read_ms": read_ms,
+            "attention_ms": attention_ms, "ratio": attention_ms / read_ms}
 
 
 def _rate(n, seconds) -> dict:
@@ -561,6 +592,11 @@ def report(r: dict) -> str:
                 ms = s["ms_per_token"]
                 lines.append(f"  {what:<9}{ms['projections']:>12.3f}{ms['attention']:>11.3f}{ms['other']:>8.3f}"
                              f"{ms['python']:>8.3f}{s['total_ms_per_token']:>8.3f}")
+    read = (r["split"].get("context") or {}).get("kv_read")
+    if read:
+        lines.append(f"attention at {r['settings']['context']} cached: {read['attention_ms']:.2f} ms per token = "
+                     f"{read['ratio']:.2f}x the time to read its K/V once ({human_bytes(read['kv_bytes'])} at "
+                     f"{read['bandwidth_gb_s']:.1f} GB/s, measured with {read['threads']} thread(s))")
     mem = r["memory"]
     line = f"peak RSS {human_bytes(mem['peak_rss_bytes'])}"
     if mem["vmhwm_bytes"]:

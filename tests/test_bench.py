@@ -35,6 +35,9 @@ def test_run_reports_every_figure_with_sane_values(backend):
         assert set(ms) == {"projections", "attention", "other", "python"}
         assert all(v >= 0 for v in ms.values()) and ms["projections"] > 0
         assert sum(ms.values()) == pytest.approx(split["total_ms_per_token"], rel=1e-6) or ms["python"] == 0
+    read = r["split"]["context"]["kv_read"]
+    assert read["kv_bytes"] == kvref.cache_bytes(2, 8, 2, 8, "float32") and read["bandwidth_gb_s"] > 0
+    assert read["ratio"] == pytest.approx(read["attention_ms"] / read["read_ms"])
     mem = r["memory"]
     assert mem["peak_rss_bytes"] > 0 and mem["file_bytes"] is None
     # the largest cache: context + steps positions, K and V, float32

@@ -1,0 +1,436 @@
+"""kvref side by side with llama.cpp and transformers: same GGUF file, same prompt ids, same thread count.
+
+    python benchmarks/compare.py [--rounds 3] [--threads 1 2] [--engines kvref-c kvref-numpy llama.cpp transformers]
+                                 [--cases decode prefill context] [--context 4096] [--json out.json] [--quick]
+
+Engines (each one that is installed; a missing one is reported and left out):
+  kvref-c       kvref.load(path, backend="c", threads=T)       the native path (fused C forward);
+                K/V cache float16 like llama.cpp's (--kv-dtype)
+  kvref-numpy   kvref.load(path, backend="numpy")               the NumPy spec, OpenBLAS with T threads;
+                K/V cache float32
+  llama.cpp     llama_cpp.Llama(path, n_ctx, n_threads=T, n_threads_batch=T, n_batch=512)
+                (pip install llama-cpp-python: builds llama.cpp from source with -march=native);
+                K/V cache f16 (its default); flash attention on (--llama-flash-attn), as the llama.cpp
+                CLI and llama-bench run by default ("auto" picks it on the CPU)
+  transformers  AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=float32): the weights
+                dequantized to float32; torch.set_num_threads(T); DynamicCache; logits of the last position only
+                (pip install torch==2.13.0 && pip install torch==2.13.0 transformers gguf accelerate)
+
+Cases (the targets of issue 4; --context, --new-tokens etc. change the sizes):
+  decode   a 32-token prompt is prefilled (not timed), then 128 decode steps: steps / seconds
+  prefill  one 512-token prompt into an empty cache: tokens / seconds
+  context  the cache is filled with 4096 positions by prefills of 512 (not timed; its rate is reported as
+           "fill"), then 64 decode steps are timed (llama-bench's `-d 4096 -n 64`)
+A decode step is, for every engine: the forward over the token just selected, then the argmax of the
+last logits (greedy, the end token ignored). Every engine gets the same token ids (kvref's tokenizer on
+PASSAGE of kvref.bench, repeated); each worker warms up (8-token prompt, 4 steps) before timing.
+
+Every (engine, thread count) pair runs in its own subprocess per round (thread pools and BLAS thread
+counts are fixed at start-up; no engine shares a process with another), with OMP_NUM_THREADS,
+OPENBLAS_NUM_THREADS, MKL_NUM_THREADS and KVREF_THREADS set to T. Rounds interleave the engines
+(their order rotates each round) so that all of them see the same machine load; the report gives
+medians over rounds and ratios to llama.cpp (> 1: faster than llama.cpp). Rates are wall-clock rates
+measured in Python around each engine's own call, the same way for all engines; llama.cpp's own
+counters (llama_perf_context) are recorded beside them in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINES = ("kvref-c", "kvref-numpy", "llama.cpp", "transformers")
+CASES = ("decode", "prefill", "context")
+FILL_CHUNK = 512
+WARMUP_PROMPT, WARMUP_STEPS = 8, 4
+
+
+# ---- engines: reset(capacity), feed(ids) -> greedy next token id -----------------------------------
+
+class KvrefEngine:
+    def __init__(self, path, backend, threads, kv_dtype=None):
+        import kvref
+
+        self.model = kvref.load(path, backend=backend, threads=threads)
+        self.kv_dtype = kv_dtype
+        self.cache = None
+        self.info = {"backend": self.model.backend, "threads": threads, "kv_dtype": kv_dtype or self.model.dtype,
+                     "isa": getattr(self.model.ops, "isa", None), "version": kvref.__version__}
+
+    def reset(self, capacity):
+        self.cache = self.model.new_cache(capacity=capacity, kv_dtype=self.kv_dtype)
+
+    def feed(self, ids):
+        import numpy as np
+
+        return int(np.argmax(self.model.forward(ids, self.cache)))
+
+
+class LlamaEngine:
+    def __init__(self, path, threads, n_ctx, flash_attn=True):
+        import llama_cpp
+
+        self.llama_cpp = llama_cpp
+        options = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512,
+                       verbose=False)
+        try:
+            self.llm = llama_cpp.Llama(str(path), flash_attn=flash_attn, **options)
+        except TypeError:  # a version without the flash_attn argument
+            self.llm = llama_cpp.Llama(str(path), **options)
+            flash_attn = None
+        self.n_vocab = self.llm.n_vocab()
+        self.info = {"version": llama_cpp.__version__, "threads": threads, "n_ctx": n_ctx, "n_batch": 512,
+                     "flash_attn": flash_attn, "kv_dtype": "float16 (default type_k/type_v)"}
+
+    def reset(self, capacity):
+        self.llm.reset()  # n_tokens = 0; the next eval removes every stored position from the KV cache
+        self._perf_reset()
+
+    def feed(self, ids):
+        import numpy as np
+
+        self.llm.eval(list(ids))  # logits of the batch's last position only (logits_all=False)
+        logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        return int(np.argmax(logits))
+
+    def _perf_reset(self):
+        fn = getattr(self.llama_cpp, "llama_perf_context_reset", None)
+        if fn is not None:
+            fn(self.llm.ctx)
+
+    def perf(self) -> dict | None:
+        """llama.cpp's own counters since the last reset: prompt-eval and eval milliseconds and counts."""
+        fn = getattr(self.llama_cpp, "llama_perf_context", None)
+        if fn is None:
+            return None
+        p = fn(self.llm.ctx)
+        return {"t_p_eval_ms": p.t_p_eval_ms, "n_p_eval": p.n_p_eval, "t_eval_ms": p.t_eval_ms, "n_eval": p.n_eval}
+
+
+class TransformersEngine:
+    def __init__(self, path, threads):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch.float32).eval()
+        self.past = None
+        self.info = {"version": transformers.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                     "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+                     "kv_dtype": "float32"}
+
+    def reset(self, capacity):
+        from transformers import DynamicCache
+
+        self.past = DynamicCache()
+
+    def feed(self, ids):
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([list(ids)]), past_key_values=self.past, use_cache=True,
+                             logits_to_keep=1)
+        self.past = out.past_key_values
+        return int(out.logits[0, -1].argmax())
+
+
+def make_engine(name, path, threads, args):
+    if name == "kvref-c":
+        return KvrefEngine(path, "c", threads, args.kv_dtype)
+    if name == "kvref-numpy":
+        return KvrefEngine(path, "numpy", threads, None)
+    if name == "llama.cpp":
+        return LlamaEngine(path, threads, n_ctx=max_positions(args), flash_attn=args.llama_flash_attn == "on")
+    if name == "transformers":
+        return TransformersEngine(path, threads)
+    raise SystemExit(f"unknown engine {name!r}; expected one of {ENGINES}")
+
+
+def max_positions(args) -> int:
+    return max(args.prompt_tokens + args.new_tokens, args.prefill_tokens, args.context + args.context_steps,
+               WARMUP_PROMPT + WARMUP_STEPS)
+
+
+# ---- the worker: every case on one engine ---------------------------------------------------------
+
+def decode_steps(engine, token, steps):
+    """Time `steps` decode steps; -> (seconds, tokens selected)."""
+    tokens = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = engine.feed([token])
+        tokens.append(token)
+    return time.perf_counter() - start, tokens
+
+
+def fill(engine, ids):
+    token = None
+    for start in range(0, len(ids), FILL_CHUNK):
+        token = engine.feed(ids[start:start + FILL_CHUNK])
+    return token
+
+
+def worker(args) -> dict:
+    from kvref.bench import prompt_ids
+    from kvref.formats.gguf import GGUFFile
+    from kvref.tokenizer import Tokenizer
+
+    path = model_file(args.model)
+    with GGUFFile(path) as f:
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+    threads = args.threads[0]
+    start = time.perf_counter()
+    engine = make_engine(args.worker, path, threads, args)
+    out = {"engine": args.worker, "threads": threads, "load_s": time.perf_counter() - start, "info": engine.info}
+
+    engine.reset(WARMUP_PROMPT + WARMUP_STEPS)
+    decode_steps(engine, fill(engine, prompt_ids(tokenizer, WARMUP_PROMPT)), WARMUP_STEPS)
+    perf = getattr(engine, "perf", lambda: None)
+    for case in args.cases:
+        if case == "prefill":
+            ids = prompt_ids(tokenizer, args.prefill_tokens)
+            engine.reset(len(ids))
+            t0 = time.perf_counter()
+            engine.feed(ids)
+            seconds = time.perf_counter() - t0
+            out[case] = {"tokens": len(ids), "seconds": seconds, "tok_s": len(ids) / seconds, "perf": perf()}
+        elif case == "decode":
+            ids = prompt_ids(tokenizer, args.prompt_tokens)
+            engine.reset(len(ids) + args.new_tokens)
+            token = fill(engine, ids)
+            if hasattr(engine, "_perf_reset"):
+                engine._perf_reset()
+            seconds, tokens = decode_steps(engine, token, args.new_tokens)
+            out[case] = {"prompt_tokens": len(ids), "steps": args.new_tokens, "seconds": seconds,
+                         "tok_s": args.new_tokens / seconds, "tokens": [token] + tokens[:31], "perf": perf()}
+        elif case == "context":
+            ids = prompt_ids(tokenizer, args.context)
+            engine.reset(len(ids) + args.context_steps)
+            t0 = time.perf_counter()
+            token = fill(engine, ids)
+            fill_s = time.perf_counter() - t0
+            if hasattr(engine, "_perf_reset"):
+                engine._perf_reset()
+            seconds, _ = decode_steps(engine, token, args.context_steps)
+            out[case] = {"context": len(ids), "steps": args.context_steps, "seconds": seconds,
+                         "tok_s": args.context_steps / seconds, "fill_tok_s": len(ids) / fill_s, "perf": perf()}
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def model_file(path):
+    from kvref.loader import model_path
+
+    return model_path(path)
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+
+def installed(engine) -> str | None:
+    """None when the engine can run here, else why not."""
+    import importlib.util
+
+    needs = {"kvref-c": [], "kvref-numpy": [], "llama.cpp": ["llama_cpp"],
+             "transformers": ["torch", "transformers", "gguf", "accelerate"]}[engine]
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if engine == "kvref-c":
+        from kvref import native
+
+        return None if native.available() else native.unavailable_reason()
+    return f"not installed: {', '.join(missing)}" if missing else None
+
+
+def run_worker(engine, threads, args) -> dict | None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads), KVREF_THREADS=str(threads))
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--threads", str(threads),
+               "--cases", *args.cases] + size_arguments(args)
+    try:
+        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  {engine} at {threads} thread(s) timed out after {args.timeout} s", file=sys.stderr)
+        return None
+    if out.returncode != 0:  # reported and left out of the medians, not hidden
+        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  {engine} at {threads} thread(s) failed with exit code {out.returncode}: {tail}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def size_arguments(args) -> list[str]:
+    out = ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+           "--prefill-tokens", str(args.prefill_tokens), "--context", str(args.context),
+           "--context-steps", str(args.context_steps), "--llama-flash-attn", args.llama_flash_attn]
+    if args.model:
+        out += ["--model", str(args.model)]
+    if args.kv_dtype:
+        out += ["--kv-dtype", args.kv_dtype]
+    return out
+
+
+def case_label(case, args) -> str:
+    return {"decode": f"decode {args.new_tokens} after {args.prompt_tokens}",
+            "prefill": f"prefill {args.prefill_tokens}",
+            "context": f"decode {args.context_steps} at {args.context}"}[case]
+
+
+def environment() -> dict:
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=HERE.parent, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return None
+
+    so = sorted((HERE.parent / "kvref" / "native").glob("_kvref*.so"))
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "commit": git("rev-parse", "--short", "HEAD"), "modified_files": dirty.splitlines() if dirty else [],
+            "native_module_built": datetime.datetime.fromtimestamp(so[0].stat().st_mtime).astimezone().isoformat(
+                timespec="seconds") if so else None,
+            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "load_avg_start": list(os.getloadavg())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--context-steps", type=int, default=64)
+    parser.add_argument("--kv-dtype", default="float16", help="kvref-c's K/V element type (default float16, "
+                        "as llama.cpp's cache)")
+    parser.add_argument("--llama-flash-attn", choices=["on", "off"], default="on")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round: a smoke test")
+    parser.add_argument("--json", default=None, help="write every sample, median and ratio to this file")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.new_tokens, args.prefill_tokens, args.context, args.context_steps = 1, 16, 64, 256, 8
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    env = environment()
+    engines = []
+    for engine in args.engines:
+        why = installed(engine)
+        if why:
+            print(f"{engine}: left out ({why})", file=sys.stderr)
+        else:
+            engines.append(engine)
+    print(f"compare: {', '.join(engines)}; threads {args.threads}; cases {', '.join(args.cases)}; "
+          f"{args.rounds} rounds; commit {env['commit']}"
+          f"{' + ' + str(len(env['modified_files'])) + ' modified files' if env['modified_files'] else ''}; "
+          f"load average {env['load_avg_start'][0]:.2f}", file=sys.stderr)
+    started = time.perf_counter()
+    runs = []
+    for r in range(args.rounds):
+        order = engines[r % len(engines):] + engines[:r % len(engines)] if engines else []
+        for threads in args.threads:
+            for engine in order:
+                t0 = time.perf_counter()
+                res = run_worker(engine, threads, args)
+                if res is None:
+                    continue
+                res["round"] = r + 1
+                runs.append(res)
+                rates = ", ".join(f"{c} {res[c]['tok_s']:.1f}" for c in args.cases if c in res)
+                print(f"round {r + 1}/{args.rounds}: {engine:<12} {threads} thread(s): {rates} tok/s "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    elapsed = time.perf_counter() - started
+
+    medians = {}  # (case, threads, engine) -> median tok/s
+    for case in args.cases:
+        for threads in args.threads:
+            for engine in engines:
+                rates = [x[case]["tok_s"] for x in runs if x["engine"] == engine and x["threads"] == threads]
+                if rates:
+                    medians[(case, threads, engine)] = statistics.median(rates)
+    print(report(medians, runs, engines, args, env, elapsed))
+    if args.json:
+        env["load_avg_end"] = list(os.getloadavg())
+        Path(args.json).write_text(json.dumps({
+            "environment": env, "elapsed_s": elapsed, "settings": {k: v for k, v in vars(args).items() if k != "worker"},
+            "medians": [{"case": c, "threads": t, "engine": e, "tok_s": v} for (c, t, e), v in medians.items()],
+            "runs": runs}, indent=1))
+
+
+def report(medians, runs, engines, args, env, elapsed) -> str:
+    lines = [f"\nmedian tok/s over {args.rounds} round(s); ratio = engine / llama.cpp "
+             f"(commit {env['commit']}, {env['date']}, {elapsed / 60:.1f} min)"]
+    head = f"{'case':<24}{'threads':>8}" + "".join(f"{e:>14}" for e in engines)
+    others = [e for e in engines if e != "llama.cpp"]
+    if "llama.cpp" in engines:
+        head += "  |" + "".join(f"{e + '/llama':>20}" for e in others)
+    lines.append(head)
+    for case in args.cases:
+        for threads in args.threads:
+            row = f"{case_label(case, args):<24}{threads:>8}"
+            row += "".join(f"{medians[(case, threads, e)]:>14.1f}" if (case, threads, e) in medians else f"{'-':>14}"
+                           for e in engines)
+            base = medians.get((case, threads, "llama.cpp"))
+            if "llama.cpp" in engines:
+                row += "  |" + "".join(
+                    f"{medians[(case, threads, e)] / base:>19.2f}x" if base and (case, threads, e) in medians
+                    else f"{'-':>20}" for e in others)
+            lines.append(row)
+    if "context" in args.cases:
+        fills = []
+        for threads in args.threads:
+            for e in engines:
+                got = [x["context"]["fill_tok_s"] for x in runs if x["engine"] == e and x["threads"] == threads
+                       and "context" in x]
+                if got:
+                    fills.append(f"{e} {threads}t {statistics.median(got):.0f}")
+        lines.append(f"filling {args.context} positions by prefills of {FILL_CHUNK} (tok/s): " + ", ".join(fills))
+    for a, b in (("kvref-c", "kvref-numpy"), ("kvref-numpy", "transformers"), ("kvref-c", "transformers")):
+        for threads in args.threads:
+            if ("decode", threads, a) in medians and ("decode", threads, b) in medians:
+                lines.append(f"decode {a} / {b} at {threads} thread(s): "
+                             f"{medians[('decode', threads, a)] / medians[('decode', threads, b)]:.2f}x")
+    rss = []
+    for e in engines:
+        got = [x["peak_rss_bytes"] for x in runs if x["engine"] == e]
+        if got:
+            rss.append(f"{e} {max(got) / 2**20:.0f} MiB")
+    lines.append("peak RSS per worker (all its cases): " + ", ".join(rss))
+    agree = first_tokens(runs, engines)
+    if agree:
+        lines.append("greedy decode tokens equal to kvref-numpy's (of the first 32): " + agree)
+    return "\n".join(lines)
+
+
+def first_tokens(runs, engines) -> str:
+    ref = next((x["decode"]["tokens"] for x in runs if x["engine"] == "kvref-numpy" and "decode" in x), None)
+    if ref is None:
+        return ""
+    out = []
+    for e in engines:
+        got = next((x["decode"]["tokens"] for x in runs if x["engine"] == e and "decode" in x), None)
+        if got is not None and e != "kvref-numpy":
+            same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            out.append(f"{e} {same}")
+    return ", ".join(out)
+
+
+if __name__ == "__main__":
+    main()
