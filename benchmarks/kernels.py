@@ -1,13 +1,16 @@
-"""Kernel timings: the native kernels against the NumPy spec on SmolLM2-135M's real weights.
+"""Kernel and forward timings: the native path against the NumPy spec on SmolLM2-135M's real weights.
 
     python benchmarks/kernels.py [--threads 1 2] [--repeat 30] [--json out.json] [--quick]
+                                 [--sections kernels forward]
 
 Run it on an otherwise idle machine: with two cores, any other busy process halves the 2-thread
-figures (the header prints the load average).
+figures (the header prints the load average, and the forward section the clock it measured).
 
+Section "kernels":
 Matmul on the model's Q4_1 projections, decode (T = 1) and prefill (T = 512):
     ffn_gate [1536, 576], ffn_down [576, 1536], attn_q [576, 576], and the LM head [49152, 576]
-    (Q8_0 in the file; also requantized to Q4_1 with the `gguf` package when it is installed).
+    (Q8_0 in the file; also requantized to Q4_1 with the `gguf` package when it is installed);
+    at T = 1 also the int8-activation projection (Kernels.matmul_int8).
 Attention at S = 4096 cached positions, H = 9, Hkv = 3, D = 64 (decode, float32 and float16 K/V)
 and a 512-position prefill. The spec column is the NumPy spec with the weights dequantized to
 float32 beforehand (the dequantization is not timed), i.e. a plain BLAS sgemm: the best case for
@@ -15,6 +18,18 @@ NumPy. NumPy's BLAS uses its own threads (all cores unless OPENBLAS_NUM_THREADS 
 A decode pass: every projection of one decode step (30 layers x 7 matrices + the LM head, 211
 calls, 96 MB of weights streamed from memory, as a real decode step reads them).
 Last, the per-call Python overhead of the native wrappers on a tiny kernel call.
+
+Section "forward" (the whole model, kvref.load(backend="c", threads=N)):
+  decode     32-token prompt, then 128 greedy decode steps; median ms per step, and the split by
+             kernel family from the fused forward's counters (FusedForward.timings(); "python" is
+             the rest of Model.forward's wall time);
+  prefill    512 tokens in one execution into an empty cache, median of 3;
+  context    decode steps at 4096 cached positions (the cache filled with random K/V and committed
+             with cache.advance: decode speed does not depend on the values), float32 and float16
+             K/V; attention ms per step against the time to stream that K/V once at the rate the
+             same run streamed the weights (projection bytes / projection time);
+for the fused forward in both activation modes (float32 exact, int8), the shared decoder calling the
+native kernels one by one, and the spec (NumPy) decoder (decode only).
 
 NumPy's OpenBLAS threads spin for a while after each call and would steal the second core from
 the native pool, so every case times the native kernels first and the spec last.
@@ -87,6 +102,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="decode shapes only, fewer repeats")
     ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument("--sections", nargs="+", default=["kernels", "forward"], choices=["kernels", "forward"])
     args = ap.parse_args(argv)
     if not native.available():
         sys.exit(native.unavailable_reason())
@@ -96,11 +112,23 @@ def main(argv=None):
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = {"isa": nops.best_isa(), "threads": args.threads, "load_average_1min": load,
                "matmul": [], "attention": [], "decode_pass": [], "overhead": {}}
-    rng = np.random.default_rng(0)
-    f = GGUFFile(model_path())
     print(f"native ISA: {nops.best_isa()}; threads {args.threads}; medians of {repeat}; "
           f"load average {load:.2f} on {os.cpu_count()} CPUs")
+    if "kernels" in args.sections:
+        bench_kernels(args, repeat, results)
+    if "forward" in args.sections:
+        bench_forward(args, results)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
 
+
+def bench_kernels(args, repeat, results):
+    from kvref.native import ops as nops
+
+    rng = np.random.default_rng(0)
+    f = GGUFFile(model_path())
     weights = [("ffn_gate", "blk.0.ffn_gate.weight"), ("ffn_down", "blk.0.ffn_down.weight"),
                ("attn_q", "blk.0.attn_q.weight"), ("lm_head", "token_embd.weight")]
     cases = []
@@ -124,12 +152,16 @@ def main(argv=None):
             for th in args.threads:
                 ks = nops.kernels(th)
                 row[f"native_{th}t_s"] = median_seconds(lambda: ks.matmul(x, w), rep)
+                if T == 1:
+                    row[f"int8_{th}t_s"] = median_seconds(lambda: ks.matmul_int8(x, w), rep)
             row["spec_s"] = t_spec = median_seconds(lambda: spec.matmul(x, Wf), rep)
             time.sleep(0.2)  # let OpenBLAS's spinning threads go to sleep
             line = f"  {label:26s} [{w.shape[0]:5d},{w.shape[1]:4d}] {T:4d}  {fmt_time(t_spec)}"
             for th in args.threads:
                 t = row[f"native_{th}t_s"]
                 line += f"   {fmt_time(t)} {t_spec / t:5.1f}x"
+            if T == 1:
+                line += "   int8: " + "  ".join(f"{th}T {fmt_time(row[f'int8_{th}t_s'])}" for th in args.threads)
             results["matmul"].append(row)
             print(line)
 
@@ -200,10 +232,122 @@ def main(argv=None):
         results["overhead"][label] = t
         print(f"  {label:48s} {fmt_time(t)}")
 
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
-    return results
+
+# ---- the whole model ----------------------------------------------------------------------
+
+def clock_ghz():
+    """A rough clock of this core now (a VM's share of it): dependent integer adds per second, in
+    Python-visible terms. Only to flag a throttled or shared CPU in the header."""
+    t0 = time.perf_counter()
+    x = 0
+    for _ in range(2_000_000):
+        x += 1
+    return 2e6 / (time.perf_counter() - t0) / 1e9
+
+
+def timed_steps(model, cache, first_token, steps):
+    """Greedy decode steps: per-step wall seconds, and the fused forward's counters over them."""
+    counters = getattr(model._forward, "__self__", None)
+    if counters is not None:
+        counters.reset_timings()
+    tok, times = first_token, []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        logits = model.forward([tok], cache)
+        times.append((time.perf_counter_ns() - t0) * 1e-9)
+        tok = int(np.argmax(logits))
+    split = counters.timings() if counters is not None else None
+    return times, split
+
+
+def split_ms(split, times):
+    if split is None or not split["calls"]:
+        return None
+    n = split["calls"]
+    out = {k: split[k] / n * 1e3 for k in ("projections", "attention", "other")}
+    out["python"] = max(0.0, statistics.mean(times) * 1e3 - sum(out.values()))
+    return out
+
+
+def fmt_split(ms):
+    return "" if ms is None else "  [" + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()) + " ms]"
+
+
+def bench_forward(args, results):
+    import kvref
+    from kvref import backends
+    from kvref.spec import decoder
+
+    results["forward"] = []
+    prompt = [(1000 + 37 * i) % 49152 for i in range(32)]
+    prefill_ids = [(500 + 91 * i) % 49152 for i in range(512)]
+    steps = 32 if args.quick else 128
+    weight_bytes = None
+    print("\nforward: SmolLM2-135M-Instruct Q4_1 (decode: 32-token prompt + "
+          f"{steps} steps; prefill: 512 tokens; context: decode at 4096 cached positions)")
+    for th in args.threads:
+        model = kvref.load(backend="c", threads=th)
+        c = model.config
+        if weight_bytes is None:
+            weight_bytes = sum(w.data.nbytes for lw in model.weights.layers for w in
+                               (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)) + model.weights.output.data.nbytes
+        engines = [("fused float32", backends.forward_impl("c", c, model.weights, "float32")),
+                   ("fused int8", backends.forward_impl("c", c, model.weights, "int8")),
+                   ("decoder + native kernels", decoder.forward)]
+        print(f"  {th} thread{'s' if th > 1 else ''} (clock check: {clock_ghz():.2f} G python-adds/s, "
+              f"load {os.getloadavg()[0]:.2f})")
+        for label, forward in engines:
+            model._forward = forward  # benchmark-only: choose the implementation Model.forward runs
+            row = {"threads": th, "engine": label}
+            cache = model.new_cache(capacity=1024)
+            model.forward(prompt, cache)
+            timed_steps(model, cache, 5, 8)  # warm-up
+            times, split = timed_steps(model, cache, 5, steps)
+            t = statistics.median(times)
+            row["decode"] = {"ms_per_token": t * 1e3, "tok_s": 1 / t, "split_ms": split_ms(split, times)}
+            print(f"    {label:26s} decode  {t * 1e3:7.2f} ms/token {1 / t:7.1f} tok/s{fmt_split(row['decode']['split_ms'])}")
+            if label != "decoder + native kernels" or not args.quick:
+                rep = []
+                for _ in range(1 if args.quick else 3):
+                    cache = model.new_cache(capacity=1024)
+                    t0 = time.perf_counter()
+                    model.forward(prefill_ids, cache)
+                    rep.append(time.perf_counter() - t0)
+                tp = statistics.median(rep)
+                row["prefill"] = {"tokens": 512, "seconds": tp, "tok_s": 512 / tp}
+                print(f"    {label:26s} prefill {512 / tp:7.1f} tok/s ({tp:.3f} s for 512)")
+            if label.startswith("fused"):
+                row["context"] = []
+                for kv_dtype in ("float32", "float16"):
+                    cache = model.new_cache(capacity=4096 + steps + 16, kv_dtype=kv_dtype)
+                    rng = np.random.default_rng(1)
+                    for a in (cache.k, cache.v):  # layer by layer: no float64 copy of the whole cache
+                        for layer in range(c.n_layers):
+                            a[layer, :4096] = rng.standard_normal(a.shape[1:])[:4096].astype(a.dtype)
+                    cache.advance(4096)
+                    timed_steps(model, cache, 5, 4)
+                    times, split = timed_steps(model, cache, 5, 32 if args.quick else 64)
+                    t = statistics.median(times)
+                    ms = split_ms(split, times)
+                    kv_bytes = 2 * c.n_layers * (4096 + 40) * c.n_kv_heads * c.head_dim * np.dtype(kv_dtype).itemsize
+                    stream_s = kv_bytes / (weight_bytes / (ms["projections"] * 1e-3)) if ms else float("nan")
+                    entry = {"kv_dtype": kv_dtype, "ms_per_token": t * 1e3, "tok_s": 1 / t, "split_ms": ms,
+                             "kv_bytes_per_token": kv_bytes, "kv_stream_ms_at_weight_rate": stream_s * 1e3}
+                    row["context"].append(entry)
+                    ratio = ms["attention"] / (stream_s * 1e3) if ms else float("nan")
+                    print(f"    {label:26s} @4096 {kv_dtype:7s} {t * 1e3:6.2f} ms/token {1 / t:6.1f} tok/s; attention "
+                          f"{ms['attention']:.2f} ms for {kv_bytes / 2**20:.0f} MiB of K/V = {ratio:.2f}x the time to "
+                          f"stream it at the weights' rate ({stream_s * 1e3:.2f} ms){fmt_split(ms)}")
+            results["forward"].append(row)
+        del model
+    # the spec path: NumPy kernels on float32 weights dequantized at load (decode only)
+    spec_model = kvref.load(backend="numpy")
+    cache = spec_model.new_cache(capacity=256)
+    spec_model.forward(prompt, cache)
+    times, _ = timed_steps(spec_model, cache, 5, 8 if args.quick else 24)
+    t = statistics.median(times)
+    results["forward"].append({"engine": "spec (numpy)", "decode": {"ms_per_token": t * 1e3, "tok_s": 1 / t}})
+    print(f"  spec (NumPy, its BLAS threads) decode {t * 1e3:7.2f} ms/token {1 / t:7.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ struct kvref_state {
     float *tmp;                /* [rows, E]     a block's output before the residual add (prefill) */
     double *cs;                /* [rows, D]     RoPE cos | sin of each new position */
     int64_t *q_positions;      /* [rows] */
-    kvref_q8_block *xq;        /* [KVREF_GEMM_MIN_T - 1, max_k / 32] 8-bit copy of a matmul input */
+    int8_t *xqs;               /* [KVREF_GEMM_MIN_T - 1, max_k]        8-bit copy of a matmul input: */
+    float *xds;                /* [KVREF_GEMM_MIN_T - 1, max_k / 32, 2] values, block (d, s) */
     int64_t keys;              /* k_positions holds 0 .. keys-1 */
     int64_t *k_positions;      /* [keys] */
     int64_t partial_floats;
@@ -152,17 +153,19 @@ static void swiglu_row(const fw *f, int64_t t) {
 
 /* ---- projections ------------------------------------------------------------------------- */
 
-/* The 8-bit copy of x [T, K] when this execution rounds activations and one of the weights it
- * feeds has an 8-bit kernel, else NULL (every weight then reads x in float32). */
-static const kvref_q8_block *int8_input(const fw *f, const float *x, int64_t T, int64_t K, const kvref_tensor *w0,
-                                        const kvref_tensor *w1, const kvref_tensor *w2) {
-    if (!f->int8 || T >= KVREF_GEMM_MIN_T) return NULL;
+/* A decode-path projection of x [T, K] into up to three weights: with int8 activations, and when
+ * one of the weights has an 8-bit kernel, x is rounded to 8-bit blocks first (the state's xqs/xds). */
+static kvref_mv matvec(const fw *f, const float *x, int64_t T, int64_t K, const kvref_tensor *w0,
+                       const kvref_tensor *w1, const kvref_tensor *w2) {
+    kvref_mv mv = {x, NULL, f->s->xds, T, K, 0, {{0}}, 0, 0};
     const kvref_tensor *ws[3] = {w0, w1, w2};
     int any = 0;
     for (int i = 0; i < 3; i++) any |= ws[i] != NULL && f->kk->vec_dot_q8[ws[i]->type] != NULL;
-    if (!any) return NULL;
-    for (int64_t t = 0; t < T; t++) f->kk->quantize_q8(K, x + t * K, f->s->xq + t * (K / 32));
-    return f->s->xq;
+    if (f->int8 && any) {
+        for (int64_t t = 0; t < T; t++) f->kk->quantize_q8(K, x + t * K, f->s->xqs + t * K, f->s->xds + t * (K / 16));
+        mv.xqs = f->s->xqs;
+    }
+    return mv;
 }
 
 static kvref_mv_part part(const kvref_tensor *w, float *y, int64_t ldy) {
@@ -181,9 +184,11 @@ static void qkv_projections(fw *f) {
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model;
     if (f->T < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = {s->xb, int8_input(f, s->xb, f->T, E, &lw->wq, &lw->wk, &lw->wv), f->T, E, 3,
-                       {part(&lw->wq, s->q, lw->wq.rows), part(&lw->wk, s->k, lw->wk.rows),
-                        part(&lw->wv, s->v, lw->wv.rows)}, 0, 0};
+        kvref_mv mv = matvec(f, s->xb, f->T, E, &lw->wq, &lw->wk, &lw->wv);
+        mv.nparts = 3;
+        mv.part[0] = part(&lw->wq, s->q, lw->wq.rows);
+        mv.part[1] = part(&lw->wk, s->k, lw->wk.rows);
+        mv.part[2] = part(&lw->wv, s->v, lw->wv.rows);
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->xb, &lw->wq, s->q);
@@ -199,8 +204,10 @@ static void output_projection(fw *f) {
     const kvref_tensor *wo = &f->lw->wo;
     kvref_state *s = f->s;
     if (f->T < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = {s->att, int8_input(f, s->att, f->T, wo->cols, wo, NULL, NULL), f->T, wo->cols, 1,
-                       {part(wo, s->x, wo->rows)}, 1, 0};
+        kvref_mv mv = matvec(f, s->att, f->T, wo->cols, wo, NULL, NULL);
+        mv.nparts = 1;
+        mv.part[0] = part(wo, s->x, wo->rows);
+        mv.accumulate = 1;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->att, wo, s->tmp);
@@ -216,8 +223,11 @@ static void gate_up_projections(fw *f) {
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model, F = f->c->d_ff;
     if (f->T < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = {s->xb, int8_input(f, s->xb, f->T, E, &lw->w_gate, &lw->w_up, NULL), f->T, E, 2,
-                       {part(&lw->w_gate, s->gate, F), part(&lw->w_up, s->up, F)}, 0, 1};
+        kvref_mv mv = matvec(f, s->xb, f->T, E, &lw->w_gate, &lw->w_up, NULL);
+        mv.nparts = 2;
+        mv.part[0] = part(&lw->w_gate, s->gate, F);
+        mv.part[1] = part(&lw->w_up, s->up, F);
+        mv.swiglu = 1;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->xb, &lw->w_gate, s->gate);
@@ -233,8 +243,10 @@ static void down_projection(fw *f) {
     const kvref_tensor *wd = &f->lw->w_down;
     kvref_state *s = f->s;
     if (f->T < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = {s->gate, int8_input(f, s->gate, f->T, wd->cols, wd, NULL, NULL), f->T, wd->cols, 1,
-                       {part(wd, s->x, wd->rows)}, 1, 0};
+        kvref_mv mv = matvec(f, s->gate, f->T, wd->cols, wd, NULL, NULL);
+        mv.nparts = 1;
+        mv.part[0] = part(wd, s->x, wd->rows);
+        mv.accumulate = 1;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->gate, wd, s->tmp);
@@ -292,8 +304,9 @@ static void final_logits(fw *f) {
     s->ns[FAM_OTHER] += now_ns() - t0;
     t0 = now_ns();
     if (n < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = {s->xb, int8_input(f, s->xb, n, E, &c->output, NULL, NULL), n, E, 1,
-                       {part(&c->output, f->logits, V)}, 0, 0};
+        kvref_mv mv = matvec(f, s->xb, n, E, &c->output, NULL, NULL);
+        mv.nparts = 1;
+        mv.part[0] = part(&c->output, f->logits, V);
         kvref_mv_run(f->pool, &mv);
     } else {
         kvref_matmul_run(f->pool, s->xb, n, E, (const uint8_t *)c->output.data, c->output.type, V, f->logits);
@@ -363,6 +376,8 @@ void kvref_model_destroy(kvref_model *model) {
     free(model);
 }
 
+static void *alloc_floats(int64_t n) { return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63); }
+
 static void free_rows(kvref_state *s) {
     void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->tmp, s->cs, s->q_positions};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
@@ -381,8 +396,9 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
     s->model = model;
     const int64_t D = model->desc.head_dim;
     s->inv_freq = malloc((size_t)(D / 2 + 1) * sizeof(double));
-    s->xq = malloc((size_t)(KVREF_GEMM_MIN_T - 1) * (size_t)(model->max_k / 32 + 1) * sizeof(kvref_q8_block));
-    if (s->inv_freq == NULL || s->xq == NULL) {
+    s->xqs = aligned_alloc(64, ((size_t)(KVREF_GEMM_MIN_T - 1) * (size_t)model->max_k + 63) & ~(size_t)63);
+    s->xds = alloc_floats((KVREF_GEMM_MIN_T - 1) * (model->max_k / 32 + 1) * 2);
+    if (s->inv_freq == NULL || s->xqs == NULL || s->xds == NULL) {
         kvref_state_destroy(s);
         return KVREF_ERR_NOMEM;
     }
@@ -394,14 +410,14 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
 void kvref_state_destroy(kvref_state *state) {
     if (state == NULL) return;
     free_rows(state);
-    free(state->xq);
+    free(state->xqs);
+    free(state->xds);
     free(state->k_positions);
     free(state->partial);
     free(state->inv_freq);
     free(state);
 }
 
-static void *alloc_floats(int64_t n) { return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63); }
 
 /* Grow the buffers to T new positions over S attended positions (never shrinks them). */
 static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t capacity) {

@@ -91,19 +91,17 @@ static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc
     }
 }
 
-/* ---- 8-bit activation blocks (the "int8" activation mode of the fused forward) ---------------- */
-
-/* 32 consecutive activations rounded to 8 bits, llama.cpp's Q8_1 idea with an exact sum:
- * x[j] ~ d * qs[j]. d and qs are the same on every instruction set (d, 1/d and x * (1/d) are
- * single IEEE operations, then round-to-nearest-even); s is a float32 sum whose order differs.
- * For finite x, |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp
- * anyway, which only matters for NaN (-> 127). */
-typedef struct kvref_q8_block {
-    float d;                   /* max |x| / 127 over the block; 0 for an all-zero block */
-    float s;                   /* sum of the block's float32 values (unrounded: the offset term of
-                                  Q4_1 multiplies it, so that term stays exact) */
-    int8_t qs[32];             /* rint(x * (1/d)) in [-127, 127] */
-} kvref_q8_block;
+/* ---- 8-bit activation blocks (the "int8" activation mode) ---------------------------------------
+ *
+ * A row of K activations (K a multiple of 32) rounded to 8 bits per block of 32, llama.cpp's Q8_1
+ * idea with an exact block sum, stored as two arrays so SIMD kernels load several blocks at once:
+ *   qs [K]          int8, rint(x * (1/d)) of its block (ties to even), in [-127, 127]
+ *   ds [K/32, 2]    float32 per block: d = max|x| / 127 (0 for an all-zero block), s = sum of x
+ * x[j] ~ d * qs[j]. d and qs are the same on every instruction set (d, 1/d and x * (1/d) are single
+ * IEEE operations, then round-to-nearest-even); s is a float32 sum whose order differs. s is the
+ * unrounded sum because Q4_1's block offset m multiplies it: that term stays exact. For finite x,
+ * |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp anyway, which
+ * only matters for NaN (-> 127). */
 
 /* the exact scale and inverse scale of a block whose largest magnitude is amax */
 static inline void kvref_q8_scale(float amax, float *d, float *id) {
@@ -118,10 +116,10 @@ typedef float (*kvref_vec_dot_fn)(int64_t K, const uint8_t *w_row, const float *
 /* one weight row (K values) -> float32 [K], each value rounded exactly as the NumPy dequantizer does */
 typedef void (*kvref_dequant_fn)(int64_t K, const uint8_t *w_row, float *out);
 /* y[t * ldy + n] = dot(x[t, :], w[n, :]) for t < T, n < nw; x [T, K], w [nw, K] float32 */
-/* dot of one weight row (K values in `type` blocks) with x [K] given as K/32 8-bit blocks */
-typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
-/* x [K] (K a multiple of 32) -> K/32 blocks */
-typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, kvref_q8_block *out);
+/* dot of one weight row (K values in `type` blocks) with x [K] in 8-bit blocks (qs [K], ds [K/32, 2]) */
+typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+/* x [K] (K a multiple of 32) -> qs [K], ds [K/32, 2] */
+typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, float *ds);
 typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
                               float *y, int64_t ldy);
 
@@ -168,9 +166,9 @@ extern const kvref_kernels kvref_kernels_avx2;
 extern const kvref_kernels kvref_kernels_avx512;
 extern const kvref_kernels kvref_kernels_avx512_vnni; /* avx512 plus VNNI 8-bit dot products */
 /* the AVX2 8-bit dot kernels (maddubs), which AVX-512 CPUs without VNNI use too */
-float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
-float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
-float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const kvref_q8_block *xq);
+float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 #endif
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
@@ -202,7 +200,8 @@ void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
 
 /* Up to three weights that share one input, for T < KVREF_GEMM_MIN_T rows of x (decode): one
  * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
- * the residual add). With xq, weights that have an 8-bit kernel read xq instead of x. With
+ * the residual add). With xqs/xds (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2]), weights that
+ * have an 8-bit kernel read those instead of x. With
  * swiglu, parts 0 and 1 are gate and up of equal N, and each unit finishes its rows with
  * y_0 = silu(y_0) * y_1. Every element is one dot product whatever the split. */
 typedef struct kvref_mv_part {
@@ -215,7 +214,8 @@ typedef struct kvref_mv_part {
 
 typedef struct kvref_mv {
     const float *x;            /* [T, K] */
-    const kvref_q8_block *xq;  /* [T, K / 32] or NULL */
+    const int8_t *xqs;         /* [T, K] or NULL */
+    const float *xds;          /* [T, K / 32, 2] */
     int64_t T, K;
     int nparts;
     kvref_mv_part part[3];

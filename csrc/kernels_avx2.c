@@ -361,7 +361,19 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
             int64_t i = 0;
             for (; i < Dv; i += 8) {
                 __m256 av = _mm256_loadu_ps(ag + i);
-                for (int64_t s = 0; s < n; s++) {
+                int64_t s = 0;
+                if (all) { /* four keys per step: four independent FMA chains instead of one */
+                    __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+                    const int64_t vb = (c0 * a->Hkv + hk) * D + i, vs = a->Hkv * D;
+                    for (; s + 4 <= n; s += 4) {
+                        av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, a->kv_type, vb + s * vs), av);
+                        a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 1]), load_kv8(a->v, a->kv_type, vb + (s + 1) * vs), a1);
+                        a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 2]), load_kv8(a->v, a->kv_type, vb + (s + 2) * vs), a2);
+                        a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 3]), load_kv8(a->v, a->kv_type, vb + (s + 3) * vs), a3);
+                    }
+                    av = _mm256_add_ps(_mm256_add_ps(av, a1), _mm256_add_ps(a2, a3));
+                }
+                for (; s < n; s++) {
                     if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
                     av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, a->kv_type, ((c0 + s) * a->Hkv + hk) * D + i), av);
                 }
@@ -398,74 +410,74 @@ TARGET static inline __m256 idot_signed_ps(__m256i w, __m256i x) {
     return idot_ps(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
-TARGET static inline __m256i load_qs(const kvref_q8_block *x) { return _mm256_loadu_si256((const __m256i *)x->qs); }
+TARGET static inline __m256i load_qs(const int8_t *qs) { return _mm256_loadu_si256((const __m256i *)qs); }
 
-/* [d_w * d_x, m_w * s_x, 0, 0] for a weight block starting with float16 (d, m) and an x block */
-TARGET static inline __m128 block_scales(const uint8_t *w_dm, const kvref_q8_block *x) {
+/* [d_w * d_x, m_w * s_x, 0, 0] for a weight block starting with float16 (d, m) and a block's (d, s) */
+TARGET static inline __m128 block_scales(const uint8_t *w_dm, const float *ds) {
     uint32_t dm;
     memcpy(&dm, w_dm, 4);
-    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)x)));
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)ds)));
 }
 
-TARGET float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+TARGET float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     const int64_t nb = K / QK4_0;
     int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_0, x += 2) {
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_0, qs += 64, ds += 4) {
         const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
         const __m256i q1 = _mm256_sub_epi8(nibbles32(w + BYTES_Q4_0 + 2), _mm256_set1_epi8(8));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x[0].d), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load(w + BYTES_Q4_0) * x[1].d), a1);
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(qs + 32)), _mm256_set1_ps(fp16_load(w + BYTES_Q4_0) * ds[2]), a1);
     }
     if (b < nb) {
         const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x->d), a0);
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
     }
     return hsum8(_mm256_add_ps(a0, a1));
 }
 
-TARGET float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+TARGET float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(); /* lane 1: the sum of m_w * s_x */
     const int64_t nb = K / QK4_1;
     int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_1, x += 2) {
-        const __m128 s0 = block_scales(w, x), s1 = block_scales(w + BYTES_Q4_1, x + 1);
-        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
-        a1 = _mm256_fmadd_ps(idot_ps(nibbles32(w + BYTES_Q4_1 + 4), load_qs(x + 1)), _mm256_broadcastss_ps(s1), a1);
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_1, qs += 64, ds += 4) {
+        const __m128 s0 = block_scales(w, ds), s1 = block_scales(w + BYTES_Q4_1, ds + 2);
+        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(qs)), _mm256_broadcastss_ps(s0), a0);
+        a1 = _mm256_fmadd_ps(idot_ps(nibbles32(w + BYTES_Q4_1 + 4), load_qs(qs + 32)), _mm256_broadcastss_ps(s1), a1);
         m0 = _mm_add_ps(m0, s0);
         m1 = _mm_add_ps(m1, s1);
     }
     if (b < nb) {
-        const __m128 s0 = block_scales(w, x);
-        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
+        const __m128 s0 = block_scales(w, ds);
+        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(qs)), _mm256_broadcastss_ps(s0), a0);
         m0 = _mm_add_ps(m0, s0);
     }
     const __m128 m = _mm_add_ps(m0, m1);
     return hsum8(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
 }
 
-TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     const int64_t nb = K / QK8_0;
     int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q8_0, x += 2) {
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q8_0, qs += 64, ds += 4) {
         const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
         const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + BYTES_Q8_0 + 2));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x[0].d), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load(w + BYTES_Q8_0) * x[1].d), a1);
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(qs + 32)), _mm256_set1_ps(fp16_load(w + BYTES_Q8_0) * ds[2]), a1);
     }
     if (b < nb) {
         const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load(w) * x->d), a0);
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
     }
     return hsum8(_mm256_add_ps(a0, a1));
 }
 
 /* the scalar kernel's blocks: the same d, 1/d and rint (cvtps rounds to nearest even) */
-TARGET static void quantize_q8(int64_t K, const float *x, kvref_q8_block *out) {
+TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < K / 32; b++, x += 32, out++) {
+    for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -474,16 +486,16 @@ TARGET static void quantize_q8(int64_t K, const float *x, kvref_q8_block *out) {
         }
         float d, id;
         kvref_q8_scale(hmax8(amax), &d, &id);
-        out->d = d;
-        out->s = hsum8(sum);
+        ds[0] = d;
+        ds[1] = hsum8(sum);
         const __m256 vid = _mm256_set1_ps(id);
         const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
         __m256i q[4];
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(v[i], vid), hi), lo)); /* NaN -> 127, as scalar */
+        for (int i = 0; i < 4; i++) /* min(v, hi) returns hi for NaN, as the scalar kernel maps NaN to 127 */
+            q[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(v[i], vid), hi), lo));
         const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
         const __m256i p8 = _mm256_packs_epi16(p16, p16b); /* 32-bit groups in lane-interleaved order */
-        _mm256_storeu_si256((__m256i *)out->qs, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        _mm256_storeu_si256((__m256i *)qs, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
 }
 

@@ -429,7 +429,39 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
             }
             m[g] = mnew;
         }
-        /* acc += p * V, one 16-wide slice of every head at a time */
+        /* acc += p * V */
+        if (all && nvec <= 4) {
+            /* head dims up to 64: a whole V row is 4 vectors; two keys per step keep 8 independent
+             * FMA chains in flight (one chain per slice would wait on the FMA latency every key) */
+            __mmask16 mk[4];
+            for (int64_t j = 0; j < 4; j++) mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
+            const int64_t vstride = a->Hkv * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *pg = p + g * C;
+                __m512 a0[4], a1[4];
+                for (int j = 0; j < 4; j++) {
+                    a0[j] = _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j);
+                    a1[j] = _mm512_setzero_ps();
+                }
+                int64_t s = 0;
+                const int64_t vb = (c0 * a->Hkv + hk) * D;
+                for (; s + 2 <= n; s += 2) {
+                    const __m512 p0 = _mm512_set1_ps(pg[s]), p1 = _mm512_set1_ps(pg[s + 1]);
+                    for (int j = 0; j < 4; j++) {
+                        a0[j] = _mm512_fmadd_ps(p0, load_kv(a->v, a->kv_type, vb + s * vstride + 16 * j, mk[j]), a0[j]);
+                        a1[j] = _mm512_fmadd_ps(p1, load_kv(a->v, a->kv_type, vb + (s + 1) * vstride + 16 * j, mk[j]), a1[j]);
+                    }
+                }
+                if (s < n) {
+                    const __m512 p0 = _mm512_set1_ps(pg[s]);
+                    for (int j = 0; j < 4; j++)
+                        a0[j] = _mm512_fmadd_ps(p0, load_kv(a->v, a->kv_type, vb + s * vstride + 16 * j, mk[j]), a0[j]);
+                }
+                for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], _mm512_add_ps(a0[j], a1[j]));
+            }
+            continue;
+        }
+        /* any head dim, or masked keys in the chunk: one 16-wide slice of every head at a time */
         for (int64_t g = 0; g < G; g++) {
             const float *pg = p + g * C;
             for (int64_t j = 0; j < nvec; j++) {
@@ -449,19 +481,19 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
 /* ---- 8-bit activations ------------------------------------------------------------------- */
 
 /* the scalar kernel's blocks: the same d, 1/d and rint (cvtps rounds to nearest even) */
-TARGET static void quantize_q8(int64_t K, const float *x, kvref_q8_block *out) {
-    for (int64_t b = 0; b < K / 32; b++, x += 32, out++) {
+TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds) {
+    for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
         float d, id;
         kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), &d, &id);
-        out->d = d;
-        out->s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        ds[0] = d;
+        ds[1] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
         /* min(v, hi) returns hi for NaN, as the scalar kernel maps NaN to 127 */
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v0, vid), hi), lo));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v1, vid), hi), lo));
-        _mm_storeu_si128((__m128i *)out->qs, _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(out->qs + 16), _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128((__m128i *)qs, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qs + 16), _mm512_cvtepi32_epi8(q1));
     }
 }
 
@@ -472,95 +504,115 @@ TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
     for (; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
 }
 
-/* VNNI: vpdpbusd sums four unsigned x signed byte products per int32 lane in one instruction. */
+/* VNNI: vpdpbusd sums four unsigned x signed byte products per int32 lane in one instruction. The
+ * kernels take two 32-value blocks per 512-bit vector: lanes 0-7 hold block b's partial sums,
+ * lanes 8-15 block b+1's, and one vector of scales [s_b x 8, s_b+1 x 8] weights them. */
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-TARGET_VNNI static inline float hsum8_vnni(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* the nibble bytes of two blocks (16 each, at qa and qb) -> their 64 values 0..15 as bytes, in order */
+TARGET_VNNI static inline __m512i nibbles64(const uint8_t *qa, const uint8_t *qb) {
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
+                                              _mm_loadu_si128((const __m128i *)qb), 1);
+    const __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1); /* lo_a lo_b hi_a hi_b */
+    return _mm512_and_si512(_mm512_shuffle_i64x2(qq, qq, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
 }
 
-/* a block's 16 nibble bytes -> its 32 values 0..15 as bytes, in value order */
-TARGET_VNNI static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+/* 32 bytes at a, then 32 at b */
+TARGET_VNNI static inline __m512i load2x32(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
-/* unsigned bytes u times signed bytes s, summed in 8 int32 lanes (exact), as float */
-TARGET_VNNI static inline __m256 idot_ps(__m256i u, __m256i s) {
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+/* lanes 0-7 <- v[0], lanes 8-15 <- v[2] */
+TARGET_VNNI static inline __m512 spread02(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), _mm512_castps128_ps512(v));
 }
 
-TARGET_VNNI static inline __m256 idot_signed_ps(__m256i w, __m256i x) {
-    return idot_ps(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); /* |-128| = 128 as an unsigned byte */
+/* the float16 pairs (d, m) at wa and wb -> [d_a, m_a, d_b, m_b] */
+TARGET_VNNI static inline __m128 dm_pair(const uint8_t *wa, const uint8_t *wb) {
+    uint32_t a, b;
+    memcpy(&a, wa, 4);
+    memcpy(&b, wb, 4);
+    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)a), (int)b, 1));
 }
 
-TARGET_VNNI static inline __m256i load_qs(const kvref_q8_block *x) { return _mm256_loadu_si256((const __m256i *)x->qs); }
-
-/* [d_w * d_x, m_w * s_x, 0, 0] for a weight block starting with float16 (d, m) and an x block */
-TARGET_VNNI static inline __m128 block_scales(const uint8_t *w_dm, const kvref_q8_block *x) {
-    uint32_t dm;
-    memcpy(&dm, w_dm, 4);
-    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)x)));
+/* the float16 scales at wa and wb -> [d_a, 0, d_b, 0] */
+TARGET_VNNI static inline __m128 d_pair(const uint8_t *wa, const uint8_t *wb) {
+    return _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(kvref_load_u16(wa)), (short)kvref_load_u16(wb), 2));
 }
 
-TARGET_VNNI static inline float fp16_load_vnni(const uint8_t *p) { return _cvtsh_ss(kvref_load_u16(p)); }
-
-TARGET_VNNI static float vec_dot_q8_q4_0_vnni(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const int64_t nb = K / QK4_0;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_0, x += 2) {
-        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        const __m256i q1 = _mm256_sub_epi8(nibbles32(w + BYTES_Q4_0 + 2), _mm256_set1_epi8(8));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x[0].d), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load_vnni(w + BYTES_Q4_0) * x[1].d), a1);
-    }
-    if (b < nb) {
-        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x->d), a0);
-    }
-    return hsum8_vnni(_mm256_add_ps(a0, a1));
+/* signed w times signed x: w's sign moves onto x, |w| is the unsigned operand (|-128| = 128) */
+TARGET_VNNI static inline __m512i idot_signed(__m512i w, __m512i x) {
+    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
 }
 
-TARGET_VNNI static float vec_dot_q8_q4_1_vnni(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(); /* lane 1: the sum of m_w * s_x */
-    const int64_t nb = K / QK4_1;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_1, x += 2) {
-        const __m128 s0 = block_scales(w, x), s1 = block_scales(w + BYTES_Q4_1, x + 1);
-        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
-        a1 = _mm256_fmadd_ps(idot_ps(nibbles32(w + BYTES_Q4_1 + 4), load_qs(x + 1)), _mm256_broadcastss_ps(s1), a1);
-        m0 = _mm_add_ps(m0, s0);
-        m1 = _mm_add_ps(m1, s1);
-    }
-    if (b < nb) {
-        const __m128 s0 = block_scales(w, x);
-        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(x)), _mm256_broadcastss_ps(s0), a0);
-        m0 = _mm_add_ps(m0, s0);
-    }
-    const __m128 m = _mm_add_ps(m0, m1);
-    return hsum8_vnni(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
+TARGET_VNNI static inline float lanes13(__m128 v) {
+    return _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
 }
 
-TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const int64_t nb = K / QK8_0;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q8_0, x += 2) {
-        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + BYTES_Q8_0 + 2));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x[0].d), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(x + 1)), _mm256_set1_ps(fp16_load_vnni(w + BYTES_Q8_0) * x[1].d), a1);
-    }
-    if (b < nb) {
-        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(x)), _mm256_set1_ps(fp16_load_vnni(w) * x->d), a0);
-    }
-    return hsum8_vnni(_mm256_add_ps(a0, a1));
+/* The block pairs of a row: PAIR(w_a, w_b, qs, ds) -> (int32 sums [16], scales [4]) accumulated into
+ * two chains (pairs alternate), so consecutive FMAs do not wait on each other. */
+#define Q8_PAIRS(BYTES, PAIR)                                                                       \
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                      \
+    __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps();                                            \
+    const int64_t nb = K / 32;                                                                      \
+    int64_t b = 0;                                                                                  \
+    for (; b + 4 <= nb; b += 4, w += 4 * (BYTES), qs += 128, ds += 8) {                             \
+        __m512i i0, i1;                                                                             \
+        __m128 s0, s1;                                                                              \
+        PAIR(w, w + (BYTES), qs, ds, i0, s0);                                                       \
+        PAIR(w + 2 * (BYTES), w + 3 * (BYTES), qs + 64, ds + 4, i1, s1);                            \
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread02(s0), a0);                             \
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), spread02(s1), a1);                             \
+        m0 = _mm_add_ps(m0, s0);                                                                    \
+        m1 = _mm_add_ps(m1, s1);                                                                    \
+    }                                                                                               \
+    if (b + 2 <= nb) {                                                                              \
+        __m512i i0;                                                                                 \
+        __m128 s0;                                                                                  \
+        PAIR(w, w + (BYTES), qs, ds, i0, s0);                                                       \
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread02(s0), a0);                             \
+        m0 = _mm_add_ps(m0, s0);                                                                    \
+        b += 2, w += 2 * (BYTES), qs += 64, ds += 4;                                                \
+    }                                                                                               \
+    float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + lanes13(_mm_add_ps(m0, m1))
+
+/* Q4_1: values q in 0..15 (unsigned operand), scale d_w d_x, offset term m_w s_x in lanes 1, 3 */
+#define PAIR_Q4_1(wa, wb, qs, ds, isum, sc)                                                         \
+    isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles64((wa) + 4, (wb) + 4), _mm512_loadu_si512(qs)); \
+    sc = _mm_mul_ps(dm_pair(wa, wb), _mm_loadu_ps(ds))
+
+/* Q4_0: values q - 8: sum (q - 8) x = sum q x - sum 8 x */
+#define PAIR_Q4_0(wa, wb, qs, ds, isum, sc)                                                         \
+    do {                                                                                            \
+        const __m512i xv = _mm512_loadu_si512(qs);                                                  \
+        isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles64((wa) + 2, (wb) + 2), xv), \
+                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), xv)); \
+        sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds)); /* lanes 1, 3: 0 * s */               \
+    } while (0)
+
+/* Q8_0: signed values */
+#define PAIR_Q8_0(wa, wb, qs, ds, isum, sc)                                                         \
+    isum = idot_signed(load2x32((wa) + 2, (wb) + 2), _mm512_loadu_si512(qs));                       \
+    sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds))
+
+TARGET_VNNI static float vec_dot_q8_q4_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    Q8_PAIRS(BYTES_Q4_0, PAIR_Q4_0);
+    if (b < nb) acc += kvref_avx2_vec_dot_q8_q4_0(32, w, qs, ds); /* an odd last block */
+    return acc;
+}
+
+TARGET_VNNI static float vec_dot_q8_q4_1_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    Q8_PAIRS(BYTES_Q4_1, PAIR_Q4_1);
+    if (b < nb) acc += kvref_avx2_vec_dot_q8_q4_1(32, w, qs, ds);
+    return acc;
+}
+
+TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    Q8_PAIRS(BYTES_Q8_0, PAIR_Q8_0);
+    if (b < nb) acc += kvref_avx2_vec_dot_q8_q8_0(32, w, qs, ds);
+    return acc;
 }
 
 #define AVX512_TABLE_COMMON                                                                      \

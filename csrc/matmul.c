@@ -130,15 +130,18 @@ int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
     kvref_pool_lock(pool);
     const kvref_kernels *kk = kvref_pool_kernels(pool);
     int status = KVREF_OK;
-    kvref_q8_block *xq = NULL;
+    int8_t *xqs = NULL;
+    float *xds = NULL;
     if (kk->vec_dot_q8[w_type] != NULL) { /* K is a whole number of 32-value blocks */
-        if (T > INT64_MAX / (int64_t)sizeof(kvref_q8_block) / (K / 32)) status = KVREF_ERR_DIM;
-        else xq = kvref_pool_shared(pool, (size_t)(T * (K / 32)) * sizeof(kvref_q8_block));
-        if (status == KVREF_OK && xq == NULL) status = KVREF_ERR_NOMEM;
-        for (int64_t t = 0; status == KVREF_OK && t < T; t++) kk->quantize_q8(K, x + t * K, xq + t * (K / 32));
+        /* qs [T, K] int8 then ds [T, K/32, 2] float32 (K/32 * 8 bytes per row: ds stays aligned) */
+        if (T > INT64_MAX / 2 / K) status = KVREF_ERR_DIM;
+        else xqs = kvref_pool_shared(pool, (size_t)(T * K) * 2);
+        if (status == KVREF_OK && xqs == NULL) status = KVREF_ERR_NOMEM;
+        if (status == KVREF_OK) xds = (float *)(void *)(xqs + T * K);
+        for (int64_t t = 0; status == KVREF_OK && t < T; t++) kk->quantize_q8(K, x + t * K, xqs + t * K, xds + t * (K / 16));
     }
     if (status == KVREF_OK) {
-        const kvref_mv mv = {x, xq, T, K, 1, {{(const uint8_t *)w, w_type, N, y, N}}, 0, 0};
+        const kvref_mv mv = {x, xqs, xds, T, K, 1, {{(const uint8_t *)w, w_type, N, y, N}}, 0, 0};
         kvref_mv_run(pool, &mv);
     }
     kvref_pool_unlock(pool);
@@ -158,13 +161,13 @@ typedef struct {
 static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t n1) {
     const kvref_mv *mv = c->mv;
     const int64_t rb = kvref_row_nbytes(p->type, mv->K);
-    const kvref_vec_dot_q8_fn dq = mv->xq != NULL ? c->kk->vec_dot_q8[p->type] : NULL;
+    const kvref_vec_dot_q8_fn dq = mv->xqs != NULL ? c->kk->vec_dot_q8[p->type] : NULL;
     const kvref_vec_dot_fn dot = c->kk->vec_dot[p->type];
-    const int64_t nb = mv->K / 32;
+    const int64_t nds = mv->K / 32 * 2;
     for (int64_t n = n0; n < n1; n++) {
         prefetch_row(p->w, n, n1, rb);
         for (int64_t t = 0; t < mv->T; t++) {
-            const float r = dq != NULL ? dq(mv->K, p->w + n * rb, mv->xq + t * nb)
+            const float r = dq != NULL ? dq(mv->K, p->w + n * rb, mv->xqs + t * mv->K, mv->xds + t * nds)
                                        : dot(mv->K, p->w + n * rb, mv->x + t * mv->K);
             float *y = p->y + t * p->ldy + n;
             *y = mv->accumulate ? *y + r : r;

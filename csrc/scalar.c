@@ -228,9 +228,10 @@ static void attn_unit_scalar(const kvref_attn_args *a, int64_t t, int64_t hk, in
 
 /* ---- 8-bit activations ------------------------------------------------------------------- */
 
-/* x [K] -> K/32 blocks: d = max|x| / 127, qs = rint(x * (1/d)) (ties to even), s = sum of x */
-static void quantize_q8_scalar(int64_t K, const float *x, kvref_q8_block *out) {
-    for (int64_t b = 0; b < K / 32; b++, x += 32, out++) {
+/* x [K] -> qs [K], ds [K/32, 2]: per block d = max|x| / 127, qs = rint(x * (1/d)) (ties to even),
+ * s = sum of x */
+static void quantize_q8_scalar(int64_t K, const float *x, int8_t *qs, float *ds) {
+    for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         float amax = 0.0f, s = 0.0f;
         for (int j = 0; j < 32; j++) {
             const float a = fabsf(x[j]);
@@ -239,13 +240,13 @@ static void quantize_q8_scalar(int64_t K, const float *x, kvref_q8_block *out) {
         }
         float d, id;
         kvref_q8_scale(amax, &d, &id);
-        out->d = d;
-        out->s = s;
+        ds[0] = d;
+        ds[1] = s;
         for (int j = 0; j < 32; j++) {
-            float v = rintf(x[j] * id);          /* |v| <= 127 for finite x (see kvref_q8_block) */
+            float v = rintf(x[j] * id);          /* |v| <= 127 for finite x (see internal.h) */
             v = v < 127.0f ? v : 127.0f;
             v = v > -127.0f ? v : -127.0f;       /* NaN has gone to 127 on the line above */
-            out->qs[j] = (int8_t)v;
+            qs[j] = (int8_t)v;
         }
     }
 }
@@ -258,37 +259,37 @@ static int32_t idot32(const int8_t *wq, const int8_t *xq) {
 }
 
 /* sum_b d_w d_x sum_j (q_j - 8) qx_j */
-static float vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+static float vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x++) {
+    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, qs += 32, ds += 2) {
         int8_t q[32];
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)((w[2 + j] & 0xF) - 8);
             q[j + 16] = (int8_t)((w[2 + j] >> 4) - 8);
         }
-        acc += (kvref_load_fp16(w) * x->d) * (float)idot32(q, x->qs);
+        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32(q, qs);
     }
     return acc;
 }
 
 /* sum_b d_w d_x sum_j q_j qx_j + m_w s_x: the offset m meets the exact block sum s */
-static float vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+static float vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x++) {
+    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, qs += 32, ds += 2) {
         int8_t q[32];
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)(w[4 + j] & 0xF);
             q[j + 16] = (int8_t)(w[4 + j] >> 4);
         }
-        acc += (kvref_load_fp16(w) * x->d) * (float)idot32(q, x->qs) + kvref_load_fp16(w + 2) * x->s;
+        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32(q, qs) + kvref_load_fp16(w + 2) * ds[1];
     }
     return acc;
 }
 
-static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const kvref_q8_block *x) {
+static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x++)
-        acc += (kvref_load_fp16(w) * x->d) * (float)idot32((const int8_t *)(w + 2), x->qs);
+    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, qs += 32, ds += 2)
+        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32((const int8_t *)(w + 2), qs);
     return acc;
 }
 
