@@ -292,8 +292,11 @@ TARGET static inline float load_kv1(const void *base, int32_t type, int64_t i) {
     return ((const float *)base)[i];
 }
 
-TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
-                             float *m, float *l, float *acc, float *scratch) {
+/* kv_type is a compile-time constant in each instantiation below: read through `a`, it would be
+ * reloaded before every K/V load (the compiler cannot prove the stores to acc do not change it) */
+TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
+    const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m, float *l, float *acc,
+    float *scratch, const int32_t kv_type) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
     const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
     const int64_t qpos = a->q_positions[t];
@@ -322,9 +325,9 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
             for (int64_t g = 0; g < G; g++) {
                 __m256 d = _mm256_setzero_ps();
                 int64_t i = 0;
-                for (; i < Dv; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(a->k, a->kv_type, kb + i), d);
+                for (; i < Dv; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(a->k, kv_type, kb + i), d);
                 float dot = hsum8(d);
-                for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, a->kv_type, kb + i);
+                for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, kv_type, kb + i);
                 p[g * C + s] = dot * a->scale;
             }
         }
@@ -366,16 +369,16 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
                     __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
                     const int64_t vb = (c0 * a->Hkv + hk) * D + i, vs = a->Hkv * D;
                     for (; s + 4 <= n; s += 4) {
-                        av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, a->kv_type, vb + s * vs), av);
-                        a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 1]), load_kv8(a->v, a->kv_type, vb + (s + 1) * vs), a1);
-                        a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 2]), load_kv8(a->v, a->kv_type, vb + (s + 2) * vs), a2);
-                        a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 3]), load_kv8(a->v, a->kv_type, vb + (s + 3) * vs), a3);
+                        av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, kv_type, vb + s * vs), av);
+                        a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 1]), load_kv8(a->v, kv_type, vb + (s + 1) * vs), a1);
+                        a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 2]), load_kv8(a->v, kv_type, vb + (s + 2) * vs), a2);
+                        a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 3]), load_kv8(a->v, kv_type, vb + (s + 3) * vs), a3);
                     }
                     av = _mm256_add_ps(_mm256_add_ps(av, a1), _mm256_add_ps(a2, a3));
                 }
                 for (; s < n; s++) {
                     if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
-                    av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, a->kv_type, ((c0 + s) * a->Hkv + hk) * D + i), av);
+                    av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, kv_type, ((c0 + s) * a->Hkv + hk) * D + i), av);
                 }
                 _mm256_storeu_ps(ag + i, av);
             }
@@ -383,12 +386,18 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
                 float av = ag[i];
                 for (int64_t s = 0; s < n; s++) {
                     if (!all && kp[s] > qpos) continue;
-                    av += pg[s] * load_kv1(a->v, a->kv_type, ((c0 + s) * a->Hkv + hk) * D + i);
+                    av += pg[s] * load_kv1(a->v, kv_type, ((c0 + s) * a->Hkv + hk) * D + i);
                 }
                 ag[i] = av;
             }
         }
     }
+}
+
+TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
+                             float *m, float *l, float *acc, float *scratch) {
+    if (a->kv_type == KVREF_TYPE_F16) attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F16);
+    else attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F32);
 }
 
 /* ---- 8-bit activations: integer dot products with maddubs ---------------------------------- */

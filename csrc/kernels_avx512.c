@@ -327,9 +327,13 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
 
 /* ---- attention unit (same algorithm as attn_unit_scalar in scalar.c) --------------------- */
 
-TARGET static inline __m512 load_kv(const void *base, int32_t type, int64_t i, __mmask16 mk) {
-    if (type == KVREF_TYPE_F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + i));
-    return _mm512_maskz_loadu_ps(mk, (const float *)base + i);
+/* 16 K/V values at element i; `full` (a compile-time constant where it matters): the mask is all ones,
+ * so a plain load does (masked loads cost more on some cores) */
+TARGET static inline __m512 load_kv_m(const void *base, int32_t type, int64_t i, __mmask16 mk, int full) {
+    if (type == KVREF_TYPE_F16)
+        return _mm512_cvtph_ps(full ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))
+                                    : _mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + i));
+    return full ? _mm512_loadu_ps((const float *)base + i) : _mm512_maskz_loadu_ps(mk, (const float *)base + i);
 }
 
 /* [16 x 16 lanes] -> 16 lanes: lane r = sum of the lanes of v[r] (a fixed tree of adds) */
@@ -346,8 +350,46 @@ TARGET static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
 }
 
-TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
-                             float *m, float *l, float *acc, float *scratch) {
+/* acc[g] += sum_s p[g, s] V[c0 + s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
+ * with every key visible: two keys per step keep 8 independent FMA chains in flight (one chain per
+ * 16-wide slice would wait on the FMA latency at every key). plain: exactly 4 full vectors. */
+TARGET __attribute__((always_inline)) static inline void pv_chunk(const kvref_attn_args *a, const int32_t kv_type,
+                                                                  const int plain, int64_t hk, int64_t c0, int64_t n,
+                                                                  const float *p, float *acc, __mmask16 last) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16, vstride = a->Hkv * D;
+    __mmask16 mk[4];
+    for (int64_t j = 0; j < 4; j++) mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
+    const int64_t vb = (c0 * a->Hkv + hk) * D;
+    for (int64_t g = 0; g < a->G; g++) {
+        const float *pg = p + g * C;
+        __m512 a0[4], a1[4];
+        for (int j = 0; j < 4; j++) {
+            a0[j] = _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j);
+            a1[j] = _mm512_setzero_ps();
+        }
+        int64_t s = 0;
+        for (; s + 2 <= n; s += 2) {
+            const __m512 p0 = _mm512_set1_ps(pg[s]), p1 = _mm512_set1_ps(pg[s + 1]);
+            for (int j = 0; j < 4; j++) {
+                a0[j] = _mm512_fmadd_ps(p0, load_kv_m(a->v, kv_type, vb + s * vstride + 16 * j, mk[j], plain), a0[j]);
+                a1[j] = _mm512_fmadd_ps(p1, load_kv_m(a->v, kv_type, vb + (s + 1) * vstride + 16 * j, mk[j], plain), a1[j]);
+            }
+        }
+        if (s < n) {
+            const __m512 p0 = _mm512_set1_ps(pg[s]);
+            for (int j = 0; j < 4; j++)
+                a0[j] = _mm512_fmadd_ps(p0, load_kv_m(a->v, kv_type, vb + s * vstride + 16 * j, mk[j], plain), a0[j]);
+        }
+        for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], _mm512_add_ps(a0[j], a1[j]));
+    }
+}
+
+/* kv_type is a compile-time constant in each instantiation below: read through `a`, it would be
+ * reloaded before every K/V load (the compiler cannot prove the stores to acc do not change it) */
+TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
+    const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m, float *l, float *acc,
+    float *scratch, const int32_t kv_type, const int full) {
+#define load_kv(base, type, i, mk) load_kv_m(base, type, i, mk, full)
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
     const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
     const int64_t qpos = a->q_positions[t];
@@ -380,7 +422,7 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
                     const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
                     const __m512 qv = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
                     for (int r = 0; r < 16; r++)
-                        d[r] = _mm512_fmadd_ps(qv, load_kv(a->k, a->kv_type, kb + r * kstride + 16 * j, mk), d[r]);
+                        d[r] = _mm512_fmadd_ps(qv, load_kv(a->k, kv_type, kb + r * kstride + 16 * j, mk), d[r]);
                 }
                 _mm512_storeu_ps(p + g * C + s, _mm512_mul_ps(reduce16(d), vscale));
             }
@@ -391,7 +433,7 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
                 __m512 d = _mm512_setzero_ps();
                 for (int64_t j = 0; j < nvec; j++) {
                     const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j), load_kv(a->k, a->kv_type, kb + 16 * j, mk), d);
+                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j), load_kv(a->k, kv_type, kb + 16 * j, mk), d);
                 }
                 p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
             }
@@ -431,34 +473,8 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
         }
         /* acc += p * V */
         if (all && nvec <= 4) {
-            /* head dims up to 64: a whole V row is 4 vectors; two keys per step keep 8 independent
-             * FMA chains in flight (one chain per slice would wait on the FMA latency every key) */
-            __mmask16 mk[4];
-            for (int64_t j = 0; j < 4; j++) mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
-            const int64_t vstride = a->Hkv * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *pg = p + g * C;
-                __m512 a0[4], a1[4];
-                for (int j = 0; j < 4; j++) {
-                    a0[j] = _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j);
-                    a1[j] = _mm512_setzero_ps();
-                }
-                int64_t s = 0;
-                const int64_t vb = (c0 * a->Hkv + hk) * D;
-                for (; s + 2 <= n; s += 2) {
-                    const __m512 p0 = _mm512_set1_ps(pg[s]), p1 = _mm512_set1_ps(pg[s + 1]);
-                    for (int j = 0; j < 4; j++) {
-                        a0[j] = _mm512_fmadd_ps(p0, load_kv(a->v, a->kv_type, vb + s * vstride + 16 * j, mk[j]), a0[j]);
-                        a1[j] = _mm512_fmadd_ps(p1, load_kv(a->v, a->kv_type, vb + (s + 1) * vstride + 16 * j, mk[j]), a1[j]);
-                    }
-                }
-                if (s < n) {
-                    const __m512 p0 = _mm512_set1_ps(pg[s]);
-                    for (int j = 0; j < 4; j++)
-                        a0[j] = _mm512_fmadd_ps(p0, load_kv(a->v, a->kv_type, vb + s * vstride + 16 * j, mk[j]), a0[j]);
-                }
-                for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], _mm512_add_ps(a0[j], a1[j]));
-            }
+            if (full && nvec == 4) pv_chunk(a, kv_type, 1, hk, c0, n, p, acc, (__mmask16)0xffff);
+            else pv_chunk(a, kv_type, 0, hk, c0, n, p, acc, last);
             continue;
         }
         /* any head dim, or masked keys in the chunk: one 16-wide slice of every head at a time */
@@ -470,11 +486,26 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
                 for (int64_t s = 0; s < n; s++) {
                     if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
                     const int64_t vb = ((c0 + s) * a->Hkv + hk) * D + 16 * j;
-                    av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv(a->v, a->kv_type, vb, mk), av);
+                    av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv(a->v, kv_type, vb, mk), av);
                 }
                 _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
             }
         }
+    }
+}
+
+#undef load_kv
+
+/* four instantiations: float16 or float32 K/V, head_dim a multiple of 16 (unmasked loads) or not */
+TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
+                             float *m, float *l, float *acc, float *scratch) {
+    const int full = a->D % 16 == 0;
+    if (a->kv_type == KVREF_TYPE_F16) {
+        if (full) attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F16, 1);
+        else attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F16, 0);
+    } else {
+        if (full) attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F32, 1);
+        else attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F32, 0);
     }
 }
 
