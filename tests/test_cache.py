@@ -124,3 +124,23 @@ def test_stored_kv_is_read_only_through_the_accessors():
     model.forward([1], cache)
     with pytest.raises(ValueError):
         cache.keys(0)[0, 0, 0] = 1.0
+
+
+def test_layout_report_rows_match_what_real_caches_hold():
+    from kvref.cache import layout_report, layout_rows
+
+    model = kvref.Model.random(CFG, seed=0, backend="numpy")
+    rows = layout_rows(CFG, tokens=20, batch=3, block_size=8, window=6, sinks=2, group_size=4)
+    for row in rows:
+        k, v = (d.split("/")[0] for d in (row["k_dtype"], row["v_dtype"]))
+        layout = row["layout"].split()[0]
+        options = {"paged": {"block_size": 8}, "window": {"window": 6, "sinks": 2}}.get(layout, {})
+        cache = model.new_cache(layout=layout, k_dtype=k, v_dtype=v, group_size=4 if "int8" in (k, v) else None,
+                                **options)
+        model.forward(list(range(20)), cache)
+        assert row["bytes_per_position"] == cache.bytes_per_position
+        held = cache.allocated_nbytes if layout == "paged" else cache.nbytes
+        assert row["bytes_per_sequence"] == held and row["bytes_total"] == 3 * held
+    assert rows[0]["formula"] == "2 x 2 x 2 x 8 x 4"  # float32: the articles' formula
+    text = layout_report(CFG, tokens=20, batch=3)
+    assert "window (W=20, sinks 4)" in text and "int8/g8" in text

@@ -70,6 +70,7 @@ class KVCache:
         self.dtype_name = k if k == v else f"{k}/{v}"
         self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
         self.last_logits = None
+        self.model_fingerprint = None  # set by Model.new_cache: names the model in saved files
         self._token_ids: list | None = []
         self._freed = False
 
@@ -238,6 +239,7 @@ class KVCache:
         self._check_live()
         self.abort()
         child = self._fork()
+        child.model_fingerprint = self.model_fingerprint
         child._token_ids = self.token_ids
         child.last_logits = None if self.last_logits is None else self.last_logits.copy()
         return child

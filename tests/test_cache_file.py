@@ -1,0 +1,165 @@
+"""save/load: a versioned, self-describing file that restores a cache exactly or refuses with a clear error."""
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import kvref
+from kvref.cache.fileformat import FORMAT_VERSION, MAGIC, read_cache_file
+from kvref.errors import CacheError, CacheFullError
+
+CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
+LAYOUTS = [{}, {"kv_dtype": "int8", "group_size": 4}, {"k_dtype": "bfloat16", "v_dtype": "float16"},
+           {"layout": "paged", "block_size": 4, "prefix_reuse": True}, {"layout": "paged", "kv_dtype": "int8"},
+           {"layout": "window", "window": 5, "sinks": 2}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvref.Model.random(CFG, seed=3, backend="numpy")
+
+
+@pytest.mark.parametrize("options", LAYOUTS)
+def test_a_loaded_cache_continues_exactly_like_the_saved_one(model, options, tmp_path):
+    cache = model.new_cache(**options)
+    model.forward(list(range(13)), cache)
+    cache.save(tmp_path / "c.kvc")
+    loaded = model.load_cache(tmp_path / "c.kvc")
+    assert type(loaded) is type(cache) and loaded.stats() == cache.stats()
+    assert loaded.token_ids == cache.token_ids == list(range(13))
+    np.testing.assert_array_equal(loaded.last_logits, cache.last_logits)
+    for layer in range(CFG.n_layers):  # the stored bytes themselves, not a re-quantization
+        for a, b in zip(loaded.read_raw(layer), cache.read_raw(layer)):
+            assert (a is None and b is None) or np.array_equal(a, b)
+    np.testing.assert_array_equal(model.forward([7, 8], loaded, all_logits=True),
+                                  model.forward([7, 8], cache, all_logits=True))
+
+
+def test_the_header_describes_everything_needed_to_rebuild_the_cache(model, tmp_path):
+    cache = model.new_cache(layout="paged", k_dtype="int8", v_dtype="float16", group_size=4, block_size=4)
+    model.forward([1, 2, 3, 4, 5], cache)
+    cache.save(tmp_path / "c.kvc")
+    raw = (tmp_path / "c.kvc").read_bytes()
+    assert raw[:8] == MAGIC and struct.unpack_from("<I", raw, 8)[0] == FORMAT_VERSION
+    header, arrays = read_cache_file(tmp_path / "c.kvc")
+    assert header["layout"] == "paged" and header["options"]["block_size"] == 4
+    assert (header["k_dtype"], header["v_dtype"], header["group_size"]) == ("int8", "float16", 4)
+    assert header["rope"]["theta"] == CFG.rope_theta and header["next_position"] == 5
+    assert header["model"]["config"]["n_layers"] == 2 and len(header["model"]["weights_sha256"]) == 64
+    assert arrays["k"].dtype == np.int8 and arrays["k_scales"].shape == (2, 5, 2, 2)
+    assert arrays["v"].dtype == np.float16 and "v_scales" not in arrays
+    assert arrays["last_logits"].shape == (CFG.vocab_size,)
+
+
+def test_a_paged_cache_loads_into_an_existing_pool_of_any_block_size(model, tmp_path):
+    cache = model.new_cache(layout="paged", block_size=4)
+    model.forward(list(range(10)), cache)
+    cache.save(tmp_path / "c.kvc")
+    pool = model.new_cache(layout="paged", block_size=3, num_blocks=8).pool
+    loaded = model.load_cache(tmp_path / "c.kvc", pool=pool)
+    assert loaded.pool is pool and len(loaded.block_table) == 4
+    np.testing.assert_array_equal(model.forward([1], loaded), model.forward([1], cache))
+
+
+def test_a_pool_without_room_refuses_the_load_and_keeps_its_blocks(model, tmp_path):
+    cache = model.new_cache(layout="paged", block_size=4)
+    model.forward(list(range(10)), cache)
+    cache.save(tmp_path / "c.kvc")
+    pool = model.new_cache(layout="paged", block_size=4, num_blocks=2).pool
+    with pytest.raises(CacheFullError, match="needs 3 blocks of 4; the pool has 2 free of 2"):
+        model.load_cache(tmp_path / "c.kvc", pool=pool)
+    assert pool.blocks_free == 2 and not pool.refcount.any()
+
+
+def rewrite(path, mutate_header=None, mutate_body=None, fix_checksum=True):
+    """Edit a saved file (header JSON or raw bytes) and, by default, make its checksum right again."""
+    data = bytearray(path.read_bytes()[:-32])
+    if mutate_header:
+        size = struct.unpack_from("<Q", data, 12)[0]
+        header = json.loads(data[20:20 + size])
+        mutate_header(header)
+        text = json.dumps(header, sort_keys=True).encode()
+        room = min(a["offset"] for a in json.loads(data[20:20 + size])["arrays"]) - 20  # zero padding follows
+        assert len(text) <= room
+        struct.pack_into("<Q", data, 12, len(text))
+        data[20:20 + room] = text.ljust(room, b"\0")
+    if mutate_body:
+        mutate_body(data)
+    digest = hashlib.sha256(data).digest() if fix_checksum else path.read_bytes()[-32:]
+    path.write_bytes(bytes(data) + digest)
+
+
+def set_in(keys, value):
+    def mutate(h):
+        for k in keys[:-1]:
+            h = h[k]
+        h[keys[-1]] = value
+    return mutate
+
+
+BAD_FILES = {
+    "a flipped bit": (lambda p: rewrite(p, mutate_body=lambda d: d.__setitem__(-5, d[-5] ^ 1), fix_checksum=False),
+                      "corrupt or truncated: its sha256 checksum does not match"),
+    "cut short": (lambda p: p.write_bytes(p.read_bytes()[:-100]), "checksum does not match"),
+    "empty": (lambda p: p.write_bytes(b""), "truncated: 0 bytes"),
+    "another file type": (lambda p: p.write_bytes(b"GGUF" + bytes(100)), "not a kvref KV cache"),
+    "a future version": (lambda p: rewrite(p, mutate_body=lambda d: struct.pack_into("<I", d, 8, 2)),
+                         "format version 2; this kvref reads version 1"),
+    "another architecture": (lambda p: rewrite(p, set_in(["model", "config_sha256"], "0" * 64)),
+                             "saved for another model architecture"),
+    "other weights": (lambda p: rewrite(p, set_in(["model", "weights_sha256"], "0" * 64)),
+                      "model with other weights"),
+    "another rope theta": (lambda p: rewrite(p, set_in(["rope", "theta"], 500.0)), "rope_theta=500.0"),
+    "a shape that lies": (lambda p: rewrite(p, lambda h: h["arrays"][1].update(shape=[2, 9, 2, 8])),
+                          "cannot take"),
+    "an array past the end": (lambda p: rewrite(p, lambda h: h["arrays"][2].update(offset=10**9)),
+                              "outside the data"),
+    "an unknown layout": (lambda p: rewrite(p, set_in(["layout"], "ring")), "unknown layout 'ring'"),
+    "a wrong dtype": (lambda p: rewrite(p, set_in(["k_dtype"], "float16")), "the pool stores K/V as float32/float32"),
+    "positions out of order": (lambda p: rewrite(p, mutate_body=_swap_positions), "positions"),
+}
+
+
+def _swap_positions(data):
+    size = struct.unpack_from("<Q", data, 12)[0]
+    entry = json.loads(data[20:20 + size])["arrays"][0]
+    o = entry["offset"]
+    data[o:o + 16] = data[o + 8:o + 16] + data[o:o + 8]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_a_corrupt_or_mismatched_file_is_refused_with_a_clear_error(model, tmp_path, name):
+    cache = model.new_cache(layout="paged", block_size=4)
+    model.forward(list(range(6)), cache)
+    path = tmp_path / "c.kvc"
+    cache.save(path)
+    damage, message = BAD_FILES[name]
+    damage(path)
+    pool = model.new_cache(layout="paged", block_size=4, num_blocks=4).pool
+    with pytest.raises(CacheError, match=message):
+        model.load_cache(path, pool=pool)
+    assert pool.blocks_free == 4  # nothing half-loaded into the pool
+
+
+def test_a_cache_from_another_model_is_refused(model, tmp_path):
+    cache = model.new_cache()
+    model.forward([1, 2, 3], cache)
+    cache.save(tmp_path / "c.kvc")
+    with pytest.raises(CacheError, match="model with other weights"):
+        kvref.Model.random(CFG, seed=4, backend="numpy").load_cache(tmp_path / "c.kvc")
+    with pytest.raises(CacheError, match="another model architecture"):
+        kvref.Model.random(CFG.replace(n_layers=3), seed=3, backend="numpy").load_cache(tmp_path / "c.kvc")
+    with pytest.raises(CacheError, match="cannot read cache file"):
+        model.load_cache(tmp_path / "missing.kvc")
+
+
+def test_a_header_whose_dtype_disagrees_with_the_stored_array_is_refused(model, tmp_path):
+    cache = model.new_cache()
+    model.forward([1, 2, 3], cache)
+    cache.save(tmp_path / "c.kvc")
+    rewrite(tmp_path / "c.kvc", set_in(["k_dtype"], "float16"))
+    with pytest.raises(CacheError, match="array 'k' is float32; float16 is stored as float16"):
+        model.load_cache(tmp_path / "c.kvc")
