@@ -15,7 +15,6 @@ from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
-from .spec import decoder
 from .weights import Weights, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
@@ -36,6 +35,7 @@ class Model:
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype)
         self.ops = backends.kernels(self.backend, threads)
+        self._forward = backends.forward_impl(self.backend, config, weights)  # fused C forward or the decoder
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
@@ -175,7 +175,7 @@ class Model:
         else:
             self.check_cache(cache)
             self.check_context(cache.next_position, len(ids))
-        logits = decoder.forward(self.ops, self.config, self.weights, ids, cache, all_logits)
+        logits = self._forward(self.ops, self.config, self.weights, ids, cache, all_logits)
         cache.after_forward(ids, logits[-1])  # ids for prefix reuse, last logits for save and resume
         return logits if all_logits else logits[0]
 
