@@ -6,6 +6,8 @@
     rope(x, positions, theta)                        [T, nh, D], [T] -> [T, nh, D]
     attention(q, k, v, q_positions, k_positions)     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
+    matmul_int8(x, w)                                [T, K], [N, K] -> [T, N]  (Kernels only: the
+        int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
 Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
 float16) ndarray in file layout, or a kvref.formats.ggml.QuantizedTensor of type F32, F16, BF16,
@@ -16,7 +18,8 @@ Numerics: every weight value is decoded to exactly the float32 the spec dequanti
 (kvref.spec.quants) produces, and dot products accumulate in float32, so matmul differs from the
 spec only by summation order: |native - spec| <= 2 gamma(K) (|x| @ |W|.T), gamma(K) = K u / (1 - K u),
 u = 2**-24. Attention, RMSNorm, RoPE and SwiGLU have similar derived bounds; tests/test_native.py
-states and checks each one. Activations are never rounded to 8 bits.
+states and checks each one. Activations are rounded to 8 bits only by matmul_int8, which the fused
+forward uses in its opt-in int8 mode (bound in tests/test_native_fused.py).
 
 Every argument is checked here, before C runs: types, dtypes, C-contiguity, alignment, shapes,
 lengths, token ids, quantized byte counts and thread counts. A wrong call raises a KVRefError
