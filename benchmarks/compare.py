@@ -5,7 +5,9 @@
 
 Engines (each one that is installed; a missing one is reported and left out):
   kvref-c       kvref.load(path, backend="c", threads=T)       the native path (fused C forward);
-                K/V cache float16 like llama.cpp's (--kv-dtype)
+                K/V cache float16 like llama.cpp's (--kv-dtype); exact float32 activations
+  kvref-c-int8  the same with KVREF_ACTIVATIONS=int8: decode steps round matmul inputs to 8-bit blocks
+                before the quantized weights, as llama.cpp does (kvref.native.fused)
   kvref-numpy   kvref.load(path, backend="numpy")               the NumPy spec, OpenBLAS with T threads;
                 K/V cache float32
   llama.cpp     llama_cpp.Llama(path, n_ctx, n_threads=T, n_threads_batch=T, n_batch=512)
@@ -49,7 +51,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("kvref-c", "kvref-numpy", "llama.cpp", "transformers")
+ENGINES = ("kvref-c", "kvref-c-int8", "kvref-numpy", "llama.cpp", "transformers")
 CASES = ("decode", "prefill", "context")
 FILL_CHUNK = 512
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
@@ -58,14 +60,17 @@ WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 # ---- engines: reset(capacity), feed(ids) -> greedy next token id -----------------------------------
 
 class KvrefEngine:
-    def __init__(self, path, backend, threads, kv_dtype=None):
+    def __init__(self, path, backend, threads, kv_dtype=None, activations=None):
+        if activations:
+            os.environ["KVREF_ACTIVATIONS"] = activations  # read when the model builds its forward
         import kvref
 
         self.model = kvref.load(path, backend=backend, threads=threads)
         self.kv_dtype = kv_dtype
         self.cache = None
         self.info = {"backend": self.model.backend, "threads": threads, "kv_dtype": kv_dtype or self.model.dtype,
-                     "isa": getattr(self.model.ops, "isa", None), "version": kvref.__version__}
+                     "isa": getattr(self.model.ops, "isa", None), "version": kvref.__version__,
+                     "activations": getattr(getattr(self.model._forward, "__self__", None), "activations", None)}
 
     def reset(self, capacity):
         self.cache = self.model.new_cache(capacity=capacity, kv_dtype=self.kv_dtype)
@@ -149,6 +154,8 @@ class TransformersEngine:
 def make_engine(name, path, threads, args):
     if name == "kvref-c":
         return KvrefEngine(path, "c", threads, args.kv_dtype)
+    if name == "kvref-c-int8":
+        return KvrefEngine(path, "c", threads, args.kv_dtype, activations="int8")
     if name == "kvref-numpy":
         return KvrefEngine(path, "numpy", threads, None)
     if name == "llama.cpp":
@@ -242,10 +249,10 @@ def installed(engine) -> str | None:
     """None when the engine can run here, else why not."""
     import importlib.util
 
-    needs = {"kvref-c": [], "kvref-numpy": [], "llama.cpp": ["llama_cpp"],
+    needs = {"kvref-c": [], "kvref-c-int8": [], "kvref-numpy": [], "llama.cpp": ["llama_cpp"],
              "transformers": ["torch", "transformers", "gguf", "accelerate"]}[engine]
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
-    if engine == "kvref-c":
+    if engine in ("kvref-c", "kvref-c-int8"):
         from kvref import native
 
         return None if native.available() else native.unavailable_reason()

@@ -241,18 +241,23 @@ def fill(model, cache, ids, progress=None, label="filling the cache") -> int:
     return greedy(logits)
 
 
-def profile(model, clock, prompt, steps, kv_dtype=None, capacity=None, progress=None, label="profile") -> dict:
+def profile(clock, prompt, steps, kv_dtype=None, cache=None, progress=None, label="profile") -> dict | None:
     """Milliseconds per token by kernel family: a prefill of `prompt` when steps == 0, else `steps`
-    decode steps after it. python = wall time not spent inside a kernel."""
+    decode steps after it. With `cache` (already filled), decode continues it and prompt is [the next token].
+    python = the wall time not spent inside a kernel. None when a CounterClock's forward did not run."""
     runner = clock.model
-    cache = runner.new_cache(capacity=capacity or len(prompt) + steps, kv_dtype=kv_dtype)
     if steps == 0:
+        cache = runner.new_cache(capacity=len(prompt), kv_dtype=kv_dtype)
         clock.reset()
         start = time.perf_counter()
         runner.forward(prompt, cache)
         wall, n = time.perf_counter() - start, len(prompt)
     else:
-        token = fill(runner, cache, prompt, progress, f"{label}: filling")
+        if cache is None:
+            cache = runner.new_cache(capacity=len(prompt) + steps, kv_dtype=kv_dtype)
+            token = fill(runner, cache, prompt, progress, f"{label}: filling")
+        else:
+            token = prompt[-1]
         clock.reset()
         wall, n = time_decode(runner, cache, token, steps, progress, label), steps
     seconds = clock.read()
@@ -321,20 +326,26 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         cache_sizes.append(cache.nbytes)
         result_context = {"context": context, "steps": context_steps, **_rate(context_steps, context_s),
                           "fill_tok_s": context / fill_s}
-        del cache
+        context_cache, context_token = cache, token  # the profiled pass decodes over the same cache
 
     splits = {}
     if clock is not None:
         plans = [("prefill", prefill_prompt, 0), ("decode", decode_prompt, new_tokens)]
-        if context:
-            plans.append(("context", model_prompt(model, context), context_steps))
+        if result_context:
+            plans.append(("context", [context_token], context_steps))
         for name, ids, steps in plans:
-            if ids and (steps or name == "prefill"):
-                got = profile(model, clock, ids, steps, kv_dtype, progress=progress, label=f"profiling {name}")
-                if got is None and isinstance(clock, CounterClock):  # counters stayed at zero: use shims
-                    clock = ShimClock(model)
-                    got = profile(model, clock, ids, steps, kv_dtype, progress=progress, label=f"profiling {name}")
-                splits[name] = got
+            if not ids or not (steps or name == "prefill"):
+                continue
+            for attempt in range(2):
+                cache = None
+                if name == "context":
+                    context_cache.truncate(context)
+                    cache = context_cache
+                got = profile(clock, ids, steps, kv_dtype, cache, progress, f"profiling {name}")
+                if got is not None:
+                    break
+                clock = ShimClock(model)  # the counters stayed at zero: the forward fell back to the decoder
+            splits[name] = got
     peak = peak_rss()  # before the bandwidth probe below allocates its buffer
     if splits.get("context"):
         progress("measuring memory read bandwidth", force=True)
