@@ -242,6 +242,8 @@ def add_memory(commands):
     p.add_argument("--tokens", type=count, help="positions held (default with -m: the model's max context)")
     p.add_argument("--batch", type=count, default=1, help="sequences held at once")
     p.add_argument("--dtype", default="float16", choices=sorted(ELEMENT_BYTES))
+    p.add_argument("--layouts", action="store_true",
+                   help="also compare the cache layouts (contiguous, paged, window) and K/V types")
     p.set_defaults(run=run_memory)
 
 
@@ -268,6 +270,15 @@ def run_memory(args) -> int:
     print(f"= {total:,} bytes ({human_bytes(total)})")
     if args.tokens:
         print(f"  {per_sequence // args.tokens:,} bytes per token per sequence")
+    if args.layouts:
+        from .cache.report import layout_report
+
+        # only the cache's own sizes matter to the layouts; the other numbers are placeholders
+        sizes = ModelConfig(n_layers=args.layers, d_model=args.kv_heads * args.head_dim, n_heads=args.kv_heads,
+                            n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=1, vocab_size=1,
+                            max_seq_len=max(args.tokens, 1))
+        print()
+        print(layout_report(sizes, args.tokens, args.batch))
     return 0
 
 

@@ -76,3 +76,13 @@ def test_memory_reads_the_architecture_from_a_model_file(capsys):
 def test_memory_without_a_model_needs_every_size(capsys):
     assert main(["memory", "--layers", "2"]) == 2
     assert "--kv-heads, --head-dim, --tokens" in capsys.readouterr().err
+
+
+def test_memory_compares_layouts_and_kv_types(capsys):
+    assert main(["memory", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--tokens", "4096",
+                 "--layouts"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    contiguous_f32 = next(r for r in rows if r[:3] == ["contiguous", "float32", "float32"])
+    int8 = next(r for r in rows if r[:3] == ["contiguous", "int8/g32", "int8/g32"])
+    assert contiguous_f32[3] == "46,080"  # 2 x 30 x 3 x 64 x 4, the formula
+    assert int8[3] == "12,960"  # 30 x 3 x 2 x (64 one-byte values + 2 float32 scales)
