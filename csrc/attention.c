@@ -15,6 +15,7 @@
 
 #define KVREF_ATTN_SEGMENT 256
 #define KVREF_ATTN_SPLIT_MAX_T 4   /* split keys into segments when T <= this */
+#define KVREF_ATTN_SEGMENT_UNITS_MIN 4 /* from this many segments on, a unit covers every kv head */
 
 typedef struct {
     kvref_attn_args a;
@@ -43,6 +44,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
         scratch += G * (D + 2);
     }
     float *m = mla, *l = mla + G, *acc = mla + 2 * G;
+    kvref_attn_state_init(G, D, m, l, acc);
     c->unit_fn(a, t, hk, s0, s1, m, l, acc, scratch);
     if (c->nseg == 1) {
         for (int64_t g = 0; g < G; g++) {
@@ -50,6 +52,32 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
             /* l > 0 iff some key was visible; a query that sees nothing gets zeros */
             const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
             for (int64_t i = 0; i < D; i++) o[i] = l[g] > 0.0f ? acc[g * D + i] * inv : 0.0f;
+        }
+    }
+}
+
+/* Decode over a long cache: one unit per (query, key segment) covering every kv head, chunk by
+ * chunk, so each chunk's K/V rows (all heads: contiguous memory) are consumed together and the
+ * cache streams from memory in order. attn_task's units read one kv head's part of every row, a
+ * third of each row for SmolLM2, and walk the layer's K/V once per kv head. Each (hk, segment)
+ * partial is the same sequence of chunk updates either way, so the results are identical. */
+static void attn_segment_task(void *vctx, int64_t unit, int thread) {
+    const attn_ctx *c = vctx;
+    const kvref_attn_args *a = &c->a;
+    const int64_t G = a->G, D = a->D, nseg = c->nseg;
+    const int64_t seg = unit % nseg, t = unit / nseg;
+    const int64_t s0 = seg * KVREF_ATTN_SEGMENT;
+    const int64_t s1 = s0 + KVREF_ATTN_SEGMENT > a->S ? a->S : s0 + KVREF_ATTN_SEGMENT;
+    float *scratch = kvref_pool_scratch(c->pool, thread);
+    for (int64_t hk = 0; hk < a->Hkv; hk++) {
+        float *mla = c->partial + ((t * a->Hkv + hk) * nseg + seg) * G * (D + 2);
+        kvref_attn_state_init(G, D, mla, mla + G, mla + 2 * G);
+    }
+    for (int64_t c0 = s0; c0 < s1; c0 += KVREF_ATTN_CHUNK) {
+        const int64_t c1 = c0 + KVREF_ATTN_CHUNK > s1 ? s1 : c0 + KVREF_ATTN_CHUNK;
+        for (int64_t hk = 0; hk < a->Hkv; hk++) {
+            float *mla = c->partial + ((t * a->Hkv + hk) * nseg + seg) * G * (D + 2);
+            c->unit_fn(a, t, hk, c0, c1, mla, mla + G, mla + 2 * G, scratch);
         }
     }
 }
@@ -107,7 +135,10 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     c.nseg = n_segments(a->T, a->S);
     c.partial = partial;
     c.unit_fn = kvref_pool_kernels(pool)->attn_unit;
-    kvref_pool_run(pool, attn_task, &c, a->T * a->Hkv * c.nseg);
+    if (c.nseg >= KVREF_ATTN_SEGMENT_UNITS_MIN && a->Hkv > 1)
+        kvref_pool_run(pool, attn_segment_task, &c, a->T * c.nseg);
+    else
+        kvref_pool_run(pool, attn_task, &c, a->T * a->Hkv * c.nseg);
     if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, a->T * a->Hkv);
 }
 

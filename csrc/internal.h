@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #include "kvref.h"
@@ -123,10 +124,13 @@ typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, floa
 typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
                               float *y, int64_t ldy);
 
-/* One unit of attention: query t against keys [s0, s1) for the G query heads of kv head hk.
- * Writes, for each head g of the group, the running max m[g], the sum of exponentials l[g] and
- * the unnormalised output acc[g * D .. +D] (all relative to m[g]; m = -inf and l = 0 when no key
- * of the range is visible). */
+/* One unit of attention: query t against keys [s0, s1) for the G query heads of kv head hk, an
+ * online-softmax update of the state it is given: for each head g of the group, the running max
+ * m[g], the sum of exponentials l[g] and the unnormalised output acc[g * D .. +D] (all relative to
+ * m[g]). Start from kvref_attn_state_init (m = -inf, l = 0, acc = 0: no key seen); a range with no
+ * visible key leaves the state as it was. Updating with [s0, s1) then [s1, s2) is the same
+ * computation, bit for bit, as one update with [s0, s2) when s1 - s0 is a multiple of
+ * KVREF_ATTN_CHUNK (the unit works chunk by chunk from s0). */
 typedef struct kvref_attn_args {
     const float *q;            /* [T, H, D] */
     const void *k, *v;         /* [S, Hkv, D] of kv_type */
@@ -138,6 +142,14 @@ typedef struct kvref_attn_args {
 
 typedef void (*kvref_attn_unit_fn)(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0,
                                    int64_t s1, float *m, float *l, float *acc, float *scratch);
+
+static inline void kvref_attn_state_init(int64_t G, int64_t D, float *m, float *l, float *acc) {
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+}
 
 /* Floats of per-thread scratch an attention unit needs. */
 #define KVREF_ATTN_CHUNK 64

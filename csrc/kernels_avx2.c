@@ -302,11 +302,6 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
     const int64_t qpos = a->q_positions[t];
     const int64_t Dv = D / 8 * 8;
     float *p = scratch; /* [G, C] */
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
 
     for (int64_t c0 = s0; c0 < s1; c0 += C) {
         const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;

@@ -350,6 +350,19 @@ TARGET static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
 }
 
+/* Ask for the rows of keys [r0, r1) of kv head hk in `base` (K or V). A unit reads one kv head's
+ * part of each key row (D of the Hkv * D values), a strided pattern the hardware prefetchers follow
+ * poorly: without this, attention over a cache streamed from DRAM waits on memory at every chunk.
+ * The scores loop asks for the next chunk's K and the current chunk's V, 16 keys at a time. */
+TARGET static inline void prefetch_kv_rows(const kvref_attn_args *a, const int32_t kv_type, int64_t hk, int64_t r0,
+                                           int64_t r1, const void *base) {
+    const int64_t esize = kv_type == KVREF_TYPE_F16 ? 2 : 4, bytes = a->D * esize;
+    for (int64_t r = r0; r < r1; r++) {
+        const char *row = (const char *)base + ((r * a->Hkv + hk) * a->D) * esize;
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T0);
+    }
+}
+
 /* acc[g] += sum_s p[g, s] V[c0 + s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
  * with every key visible: two keys per step keep 8 independent FMA chains in flight (one chain per
  * 16-wide slice would wait on the FMA latency at every key). plain: exactly 4 full vectors. */
@@ -396,11 +409,6 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
     const int64_t nvec = (D + 15) / 16;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     float *p = scratch; /* [G, C] */
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
 
     for (int64_t c0 = s0; c0 < s1; c0 += C) {
         const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
@@ -415,6 +423,8 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
         int64_t s = 0;
         for (; s + 16 <= n; s += 16) {
             const int64_t kb = ((c0 + s) * a->Hkv + hk) * D, kstride = a->Hkv * D;
+            prefetch_kv_rows(a, kv_type, hk, c0 + C + s, c0 + C + s + 16 < s1 ? c0 + C + s + 16 : s1, a->k);
+            prefetch_kv_rows(a, kv_type, hk, c0 + s, c0 + s + 16, a->v);
             for (int64_t g = 0; g < G; g++) {
                 __m512 d[16];
                 for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();

@@ -171,20 +171,15 @@ static float kv_value(const void *base, int32_t type, int64_t i) {
     return ((const float *)base)[i];
 }
 
-/* One query position and one kv head against keys [s0, s1), in chunks of KVREF_ATTN_CHUNK keys:
- * score the chunk for every head of the group, move each head's running max once per chunk
- * (rescaling what was accumulated), then add probability x value. */
+/* One query position and one kv head against keys [s0, s1), in chunks of KVREF_ATTN_CHUNK keys,
+ * updating (m, l, acc): score the chunk for every head of the group, move each head's running max
+ * once per chunk (rescaling what was accumulated), then add probability x value. */
 static void attn_unit_scalar(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0,
                              int64_t s1, float *m, float *l, float *acc, float *scratch) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
     const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
     const int64_t qpos = a->q_positions[t];
     float *p = scratch;                                /* [G, C] */
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int64_t i = 0; i < D; i++) acc[g * D + i] = 0.0f;
-    }
     for (int64_t c0 = s0; c0 < s1; c0 += C) {
         const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
         int any = 0;

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvref import native
@@ -282,6 +282,36 @@ def test_attention_is_bit_identical_for_1_and_2_threads(case, isa):
     q, k, v, q_pos, k_pos = case
     np.testing.assert_array_equal(ks(1, isa).attention(q, k, v, q_pos, k_pos),
                                   ks(2, isa).attention(q, k, v, q_pos, k_pos))
+
+
+@st.composite
+def long_cache_attention_cases(draw):
+    """Decode-sized query counts over caches long enough (> 3 segments of 256 keys) that a work unit
+    covers every kv head of one key segment (csrc/attention.c, attn_segment_task)."""
+    T, Hkv, G = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    D = draw(st.sampled_from([3, 16, 24, 64]))
+    S = draw(st.integers(769, 1400))
+    kv_dtype = draw(st.sampled_from([np.float32, np.float16]))
+    rng = np.random.default_rng(draw(SEEDS))
+    if draw(st.booleans()):
+        k_pos, q_pos = np.arange(S), np.arange(S - T, S)
+    else:  # scattered positions: some chunks fully hidden, some queries see nothing
+        k_pos = rng.choice(2 * S, size=S, replace=False)
+        q_pos = rng.integers(-3, 2 * S, size=T)
+    q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv, D)).astype(kv_dtype)
+    v = rng.standard_normal((S, Hkv, D)).astype(kv_dtype)
+    return q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64)
+
+
+@settings(max_examples=40)
+@given(long_cache_attention_cases(), ISAS)
+def test_attention_over_a_long_cache_equals_spec_and_does_not_depend_on_threads(case, isa):
+    q, k, v, q_pos, k_pos = case
+    one, two = ks(1, isa).attention(q, k, v, q_pos, k_pos), ks(2, isa).attention(q, k, v, q_pos, k_pos)
+    np.testing.assert_array_equal(one, two)
+    ref = spec.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), q_pos, k_pos)
+    assert_within(one, ref, attention_bound(q, k, v, q_pos, k_pos), what="long cache")
 
 
 @given(attention_cases(), ISAS)
