@@ -275,13 +275,16 @@ def test_reorder_makes_beams_continue_from_the_chosen_parents():
 
 def test_freed_caches_refuse_every_operation():
     model = kvref.Model.random(CFG, seed=0, backend="numpy")
-    cache = model.new_cache(layout="paged")
-    model.forward([1, 2], cache)
-    cache.free()
-    assert not cache.can_fork() and not cache.can_truncate(0) and not cache.can_append(1)
-    for op in (cache.fork, lambda: cache.truncate(0), lambda: model.forward([1], cache), lambda: cache.save("x")):
-        with pytest.raises(CacheError, match="freed"):
-            op()
+    for options in ({}, {"layout": "paged"}, {"layout": "window", "window": 4}):
+        cache = model.new_cache(**options)
+        model.forward([1, 2], cache)
+        cache.free()
+        assert not cache.can_fork() and not cache.can_truncate(0) and not cache.can_append(1)
+        assert not cache.can_shift(1)
+        for op in (cache.fork, lambda: cache.truncate(0), lambda: model.forward([1], cache), lambda: cache.save("x"),
+                   lambda: cache.shift(1)):
+            with pytest.raises(CacheError, match="freed"):
+                op()
 
 
 # ---- prefix reuse --------------------------------------------------------------------------------

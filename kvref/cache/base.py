@@ -132,7 +132,7 @@ class KVCache:
 
     def can_append(self, n_new: int) -> bool:
         """Whether an execution of n_new positions fits now."""
-        return n_new <= self.capacity - self.length
+        return not self._freed and n_new <= self.capacity - self.length
 
     def next_positions(self, n_new: int) -> np.ndarray:
         """Absolute positions of `n_new` new tokens; raises CacheFullError if they do not fit."""
