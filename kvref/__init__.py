@@ -6,7 +6,7 @@ from .errors import (BackendError, CacheError, CacheFullError, ConfigError, Cont
                      DTypeError, GenerationError, GGUFError, KVRefError, ModelNotFoundError,
                      SamplingError, ShapeError, TokenError, TokenizerError)
 from .conversation import Conversation
-from .generate import generate
+from .generate import generate, resume
 from .loader import load
 from .model import Model
 from .tokenizer import Tokenizer
@@ -17,5 +17,5 @@ __all__ = [
     "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
     "ContiguousCache", "Conversation", "DTypeError", "GenerationError", "GGUFError", "KVCache", "KVRefError", "Model",
     "ModelConfig", "ModelNotFoundError", "SamplingError", "ShapeError", "TokenError", "TokenizerError",
-    "Tokenizer", "cache_bytes", "generate", "load",
+    "Tokenizer", "cache_bytes", "generate", "load", "resume",
 ]
