@@ -112,18 +112,42 @@ TARGET static float vec_dot_q4_0(int64_t K, const uint8_t *w, const float *x) {
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
+/* The row's (d, m) pairs are converted to float32 first, 64 blocks at a time, so each block's
+ * table is built from two broadcast loads instead of a broadcast and two lane shuffles (shuffles
+ * are the scarce resource here: the nibble widening and the two table lookups need them too). */
 TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
     const __m512 iota = iota16();
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x += QK4_1) {
-        __m512 d, m;
-        bcast_fp16_pair(w, &d, &m);
-        const __m512 table = _mm512_fmadd_ps(iota, d, m); /* d * q + m: one rounding, as NumPy */
-        const __m512i q = load_nibble_bytes(w + 4);
-        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), _mm512_loadu_ps(x), a0);
-        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), _mm512_loadu_ps(x + 16), a1);
+    const int64_t nb = K / QK4_1;
+    float dm[2 * 64];
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 64) {
+        const int64_t n = nb - b0 < 64 ? nb - b0 : 64;
+        const uint8_t *wb = w + b0 * BYTES_Q4_1;
+        const float *xb = x + b0 * QK4_1;
+        for (int64_t b = 0; b < n; b++) {
+            uint32_t v;
+            memcpy(&v, wb + b * BYTES_Q4_1, 4);
+            _mm_storel_pi((__m64 *)(void *)(dm + 2 * b), _mm_cvtph_ps(_mm_cvtsi32_si128((int)v)));
+        }
+        int64_t b = 0;
+        for (; b + 2 <= n; b += 2, wb += 2 * BYTES_Q4_1, xb += 2 * QK4_1) {
+            /* d * q + m for q = 0..15: one rounding, as NumPy */
+            const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * b]), _mm512_set1_ps(dm[2 * b + 1]));
+            const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * b + 2]), _mm512_set1_ps(dm[2 * b + 3]));
+            const __m512i q0 = load_nibble_bytes(wb + 4), q1 = load_nibble_bytes(wb + BYTES_Q4_1 + 4);
+            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xb), a0);
+            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t0), _mm512_loadu_ps(xb + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q1, t1), _mm512_loadu_ps(xb + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1), _mm512_loadu_ps(xb + 48), a3);
+        }
+        if (b < n) {
+            const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * b]), _mm512_set1_ps(dm[2 * b + 1]));
+            const __m512i q0 = load_nibble_bytes(wb + 4);
+            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xb), a0);
+            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t0), _mm512_loadu_ps(xb + 16), a1);
+        }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
 TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
@@ -350,19 +374,6 @@ TARGET static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
 }
 
-/* Ask for the rows of keys [r0, r1) of kv head hk in `base` (K or V). A unit reads one kv head's
- * part of each key row (D of the Hkv * D values), a strided pattern the hardware prefetchers follow
- * poorly: without this, attention over a cache streamed from DRAM waits on memory at every chunk.
- * The scores loop asks for the next chunk's K and the current chunk's V, 16 keys at a time. */
-TARGET static inline void prefetch_kv_rows(const kvref_attn_args *a, const int32_t kv_type, int64_t hk, int64_t r0,
-                                           int64_t r1, const void *base) {
-    const int64_t esize = kv_type == KVREF_TYPE_F16 ? 2 : 4, bytes = a->D * esize;
-    for (int64_t r = r0; r < r1; r++) {
-        const char *row = (const char *)base + ((r * a->Hkv + hk) * a->D) * esize;
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T0);
-    }
-}
-
 /* acc[g] += sum_s p[g, s] V[c0 + s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
  * with every key visible: two keys per step keep 8 independent FMA chains in flight (one chain per
  * 16-wide slice would wait on the FMA latency at every key). plain: exactly 4 full vectors. */
@@ -423,8 +434,6 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
         int64_t s = 0;
         for (; s + 16 <= n; s += 16) {
             const int64_t kb = ((c0 + s) * a->Hkv + hk) * D, kstride = a->Hkv * D;
-            prefetch_kv_rows(a, kv_type, hk, c0 + C + s, c0 + C + s + 16 < s1 ? c0 + C + s + 16 : s1, a->k);
-            prefetch_kv_rows(a, kv_type, hk, c0 + s, c0 + s + 16, a->v);
             for (int64_t g = 0; g < G; g++) {
                 __m512 d[16];
                 for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();
