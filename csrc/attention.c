@@ -16,12 +16,6 @@
 #define KVREF_ATTN_SEGMENT 256
 #define KVREF_ATTN_SPLIT_MAX_T 4   /* split keys into segments when T <= this */
 #define KVREF_ATTN_SEGMENT_UNITS_MIN 4 /* from this many segments on, a unit covers every kv head */
-#ifndef KVREF_ATTN_PREFETCH_CHUNKS
-#define KVREF_ATTN_PREFETCH_CHUNKS 1  /* segment units: prefetch the K/V of the chunk this far ahead */
-#endif
-#ifndef KVREF_ATTN_PREFETCH_LOCALITY
-#define KVREF_ATTN_PREFETCH_LOCALITY 3 /* __builtin_prefetch locality: 3 = into L1 (prefetcht0) */
-#endif
 
 typedef struct {
     kvref_attn_args a;
@@ -79,19 +73,9 @@ static void attn_segment_task(void *vctx, int64_t unit, int thread) {
         float *mla = c->partial + ((t * a->Hkv + hk) * nseg + seg) * G * (D + 2);
         kvref_attn_state_init(G, D, mla, mla + G, mla + 2 * G);
     }
-    const int64_t row_bytes = a->Hkv * D * (a->kv_type == KVREF_TYPE_F16 ? 2 : 4);
     for (int64_t c0 = s0; c0 < s1; c0 += KVREF_ATTN_CHUNK) {
         const int64_t c1 = c0 + KVREF_ATTN_CHUNK > s1 ? s1 : c0 + KVREF_ATTN_CHUNK;
-        /* the next chunk's K and V rows are one contiguous region each: ask for a share of them
-         * during each kv head's pass over this chunk, so memory streams while this one computes */
-        const int64_t p0 = c0 + KVREF_ATTN_PREFETCH_CHUNKS * KVREF_ATTN_CHUNK;
-        const int64_t p1 = p0 + KVREF_ATTN_CHUNK > s1 ? s1 : p0 + KVREF_ATTN_CHUNK;
-        const int64_t ahead = p1 > p0 ? (p1 - p0) * row_bytes : 0, share = (ahead / a->Hkv + 63) & ~(int64_t)63;
         for (int64_t hk = 0; hk < a->Hkv; hk++) {
-            for (int64_t o = hk * share; o < ahead && o < (hk + 1) * share; o += 64) {
-                __builtin_prefetch((const char *)a->k + p0 * row_bytes + o, 0, KVREF_ATTN_PREFETCH_LOCALITY);
-                __builtin_prefetch((const char *)a->v + p0 * row_bytes + o, 0, KVREF_ATTN_PREFETCH_LOCALITY);
-            }
             float *mla = c->partial + ((t * a->Hkv + hk) * nseg + seg) * G * (D + 2);
             c->unit_fn(a, t, hk, c0, c1, mla, mla + G, mla + 2 * G, scratch);
         }

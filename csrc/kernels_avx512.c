@@ -374,6 +374,23 @@ TARGET static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
 }
 
+/* Whole K and V rows (every kv head: contiguous memory) of the 16 keys from r0 on, asked for while
+ * kv head 0 scores keys KVREF_ATTN_PREFETCH_KEYS earlier. A unit reads one kv head's part of each
+ * row, a strided pattern the hardware prefetchers follow poorly, so without this attention over a
+ * cache streamed from DRAM waits on memory at every group of keys. Measured on this repository's
+ * 2-core Zen 4 machine (30 layers x 4096 float16 positions, Hkv = 3): 16.0 -> 13.1 ms at one
+ * thread, 8.9 -> 7.9 ms at two; a per-head or a next-chunk prefetch gained nothing. */
+#define KVREF_ATTN_PREFETCH_KEYS 32
+TARGET static inline void prefetch_rows(const kvref_attn_args *a, const int32_t kv_type, int64_t r0) {
+    const int64_t row = a->Hkv * a->D * (kv_type == KVREF_TYPE_F16 ? 2 : 4);
+    const int64_t r1 = r0 + 16 < a->S ? r0 + 16 : a->S;
+    for (int64_t o = r0 * row; o < r1 * row; o += 64) { /* __builtin_prefetch: GCC 12 silently drops
+                                                           _mm_prefetch in this inlined helper */
+        __builtin_prefetch((const char *)a->k + o, 0, 3);
+        __builtin_prefetch((const char *)a->v + o, 0, 3);
+    }
+}
+
 /* acc[g] += sum_s p[g, s] V[c0 + s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
  * with every key visible: two keys per step keep 8 independent FMA chains in flight (one chain per
  * 16-wide slice would wait on the FMA latency at every key). plain: exactly 4 full vectors. */
@@ -434,6 +451,7 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
         int64_t s = 0;
         for (; s + 16 <= n; s += 16) {
             const int64_t kb = ((c0 + s) * a->Hkv + hk) * D, kstride = a->Hkv * D;
+            if (hk == 0) prefetch_rows(a, kv_type, c0 + s + KVREF_ATTN_PREFETCH_KEYS);
             for (int64_t g = 0; g < G; g++) {
                 __m512 d[16];
                 for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();
