@@ -355,35 +355,42 @@ def main():
         for threads in args.threads:
             for engine in order:
                 t0 = time.perf_counter()
+                load = os.getloadavg()[0]
                 res = run_worker(engine, threads, args)
                 if res is None:
                     continue
-                res["round"] = r + 1
+                res["round"], res["load_avg_before"], res["load_avg_after"] = r + 1, load, os.getloadavg()[0]
                 runs.append(res)
                 rates = ", ".join(f"{c} {res[c]['tok_s']:.1f}" for c in args.cases if c in res)
                 print(f"round {r + 1}/{args.rounds}: {engine:<12} {threads} thread(s): {rates} tok/s "
-                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+                      f"({time.perf_counter() - t0:.0f} s; load average {load:.2f} -> {res['load_avg_after']:.2f})",
+                      file=sys.stderr)
     elapsed = time.perf_counter() - started
 
-    medians = {}  # (case, threads, engine) -> median tok/s
+    medians, best = {}, {}  # (case, threads, engine) -> median / highest tok/s over rounds
     for case in args.cases:
         for threads in args.threads:
             for engine in engines:
                 rates = [x[case]["tok_s"] for x in runs if x["engine"] == engine and x["threads"] == threads]
                 if rates:
                     medians[(case, threads, engine)] = statistics.median(rates)
+                    best[(case, threads, engine)] = max(rates)
     print(report(medians, runs, engines, args, env, elapsed))
+    if args.rounds > 1:
+        print(table(best, engines, args, "\nbest round (the least disturbed by other processes; a round another "
+                    "process slowed shows as a gap between this table and the medians)"))
     if args.json:
         env["load_avg_end"] = list(os.getloadavg())
         Path(args.json).write_text(json.dumps({
             "environment": env, "elapsed_s": elapsed, "settings": {k: v for k, v in vars(args).items() if k != "worker"},
-            "medians": [{"case": c, "threads": t, "engine": e, "tok_s": v} for (c, t, e), v in medians.items()],
+            "medians": [{"case": c, "threads": t, "engine": e, "tok_s": v, "best_tok_s": best[(c, t, e)]}
+                        for (c, t, e), v in medians.items()],
             "runs": runs}, indent=1))
 
 
-def report(medians, runs, engines, args, env, elapsed) -> str:
-    lines = [f"\nmedian tok/s over {args.rounds} round(s); ratio = engine / llama.cpp "
-             f"(commit {env['commit']}, {env['date']}, {elapsed / 60:.1f} min)"]
+def table(medians, engines, args, title) -> str:
+    """Rows of tok/s per (case, threads), a column per engine, then each engine / llama.cpp."""
+    lines = [title]
     head = f"{'case':<24}{'threads':>8}" + "".join(f"{e:>14}" for e in engines)
     others = [e for e in engines if e != "llama.cpp"]
     if "llama.cpp" in engines:
@@ -400,6 +407,12 @@ def report(medians, runs, engines, args, env, elapsed) -> str:
                     f"{medians[(case, threads, e)] / base:>19.2f}x" if base and (case, threads, e) in medians
                     else f"{'-':>20}" for e in others)
             lines.append(row)
+    return "\n".join(lines)
+
+
+def report(medians, runs, engines, args, env, elapsed) -> str:
+    lines = [table(medians, engines, args, f"\nmedian tok/s over {args.rounds} round(s); ratio = engine / llama.cpp "
+                   f"(commit {env['commit']}, {env['date']}, {elapsed / 60:.1f} min)")]
     if "context" in args.cases:
         fills = []
         for threads in args.threads:
