@@ -307,31 +307,24 @@ class Kernels:
 
     def matmul(self, x, w):
         # [T, K], [N, K] -> [T, N]
-        _array(x, "x", (_F32,), 2)
-        gtype, data, N, K = _weight(w, "w")
-        T = x.shape[0]
-        if x.shape[1] != K:
-            raise ShapeError(f"x has {x.shape[1]} columns but w is [{N}, {K}] (y = x @ W.T needs {K})")
-        y = np.empty((T, N), dtype=_F32)
-        status = lib.kvref_matmul(self._pool.ptr, ffi.from_buffer("float[]", x), T, K,
-                                  ffi.from_buffer(data), gtype, data.nbytes, N,
-                                  ffi.from_buffer("float[]", y))
-        _check_status(status, "matmul")
-        return y
+        return self._projection(lib.kvref_matmul, "matmul", x, w)
 
     def matmul_int8(self, x, w):
         # [T, K], [N, K] -> [T, N]: the int8 activation mode's projection (see csrc/kvref.h):
         # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q8_0 weights, exact otherwise
+        return self._projection(lib.kvref_matmul_int8, "matmul_int8", x, w)
+
+    def _projection(self, c_function, name, x, w):
+        # the checks and call shared by both projections; c_function has kvref_matmul's signature
         _array(x, "x", (_F32,), 2)
         gtype, data, N, K = _weight(w, "w")
         T = x.shape[0]
         if x.shape[1] != K:
             raise ShapeError(f"x has {x.shape[1]} columns but w is [{N}, {K}] (y = x @ W.T needs {K})")
         y = np.empty((T, N), dtype=_F32)
-        status = lib.kvref_matmul_int8(self._pool.ptr, ffi.from_buffer("float[]", x), T, K,
-                                       ffi.from_buffer(data), gtype, data.nbytes, N,
-                                       ffi.from_buffer("float[]", y))
-        _check_status(status, "matmul_int8")
+        status = c_function(self._pool.ptr, ffi.from_buffer("float[]", x), T, K,
+                            ffi.from_buffer(data), gtype, data.nbytes, N, ffi.from_buffer("float[]", y))
+        _check_status(status, name)
         return y
 
     def rms_norm(self, x, weight, eps):
