@@ -26,6 +26,9 @@ typedef struct {
     float *out;                /* [T, H, D] */
 } attn_ctx;
 
+/* floats of one (m, l, acc) state for G heads, rounded up to even */
+static int64_t partial_floats(int64_t G, int64_t D) { return (G * (D + 2) + 1) / 2 * 2; }
+
 static void attn_task(void *vctx, int64_t unit, int thread) {
     const attn_ctx *c = vctx;
     const kvref_attn_args *a = &c->a;
@@ -41,7 +44,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
         mla = c->partial + unit * G * (D + 2);
     } else {
         mla = scratch;
-        scratch += G * (D + 2);
+        scratch += partial_floats(G, D); /* the unit's int64 rows stay 8-byte aligned */
     }
     float *m = mla, *l = mla + G, *acc = mla + 2 * G;
     kvref_attn_state_init(G, D, m, l, acc);
@@ -119,7 +122,7 @@ static int64_t n_segments(int64_t T, int64_t S) {
 }
 
 size_t kvref_attention_scratch_bytes(int64_t G, int64_t D) {
-    return (size_t)(kvref_attn_scratch_floats(G, D) + G * (D + 2)) * sizeof(float);
+    return (size_t)(kvref_attn_scratch_floats(G, D) + partial_floats(G, D)) * sizeof(float);
 }
 
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S) {
@@ -142,28 +145,30 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, a->T * a->Hkv);
 }
 
-int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const void *k,
-                    const void *v, int32_t kv_type, int64_t S, int64_t Hkv,
-                    const int64_t *q_positions, const int64_t *k_positions, float *out) {
-    if (pool == NULL) return KVREF_ERR_NULL;
-    if (T < 0 || H < 0 || D < 0 || S < 0 || Hkv < 0) return KVREF_ERR_DIM;
-    if (kv_type != KVREF_TYPE_F32 && kv_type != KVREF_TYPE_F16) return KVREF_ERR_TYPE;
-    if (Hkv == 0 || H % Hkv != 0) return KVREF_ERR_SHAPE;
-    if (mul_overflows(T, H) || mul_overflows(T * H, D) || mul_overflows(S, Hkv) || mul_overflows(S * Hkv, D))
-        return KVREF_ERR_DIM;
-    if (T == 0 || H == 0 || D == 0) return KVREF_OK;
+int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const kvref_kv *kv,
+                    int64_t layer, int64_t S, const int64_t *q_positions, const int64_t *k_positions,
+                    float *out) {
+    if (pool == NULL || kv == NULL) return KVREF_ERR_NULL;
+    if (T < 0 || H < 0 || D < 0 || S < 0 || layer < 0 || layer >= kv->n_layers) return KVREF_ERR_DIM;
+    const int64_t Hkv = kv->n_kv_heads;
+    int status = kvref_kv_check(kv, kv->n_layers, Hkv, D, S);
+    if (status != KVREF_OK) return status;
+    if (H % Hkv != 0) return KVREF_ERR_SHAPE;
+    if (mul_overflows(T, H) || mul_overflows(T * H, D)) return KVREF_ERR_DIM;
+    if (T == 0 || H == 0) return KVREF_OK;
     if (q == NULL || q_positions == NULL || out == NULL) return KVREF_ERR_NULL;
     if (S == 0) {
         for (int64_t i = 0; i < T * H * D; i++) out[i] = 0.0f; /* no key is visible */
         return KVREF_OK;
     }
-    if (k == NULL || v == NULL || k_positions == NULL) return KVREF_ERR_NULL;
+    if (k_positions == NULL) return KVREF_ERR_NULL;
 
     const int64_t G = H / Hkv;
-    const kvref_attn_args a = {q, k, v, kv_type, q_positions, k_positions, T, H, D, S, Hkv, G,
-                               (float)(1.0 / sqrt((double)D))};
+    kvref_attn_args a = {.q = q, .q_positions = q_positions, .k_positions = k_positions, .T = T, .H = H, .S = S,
+                         .G = G, .scale = (float)(1.0 / sqrt((double)D))};
+    kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
-    int status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(G, D));
+    status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(G, D));
     float *partial = NULL;
     const int64_t np = kvref_attention_partial_floats(T, Hkv, G, D, S);
     if (status == KVREF_OK && np > 0) {

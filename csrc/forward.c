@@ -9,8 +9,8 @@
  *     unit's rows) another, and the output and down projections add into the residual stream as
  *     they produce it; every output element is still the one dot product kvref_matmul computes;
  *   - RoPE's cos/sin are computed once per new position per call, not once per layer;
- *   - K and V go straight into the cache rows of the new positions (rounded to float16 exactly as
- *     NumPy's astype rounds, for a float16 cache).
+ *   - K and V go straight into the cache slots of the new positions, encoded as the Python cache
+ *     layouts encode them (kvcache.c), and attention reads them there, paged or not.
  *
  * Work is split only by the pool (units of rows, heads, key segments), never by thread identity,
  * so results are the same for every thread count. Shape legend as in kvref.h; x is the residual
@@ -64,10 +64,8 @@ typedef struct {
     const kvref_model_desc *c; /* config and weights */
     kvref_state *s;
     const int64_t *token_ids;  /* [T] */
-    int64_t T, length, capacity;
-    uint8_t *k_cache, *v_cache; /* [n_layers, capacity, Hkv, D] of kv_type */
-    int32_t kv_type;
-    int64_t kv_esize;          /* bytes per cached element */
+    int64_t T, length;
+    const kvref_kv *kv;        /* the cache, written at positions [length, length + T) */
     int int8;                  /* KVREF_ACT_INT8 */
     int all_logits;
     float *logits;
@@ -119,7 +117,7 @@ static void norm_row(const fw *f, int64_t t) {
     kvref_rms_norm_row(f->s->x + t * E, E, f->gain, f->c->norm_eps, f->s->xb + t * E);
 }
 
-/* rotate q[t] and k[t] for position length + t; k[t] and v[t] -> cache row length + t */
+/* rotate q[t] and k[t] for position length + t; k[t] and v[t] -> that position's cache slot */
 static void rope_store_row(const fw *f, int64_t t) {
     const kvref_model_desc *c = f->c;
     const int64_t D = c->head_dim, Hkv = c->n_kv_heads, kvd = Hkv * D;
@@ -127,14 +125,7 @@ static void rope_store_row(const fw *f, int64_t t) {
     float *q = f->s->q + t * c->n_heads * D, *k = f->s->k + t * kvd, *v = f->s->v + t * kvd;
     kvref_rope_row(q, c->n_heads, D, cs, q);
     kvref_rope_row(k, Hkv, D, cs, k);
-    const int64_t row = (f->layer * f->capacity + f->length + t) * kvd * f->kv_esize; /* byte offset */
-    if (f->kv_type == KVREF_TYPE_F16) {
-        f->kk->to_fp16(kvd, k, (uint16_t *)(void *)(f->k_cache + row));
-        f->kk->to_fp16(kvd, v, (uint16_t *)(void *)(f->v_cache + row));
-    } else {
-        memcpy(f->k_cache + row, k, (size_t)kvd * sizeof(float));
-        memcpy(f->v_cache + row, v, (size_t)kvd * sizeof(float));
-    }
+    kvref_kv_store(f->kv, f->kk, f->layer, f->length + t, k, v);
 }
 
 /* x[t] += tmp[t] */
@@ -272,7 +263,7 @@ static void rms_norm(fw *f, const float *gain) {
     f->s->ns[FAM_OTHER] += now_ns() - t0;
 }
 
-/* q, k rotated for their positions; k, v stored in the cache rows [length, length + T) */
+/* q, k rotated for their positions; k, v stored in the cache at positions [length, length + T) */
 static void rope_and_store(fw *f) {
     const int64_t t0 = now_ns();
     for_each_row(f, rope_store_row);
@@ -284,11 +275,10 @@ static void rope_and_store(fw *f) {
 static void attend(fw *f) {
     const int64_t t0 = now_ns();
     const kvref_model_desc *c = f->c;
-    const int64_t D = c->head_dim, Hkv = c->n_kv_heads;
-    const int64_t layer_off = f->layer * f->capacity * Hkv * D * f->kv_esize;
-    const kvref_attn_args a = {f->s->q, f->k_cache + layer_off, f->v_cache + layer_off, f->kv_type,
-                               f->s->q_positions, f->s->k_positions, f->T, c->n_heads, D,
-                               f->length + f->T, Hkv, c->n_heads / Hkv, (float)(1.0 / sqrt((double)D))};
+    kvref_attn_args a = {.q = f->s->q, .q_positions = f->s->q_positions, .k_positions = f->s->k_positions,
+                         .T = f->T, .H = c->n_heads, .S = f->length + f->T, .G = c->n_heads / c->n_kv_heads,
+                         .scale = (float)(1.0 / sqrt((double)c->head_dim))};
+    kvref_kv_layer(f->kv, f->layer, &a);
     kvref_attention_run(f->pool, &a, f->s->partial, f->s->att);
     f->s->ns[FAM_ATTN] += now_ns() - t0;
 }
@@ -420,7 +410,7 @@ void kvref_state_destroy(kvref_state *state) {
 
 
 /* Grow the buffers to T new positions over S attended positions (never shrinks them). */
-static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t capacity) {
+static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
     const kvref_model_desc *c = &s->model->desc;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
     if (T > s->rows) {
@@ -444,12 +434,13 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t capacity)
         s->rows = rows;
     }
     if (S > s->keys) {
-        int64_t *kp = malloc((size_t)capacity * sizeof(int64_t)); /* every position the cache can hold */
+        const int64_t keys = S > 2 * s->keys ? S : 2 * s->keys;
+        int64_t *kp = malloc((size_t)keys * sizeof(int64_t));
         if (kp == NULL) return KVREF_ERR_NOMEM;
-        for (int64_t i = 0; i < capacity; i++) kp[i] = i;
+        for (int64_t i = 0; i < keys; i++) kp[i] = i;
         free(s->k_positions);
         s->k_positions = kp;
-        s->keys = capacity;
+        s->keys = keys;
     }
     const int64_t np = kvref_attention_partial_floats(T, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim, S);
     if (np > s->partial_floats) {
@@ -478,24 +469,24 @@ void kvref_state_reset_timings(kvref_state *state) {
 /* ---- the forward ---------------------------------------------------------------------------- */
 
 int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state, const int64_t *token_ids,
-                  int64_t T, void *k_cache, void *v_cache, int32_t kv_type, int64_t capacity, int64_t length,
-                  int32_t activations, int32_t all_logits, float *logits) {
-    if (pool == NULL || model == NULL || state == NULL) return KVREF_ERR_NULL;
+                  int64_t T, const kvref_kv *cache, int64_t length, int32_t activations, int32_t all_logits,
+                  float *logits) {
+    if (pool == NULL || model == NULL || state == NULL || cache == NULL) return KVREF_ERR_NULL;
     if (state->model != model) return KVREF_ERR_VALUE;
     const kvref_model_desc *c = &model->desc;
-    if (T < 1 || length < 0 || capacity < 0 || capacity > KVREF_MAX_DIM) return KVREF_ERR_DIM;
-    if (T > capacity - length) return KVREF_ERR_DIM; /* no room for T new positions */
-    if (kv_type != KVREF_TYPE_F32 && kv_type != KVREF_TYPE_F16) return KVREF_ERR_TYPE;
+    if (T < 1 || length < 0 || T > KVREF_MAX_DIM || length > KVREF_MAX_DIM) return KVREF_ERR_DIM;
+    const int64_t S = length + T;
+    int status = kvref_kv_check(cache, c->n_layers, c->n_kv_heads, c->head_dim, S); /* room for T more */
+    if (status != KVREF_OK) return status;
     if ((activations != KVREF_ACT_F32 && activations != KVREF_ACT_INT8) || (all_logits != 0 && all_logits != 1))
         return KVREF_ERR_VALUE;
-    if (token_ids == NULL || k_cache == NULL || v_cache == NULL || logits == NULL) return KVREF_ERR_NULL;
+    if (token_ids == NULL || logits == NULL) return KVREF_ERR_NULL;
     for (int64_t t = 0; t < T; t++)
         if (token_ids[t] < 0 || token_ids[t] >= c->vocab_size) return KVREF_ERR_VALUE;
 
     kvref_pool_lock(pool);
     const int64_t t_start = now_ns();
-    const int64_t S = length + T;
-    int status = state_reserve(state, T, S, capacity);
+    status = state_reserve(state, T, S);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM (any type, so a misaligned F32 weight too) */
         size_t scratch = (size_t)KVREF_TILE_N * (size_t)model->max_k * sizeof(float);
         const size_t attn = kvref_attention_scratch_bytes(c->n_heads / c->n_kv_heads, c->head_dim);
@@ -505,8 +496,7 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
         kvref_pool_unlock(pool);
         return status;
     }
-    fw f = {pool, kvref_pool_kernels(pool), c, state, token_ids, T, length, capacity,
-            (uint8_t *)k_cache, (uint8_t *)v_cache, kv_type, kv_type == KVREF_TYPE_F16 ? 2 : 4,
+    fw f = {pool, kvref_pool_kernels(pool), c, state, token_ids, T, length, cache,
             activations == KVREF_ACT_INT8, all_logits, logits, 0, NULL, NULL};
     for (int64_t t = 0; t < T; t++) { /* the new positions and their RoPE angles, once per call */
         state->q_positions[t] = length + t;
@@ -520,7 +510,7 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
         /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
         rms_norm(&f, f.lw->attn_norm);          /* xb = rms_norm(x) * attn_norm */
         qkv_projections(&f);                    /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
-        rope_and_store(&f);                     /* rotate q, k; k, v -> cache rows length.. */
+        rope_and_store(&f);                     /* rotate q, k; k, v -> cache positions length.. */
         attend(&f);                             /* att = softmax(q . K / sqrt(D)) V, causal by position */
         output_projection(&f);                  /* x += att @ Wo.T */
         /* MLP block: x += swiglu(...) @ Wd.T, position by position */

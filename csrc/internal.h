@@ -133,8 +133,12 @@ typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float 
  * KVREF_ATTN_CHUNK (the unit works chunk by chunk from s0). */
 typedef struct kvref_attn_args {
     const float *q;            /* [T, H, D] */
-    const void *k, *v;         /* [S, Hkv, D] of kv_type */
-    int32_t kv_type;
+    const uint8_t *k, *v;      /* the layer's slots [n_slots, Hkv, D] of k_type / v_type */
+    const float *k_scales, *v_scales; /* the layer's I8 scales [n_slots, Hkv, D / group_size] or NULL */
+    int32_t k_type, v_type;
+    int64_t group_size;
+    const int64_t *block_table; /* key s is in slot table[s / block_size] * block_size + s % block_size */
+    int64_t block_size;        /* ... or in slot s when block_table is NULL */
     const int64_t *q_positions, *k_positions; /* [T], [S] */
     int64_t T, H, D, S, Hkv, G;
     float scale;               /* 1 / sqrt(D) */
@@ -151,10 +155,34 @@ static inline void kvref_attn_state_init(int64_t G, int64_t D, float *m, float *
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
 }
 
-/* Floats of per-thread scratch an attention unit needs. */
+/* Keys a unit scores per step, and keys past a chunk whose rows it may look up (to prefetch). */
 #define KVREF_ATTN_CHUNK 64
+#define KVREF_ATTN_LOOKAHEAD 48
+
+/* Per-thread scratch of an attention unit: probabilities p [G, CHUNK] floats, then the rows of a
+ * chunk (and its lookahead) as int64: row [CHUNK + LOOKAHEAD], srow [CHUNK + LOOKAHEAD]. */
 static inline int64_t kvref_attn_scratch_floats(int64_t G, int64_t D) {
-    return G * (KVREF_ATTN_CHUNK + D) + 64;
+    return G * KVREF_ATTN_CHUNK + 4 * (KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD) + 64;
+}
+
+/* Where kv head hk's vectors of keys c0 .. c0+n-1 are: row[i] is the element offset of key c0 + i's
+ * vector in the layer's K and V arrays ((slot * Hkv + hk) * D), srow[i] the offset of its first I8
+ * scale ((slot * Hkv + hk) * D / group_size; 0 when nothing is I8). The slots follow the
+ * block table one block at a time: one division per call, none per key. */
+static inline void kvref_attn_rows(const kvref_attn_args *a, int64_t hk, int64_t c0, int64_t n, int64_t *row,
+                                   int64_t *srow) {
+    const int64_t bs = a->block_table != NULL ? a->block_size : INT64_MAX;
+    const int64_t ng = a->group_size > 0 ? a->D / a->group_size : 0;
+    int64_t b = c0 / bs, o = c0 % bs;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t slot = a->block_table != NULL ? a->block_table[b] * bs + o : c0 + i;
+        row[i] = (slot * a->Hkv + hk) * a->D;
+        srow[i] = (slot * a->Hkv + hk) * ng;
+        if (++o == bs) {
+            o = 0;
+            b++;
+        }
+    }
 }
 
 typedef struct kvref_kernels {
@@ -185,6 +213,9 @@ float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const int8_t *
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
 void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out);
+/* the portable attention unit: any K/V types and group size (SIMD units hand it what they do not cover) */
+void kvref_attn_unit_ref(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
+                         float *l, float *acc, float *scratch);
 float kvref_silu_ref(float g);
 void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out);
 
@@ -236,6 +267,17 @@ typedef struct kvref_mv {
 } kvref_mv;
 
 void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv);
+
+/* ---- the cache's storage (kvcache.c) ------------------------------------------------------- */
+
+/* KVREF_OK if `kv` is a well-formed cache of n_layers x Hkv x D that holds `positions` positions
+ * (every block-table entry they use in range), else the status naming what is wrong */
+int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D, int64_t positions);
+/* the attention arguments' view of layer `layer` of a checked cache (q, positions, T, H, S unset) */
+void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a);
+/* encode the K and V vectors of one position, k and v [Hkv, D] float32, into its slot in `layer` */
+void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t position,
+                    const float *k, const float *v);
 
 /* per-thread scratch bytes, and shared floats for segment partials, of kvref_attention_run */
 size_t kvref_attention_scratch_bytes(int64_t G, int64_t D);

@@ -280,28 +280,132 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
     }
 }
 
-/* ---- attention unit (same algorithm as attn_unit_scalar in scalar.c) --------------------- */
+/* ---- attention unit (same algorithm as kvref_attn_unit_ref in scalar.c) ------------------ */
 
-TARGET static inline __m256 load_kv8(const void *base, int32_t type, int64_t i) {
-    if (type == KVREF_TYPE_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
-    return _mm256_loadu_ps((const float *)base + i);
+/* 8 K/V values at element e of a layer's K or V, as float32: F16 and BF16 widened, I8 times its
+ * group's `scale` (the SIMD unit takes I8 only when 8 | group_size: a vector never spans two groups) */
+TARGET static inline __m256 load_kv8(const uint8_t *base, int32_t type, int64_t e, float scale) {
+    switch (type) {
+    case KVREF_TYPE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(base + 2 * e)));
+    case KVREF_TYPE_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(base + 2 * e))), 16));
+    case KVREF_TYPE_I8: return _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(base + e)), _mm256_set1_ps(scale));
+    default: return _mm256_loadu_ps((const float *)(const void *)base + e);
+    }
 }
 
-TARGET static inline float load_kv1(const void *base, int32_t type, int64_t i) {
-    if (type == KVREF_TYPE_F16) return fp16_load((const uint8_t *)base + 2 * i);
-    return ((const float *)base)[i];
+/* one value of a float type (the tail of a head dim that is not a multiple of 8; never I8) */
+TARGET static inline float load_kv1(const uint8_t *base, int32_t type, int64_t e) {
+    switch (type) {
+    case KVREF_TYPE_F16: return fp16_load(base + 2 * e);
+    case KVREF_TYPE_BF16: return kvref_bf16_to_fp32(kvref_load_u16(base + 2 * e));
+    default: return load_f32(base + 4 * e);
+    }
 }
 
-/* kv_type is a compile-time constant in each instantiation below: read through `a`, it would be
- * reloaded before every K/V load (the compiler cannot prove the stores to acc do not change it) */
-TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
-    const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m, float *l, float *acc,
-    float *scratch, const int32_t kv_type) {
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's visible keys, -inf for the others. The vectors
+ * of one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+TARGET __attribute__((always_inline)) static inline void score_typed(
+    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int all,
+    const int64_t *kp, int64_t qpos, float *p, const int32_t k_type) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
+    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
+    for (int64_t s = 0; s < n; s++) {
+        if (!all && kp[s] > qpos) {
+            for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
+            continue;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m256 d = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (int64_t jg = 0; i < Dv; jg++) {
+                const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[s] + jg] : 0.0f;
+                for (int64_t jj = 0; jj < vpg && i < Dv; jj++, i += 8)
+                    d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(a->k, k_type, row[s] + i, sc), d);
+            }
+            float dot = hsum8(d);
+            for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, k_type, row[s] + i);
+            p[g * C + s] = dot * a->scale;
+        }
+    }
+}
+
+/* acc += p V over the chunk's n keys; masked keys never touch acc */
+TARGET __attribute__((always_inline)) static inline void pv_typed(
+    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
+    int all, const int64_t *kp, int64_t qpos, const int32_t v_type) {
+#define load_v(s, sc) load_kv8(a->v, v_type, row[s] + i, v_type == KVREF_TYPE_I8 ? (sc) : 0.0f)
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
+    for (int64_t g = 0; g < a->G; g++) {
+        const float *pg = p + g * C;
+        float *ag = acc + g * D;
+        int64_t i = 0;
+        for (; i < Dv; i += 8) {
+            const int64_t jg = v_type == KVREF_TYPE_I8 ? i / a->group_size : 0;
+            const float *vs = a->v_scales;
+            __m256 av = _mm256_loadu_ps(ag + i);
+            int64_t s = 0;
+            if (all) { /* four keys per step: four independent FMA chains instead of one */
+                __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+                for (; s + 4 <= n; s += 4) {
+                    av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_v(s, vs[srow[s] + jg]), av);
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 1]), load_v(s + 1, vs[srow[s + 1] + jg]), a1);
+                    a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 2]), load_v(s + 2, vs[srow[s + 2] + jg]), a2);
+                    a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 3]), load_v(s + 3, vs[srow[s + 3] + jg]), a3);
+                }
+                av = _mm256_add_ps(_mm256_add_ps(av, a1), _mm256_add_ps(a2, a3));
+            }
+            for (; s < n; s++) {
+                if (!all && kp[s] > qpos) continue;
+                av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_v(s, vs[srow[s] + jg]), av);
+            }
+            _mm256_storeu_ps(ag + i, av);
+        }
+        for (; i < D; i++) {
+            float av = ag[i];
+            for (int64_t s = 0; s < n; s++) {
+                if (!all && kp[s] > qpos) continue;
+                av += pg[s] * load_kv1(a->v, v_type, row[s] + i);
+            }
+            ag[i] = av;
+        }
+    }
+#undef load_v
+}
+
+/* One instantiation per element type: the type must be a compile-time constant, or every K/V
+ * load would test it. */
+TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow,
+                               int64_t n, int all, const int64_t *kp, int64_t qpos, float *p) {
+    switch (a->k_type) {
+    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_F16: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_BF16); break;
+    default: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_F32);
+    }
+}
+
+TARGET static void pv_chunk(const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n,
+                            const float *p, float *acc, int all, const int64_t *kp, int64_t qpos) {
+    switch (a->v_type) {
+    case KVREF_TYPE_I8: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_F16: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_BF16); break;
+    default: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F32);
+    }
+}
+
+TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
+                             float *l, float *acc, float *scratch) {
+    if ((a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8) && a->group_size % 8 != 0) {
+        kvref_attn_unit_ref(a, t, hk, s0, s1, m, l, acc, scratch); /* scale groups narrower than a vector */
+        return;
+    }
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
     const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
     const int64_t qpos = a->q_positions[t];
-    const int64_t Dv = D / 8 * 8;
     float *p = scratch; /* [G, C] */
+    int64_t *row = (int64_t *)(void *)(p + G * C), *srow = row + C + KVREF_ATTN_LOOKAHEAD;
 
     for (int64_t c0 = s0; c0 < s1; c0 += C) {
         const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
@@ -310,22 +414,8 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
         for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
         if (nvis == 0) continue;
         const int all = nvis == n;
-
-        for (int64_t s = 0; s < n; s++) {
-            if (!all && kp[s] > qpos) {
-                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
-                continue;
-            }
-            const int64_t kb = ((c0 + s) * a->Hkv + hk) * D;
-            for (int64_t g = 0; g < G; g++) {
-                __m256 d = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i < Dv; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(a->k, kv_type, kb + i), d);
-                float dot = hsum8(d);
-                for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, kv_type, kb + i);
-                p[g * C + s] = dot * a->scale;
-            }
-        }
+        kvref_attn_rows(a, hk, c0, n, row, srow);
+        score_chunk(a, q, row, srow, n, all, kp, qpos, p);
         for (int64_t g = 0; g < G; g++) {
             float *pg = p + g * C;
             const int64_t nv = n / 8 * 8;
@@ -353,46 +443,8 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
                 for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
             m[g] = mnew;
         }
-        for (int64_t g = 0; g < G; g++) {
-            const float *pg = p + g * C;
-            float *ag = acc + g * D;
-            int64_t i = 0;
-            for (; i < Dv; i += 8) {
-                __m256 av = _mm256_loadu_ps(ag + i);
-                int64_t s = 0;
-                if (all) { /* four keys per step: four independent FMA chains instead of one */
-                    __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-                    const int64_t vb = (c0 * a->Hkv + hk) * D + i, vs = a->Hkv * D;
-                    for (; s + 4 <= n; s += 4) {
-                        av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, kv_type, vb + s * vs), av);
-                        a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 1]), load_kv8(a->v, kv_type, vb + (s + 1) * vs), a1);
-                        a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 2]), load_kv8(a->v, kv_type, vb + (s + 2) * vs), a2);
-                        a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 3]), load_kv8(a->v, kv_type, vb + (s + 3) * vs), a3);
-                    }
-                    av = _mm256_add_ps(_mm256_add_ps(av, a1), _mm256_add_ps(a2, a3));
-                }
-                for (; s < n; s++) {
-                    if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
-                    av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv8(a->v, kv_type, ((c0 + s) * a->Hkv + hk) * D + i), av);
-                }
-                _mm256_storeu_ps(ag + i, av);
-            }
-            for (; i < D; i++) {
-                float av = ag[i];
-                for (int64_t s = 0; s < n; s++) {
-                    if (!all && kp[s] > qpos) continue;
-                    av += pg[s] * load_kv1(a->v, kv_type, ((c0 + s) * a->Hkv + hk) * D + i);
-                }
-                ag[i] = av;
-            }
-        }
+        pv_chunk(a, row, srow, n, p, acc, all, kp, qpos); /* acc += p V */
     }
-}
-
-TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
-                             float *m, float *l, float *acc, float *scratch) {
-    if (a->kv_type == KVREF_TYPE_F16) attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F16);
-    else attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F32);
 }
 
 /* ---- 8-bit activations: integer dot products with maddubs ---------------------------------- */

@@ -349,15 +349,34 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
     }
 }
 
-/* ---- attention unit (same algorithm as attn_unit_scalar in scalar.c) --------------------- */
+/* ---- attention unit (same algorithm as kvref_attn_unit_ref in scalar.c) ------------------ */
 
-/* 16 K/V values at element i; `full` (a compile-time constant where it matters): the mask is all ones,
- * so a plain load does (masked loads cost more on some cores) */
-TARGET static inline __m512 load_kv_m(const void *base, int32_t type, int64_t i, __mmask16 mk, int full) {
-    if (type == KVREF_TYPE_F16)
-        return _mm512_cvtph_ps(full ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))
-                                    : _mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + i));
-    return full ? _mm512_loadu_ps((const float *)base + i) : _mm512_maskz_loadu_ps(mk, (const float *)base + i);
+static inline int64_t kv_bytes(int32_t type) { return type == KVREF_TYPE_F32 ? 4 : type == KVREF_TYPE_I8 ? 1 : 2; }
+
+/* 16 K/V values at element e of a layer's K or V, as float32: F16 and BF16 widened, I8 times
+ * `scale`, its group's scale (the SIMD unit takes I8 only when 16 | group_size, so a vector never
+ * spans two groups). `full` (a compile-time constant where it matters): the mask is all ones, so a
+ * plain load does (masked loads cost more on some cores). */
+TARGET static inline __m512 load_kv_m(const uint8_t *base, int32_t type, int64_t e, __mmask16 mk, int full,
+                                      float scale) {
+    switch (type) {
+    case KVREF_TYPE_F16:
+        return _mm512_cvtph_ps(full ? _mm256_loadu_si256((const __m256i *)(const void *)(base + 2 * e))
+                                    : _mm256_maskz_loadu_epi16(mk, base + 2 * e));
+    case KVREF_TYPE_BF16: {
+        const __m256i h = full ? _mm256_loadu_si256((const __m256i *)(const void *)(base + 2 * e))
+                               : _mm256_maskz_loadu_epi16(mk, base + 2 * e);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case KVREF_TYPE_I8: {
+        const __m128i b = full ? _mm_loadu_si128((const __m128i *)(const void *)(base + e)) : _mm_maskz_loadu_epi8(mk, base + e);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale));
+    }
+    default: {
+        const float *f = (const float *)(const void *)base + e;
+        return full ? _mm512_loadu_ps(f) : _mm512_maskz_loadu_ps(mk, f);
+    }
+    }
 }
 
 /* [16 x 16 lanes] -> 16 lanes: lane r = sum of the lanes of v[r] (a fixed tree of adds) */
@@ -374,33 +393,80 @@ TARGET static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
 }
 
-/* Whole K and V rows (every kv head: contiguous memory) of the 16 keys from r0 on, asked for while
- * kv head 0 scores keys KVREF_ATTN_PREFETCH_KEYS earlier. A unit reads one kv head's part of each
- * row, a strided pattern the hardware prefetchers follow poorly, so without this attention over a
- * cache streamed from DRAM waits on memory at every group of keys. Measured on this repository's
- * 2-core Zen 4 machine (30 layers x 4096 float16 positions, Hkv = 3): 16.0 -> 13.1 ms at one
- * thread, 8.9 -> 7.9 ms at two; a per-head or a next-chunk prefetch gained nothing. */
+/* The whole K and V slots (every kv head: contiguous memory) of keys i0 .. i0+15 (those of the
+ * nrows looked up), asked for while kv head 0 scores keys KVREF_ATTN_PREFETCH_KEYS earlier. A unit
+ * reads one kv head's part of each slot, a strided pattern the hardware prefetchers follow poorly,
+ * so without this attention over a cache streamed from DRAM waits on memory at every group of
+ * keys. Measured on this repository's 2-core Zen 4 machine (30 layers x 4096 float16 positions,
+ * Hkv = 3): 16.0 -> 13.1 ms at one thread, 8.9 -> 7.9 ms at two; a per-head or a next-chunk
+ * prefetch gained nothing. With kv head 0, row[i] is the slot's first element. */
 #define KVREF_ATTN_PREFETCH_KEYS 32
-TARGET static inline void prefetch_rows(const kvref_attn_args *a, const int32_t kv_type, int64_t r0) {
-    const int64_t row = a->Hkv * a->D * (kv_type == KVREF_TYPE_F16 ? 2 : 4);
-    const int64_t r1 = r0 + 16 < a->S ? r0 + 16 : a->S;
-    for (int64_t o = r0 * row; o < r1 * row; o += 64) { /* __builtin_prefetch: GCC 12 silently drops
-                                                           _mm_prefetch in this inlined helper */
-        __builtin_prefetch((const char *)a->k + o, 0, 3);
-        __builtin_prefetch((const char *)a->v + o, 0, 3);
+TARGET static inline void prefetch_rows(const kvref_attn_args *a, const int64_t *row, int64_t i0, int64_t nrows) {
+    const int64_t kb = kv_bytes(a->k_type), vb = kv_bytes(a->v_type), elems = a->Hkv * a->D;
+    const int64_t i1 = i0 + 16 < nrows ? i0 + 16 : nrows;
+    for (int64_t i = i0; i < i1; i++) { /* __builtin_prefetch: GCC 12 silently drops _mm_prefetch in
+                                           this inlined helper */
+        for (int64_t o = 0; o < elems * kb; o += 64) __builtin_prefetch(a->k + row[i] * kb + o, 0, 3);
+        for (int64_t o = 0; o < elems * vb; o += 64) __builtin_prefetch(a->v + row[i] * vb + o, 0, 3);
     }
 }
 
-/* acc[g] += sum_s p[g, s] V[c0 + s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys (rows row[0..n)), 16 keys at a time:
+ * 16 dot-product vectors, then one transposing reduction; the chunk's last n % 16 keys one by one.
+ * The vectors of one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+TARGET __attribute__((always_inline)) static inline void score_typed(
+    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
+    int prefetch, float *p, const int32_t k_type, const int full) {
+#define load_k(e, mk, sc) load_kv_m(a->k, k_type, e, mk, full, k_type == KVREF_TYPE_I8 ? (sc) : 0.0f)
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
+    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
+    const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    int64_t s = 0;
+    for (; s + 16 <= n; s += 16) {
+        if (prefetch) prefetch_rows(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 d[16];
+            for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();
+            for (int64_t j = 0, jg = 0; j < nvec; jg++)
+                for (int64_t jj = 0; jj < vpg; jj++, j++) {
+                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                    const __m512 qv = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
+                    for (int r = 0; r < 16; r++)
+                        d[r] = _mm512_fmadd_ps(qv, load_k(row[s + r] + 16 * j, mk, a->k_scales[srow[s + r] + jg]), d[r]);
+                }
+            _mm512_storeu_ps(p + g * C + s, _mm512_mul_ps(reduce16(d), vscale));
+        }
+    }
+    for (; s < n; s++)
+        for (int64_t g = 0; g < G; g++) {
+            __m512 d = _mm512_setzero_ps();
+            for (int64_t j = 0, jg = 0; j < nvec; jg++)
+                for (int64_t jj = 0; jj < vpg; jj++, j++) {
+                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
+                                        load_k(row[s] + 16 * j, mk, a->k_scales[srow[s] + jg]), d);
+                }
+            p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
+        }
+#undef load_k
+}
+
+/* acc[g] += sum_s p[g, s] V[s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
  * with every key visible: two keys per step keep 8 independent FMA chains in flight (one chain per
  * 16-wide slice would wait on the FMA latency at every key). plain: exactly 4 full vectors. */
-TARGET __attribute__((always_inline)) static inline void pv_chunk(const kvref_attn_args *a, const int32_t kv_type,
-                                                                  const int plain, int64_t hk, int64_t c0, int64_t n,
-                                                                  const float *p, float *acc, __mmask16 last) {
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16, vstride = a->Hkv * D;
+TARGET __attribute__((always_inline)) static inline void pv_visible(
+    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
+    const int32_t v_type, const int plain, __mmask16 last) {
+#define load_v(s, j) load_kv_m(a->v, v_type, row[s] + 16 * (j), mk[j], plain, \
+                               v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg[j]] : 0.0f)
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     __mmask16 mk[4];
-    for (int64_t j = 0; j < 4; j++) mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
-    const int64_t vb = (c0 * a->Hkv + hk) * D;
+    int64_t jg[4]; /* the I8 scale group of each vector */
+    for (int64_t j = 0; j < 4; j++) {
+        mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
+        jg[j] = v_type == KVREF_TYPE_I8 ? 16 * j / a->group_size : 0;
+    }
     for (int64_t g = 0; g < a->G; g++) {
         const float *pg = p + g * C;
         __m512 a0[4], a1[4];
@@ -412,31 +478,100 @@ TARGET __attribute__((always_inline)) static inline void pv_chunk(const kvref_at
         for (; s + 2 <= n; s += 2) {
             const __m512 p0 = _mm512_set1_ps(pg[s]), p1 = _mm512_set1_ps(pg[s + 1]);
             for (int j = 0; j < 4; j++) {
-                a0[j] = _mm512_fmadd_ps(p0, load_kv_m(a->v, kv_type, vb + s * vstride + 16 * j, mk[j], plain), a0[j]);
-                a1[j] = _mm512_fmadd_ps(p1, load_kv_m(a->v, kv_type, vb + (s + 1) * vstride + 16 * j, mk[j], plain), a1[j]);
+                a0[j] = _mm512_fmadd_ps(p0, load_v(s, j), a0[j]);
+                a1[j] = _mm512_fmadd_ps(p1, load_v(s + 1, j), a1[j]);
             }
         }
         if (s < n) {
             const __m512 p0 = _mm512_set1_ps(pg[s]);
-            for (int j = 0; j < 4; j++)
-                a0[j] = _mm512_fmadd_ps(p0, load_kv_m(a->v, kv_type, vb + s * vstride + 16 * j, mk[j], plain), a0[j]);
+            for (int j = 0; j < 4; j++) a0[j] = _mm512_fmadd_ps(p0, load_v(s, j), a0[j]);
         }
         for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], _mm512_add_ps(a0[j], a1[j]));
     }
+#undef load_v
 }
 
-/* kv_type is a compile-time constant in each instantiation below: read through `a`, it would be
- * reloaded before every K/V load (the compiler cannot prove the stores to acc do not change it) */
-TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
-    const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m, float *l, float *acc,
-    float *scratch, const int32_t kv_type, const int full) {
-#define load_kv(base, type, i, mk) load_kv_m(base, type, i, mk, full)
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+/* acc += p V over the chunk's n keys; masked keys (kp[s] > qpos) never touch acc */
+TARGET __attribute__((always_inline)) static inline void pv_typed(
+    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
+    int all, const int64_t *kp, int64_t qpos, const int32_t v_type, const int full) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
+    const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
+    const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
+    if (all && nvec <= 4) {
+        if (full && nvec == 4) pv_visible(a, row, srow, n, p, acc, v_type, 1, (__mmask16)0xffff);
+        else pv_visible(a, row, srow, n, p, acc, v_type, 0, last);
+        return;
+    }
+    /* any head dim, or masked keys in the chunk: one 16-wide slice of every head at a time */
+    for (int64_t g = 0; g < a->G; g++) {
+        const float *pg = p + g * C;
+        for (int64_t j = 0; j < nvec; j++) {
+            const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+            const int64_t jg = j / vpg;
+            __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
+            for (int64_t s = 0; s < n; s++) {
+                if (!all && kp[s] > qpos) continue;
+                const float sc = v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg] : 0.0f;
+                av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(a->v, v_type, row[s] + 16 * j, mk, full, sc), av);
+            }
+            _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
+        }
+    }
+}
+
+/* One instantiation per element type (and, for the float types, per `full`): the type must be a
+ * compile-time constant, or every K/V load would test it. I8 always has 16 | D here. */
+TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow,
+                               int64_t n, int64_t nrows, int prefetch, float *p) {
+    const int full = a->D % 16 == 0;
+    switch (a->k_type) {
+    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_F16:
+        if (full) score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F16, 1);
+        else score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F16, 0);
+        break;
+    case KVREF_TYPE_BF16:
+        if (full) score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_BF16, 1);
+        else score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_BF16, 0);
+        break;
+    default:
+        if (full) score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F32, 1);
+        else score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F32, 0);
+    }
+}
+
+TARGET static void pv_chunk(const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n,
+                            const float *p, float *acc, int all, const int64_t *kp, int64_t qpos) {
+    const int full = a->D % 16 == 0;
+    switch (a->v_type) {
+    case KVREF_TYPE_I8: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_F16:
+        if (full) pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F16, 1);
+        else pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F16, 0);
+        break;
+    case KVREF_TYPE_BF16:
+        if (full) pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 1);
+        else pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 0);
+        break;
+    default:
+        if (full) pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F32, 1);
+        else pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F32, 0);
+    }
+}
+
+TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
+                             float *l, float *acc, float *scratch) {
+    if ((a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8) && a->group_size % 16 != 0) {
+        kvref_attn_unit_ref(a, t, hk, s0, s1, m, l, acc, scratch); /* scale groups narrower than a vector */
+        return;
+    }
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
     const int64_t qpos = a->q_positions[t];
-    const int64_t nvec = (D + 15) / 16;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     float *p = scratch; /* [G, C] */
+    int64_t *row = (int64_t *)(void *)(p + G * C), *srow = row + C + KVREF_ATTN_LOOKAHEAD;
 
     for (int64_t c0 = s0; c0 < s1; c0 += C) {
         const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
@@ -444,39 +579,13 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
         int64_t nvis = 0;
         for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
         if (nvis == 0) continue;
-        const int all = nvis == n;
-
-        /* scores, 16 keys at a time: 16 dot-product vectors, then one transposing reduction */
-        const __m512 vscale = _mm512_set1_ps(a->scale);
-        int64_t s = 0;
-        for (; s + 16 <= n; s += 16) {
-            const int64_t kb = ((c0 + s) * a->Hkv + hk) * D, kstride = a->Hkv * D;
-            if (hk == 0) prefetch_rows(a, kv_type, c0 + s + KVREF_ATTN_PREFETCH_KEYS);
-            for (int64_t g = 0; g < G; g++) {
-                __m512 d[16];
-                for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();
-                for (int64_t j = 0; j < nvec; j++) {
-                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    const __m512 qv = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
-                    for (int r = 0; r < 16; r++)
-                        d[r] = _mm512_fmadd_ps(qv, load_kv(a->k, kv_type, kb + r * kstride + 16 * j, mk), d[r]);
-                }
-                _mm512_storeu_ps(p + g * C + s, _mm512_mul_ps(reduce16(d), vscale));
-            }
-        }
-        for (; s < n; s++) { /* the chunk's last keys, one at a time */
-            const int64_t kb = ((c0 + s) * a->Hkv + hk) * D;
-            for (int64_t g = 0; g < G; g++) {
-                __m512 d = _mm512_setzero_ps();
-                for (int64_t j = 0; j < nvec; j++) {
-                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j), load_kv(a->k, kv_type, kb + 16 * j, mk), d);
-                }
-                p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
-            }
-        }
+        const int all = nvis == n, prefetch = hk == 0;
+        const int64_t ahead = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
+        const int64_t nrows = prefetch ? ahead : n;
+        kvref_attn_rows(a, hk, c0, nrows, row, srow);
+        score_chunk(a, q, row, srow, n, nrows, prefetch, p);
         if (!all) /* masked keys: scored like the rest (their values are never used), then hidden */
-            for (s = 0; s < n; s++)
+            for (int64_t s = 0; s < n; s++)
                 if (kp[s] > qpos)
                     for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
         /* online softmax: move the running max once per chunk */
@@ -508,41 +617,7 @@ TARGET __attribute__((always_inline)) static inline void attn_unit_typed(
             }
             m[g] = mnew;
         }
-        /* acc += p * V */
-        if (all && nvec <= 4) {
-            if (full && nvec == 4) pv_chunk(a, kv_type, 1, hk, c0, n, p, acc, (__mmask16)0xffff);
-            else pv_chunk(a, kv_type, 0, hk, c0, n, p, acc, last);
-            continue;
-        }
-        /* any head dim, or masked keys in the chunk: one 16-wide slice of every head at a time */
-        for (int64_t g = 0; g < G; g++) {
-            const float *pg = p + g * C;
-            for (int64_t j = 0; j < nvec; j++) {
-                const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
-                for (int64_t s = 0; s < n; s++) {
-                    if (!all && kp[s] > qpos) continue; /* masked keys never touch acc */
-                    const int64_t vb = ((c0 + s) * a->Hkv + hk) * D + 16 * j;
-                    av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv(a->v, kv_type, vb, mk), av);
-                }
-                _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
-            }
-        }
-    }
-}
-
-#undef load_kv
-
-/* four instantiations: float16 or float32 K/V, head_dim a multiple of 16 (unmasked loads) or not */
-TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1,
-                             float *m, float *l, float *acc, float *scratch) {
-    const int full = a->D % 16 == 0;
-    if (a->kv_type == KVREF_TYPE_F16) {
-        if (full) attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F16, 1);
-        else attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F16, 0);
-    } else {
-        if (full) attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F32, 1);
-        else attn_unit_typed(a, t, hk, s0, s1, m, l, acc, scratch, KVREF_TYPE_F32, 0);
+        pv_chunk(a, row, srow, n, p, acc, all, kp, qpos); /* acc += p V */
     }
 }
 

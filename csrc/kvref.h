@@ -61,6 +61,7 @@ enum kvref_type {
     KVREF_TYPE_Q8_0 = 8,
     KVREF_TYPE_Q4_K = 12,
     KVREF_TYPE_Q6_K = 14,
+    KVREF_TYPE_I8 = 24,        /* K/V only: int8 elements, each group read as value * its float32 scale */
     KVREF_TYPE_BF16 = 30
 };
 
@@ -143,18 +144,39 @@ int kvref_swiglu(kvref_pool *pool,
                  const float *gate, const float *up, int64_t n,
                  float *out);
 
-/* Causal grouped-query attention by position with a single-pass (online) softmax.
- * Query t, head h attends to every key s with k_positions[s] <= q_positions[t], through kv head
- * h / (H / Hkv); scores are (q . k) / sqrt(D). A query that sees no key gets a zero output.
- *   q:           float32 [T, H, D]
- *   k, v:        kv_type [S, Hkv, D], kv_type KVREF_TYPE_F32 or KVREF_TYPE_F16
+/* A KV cache's storage, read and written in place (kvref/cache/quant.py's SlotStore). K and V of
+ * every layer live in a grid of slots, one head_dim vector per (layer, slot, kv head):
+ *   k, v:               k_type / v_type [n_layers, n_slots, n_kv_heads, head_dim]
+ *   k_scales, v_scales: float32 [n_layers, n_slots, n_kv_heads, head_dim / group_size] where that
+ *                       type is KVREF_TYPE_I8, else NULL
+ * Element types: F32, F16, BF16 (the upper half of a float32), or I8, read as q * scale with one
+ * scale per group_size consecutive elements along head_dim (group_size divides head_dim; 0 when
+ * neither K nor V is I8). K and V may have different types.
+ * Position p of the sequence lives in slot p when block_table is NULL (a contiguous cache), else in
+ * slot block_table[p / block_size] * block_size + p % block_size (a paged cache: n_slots is a
+ * multiple of block_size and every entry used names a block in [0, n_slots / block_size)). */
+typedef struct kvref_kv {
+    void *k, *v;
+    float *k_scales, *v_scales;
+    int32_t k_type, v_type;
+    int64_t n_layers, n_slots, n_kv_heads, head_dim, group_size;
+    const int64_t *block_table;  /* [n_blocks] or NULL */
+    int64_t n_blocks, block_size;
+} kvref_kv;
+
+/* Causal grouped-query attention by position with a single-pass (online) softmax, reading layer
+ * `layer` of a cache in place (int8 and bfloat16 elements decoded in registers).
+ * Key s (s < S) is position s of the cache, at the slot the block table gives; query t, head h
+ * attends to every key with k_positions[s] <= q_positions[t], through kv head h / (H / Hkv);
+ * scores are (q . k) / sqrt(D). A query that sees no key gets a zero output.
+ *   q:           float32 [T, H, D], D == kv->head_dim, Hkv == kv->n_kv_heads
  *   q_positions: int64   [T]
  *   k_positions: int64   [S]
  *   out:         float32 [T, H, D] (must not overlap the inputs)
- * H must be a multiple of Hkv. */
+ * H must be a multiple of Hkv; the cache must hold S positions (n_slots, or the table's blocks). */
 int kvref_attention(kvref_pool *pool,
                     const float *q, int64_t T, int64_t H, int64_t D,
-                    const void *k, const void *v, int32_t kv_type, int64_t S, int64_t Hkv,
+                    const kvref_kv *kv, int64_t layer, int64_t S,
                     const int64_t *q_positions, const int64_t *k_positions,
                     float *out);
 
@@ -220,19 +242,19 @@ enum kvref_activations {
                                   weights; other weights and longer projections stay exact */
 };
 
-/* Run T new tokens at positions length .. length+T-1 of a contiguous cache.
+/* Run T new tokens at positions length .. length+T-1 of a cache.
  *   token_ids:  int64 [T], each in [0, V)
- *   k_cache, v_cache: kv_type [n_layers, capacity, Hkv, D] (F32 or F16), rows [0, length) hold the
- *               cached positions; rows [length, length+T) of every layer are overwritten with the
- *               new K (after RoPE) and V. Nothing else in the cache is written.
+ *   cache:      its n_layers, n_kv_heads and head_dim those of the model; it must have room for
+ *               length + T positions. The new positions' K (after RoPE) and V are written, encoded
+ *               exactly as kvref/cache/quant.py encodes them, into their slots in every layer;
+ *               nothing else in the cache is written.
  *   logits:     float32 [T, V] with all_logits, else [V] for the last position
  * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
  * kvref_attention, kvref_rms_norm, kvref_rope and kvref_swiglu in the same order: with
  * KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by one
  * on the same pool. The caller commits the cache length (length + T) only after KVREF_OK. */
 int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state,
-                  const int64_t *token_ids, int64_t T,
-                  void *k_cache, void *v_cache, int32_t kv_type, int64_t capacity, int64_t length,
+                  const int64_t *token_ids, int64_t T, const kvref_kv *cache, int64_t length,
                   int32_t activations, int32_t all_logits, float *logits);
 
 /* Time spent by kvref_forward on this state, in nanoseconds of the calling thread's wall clock,

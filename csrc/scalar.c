@@ -166,32 +166,39 @@ static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64
 
 /* ---- attention unit ----------------------------------------------------------------------- */
 
-static float kv_value(const void *base, int32_t type, int64_t i) {
-    if (type == KVREF_TYPE_F16) return kvref_load_fp16((const uint8_t *)base + 2 * i);
-    return ((const float *)base)[i];
+/* element e of a layer's K or V (e = row + i, row from kvref_attn_rows), as float32; an I8 element
+ * times its group's scale (the group of element e is e / group_size: rows start on a group) */
+static float kv_value(const uint8_t *base, const float *scales, int32_t type, int64_t group_size, int64_t e) {
+    switch (type) {
+    case KVREF_TYPE_F16: return kvref_load_fp16(base + 2 * e);
+    case KVREF_TYPE_BF16: return kvref_bf16_to_fp32(kvref_load_u16(base + 2 * e));
+    case KVREF_TYPE_I8: return (float)((const int8_t *)base)[e] * scales[e / group_size];
+    default: return ((const float *)(const void *)base)[e];
+    }
 }
 
 /* One query position and one kv head against keys [s0, s1), in chunks of KVREF_ATTN_CHUNK keys,
  * updating (m, l, acc): score the chunk for every head of the group, move each head's running max
  * once per chunk (rescaling what was accumulated), then add probability x value. */
-static void attn_unit_scalar(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0,
-                             int64_t s1, float *m, float *l, float *acc, float *scratch) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+void kvref_attn_unit_ref(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
+                         float *l, float *acc, float *scratch) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size;
     const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
     const int64_t qpos = a->q_positions[t];
     float *p = scratch;                                /* [G, C] */
+    int64_t *row = (int64_t *)(void *)(p + G * C), *srow = row + C + KVREF_ATTN_LOOKAHEAD;
     for (int64_t c0 = s0; c0 < s1; c0 += C) {
         const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
         int any = 0;
         for (int64_t s = 0; s < n; s++) any |= a->k_positions[c0 + s] <= qpos;
         if (!any) continue;
+        kvref_attn_rows(a, hk, c0, n, row, srow);
         for (int64_t s = 0; s < n; s++) {
             const int visible = a->k_positions[c0 + s] <= qpos;
-            const int64_t kbase = ((c0 + s) * a->Hkv + hk) * D;
             for (int64_t g = 0; g < G; g++) {
                 float dot = 0.0f;
                 if (visible)
-                    for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(a->k, a->kv_type, kbase + i);
+                    for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(a->k, a->k_scales, a->k_type, gs, row[s] + i);
                 p[g * C + s] = visible ? dot * a->scale : -INFINITY;
             }
         }
@@ -212,9 +219,8 @@ static void attn_unit_scalar(const kvref_attn_args *a, int64_t t, int64_t hk, in
         }
         for (int64_t s = 0; s < n; s++) {
             if (a->k_positions[c0 + s] > qpos) continue; /* masked keys never touch acc */
-            const int64_t vbase = ((c0 + s) * a->Hkv + hk) * D;
             for (int64_t i = 0; i < D; i++) {
-                const float vi = kv_value(a->v, a->kv_type, vbase + i);
+                const float vi = kv_value(a->v, a->v_scales, a->v_type, gs, row[s] + i);
                 for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
             }
         }
@@ -315,7 +321,7 @@ const kvref_kernels kvref_kernels_scalar = {
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
-    .attn_unit = attn_unit_scalar,
+    .attn_unit = kvref_attn_unit_ref,
     .swiglu = swiglu_scalar,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1,

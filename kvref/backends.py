@@ -23,8 +23,11 @@ from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
 NATIVE_DTYPES = ("float32",)
-# K/V element types each backend's attention reads
-KV_DTYPES = {"numpy": ("float64", "float32", "float16"), "c": ("float32", "float16")}
+# K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
+# bfloat16 and int8 to float32 for it; the C forward reads all of its types in place (any layout it
+# does not take in place, such as the window, is decoded for the native attention kernel the same way)
+KV_DTYPES = {"numpy": ("float64", "float32", "float16", "bfloat16", "int8"),
+             "c": ("float32", "float16", "bfloat16", "int8")}
 _fallback_reported = []
 
 

@@ -21,8 +21,6 @@ MODEL_DTYPES = ("float32", "float64")
 LAYOUTS = ("contiguous", "paged", "window")
 LAYOUT_OPTIONS = {"contiguous": ("capacity",), "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"),
                   "window": ("window", "sinks")}
-# stored narrower than any kernel reads: every layout decodes them to float32 before attention
-DECODED_KV_DTYPES = ("bfloat16", "int8")
 
 
 class Model:
@@ -135,8 +133,7 @@ class Model:
     def _kv_dtypes(self, kv_dtype, k_dtype, v_dtype):
         base = self.dtype if kv_dtype is None else dtype_name(kv_dtype)
         names = (base if k_dtype is None else dtype_name(k_dtype), base if v_dtype is None else dtype_name(v_dtype))
-        allowed = tuple(backends.KV_DTYPES[self.backend]) + tuple(
-            d for d in DECODED_KV_DTYPES if d not in backends.KV_DTYPES[self.backend])
+        allowed = backends.KV_DTYPES[self.backend]
         for name in names:
             if name not in allowed:
                 raise CacheError(f"kv_dtype {name!r} is not supported by the {self.backend!r} backend; "

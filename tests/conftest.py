@@ -57,3 +57,18 @@ def gguf_metadata() -> dict:
     """Metadata of the default model file (SmolLM2-135M-Instruct), read once per test run."""
     with GGUFFile(default_model_path()) as f:
         return f.metadata
+
+
+# K/V storage types the native kernels read in place (kvref.native.ops.KV_TYPES), and the lanes of
+# each instruction set's attention unit: int8 scale groups narrower than a vector go to the portable
+# unit (csrc/kernels_*.c attn_unit), whose summation order differs from the SIMD unit's.
+NATIVE_KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
+ATTENTION_LANES = {"scalar": 1, "avx2": 8, "avx512": 16}
+
+
+def reads_like_float_kv(isa: str, cache) -> bool:
+    """Whether attention reading `cache` in place is bit-identical to attention over its decoded
+    float K/V on this instruction set: yes unless an int8 group is narrower than its vectors."""
+    if "int8" not in (cache.k_dtype, cache.v_dtype):
+        return True
+    return cache.group_size % ATTENTION_LANES[isa] == 0

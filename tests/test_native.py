@@ -21,10 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvref import native
-from kvref.errors import BackendError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
+from kvref.cache import BlockPool, ContiguousCache, WindowCache
+from kvref.errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
 from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import ops as spec
 from kvref.spec import quants
+from tests.conftest import NATIVE_KV_DTYPES, reads_like_float_kv
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -314,6 +316,68 @@ def test_attention_over_a_long_cache_equals_spec_and_does_not_depend_on_threads(
     assert_within(one, ref, attention_bound(q, k, v, q_pos, k_pos), what="long cache")
 
 
+@st.composite
+def stored_caches(draw):
+    """(cache, layer, q, q_positions): a contiguous or paged cache with K and V stored in any type the
+    native attention reads in place (int8 with any group size), filled with random K/V. A paged
+    cache has a random block size and shares its pool with another sequence written in between, so
+    its blocks are neither in order nor adjacent."""
+    L, Hkv, G, T = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    D = draw(st.sampled_from([2, 8, 16, 24, 30, 64]))
+    k_dtype, v_dtype = draw(st.sampled_from(NATIVE_KV_DTYPES)), draw(st.sampled_from(NATIVE_KV_DTYPES))
+    group = draw(st.sampled_from([g for g in (2, 8, 16, 32, D) if D % g == 0]))
+    S = draw(st.integers(0, 700))
+    rng = np.random.default_rng(draw(SEEDS))
+    if draw(st.booleans()):
+        cache = ContiguousCache(L, Hkv, D, S + 3, k_dtype, v_dtype=v_dtype, group_size=group)
+        others = []
+    else:
+        bs = draw(st.integers(1, 40))
+        pool = BlockPool(L, Hkv, D, num_blocks=2 * (S // bs + 2), block_size=bs, k_dtype=k_dtype, v_dtype=v_dtype,
+                         group_size=group)
+        cache, others = pool.new_cache(), [pool.new_cache()]
+    done = 0
+    while done < S:
+        n = min(S - done, int(rng.integers(1, 90)))
+        cache.append(rng.standard_normal((L, n, Hkv, D)), rng.standard_normal((L, n, Hkv, D)))
+        for other in others:
+            other.append(np.ones((L, 1, Hkv, D)), np.ones((L, 1, Hkv, D)))  # takes a block now and then
+        done += n
+    q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
+    q_pos = rng.integers(-2, S + 2, size=T) if draw(st.booleans()) else np.arange(S - T, S)
+    return cache, draw(st.integers(0, L - 1)), q, q_pos
+
+
+@given(stored_caches(), ISAS, THREADS)
+def test_attention_reading_any_cache_layout_in_place_equals_attention_over_the_decoded_kv(case, isa, threads):
+    cache, layer, q, q_pos = case
+    got = ks(threads, isa).cache_attention(q, q_pos, cache, layer)
+    k, v = (np.ascontiguousarray(a, np.float32) for a in cache.read(layer))  # the cache's own decode
+    k_pos = np.arange(cache.length)
+    want = ks(threads, isa).attention(q, k, v, q_pos, k_pos)
+    if reads_like_float_kv(isa, cache):
+        np.testing.assert_array_equal(got, want)  # the same float32 values, in the same order
+    else:
+        assert_within(got, want, 2 * attention_bound(q, k, v, q_pos, k_pos), what=f"{cache.stats()} {isa}")
+    np.testing.assert_array_equal(got, ks(3 - threads, isa).cache_attention(q, q_pos, cache, layer))
+
+
+def test_cache_attention_refuses_layouts_and_layers_it_cannot_read():
+    k = nops.kernels(1)
+    q = np.ones((1, 2, 8), np.float32)
+    window = WindowCache(1, 1, 8, window=4)
+    with pytest.raises(CacheError, match="contiguous and paged"):
+        k.cache_attention(q, [0], window, 0)
+    with pytest.raises(CacheError, match="float64"):
+        k.cache_attention(q, [0], ContiguousCache(1, 1, 8, 4, "float64"), 0)
+    with pytest.raises(ShapeError, match="layer 1"):
+        k.cache_attention(q, [0], ContiguousCache(1, 1, 8, 4), 1)
+    freed = ContiguousCache(1, 1, 8, 4)
+    freed.free()
+    with pytest.raises(CacheError):
+        k.cache_attention(q, [0], freed, 0)
+
+
 @given(attention_cases(), ISAS)
 def test_attention_rows_that_see_no_key_are_exactly_zero_and_never_nan(case, isa):
     q, k, v, q_pos, k_pos = case
@@ -552,9 +616,32 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     assert lib.kvref_matmul(pool, xb, 2, 64, wb, 3, nbytes, 4, yb) == lib.KVREF_OK
     ids = np.array([0, 7], np.int64)
     assert lib.kvref_embed(pool, wb, 3, nbytes, 4, 64, ffi.from_buffer("int64_t[]", ids), 2, yb) == lib.KVREF_ERR_VALUE
-    assert lib.kvref_attention(pool, xb, 1, 6, 8, xb, xb, 1, 2, 4, ffi.NULL, ffi.NULL, yb) == lib.KVREF_ERR_SHAPE
-    assert lib.kvref_attention(pool, xb, 1, 6, 8, xb, xb, 2, 2, 3, ffi.NULL, ffi.NULL, yb) == lib.KVREF_ERR_TYPE
-    assert lib.kvref_attention(pool, xb, 1, 6, 8, xb, xb, 0, 2, 3, ffi.NULL, ffi.NULL, yb) == lib.KVREF_ERR_NULL
+    table = np.array([1, 0, 5], np.int64)
+    pos = ffi.from_buffer("int64_t[]", np.arange(8, dtype=np.int64))
+    kvb = ffi.from_buffer("float[]", np.zeros(2 * 8 * 3 * 8, np.float32))  # 2 layers x 8 slots x 3 kv heads x 8
+    qb, ob = ffi.from_buffer("float[]", np.ones(6 * 8, np.float32)), ffi.from_buffer("float[]", np.empty(6 * 8, np.float32))
+
+    def attention(S=4, layer=0, H=6, **fields):  # one query, H heads of 8 over float32 K/V
+        kv = ffi.new("kvref_kv *", dict(k=kvb, v=kvb, k_type=lib.KVREF_TYPE_F32, v_type=lib.KVREF_TYPE_F32,
+                                        n_layers=2, n_slots=8, n_kv_heads=3, head_dim=8, block_size=1))
+        for name, value in fields.items():
+            setattr(kv, name, value)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, ob)
+
+    assert attention() == lib.KVREF_OK
+    assert attention(H=4) == lib.KVREF_ERR_SHAPE  # 4 heads over 3 kv heads
+    assert attention(head_dim=16) == lib.KVREF_ERR_SHAPE  # q's head_dim is 8
+    assert attention(k_type=lib.KVREF_TYPE_Q4_0) == lib.KVREF_ERR_TYPE
+    assert attention(v=ffi.NULL) == lib.KVREF_ERR_NULL
+    assert attention(S=9) == lib.KVREF_ERR_DIM  # 8 slots
+    assert attention(layer=2) == lib.KVREF_ERR_DIM
+    assert attention(k_type=lib.KVREF_TYPE_I8, group_size=4) == lib.KVREF_ERR_NULL  # int8 K without scales
+    assert attention(k_type=lib.KVREF_TYPE_I8, k_scales=kvb, group_size=3) == lib.KVREF_ERR_SHAPE  # 3 does not divide 8
+    paged = dict(block_table=ffi.from_buffer("int64_t[]", table), n_blocks=3, block_size=2)
+    assert attention(**paged) == lib.KVREF_OK
+    assert attention(S=5, **paged) == lib.KVREF_ERR_VALUE  # block 5 of 4
+    assert attention(S=7, **paged) == lib.KVREF_ERR_DIM  # 3 blocks of 2 hold 6 positions
+    assert attention(**{**paged, "block_size": 3}) == lib.KVREF_ERR_SHAPE  # 8 slots are not whole blocks of 3
     assert lib.kvref_rope(pool, xb, 1, 1, 7, ffi.NULL, 1e4, yb) == lib.KVREF_ERR_SHAPE
     assert lib.kvref_rms_norm(pool, xb, 1, 8, xb, -1.0, yb) == lib.KVREF_ERR_VALUE
     assert lib.kvref_swiglu(pool, ffi.NULL, xb, 4, yb) == lib.KVREF_ERR_NULL

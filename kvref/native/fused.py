@@ -9,14 +9,18 @@ all_logits, else [1, V] for the last position. It runs in C (csrc/forward.c) whe
 
   - `ops` is a native kernel set (kvref.native.ops.Kernels): its thread pool runs the forward;
   - `config` and `weights` are the ones this object was built from (every tensor, by identity);
-  - `cache` is a kvref.cache.ContiguousCache storing K and V as plain float32 or float16 arrays
-    (one dtype for both; the encoded bfloat16/int8 forms go to the decoder, which decodes them).
+  - `cache` is a kvref.cache.ContiguousCache or PagedCache storing K and V as float32, float16,
+    bfloat16 or int8 (K and V may differ): C writes the new positions' K/V into their slots in the
+    stored form (kvref/cache/quant.py's encoding, byte for byte) and attention reads the stored
+    form in place, through the block table of a paged cache (kvref.native.ops.cache_descriptor).
 
-Otherwise it calls the shared decoder with `ops`, which computes the same thing kernel by kernel.
+Otherwise (a window cache, float64 K/V, another kernel set) it calls the shared decoder with
+`ops`, which computes the same thing kernel by kernel on the K/V the cache decodes.
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
-kernel set; the bounds of tests/test_native.py carry over unchanged. With activations="int8",
+kernel set (any layout and K/V type: an int8 or bfloat16 element is decoded in registers to the
+float32 the cache's own decode gives); the bounds of tests/test_native.py carry over unchanged. With activations="int8",
 every projection of fewer than 4 rows (all of a decode step's, and a prefill's last-position LM
 head) is Kernels.matmul_int8: each input row is rounded to blocks of 32 int8 values with scale
 d = max|x| / 127 before Q4_0, Q4_1 and Q8_0 weights, and multiplied with integer dot products
@@ -27,9 +31,10 @@ is the default: on SmolLM2 the int8 greedy continuation leaves the float32 refer
 tokens, as llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
 
 Argument checks happen here, before C runs: token ids (TokenError), room in the cache
-(CacheFullError, from cache.next_positions), the cache arrays' dtype, shape and contiguity. C
-writes only rows [length, length + T) of the cache arrays, and cache.advance(T) commits them after
-C returns; a failed call leaves cache.length unchanged. No cffi object leaves this module.
+(CacheFullError, from cache.next_positions, which also reserves a paged cache's blocks), the cache
+arrays' dtype, shape and contiguity. C writes only the slots of positions [length, length + T),
+and cache.advance(T) commits them after C returns; a failed call aborts the reservation and leaves
+the cache as it was. No cffi object leaves this module.
 """
 
 from __future__ import annotations
@@ -39,14 +44,12 @@ import threading
 
 import numpy as np
 
-from ..cache import ContiguousCache
-from ..errors import BackendError, CacheError, DTypeError, ShapeError, TokenError
+from ..errors import BackendError, DTypeError, ShapeError, TokenError
 from ..spec import decoder
 from . import ops as native_ops
 from .ops import _check_status, _weight, ffi, lib
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
-KV_TYPES = {"float32": lib.KVREF_TYPE_F32, "float16": lib.KVREF_TYPE_F16}
 
 
 def default_activations() -> str:
@@ -132,8 +135,8 @@ class FusedForward:
 
     def runs(self, ops, config, weights, cache) -> bool:
         """True when forward() runs in C for these arguments (else it calls the shared decoder)."""
-        return (isinstance(ops, native_ops.Kernels) and config == self.config and _plain_float_cache(cache)
-                and weights is self.weights and [id(t) for t in _tensors(weights)] == self._fingerprint)
+        return (isinstance(ops, native_ops.Kernels) and config == self.config
+                and native_ops.cache_storage(cache) is not None and weights is self.weights and [id(t) for t in _tensors(weights)] == self._fingerprint)
 
     def forward(self, ops, config, weights, token_ids, cache, all_logits=False):
         # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T
@@ -142,26 +145,21 @@ class FusedForward:
         c = config
         ids = _token_ids(token_ids, c.vocab_size)
         T = ids.shape[0]
-        positions = cache.next_positions(T)  # [T]; a full cache fails here, before any work
-        length = cache.length
-        if T and positions[0] != length:
-            raise CacheError(f"the contiguous cache's next position {positions[0]} is not its length {length}")
-        k, v = cache.k, cache.v
-        shape = (c.n_layers, cache.capacity, c.n_kv_heads, c.head_dim)
-        for name, a in (("k", k), ("v", v)):
-            if a.shape != shape or not a.flags.c_contiguous or not a.flags.aligned or not a.flags.writeable:
-                raise CacheError(f"cache.{name} must be a writeable C-contiguous array of shape {shape}; got "
-                                 f"shape {a.shape}, strides {a.strides}, writeable={a.flags.writeable}")
         if not isinstance(all_logits, (bool, np.bool_)):
             raise ShapeError(f"all_logits={all_logits!r} must be True or False")
-        logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
-        with self._lock:
-            status = lib.kvref_forward(ops._pool.ptr, self._model, self._state, ffi.from_buffer("int64_t[]", ids), T,
-                                       ffi.from_buffer(k, require_writable=True),
-                                       ffi.from_buffer(v, require_writable=True), KV_TYPES[k.dtype.name],
-                                       cache.capacity, length, ACTIVATIONS[self.activations], int(bool(all_logits)),
-                                       ffi.from_buffer("float[]", logits))
-        _check_status(status, "forward")
+        length = cache.length
+        cache.next_positions(T)  # a full cache fails here, before any work; a paged cache reserves blocks
+        try:
+            kv = native_ops.cache_descriptor(cache)  # the storage, with any blocks just reserved
+            logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
+            with self._lock:
+                status = lib.kvref_forward(ops._pool.ptr, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
+                                           T, kv.ptr, length, ACTIVATIONS[self.activations], int(bool(all_logits)),
+                                           ffi.from_buffer("float[]", logits))
+            _check_status(status, "forward")
+        except BaseException:
+            cache.abort()  # release what next_positions reserved; the cache is as it was
+            raise
         cache.advance(T)  # every layer wrote its K/V: commit the new positions
         return logits
 
@@ -180,16 +178,6 @@ class FusedForward:
     def reset_timings(self) -> None:
         with self._lock:
             lib.kvref_state_reset_timings(self._state)
-
-
-def _plain_float_cache(cache) -> bool:
-    """A ContiguousCache (exactly: a subclass may store differently) whose K and V rows are stored as
-    plain float32 or float16 arrays [n_layers, capacity, Hkv, D] of one dtype (not an encoded form)."""
-    if type(cache) is not ContiguousCache:
-        return False
-    k, v = getattr(cache, "k", None), getattr(cache, "v", None)
-    return (isinstance(k, np.ndarray) and isinstance(v, np.ndarray) and k.dtype == v.dtype
-            and k.dtype.name in KV_TYPES)
 
 
 def _token_ids(token_ids, vocab_size) -> np.ndarray:

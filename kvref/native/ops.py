@@ -12,7 +12,9 @@
 Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
 float16) ndarray in file layout, or a kvref.formats.ggml.QuantizedTensor of type F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
-quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16.
+quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
+arrays; `Kernels.cache_attention` reads a contiguous or paged cache in place instead, K/V stored
+as float32, float16, bfloat16 or int8 (decoded in registers: the same float32 values NumPy decodes).
 
 Numerics: every weight value is decoded to exactly the float32 the spec dequantizer
 (kvref.spec.quants) produces, and dot products accumulate in float32, so matmul differs from the
@@ -41,7 +43,8 @@ import threading
 
 import numpy as np
 
-from ..errors import BackendError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
+from ..cache import ContiguousCache, PagedCache
+from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
 from ..formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from . import available, unavailable_reason
 
@@ -55,6 +58,10 @@ MAX_THREADS = 1024
 #: GGML types the native matmul/embed read directly
 WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
                 GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+
+#: K/V storage types (kvref.cache codec names) the native kernels read, and write, in place
+KV_TYPES = {"float32": lib.KVREF_TYPE_F32, "float16": lib.KVREF_TYPE_F16, "bfloat16": lib.KVREF_TYPE_BF16,
+            "int8": lib.KVREF_TYPE_I8}
 
 ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.KVREF_ISA_AVX2,
         "avx512": lib.KVREF_ISA_AVX512}
@@ -167,6 +174,55 @@ def _weight(w, name):
         _array(w, name, (_F32, _F16), 2)
         return (lib.KVREF_TYPE_F32 if w.dtype == _F32 else lib.KVREF_TYPE_F16), w, w.shape[0], w.shape[1]
     raise DTypeError(f"{name} must be a float32/float16 ndarray or a QuantizedTensor, not {type(w).__name__}")
+
+
+class _KV:
+    """A kvref_kv descriptor (csrc/kvref.h) and the arrays it points into, kept alive with it."""
+
+    def __init__(self, k, v, k_scales, v_scales, k_type, v_type, group_size, block_table=None, block_size=1):
+        L, Hkv, D = k.shape[0], k.shape[-2], k.shape[-1]
+        self._keep = [ffi.from_buffer(a, require_writable=a.flags.writeable) if a is not None else ffi.NULL
+                      for a in (k, v, k_scales, v_scales, block_table)]  # the buffers stay pinned with us
+        d = self.ptr = ffi.new("kvref_kv *")
+        d.k, d.v = self._keep[0], self._keep[1]
+        d.k_scales, d.v_scales = ffi.cast("float *", self._keep[2]), ffi.cast("float *", self._keep[3])
+        d.k_type, d.v_type, d.group_size = k_type, v_type, group_size or 0
+        d.n_layers, d.n_slots, d.n_kv_heads, d.head_dim = L, int(np.prod(k.shape[1:-2])), Hkv, D
+        d.block_table = ffi.cast("const int64_t *", self._keep[4])
+        d.n_blocks = 0 if block_table is None else block_table.shape[0]
+        d.block_size = block_size
+
+
+def cache_storage(cache):
+    """(store, block_table, block_size) of a cache the native kernels read and write in place, else None:
+    a ContiguousCache or PagedCache (exactly: a subclass may store differently) with K and V in
+    KV_TYPES. block_table is None for the contiguous layout (position p in slot p)."""
+    if cache.k_dtype not in KV_TYPES or cache.v_dtype not in KV_TYPES or cache.freed:
+        return None
+    if type(cache) is ContiguousCache:
+        return cache.store, None, 1
+    if type(cache) is PagedCache:
+        return cache.pool.store, np.asarray(cache.block_table, dtype=_I64), cache.pool.block_size
+    return None
+
+
+def cache_descriptor(cache) -> _KV:
+    """The kvref_kv of a cache's storage, every array checked; CacheError if C cannot use it in place."""
+    found = cache_storage(cache)
+    if found is None:
+        raise CacheError(f"the native kernels read contiguous and paged caches with K/V in {tuple(KV_TYPES)} in "
+                         f"place; this is a {cache.layout} cache of {cache.dtype_name}")
+    store, table, block_size = found
+    L, Hkv, D = cache.n_layers, cache.n_kv_heads, cache.head_dim
+    for name, a in store.arrays():
+        if (a.ndim < 3 or a.shape[0] != L or a.shape[-2] != Hkv or a.shape[-1] != (D if name in "kv" else
+                store.k_codec.n_groups if name == "k_scales" else store.v_codec.n_groups)
+                or not a.flags.c_contiguous or not a.flags.aligned or not a.flags.writeable):
+            raise CacheError(f"cache {name} must be a writeable C-contiguous array [{L}, slots, {Hkv}, ...]; got "
+                             f"shape {a.shape}, strides {a.strides}, writeable={a.flags.writeable}")
+    group = store.k_codec.group_size or store.v_codec.group_size
+    return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[cache.k_dtype], KV_TYPES[cache.v_dtype],
+               group, table, block_size)
 
 
 def _threads(threads):
@@ -362,23 +418,37 @@ class Kernels:
 
     def attention(self, q, k, v, q_positions, k_positions):
         # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
-        _array(q, "q", (_F32,), 3)
         _array(k, "k", (_F32, _F16), 3)
         _array(v, "v", (_F32, _F16), 3)
-        T, H, D = q.shape
-        S, Hkv, Dk = k.shape
         if v.shape != k.shape or v.dtype != k.dtype:
             raise ShapeError(f"k and v must match: k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
-        if Dk != D:
-            raise ShapeError(f"q has head_dim {D}, k has {Dk}")
-        if Hkv == 0 or H % Hkv:
+        if k.shape[1] == 0:
+            raise ShapeError(f"{q.shape[1]} query heads cannot be grouped over 0 kv heads")
+        kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
+        kv = _KV(k[None], v[None], None, None, kv_type, kv_type, None)  # one layer, key s in slot s
+        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions)
+
+    def cache_attention(self, q, q_positions, cache, layer):
+        # [T, H, D], [T], a cache of `length` positions -> [T, H, D]
+        """Attention of q over every stored position of `layer`, reading the cache in place: a
+        contiguous or paged cache (block table) with K/V in float32, float16, bfloat16 or int8."""
+        kv = cache_descriptor(cache)
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < cache.n_layers:
+            raise ShapeError(f"layer {layer!r} out of range: the cache has {cache.n_layers} layers")
+        S = cache.length
+        return self._attention(q, kv, S, cache.n_kv_heads, q_positions, np.arange(S), layer)
+
+    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0):
+        _array(q, "q", (_F32,), 3)
+        T, H, D = q.shape
+        if D != kv.ptr.head_dim:
+            raise ShapeError(f"q has head_dim {D}, the keys have {kv.ptr.head_dim}")
+        if H % Hkv:
             raise ShapeError(f"{H} query heads cannot be grouped over {Hkv} kv heads (H % Hkv must be 0)")
         qp = _positions(q_positions, "q_positions", T)
         kp = _positions(k_positions, "k_positions", S)
-        kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
         out = np.empty((T, H, D), dtype=_F32)
-        status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D,
-                                     ffi.from_buffer(k), ffi.from_buffer(v), kv_type, S, Hkv,
+        status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
                                      ffi.from_buffer("float[]", out))
         _check_status(status, "attention")

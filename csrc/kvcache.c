@@ -1,0 +1,107 @@
+/* kvcache.c: a KV cache's storage as the native kernels read and write it (kvref_kv in kvref.h).
+ *
+ * The stored forms are kvref/cache/quant.py's, byte for byte: a float16 is NumPy's astype rounding,
+ * a bfloat16 the upper half of the float32 rounded to nearest even (NaN kept quiet), an int8 group
+ * scale = max|x| / 127 with q = rint(x / scale) clipped to [-127, 127]. So a cache filled by the C
+ * forward and one filled by the Python cache layouts hold the same bytes.
+ */
+#include "internal.h"
+
+static int64_t element_bytes(int32_t type) {
+    switch (type) {
+    case KVREF_TYPE_F32: return 4;
+    case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 2;
+    case KVREF_TYPE_I8: return 1;
+    default: return -1;
+    }
+}
+
+static int mul_overflows(int64_t a, int64_t b) { return a > 0 && b > 0 && a > INT64_MAX / b; }
+
+int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D, int64_t positions) {
+    if (kv == NULL || kv->k == NULL || kv->v == NULL) return KVREF_ERR_NULL;
+    if (element_bytes(kv->k_type) < 0 || element_bytes(kv->v_type) < 0) return KVREF_ERR_TYPE;
+    if (kv->n_layers < 0 || kv->n_slots < 0 || kv->n_kv_heads < 1 || kv->head_dim < 1 || positions < 0)
+        return KVREF_ERR_DIM;
+    if (kv->n_layers != n_layers || kv->n_kv_heads != Hkv || kv->head_dim != D) return KVREF_ERR_SHAPE;
+    if (mul_overflows(kv->n_layers, kv->n_slots) || mul_overflows(kv->n_layers * kv->n_slots, Hkv)
+        || mul_overflows(kv->n_layers * kv->n_slots * Hkv, D * 4))
+        return KVREF_ERR_DIM;
+    const int int8 = kv->k_type == KVREF_TYPE_I8 || kv->v_type == KVREF_TYPE_I8;
+    if (int8 && (kv->group_size < 1 || D % kv->group_size != 0)) return KVREF_ERR_SHAPE;
+    if ((kv->k_type == KVREF_TYPE_I8 && kv->k_scales == NULL) || (kv->v_type == KVREF_TYPE_I8 && kv->v_scales == NULL))
+        return KVREF_ERR_NULL;
+    if (kv->block_table == NULL) return positions <= kv->n_slots ? KVREF_OK : KVREF_ERR_DIM;
+    const int64_t bs = kv->block_size;
+    if (bs < 1 || kv->n_blocks < 0 || kv->n_slots % bs != 0) return KVREF_ERR_SHAPE;
+    const int64_t used = positions / bs + (positions % bs != 0);
+    if (used > kv->n_blocks) return KVREF_ERR_DIM;
+    for (int64_t b = 0; b < used; b++)
+        if (kv->block_table[b] < 0 || kv->block_table[b] >= kv->n_slots / bs) return KVREF_ERR_VALUE;
+    return KVREF_OK;
+}
+
+void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a) {
+    const int64_t vectors = kv->n_slots * kv->n_kv_heads; /* per layer */
+    const int64_t ng = kv->group_size > 0 ? kv->head_dim / kv->group_size : 0;
+    a->k = (const uint8_t *)kv->k + layer * vectors * kv->head_dim * element_bytes(kv->k_type);
+    a->v = (const uint8_t *)kv->v + layer * vectors * kv->head_dim * element_bytes(kv->v_type);
+    a->k_scales = kv->k_type == KVREF_TYPE_I8 ? kv->k_scales + layer * vectors * ng : NULL;
+    a->v_scales = kv->v_type == KVREF_TYPE_I8 ? kv->v_scales + layer * vectors * ng : NULL;
+    a->k_type = kv->k_type;
+    a->v_type = kv->v_type;
+    a->group_size = kv->group_size;
+    a->block_table = kv->block_table;
+    a->block_size = kv->block_size;
+    a->D = kv->head_dim;
+    a->Hkv = kv->n_kv_heads;
+}
+
+/* NumPy's to_bfloat16: round to nearest even on the upper 16 bits; a NaN stays a quiet NaN */
+static uint16_t bf16_from_fp32(float f) {
+    const uint32_t bits = kvref_bits_from_fp32(f);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x0040u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* NumPy's quantize_int8 for one group of g values: scale = max|x| / 127, q = rint(x / scale) */
+static void int8_group(const float *x, int64_t g, int8_t *q, float *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < g; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    *scale = amax / 127.0f;
+    const float safe = *scale > 0.0f ? *scale : 1.0f; /* an all-zero group stores zeros */
+    for (int64_t i = 0; i < g; i++) {
+        const float r = rintf(x[i] / safe);
+        q[i] = (int8_t)(r >= 127.0f ? 127 : r <= -127.0f ? -127 : r == r ? (int)r : 0);
+    }
+}
+
+static void encode(int32_t type, int64_t n, int64_t group, const float *x, const kvref_kernels *kk, uint8_t *out,
+                   float *scales) {
+    switch (type) {
+    case KVREF_TYPE_F16: kk->to_fp16(n, x, (uint16_t *)(void *)out); break;
+    case KVREF_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t h = bf16_from_fp32(x[i]);
+            memcpy(out + 2 * i, &h, 2);
+        }
+        break;
+    case KVREF_TYPE_I8:
+        for (int64_t i = 0; i < n; i += group) int8_group(x + i, group, (int8_t *)out + i, scales + i / group);
+        break;
+    default: memcpy(out, x, (size_t)n * sizeof(float));
+    }
+}
+
+void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t position,
+                    const float *k, const float *v) {
+    kvref_attn_args a;
+    kvref_kv_layer(kv, layer, &a);
+    int64_t row, srow;
+    kvref_attn_rows(&a, 0, position, 1, &row, &srow);
+    const int64_t n = kv->n_kv_heads * kv->head_dim;
+    encode(kv->k_type, n, kv->group_size, k, kk, (uint8_t *)a.k + row * element_bytes(kv->k_type),
+           a.k_scales != NULL ? (float *)a.k_scales + srow : NULL);
+    encode(kv->v_type, n, kv->group_size, v, kk, (uint8_t *)a.v + row * element_bytes(kv->v_type),
+           a.v_scales != NULL ? (float *)a.v_scales + srow : NULL);
+}
