@@ -274,6 +274,28 @@ def fmt_split(ms):
     return "" if ms is None else "  [" + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()) + " ms]"
 
 
+# the caches of the context rows: every K/V type the C forward reads in place, and a paged layout
+CONTEXT_CACHES = [("float32", "contiguous"), ("float16", "contiguous"), ("bfloat16", "contiguous"),
+                  ("int8", "contiguous"), ("float16", "paged")]
+
+
+def context_cache(model, kv_dtype, layout, positions, capacity):
+    """A cache holding `positions` random K/V positions, written layer by layer through the cache's own
+    update (so each layout encodes them as it would), never as one float64 copy of the whole cache."""
+    c = model.config
+    if layout == "paged":
+        cache = model.new_cache(layout="paged", kv_dtype=kv_dtype, num_blocks=-(-capacity // 16))
+    else:
+        cache = model.new_cache(capacity=capacity, kv_dtype=kv_dtype)
+    rng = np.random.default_rng(1)
+    cache.next_positions(positions)
+    for layer in range(c.n_layers):
+        k, v = (rng.standard_normal((positions, c.n_kv_heads, c.head_dim), dtype=np.float32) for _ in range(2))
+        cache.update(layer, k, v)
+    cache.advance(positions)
+    return cache
+
+
 def bench_forward(args, results):
     import kvref
     from kvref import backends
@@ -323,18 +345,14 @@ def bench_forward(args, results):
                 print(f"    {label:26s} prefill {512 / tp:7.1f} tok/s ({tp:.3f} s for 512)")
             if label.startswith("fused"):
                 row["context"] = []
-                for kv_dtype in ("float32", "float16"):
-                    cache = model.new_cache(capacity=4096 + steps + 16, kv_dtype=kv_dtype)
-                    rng = np.random.default_rng(1)
-                    for a in (cache.k, cache.v):  # layer by layer: no float64 copy of the whole cache
-                        for layer in range(c.n_layers):
-                            a[layer, :4096] = rng.standard_normal(a.shape[1:])[:4096].astype(a.dtype)
-                    cache.advance(4096)
+                for kv_dtype, layout in CONTEXT_CACHES:
+                    cache = context_cache(model, kv_dtype, layout, 4096, 4096 + steps + 16)
                     timed_steps(model, cache, 5, 4)
                     times, split = timed_steps(model, cache, 5, 32 if args.quick else 64)
                     t = statistics.median(times)
                     ms = split_ms(split, times)
-                    kv_bytes = 2 * c.n_layers * (4096 + 40) * c.n_kv_heads * c.head_dim * np.dtype(kv_dtype).itemsize
+                    kv_bytes = (4096 + 40) * cache.bytes_per_position  # int8 scales included
+                    kv_dtype = kv_dtype if layout == "contiguous" else f"{kv_dtype} {layout}"
                     rate = weight_bytes / (ms["projections"] * 1e-3)  # bytes/s this step streamed its weights at
                     best_rate[th] = max(best_rate.get(th, 0.0), rate)
                     entry = {"kv_dtype": kv_dtype, "ms_per_token": t * 1e3, "tok_s": 1 / t, "split_ms": ms,

@@ -379,63 +379,86 @@ TARGET static inline __m512 load_kv_m(const uint8_t *base, int32_t type, int64_t
     }
 }
 
-/* [16 x 16 lanes] -> 16 lanes: lane r = sum of the lanes of v[r] (a fixed tree of adds) */
-TARGET static inline __m512 reduce16(const __m512 *v) {
-    __m512 r[8], s[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums interleaved */
+/* [8 x 16 lanes] -> 8 floats: out[r] = sum of the lanes of v[r] (a fixed tree of adds) */
+TARGET static inline __m256 reduce8(const __m512 *v) {
+    __m512 r[4], s[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums interleaved */
         r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the 4 keys 4i..4i+3 */
+    for (int i = 0; i < 2; i++) { /* per 128-bit lane: the 4 keys 4i..4i+3 */
         const __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
         s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
+    /* the four 128-bit lanes of s[0] and of s[1], added in pairs, then the pairs */
     const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88), _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88), _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, 0x88), _mm512_shuffle_f32x4(t, u, 0xDD));
+    const __m512 u = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0xB1));
+    return _mm512_castps512_ps256(_mm512_shuffle_f32x4(u, u, 0x08));
 }
 
 /* The whole K and V slots (every kv head: contiguous memory) of keys i0 .. i0+15 (those of the
- * nrows looked up), asked for while kv head 0 scores keys KVREF_ATTN_PREFETCH_KEYS earlier. A unit
- * reads one kv head's part of each slot, a strided pattern the hardware prefetchers follow poorly,
- * so without this attention over a cache streamed from DRAM waits on memory at every group of
- * keys. Measured on this repository's 2-core Zen 4 machine (30 layers x 4096 float16 positions,
- * Hkv = 3): 16.0 -> 13.1 ms at one thread, 8.9 -> 7.9 ms at two; a per-head or a next-chunk
- * prefetch gained nothing. With kv head 0, row[i] is the slot's first element. */
+ * nrows looked up), asked for into L2 while kv head 0 scores keys KVREF_ATTN_PREFETCH_KEYS earlier.
+ * A unit reads one kv head's part of each slot, a strided pattern the hardware prefetchers follow
+ * poorly, so without this attention over a cache streamed from DRAM waits on memory at every group
+ * of keys. Measured on this repository's 2-core Zen 4 machine, 30 layers x 4096 positions, Hkv = 3,
+ * 2 threads, cache cold (float16 / int8 K/V): no prefetch 9.7 / 7.8 ms, into L1 (locality 3)
+ * 9.1 / 6.2 ms, into L2 (locality 2) 7.4-7.9 / 4.8-5.2 ms; 64 or 128 keys ahead gained nothing.
+ * With kv head 0, row[i] is the slot's first element. */
 #define KVREF_ATTN_PREFETCH_KEYS 32
 TARGET static inline void prefetch_rows(const kvref_attn_args *a, const int64_t *row, int64_t i0, int64_t nrows) {
     const int64_t kb = kv_bytes(a->k_type), vb = kv_bytes(a->v_type), elems = a->Hkv * a->D;
     const int64_t i1 = i0 + 16 < nrows ? i0 + 16 : nrows;
     for (int64_t i = i0; i < i1; i++) { /* __builtin_prefetch: GCC 12 silently drops _mm_prefetch in
                                            this inlined helper */
-        for (int64_t o = 0; o < elems * kb; o += 64) __builtin_prefetch(a->k + row[i] * kb + o, 0, 3);
-        for (int64_t o = 0; o < elems * vb; o += 64) __builtin_prefetch(a->v + row[i] * vb + o, 0, 3);
+        for (int64_t o = 0; o < elems * kb; o += 64) __builtin_prefetch(a->k + row[i] * kb + o, 0, 2);
+        for (int64_t o = 0; o < elems * vb; o += 64) __builtin_prefetch(a->v + row[i] * vb + o, 0, 2);
     }
 }
 
-/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys (rows row[0..n)), 16 keys at a time:
- * 16 dot-product vectors, then one transposing reduction; the chunk's last n % 16 keys one by one.
- * The vectors of one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+/* Scores of 8 keys (rows row[0..8)) for the gb <= 3 heads q[0..gb) of the group: 8 dot-product
+ * vectors per head, each K vector loaded (and widened) once for all gb heads, then one transposing
+ * reduction per head. The vectors of one I8 scale group are consecutive (vpg of them), so its
+ * scale is read once. */
+TARGET __attribute__((always_inline)) static inline void score8(
+    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, float *p, const int32_t k_type,
+    const int full, const int gb) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
+    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
+    const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
+    __m512 d[3][8];
+    for (int g = 0; g < gb; g++)
+        for (int r = 0; r < 8; r++) d[g][r] = _mm512_setzero_ps();
+    for (int64_t j = 0, jg = 0; j < nvec; jg++)
+        for (int64_t jj = 0; jj < vpg; jj++, j++) {
+            const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+            __m512 qv[3];
+            for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
+            for (int r = 0; r < 8; r++) {
+                const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[r] + jg] : 0.0f;
+                const __m512 kv = load_kv_m(a->k, k_type, row[r] + 16 * j, mk, full, sc);
+                for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
+            }
+        }
+    for (int g = 0; g < gb; g++) _mm256_storeu_ps(p + g * C, _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale)));
+}
+
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
+ * keys one by one */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
     int prefetch, float *p, const int32_t k_type, const int full) {
-#define load_k(e, mk, sc) load_kv_m(a->k, k_type, e, mk, full, k_type == KVREF_TYPE_I8 ? (sc) : 0.0f)
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    const __m512 vscale = _mm512_set1_ps(a->scale);
     int64_t s = 0;
-    for (; s + 16 <= n; s += 16) {
-        if (prefetch) prefetch_rows(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 d[16];
-            for (int r = 0; r < 16; r++) d[r] = _mm512_setzero_ps();
-            for (int64_t j = 0, jg = 0; j < nvec; jg++)
-                for (int64_t jj = 0; jj < vpg; jj++, j++) {
-                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    const __m512 qv = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
-                    for (int r = 0; r < 16; r++)
-                        d[r] = _mm512_fmadd_ps(qv, load_k(row[s + r] + 16 * j, mk, a->k_scales[srow[s + r] + jg]), d[r]);
-                }
-            _mm512_storeu_ps(p + g * C + s, _mm512_mul_ps(reduce16(d), vscale));
+    for (; s + 8 <= n; s += 8) {
+        if (prefetch && s % 16 == 0) prefetch_rows(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+            const float *qg = q + g0 * D;
+            float *pg = p + g0 * C + s;
+            switch (G - g0) {
+            case 1: score8(a, qg, row + s, srow + s, pg, k_type, full, 1); break;
+            case 2: score8(a, qg, row + s, srow + s, pg, k_type, full, 2); break;
+            default: score8(a, qg, row + s, srow + s, pg, k_type, full, 3);
+            }
         }
     }
     for (; s < n; s++)
@@ -444,50 +467,54 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             for (int64_t j = 0, jg = 0; j < nvec; jg++)
                 for (int64_t jj = 0; jj < vpg; jj++, j++) {
                     const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                    const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[s] + jg] : 0.0f;
                     d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
-                                        load_k(row[s] + 16 * j, mk, a->k_scales[srow[s] + jg]), d);
+                                        load_kv_m(a->k, k_type, row[s] + 16 * j, mk, full, sc), d);
                 }
             p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
         }
-#undef load_k
 }
 
-/* acc[g] += sum_s p[g, s] V[s] for head dims up to 64 (a V row is at most 4 vectors) and a chunk
- * with every key visible: two keys per step keep 8 independent FMA chains in flight (one chain per
- * 16-wide slice would wait on the FMA latency at every key). plain: exactly 4 full vectors. */
+/* acc[g] += sum_s p[g, s] V[s] for the gb <= 3 heads p[0..gb), acc[0..gb) of the group, head dims up
+ * to 64 (a V row is at most 4 vectors) and a chunk with every key visible: each V vector is loaded
+ * (and widened) once for all gb heads. One head takes two keys per step, so 8 independent FMA
+ * chains are in flight, not 4 that wait on the FMA latency at every key. plain: exactly 4 full
+ * vectors. */
 TARGET __attribute__((always_inline)) static inline void pv_visible(
     const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
-    const int32_t v_type, const int plain, __mmask16 last) {
+    const int32_t v_type, const int plain, __mmask16 last, const int gb) {
 #define load_v(s, j) load_kv_m(a->v, v_type, row[s] + 16 * (j), mk[j], plain, \
                                v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg[j]] : 0.0f)
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
+    const int keys = gb == 1 ? 2 : 1; /* keys per step */
     __mmask16 mk[4];
     int64_t jg[4]; /* the I8 scale group of each vector */
     for (int64_t j = 0; j < 4; j++) {
         mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
         jg[j] = v_type == KVREF_TYPE_I8 ? 16 * j / a->group_size : 0;
     }
-    for (int64_t g = 0; g < a->G; g++) {
-        const float *pg = p + g * C;
-        __m512 a0[4], a1[4];
-        for (int j = 0; j < 4; j++) {
-            a0[j] = _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j);
-            a1[j] = _mm512_setzero_ps();
-        }
-        int64_t s = 0;
-        for (; s + 2 <= n; s += 2) {
-            const __m512 p0 = _mm512_set1_ps(pg[s]), p1 = _mm512_set1_ps(pg[s + 1]);
+    __m512 ac[2][3][4];
+    for (int k = 0; k < keys; k++)
+        for (int g = 0; g < gb; g++)
+            for (int j = 0; j < 4; j++)
+                ac[k][g][j] = k == 0 ? _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j) : _mm512_setzero_ps();
+    int64_t s = 0;
+    for (; s + keys <= n; s += keys)
+        for (int k = 0; k < keys; k++)
             for (int j = 0; j < 4; j++) {
-                a0[j] = _mm512_fmadd_ps(p0, load_v(s, j), a0[j]);
-                a1[j] = _mm512_fmadd_ps(p1, load_v(s + 1, j), a1[j]);
+                const __m512 v = load_v(s + k, j);
+                for (int g = 0; g < gb; g++) ac[k][g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * C + s + k]), v, ac[k][g][j]);
             }
+    for (; s < n; s++) /* one key left over (keys == 2) */
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = load_v(s, j);
+            for (int g = 0; g < gb; g++) ac[0][g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * C + s]), v, ac[0][g][j]);
         }
-        if (s < n) {
-            const __m512 p0 = _mm512_set1_ps(pg[s]);
-            for (int j = 0; j < 4; j++) a0[j] = _mm512_fmadd_ps(p0, load_v(s, j), a0[j]);
+    for (int g = 0; g < gb; g++)
+        for (int j = 0; j < 4; j++) {
+            const __m512 sum = keys == 2 ? _mm512_add_ps(ac[0][g][j], ac[1][g][j]) : ac[0][g][j];
+            _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], sum);
         }
-        for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], _mm512_add_ps(a0[j], a1[j]));
-    }
 #undef load_v
 }
 
@@ -499,8 +526,20 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     if (all && nvec <= 4) {
-        if (full && nvec == 4) pv_visible(a, row, srow, n, p, acc, v_type, 1, (__mmask16)0xffff);
-        else pv_visible(a, row, srow, n, p, acc, v_type, 0, last);
+        for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
+            const float *pg = p + g0 * C;
+            float *ag = acc + g0 * D;
+            const int64_t gb = a->G - g0;
+            if (full && nvec == 4) {
+                if (gb == 1) pv_visible(a, row, srow, n, pg, ag, v_type, 1, (__mmask16)0xffff, 1);
+                else if (gb == 2) pv_visible(a, row, srow, n, pg, ag, v_type, 1, (__mmask16)0xffff, 2);
+                else pv_visible(a, row, srow, n, pg, ag, v_type, 1, (__mmask16)0xffff, 3);
+            } else {
+                if (gb == 1) pv_visible(a, row, srow, n, pg, ag, v_type, 0, last, 1);
+                else if (gb == 2) pv_visible(a, row, srow, n, pg, ag, v_type, 0, last, 2);
+                else pv_visible(a, row, srow, n, pg, ag, v_type, 0, last, 3);
+            }
+        }
         return;
     }
     /* any head dim, or masked keys in the chunk: one 16-wide slice of every head at a time */
