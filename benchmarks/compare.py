@@ -70,7 +70,7 @@ class KvrefEngine:
         self.cache = None
         self.info = {"backend": self.model.backend, "threads": threads, "kv_dtype": kv_dtype or self.model.dtype,
                      "isa": getattr(self.model.ops, "isa", None), "version": kvref.__version__,
-                     "activations": getattr(getattr(self.model._forward, "__self__", None), "activations", None)}
+                     "activations": self.model.activations}
 
     def reset(self, capacity):
         self.cache = self.model.new_cache(capacity=capacity, kv_dtype=self.kv_dtype)

@@ -21,12 +21,12 @@ Last, the per-call Python overhead of the native wrappers on a tiny kernel call.
 
 Section "forward" (the whole model, kvref.load(backend="c", threads=N)):
   decode     32-token prompt, then 128 greedy decode steps; median ms per step, and the split by
-             kernel family from the fused forward's counters (FusedForward.timings(); "python" is
+             kernel family from the fused forward's counters (Model.timings(); "python" is
              the rest of Model.forward's wall time);
   prefill    512 tokens in one execution into an empty cache, median of 3;
-  context    decode steps at 4096 cached positions (the cache filled with random K/V and committed
-             with cache.advance: decode speed does not depend on the values), float32 and float16
-             K/V; attention ms per step against the time to read that K/V once at the fastest rate
+  context    decode steps at 4096 cached positions (the cache filled with random K/V through its
+             own update: decode speed does not depend on the values), K/V stored as float32,
+             float16, bfloat16 and int8, and float16 in a paged cache; attention ms per step against the time to read that K/V once at the fastest rate
              the same run streamed the weights from memory (projection bytes / projection time of
              the int8 mode, whose projections are memory-bound);
 for the fused forward in both activation modes (float32 exact, int8), the shared decoder calling the
@@ -248,17 +248,14 @@ def python_speed():
 
 def timed_steps(model, cache, first_token, steps):
     """Greedy decode steps: per-step wall seconds, and the fused forward's counters over them."""
-    counters = getattr(model._forward, "__self__", None)
-    if counters is not None:
-        counters.reset_timings()
+    model.reset_timings()
     tok, times = first_token, []
     for _ in range(steps):
         t0 = time.perf_counter_ns()
         logits = model.forward([tok], cache)
         times.append((time.perf_counter_ns() - t0) * 1e-9)
         tok = int(np.argmax(logits))
-    split = counters.timings() if counters is not None else None
-    return times, split
+    return times, model.timings()
 
 
 def split_ms(split, times):

@@ -24,9 +24,9 @@ residual adds, cache writes, argument checks, the greedy choice).
 
 A KernelClock is where the split comes from; two sources feed the same report:
 
-  - "native counters": the model's forward keeps its own timers (the fused C forward of
-    kvref.native.fused does: an object with reset_timings() and timings() -> {"projections",
-    "attention", "other": seconds, "calls": forwards}); the pass runs the normal forward;
+  - "native counters": the model's forward keeps its own timers (the fused C forward does:
+    Model.timings() -> {"projections", "attention", "other": seconds, "calls": forwards}, and
+    Model.reset_timings()); the pass runs the normal forward;
   - "kernel shims": the model's kernel set (model.ops) is wrapped so that every kernel call is
     timed, and the profiled pass runs the shared decoder kernel by kernel with it. On the native
     backend this is the kernel-by-kernel path, not the fused forward: the report names its source.
@@ -139,32 +139,21 @@ class ShimClock:
 
 
 class CounterClock:
-    """KernelClock over the counters a forward keeps itself (see native_counters)."""
+    """KernelClock over the counters the model's forward keeps itself (Model.timings())."""
 
     source = "native counters"
 
-    def __init__(self, model, counters):
+    def __init__(self, model):
         self.model = model
-        self.counters = counters
         self.calls = 0
 
     def reset(self):
-        self.counters.reset_timings()
+        self.model.reset_timings()
 
     def read(self) -> dict:
-        t = self.counters.timings()
-        self.calls = int(t.get("calls", 0))
-        return {f: float(t.get(f, 0.0)) for f in FAMILIES}
-
-
-def native_counters(model):
-    """The timers of the model's forward, when it keeps them: an object with reset_timings() and
-    timings() -> {"projections", "attention", "other": seconds, "calls": count} (today the fused C
-    forward, kvref.native.fused.FusedForward). None when the forward keeps none."""
-    owner = getattr(getattr(model, "_forward", None), "__self__", None)
-    if callable(getattr(owner, "timings", None)) and callable(getattr(owner, "reset_timings", None)):
-        return owner
-    return None
+        t = self.model.timings()
+        self.calls = int(t["calls"])
+        return {f: float(t[f]) for f in FAMILIES}
 
 
 def kernel_clock(model, source: str = "auto"):
@@ -172,9 +161,8 @@ def kernel_clock(model, source: str = "auto"):
     them, else shims)."""
     if source not in ("auto", "native", "shims"):
         raise ConfigError(f"profile source {source!r} is unknown; expected 'auto', 'native' or 'shims'")
-    counters = native_counters(model) if source in ("auto", "native") else None
-    if counters is not None:
-        return CounterClock(model, counters)
+    if source in ("auto", "native") and model.timings() is not None:
+        return CounterClock(model)
     if source == "native":
         raise ConfigError(f"the {model.backend!r} backend's forward keeps no kernel counters; use --profile shims")
     return ShimClock(model)

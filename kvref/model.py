@@ -176,6 +176,32 @@ class Model:
         cache.after_forward(ids, logits[-1])  # ids for prefix reuse, last logits for save and resume
         return logits if all_logits else logits[0]
 
+    # ---- the native forward's counters ----------------------------------------------------------------
+
+    @property
+    def activations(self) -> str | None:
+        """How the C forward feeds its projections: "float32" (exact) or "int8" (KVREF_ACTIVATIONS); None
+        when the model runs the shared decoder (the spec backend, or weights the C forward cannot read)."""
+        fused = self._fused()
+        return None if fused is None else fused.activations
+
+    def timings(self) -> dict | None:
+        """Seconds the C forward spent since the model was made or reset_timings(), by kernel family:
+        {"projections", "attention", "other": seconds, "calls": C forwards}. None when the forward keeps no
+        counters (the shared decoder; kvref.bench times it with shims around each kernel instead)."""
+        fused = self._fused()
+        return None if fused is None else fused.timings()
+
+    def reset_timings(self) -> None:
+        fused = self._fused()
+        if fused is not None:
+            fused.reset_timings()
+
+    def _fused(self):
+        # the fused C forward is an object whose bound method is self._forward; the decoder is a function
+        owner = getattr(self._forward, "__self__", None)
+        return owner if callable(getattr(owner, "timings", None)) else None
+
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (special tokens as ids)."""
         tok = self.tokenizer
