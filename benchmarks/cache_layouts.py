@@ -10,7 +10,8 @@ batch    8 requests (prompts of 8..200 tokens, --new-tokens each, greedy) throug
          continuous-batching Scheduler with max_batch=8, against the same requests one after
          another (Scheduler max_batch=1, the same code path; and kvref.generate, Model.forward's path);
          then decode steps alone: 8 prefilled sequences, one batched step vs 8 single steps
-long     decode steps at 4,096 cached positions for float32, float16 and int8 K/V (contiguous)
+long     decode steps at 4,096 cached positions: contiguous float32, float16, bfloat16 and int8 K/V,
+         paged (block 16) float16 and int8
 
 Timings are medians of --repeat runs, wall clock, on whatever else the machine is doing: the
 header prints the load average.
@@ -153,6 +154,11 @@ def batch(model, repeat, n_requests=8, new_tokens=64):
     return results
 
 
+# every K/V type contiguous, and the paged layout (block 16) with float16 and int8
+LONG_CACHES = [("contiguous", "float32"), ("contiguous", "float16"), ("contiguous", "bfloat16"),
+               ("contiguous", "int8"), ("paged", "float16"), ("paged", "int8")]
+
+
 def long_context(model, repeat, context=4096, steps=8):
     ids = text_ids(model, context)
     base = model.new_cache(kv_dtype="float32")
@@ -163,8 +169,9 @@ def long_context(model, repeat, context=4096, steps=8):
     k = np.stack([base.read(layer)[0] for layer in range(model.config.n_layers)])  # [L, S, Hkv, D]
     v = np.stack([base.read(layer)[1] for layer in range(model.config.n_layers)])
     rows = []
-    for kv in ("float32", "float16", "int8"):
-        cache = model.new_cache(kv_dtype=kv)
+    for layout, kv in LONG_CACHES:
+        extra = {"num_blocks": -(-(context + steps) // 16)} if layout == "paged" else {}
+        cache = model.new_cache(layout=layout, kv_dtype=kv, **extra)
         cache.append(k, v)  # the same K/V, encoded once as this type
         times = []
         for _ in range(repeat):
@@ -174,7 +181,7 @@ def long_context(model, repeat, context=4096, steps=8):
             times.append((time.perf_counter() - t0) / steps)
             cache.truncate(context)  # back to 4,096 positions, outside the timing
         seconds = statistics.median(times)
-        rows.append({"kv_dtype": kv, "context": context, "ms_per_token": 1000 * seconds,
+        rows.append({"layout": layout, "kv_dtype": kv, "context": context, "ms_per_token": 1000 * seconds,
                      "tokens_per_second": 1 / seconds, "kv_bytes_read": cache.nbytes})
     return {"fill_seconds": fill, "rows": rows}
 
@@ -217,7 +224,7 @@ def main(argv=None):
         r = out["long"] = long_context(model, args.repeat)
         print(f"\ndecode at {r['rows'][0]['context']:,} cached positions (cache filled in {r['fill_seconds']:.1f} s)")
         for row in r["rows"]:
-            print(f"  {row['kv_dtype']:<8} {row['ms_per_token']:7.1f} ms/token  {row['tokens_per_second']:6.1f} tok/s  "
+            print(f"  {row['layout']:<10} {row['kv_dtype']:<8} {row['ms_per_token']:7.1f} ms/token  {row['tokens_per_second']:6.1f} tok/s  "
                   f"K/V {row['kv_bytes_read'] / 2**20:6.1f} MiB")
     if args.json:
         with open(args.json, "w") as f:
