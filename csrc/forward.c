@@ -189,19 +189,19 @@ static void qkv_projections(fw *f) {
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
-/* x += att @ Wo.T */
-static void output_projection(fw *f) {
+/* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
+ * Wd after the MLP) */
+static void residual_projection(fw *f, const float *in, const kvref_tensor *w) {
     const int64_t t0 = now_ns();
-    const kvref_tensor *wo = &f->lw->wo;
     kvref_state *s = f->s;
     if (f->T < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = matvec(f, s->att, f->T, wo->cols, wo, NULL, NULL);
+        kvref_mv mv = matvec(f, in, f->T, w->cols, w, NULL, NULL);
         mv.nparts = 1;
-        mv.part[0] = part(wo, s->x, wo->rows);
+        mv.part[0] = part(w, s->x, w->rows);
         mv.accumulate = 1;
         kvref_mv_run(f->pool, &mv);
     } else {
-        matmul(f, s->att, wo, s->tmp);
+        matmul(f, in, w, s->tmp);
         for_each_row(f, residual_row);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
@@ -224,24 +224,6 @@ static void gate_up_projections(fw *f) {
         matmul(f, s->xb, &lw->w_gate, s->gate);
         matmul(f, s->xb, &lw->w_up, s->up);
         for_each_row(f, swiglu_row);
-    }
-    s->ns[FAM_PROJ] += now_ns() - t0;
-}
-
-/* x += gate @ Wd.T */
-static void down_projection(fw *f) {
-    const int64_t t0 = now_ns();
-    const kvref_tensor *wd = &f->lw->w_down;
-    kvref_state *s = f->s;
-    if (f->T < KVREF_GEMM_MIN_T) {
-        kvref_mv mv = matvec(f, s->gate, f->T, wd->cols, wd, NULL, NULL);
-        mv.nparts = 1;
-        mv.part[0] = part(wd, s->x, wd->rows);
-        mv.accumulate = 1;
-        kvref_mv_run(f->pool, &mv);
-    } else {
-        matmul(f, s->gate, wd, s->tmp);
-        for_each_row(f, residual_row);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
@@ -504,21 +486,21 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
     }
     state->ns[FAM_OTHER] += now_ns() - t_start;
 
-    embed_tokens(&f);                           /* x = tok_embeddings[token_ids] */
+    embed_tokens(&f);                                     /* x = tok_embeddings[token_ids] */
     for (f.layer = 0; f.layer < c->n_layers; f.layer++) {
         f.lw = &c->layers[f.layer];
         /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
-        rms_norm(&f, f.lw->attn_norm);          /* xb = rms_norm(x) * attn_norm */
-        qkv_projections(&f);                    /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
-        rope_and_store(&f);                     /* rotate q, k; k, v -> cache positions length.. */
-        attend(&f);                             /* att = softmax(q . K / sqrt(D)) V, causal by position */
-        output_projection(&f);                  /* x += att @ Wo.T */
+        rms_norm(&f, f.lw->attn_norm);                    /* xb = rms_norm(x) * attn_norm */
+        qkv_projections(&f);                              /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
+        rope_and_store(&f);                               /* rotate q, k; k, v -> cache positions length.. */
+        attend(&f);                                       /* att = softmax(q . K / sqrt(D)) V, causal by position */
+        residual_projection(&f, state->att, &f.lw->wo);   /* x += att @ Wo.T */
         /* MLP block: x += swiglu(...) @ Wd.T, position by position */
-        rms_norm(&f, f.lw->ffn_norm);           /* xb = rms_norm(x) * ffn_norm */
-        gate_up_projections(&f);                /* gate = silu(xb @ Wg.T) * (xb @ Wu.T) */
-        down_projection(&f);                    /* x += gate @ Wd.T */
+        rms_norm(&f, f.lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
+        gate_up_projections(&f);                          /* gate = silu(xb @ Wg.T) * (xb @ Wu.T) */
+        residual_projection(&f, state->gate, &f.lw->w_down); /* x += gate @ Wd.T */
     }
-    final_logits(&f);                           /* logits = rms_norm(x) @ output.T */
+    final_logits(&f);                                     /* logits = rms_norm(x) @ output.T */
     state->calls++;
     kvref_pool_unlock(pool);
     return KVREF_OK;
