@@ -423,11 +423,13 @@ def test_bad_calls_raise_a_kvref_error_and_leave_the_cache_unchanged(small, ids,
 
 def test_cache_arrays_that_c_cannot_write_are_refused_before_c_runs(small):
     model, ff = small
-    for damage in ("readonly", "strided"):
+    for damage in ("readonly", "strided", "dtype"):
         cache = model.new_cache()
         snap = snapshot(cache)
         if damage == "readonly":
             cache.store.k.flags.writeable = False
+        elif damage == "dtype":  # the same shape in another element type: C would misread every row
+            cache.store.v = cache.store.v.astype(np.float16)
         else:
             cache.store.k = np.zeros((CFG.n_layers, 2 * CFG.max_seq_len, CFG.n_kv_heads, CFG.head_dim), np.float32)[:, ::2]
         with pytest.raises(CacheError):

@@ -44,6 +44,7 @@ import threading
 import numpy as np
 
 from ..cache import ContiguousCache, PagedCache
+from ..cache.quant import SCALE_DTYPE
 from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
 from ..formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from . import available, unavailable_reason
@@ -213,13 +214,16 @@ def cache_descriptor(cache) -> _KV:
         raise CacheError(f"the native kernels read contiguous and paged caches with K/V in {tuple(KV_TYPES)} in "
                          f"place; this is a {cache.layout} cache of {cache.dtype_name}")
     store, table, block_size = found
-    L, Hkv, D = cache.n_layers, cache.n_kv_heads, cache.head_dim
+    L, Hkv, D, slots = cache.n_layers, cache.n_kv_heads, cache.head_dim, store.k.shape[1:-2]
+    expected = {"k": (store.k_codec.storage_dtype, D), "v": (store.v_codec.storage_dtype, D),
+                "k_scales": (SCALE_DTYPE, store.k_codec.n_groups), "v_scales": (SCALE_DTYPE, store.v_codec.n_groups)}
     for name, a in store.arrays():
-        if (a.ndim < 3 or a.shape[0] != L or a.shape[-2] != Hkv or a.shape[-1] != (D if name in "kv" else
-                store.k_codec.n_groups if name == "k_scales" else store.v_codec.n_groups)
-                or not a.flags.c_contiguous or not a.flags.aligned or not a.flags.writeable):
-            raise CacheError(f"cache {name} must be a writeable C-contiguous array [{L}, slots, {Hkv}, ...]; got "
-                             f"shape {a.shape}, strides {a.strides}, writeable={a.flags.writeable}")
+        dtype, last = expected[name]
+        shape = (L, *slots, Hkv, last)
+        if (a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned
+                or not a.flags.writeable):
+            raise CacheError(f"cache {name} must be a writeable C-contiguous {dtype} array of shape {shape}; got "
+                             f"{a.dtype} {a.shape}, strides {a.strides}, writeable={a.flags.writeable}")
     group = store.k_codec.group_size or store.v_codec.group_size
     return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[cache.k_dtype], KV_TYPES[cache.v_dtype],
                group, table, block_size)
