@@ -303,18 +303,60 @@ TARGET static inline float load_kv1(const uint8_t *base, int32_t type, int64_t e
     }
 }
 
-/* p[g * C + s] = (q_g . k_s) * scale for the chunk's visible keys, -inf for the others. The vectors
- * of one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+/* Scores of 4 keys (rows row[0..4)) for the gb <= 3 heads q[0..gb) of the group: each K vector is
+ * loaded (and widened) once for all gb heads, into 4 x gb independent accumulators; two rounds of
+ * hadd give each head's 4 sums, to which the head dim's last D % 8 products are added one by one.
+ * The vectors of one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+TARGET __attribute__((always_inline)) static inline void score4(
+    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, float *p, const int32_t k_type,
+    const int gb) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
+    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
+    __m256 d[3][4];
+    for (int g = 0; g < gb; g++)
+        for (int r = 0; r < 4; r++) d[g][r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (int64_t jg = 0; i < Dv; jg++)
+        for (int64_t jj = 0; jj < vpg && i < Dv; jj++, i += 8) {
+            __m256 qv[3];
+            for (int g = 0; g < gb; g++) qv[g] = _mm256_loadu_ps(q + g * D + i);
+            for (int r = 0; r < 4; r++) {
+                const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[r] + jg] : 0.0f;
+                const __m256 kv = load_kv8(a->k, k_type, row[r] + i, sc);
+                for (int g = 0; g < gb; g++) d[g][r] = _mm256_fmadd_ps(qv[g], kv, d[g][r]);
+            }
+        }
+    for (int g = 0; g < gb; g++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(d[g][0], d[g][1]), _mm256_hadd_ps(d[g][2], d[g][3]));
+        float dots[4];
+        _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        for (int r = 0; r < 4; r++) {
+            for (int64_t t = Dv; t < D; t++) dots[r] += q[g * D + t] * load_kv1(a->k, k_type, row[r] + t);
+            p[g * C + r] = dots[r] * a->scale;
+        }
+    }
+}
+
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's keys, 4 at a time for up to 3 heads, the last
+ * n % 4 keys one by one; masked keys are scored like the rest (their values are never used), then
+ * hidden with -inf. */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int all,
     const int64_t *kp, int64_t qpos, float *p, const int32_t k_type) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
-    for (int64_t s = 0; s < n; s++) {
-        if (!all && kp[s] > qpos) {
-            for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
-            continue;
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4)
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+            const float *qg = q + g0 * D;
+            float *pg = p + g0 * C + s;
+            switch (G - g0) {
+            case 1: score4(a, qg, row + s, srow + s, pg, k_type, 1); break;
+            case 2: score4(a, qg, row + s, srow + s, pg, k_type, 2); break;
+            default: score4(a, qg, row + s, srow + s, pg, k_type, 3);
+            }
         }
+    for (; s < n; s++)
         for (int64_t g = 0; g < G; g++) {
             __m256 d = _mm256_setzero_ps();
             int64_t i = 0;
@@ -327,50 +369,69 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, k_type, row[s] + i);
             p[g * C + s] = dot * a->scale;
         }
-    }
+    if (!all)
+        for (s = 0; s < n; s++)
+            if (kp[s] > qpos)
+                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
 }
 
-/* acc += p V over the chunk's n keys; masked keys never touch acc */
+/* acc[g] += p[g] V over the chunk's n keys for the gb <= 3 heads p[0..gb), acc[0..gb) of the group,
+ * one 8-wide slice of the head dim at a time: each V vector is loaded (and widened) once for all gb
+ * heads, `keys` keys per step so that 4 to 6 FMA chains are in flight. Masked keys never touch acc. */
+TARGET __attribute__((always_inline)) static inline void pv_block(
+    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
+    int all, const int64_t *kp, int64_t qpos, const int32_t v_type, const int gb) {
+#define load_v(s) load_kv8(a->v, v_type, row[s] + i, v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg] : 0.0f)
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
+    const int keys = gb == 1 ? 4 : 2;
+    for (int64_t i = 0; i < Dv; i += 8) {
+        const int64_t jg = v_type == KVREF_TYPE_I8 ? i / a->group_size : 0;
+        __m256 ac[4][3];
+        for (int k = 0; k < keys; k++)
+            for (int g = 0; g < gb; g++) ac[k][g] = k == 0 ? _mm256_loadu_ps(acc + g * D + i) : _mm256_setzero_ps();
+        int64_t s = 0;
+        if (all)
+            for (; s + keys <= n; s += keys)
+                for (int k = 0; k < keys; k++) {
+                    const __m256 v = load_v(s + k);
+                    for (int g = 0; g < gb; g++) ac[k][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * C + s + k]), v, ac[k][g]);
+                }
+        for (; s < n; s++) {
+            if (!all && kp[s] > qpos) continue;
+            const __m256 v = load_v(s);
+            for (int g = 0; g < gb; g++) ac[0][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * C + s]), v, ac[0][g]);
+        }
+        for (int g = 0; g < gb; g++) {
+            __m256 sum = ac[0][g];
+            for (int k = 1; k < keys; k++) sum = _mm256_add_ps(sum, ac[k][g]);
+            _mm256_storeu_ps(acc + g * D + i, sum);
+        }
+    }
+    for (int64_t i = Dv; i < D; i++) /* the head dim's last D % 8 elements (float types only) */
+        for (int g = 0; g < gb; g++) {
+            float av = acc[g * D + i];
+            for (int64_t s = 0; s < n; s++) {
+                if (!all && kp[s] > qpos) continue;
+                av += p[g * C + s] * load_kv1(a->v, v_type, row[s] + i);
+            }
+            acc[g * D + i] = av;
+        }
+#undef load_v
+}
+
 TARGET __attribute__((always_inline)) static inline void pv_typed(
     const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
     int all, const int64_t *kp, int64_t qpos, const int32_t v_type) {
-#define load_v(s, sc) load_kv8(a->v, v_type, row[s] + i, v_type == KVREF_TYPE_I8 ? (sc) : 0.0f)
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
-    for (int64_t g = 0; g < a->G; g++) {
-        const float *pg = p + g * C;
-        float *ag = acc + g * D;
-        int64_t i = 0;
-        for (; i < Dv; i += 8) {
-            const int64_t jg = v_type == KVREF_TYPE_I8 ? i / a->group_size : 0;
-            const float *vs = a->v_scales;
-            __m256 av = _mm256_loadu_ps(ag + i);
-            int64_t s = 0;
-            if (all) { /* four keys per step: four independent FMA chains instead of one */
-                __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-                for (; s + 4 <= n; s += 4) {
-                    av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_v(s, vs[srow[s] + jg]), av);
-                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 1]), load_v(s + 1, vs[srow[s + 1] + jg]), a1);
-                    a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 2]), load_v(s + 2, vs[srow[s + 2] + jg]), a2);
-                    a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[s + 3]), load_v(s + 3, vs[srow[s + 3] + jg]), a3);
-                }
-                av = _mm256_add_ps(_mm256_add_ps(av, a1), _mm256_add_ps(a2, a3));
-            }
-            for (; s < n; s++) {
-                if (!all && kp[s] > qpos) continue;
-                av = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_v(s, vs[srow[s] + jg]), av);
-            }
-            _mm256_storeu_ps(ag + i, av);
-        }
-        for (; i < D; i++) {
-            float av = ag[i];
-            for (int64_t s = 0; s < n; s++) {
-                if (!all && kp[s] > qpos) continue;
-                av += pg[s] * load_kv1(a->v, v_type, row[s] + i);
-            }
-            ag[i] = av;
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK;
+    for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
+        const float *pg = p + g0 * C;
+        float *ag = acc + g0 * D;
+        switch (a->G - g0) {
+        case 1: pv_block(a, row, srow, n, pg, ag, all, kp, qpos, v_type, 1); break;
+        case 2: pv_block(a, row, srow, n, pg, ag, all, kp, qpos, v_type, 2); break;
+        default: pv_block(a, row, srow, n, pg, ag, all, kp, qpos, v_type, 3);
         }
     }
-#undef load_v
 }
 
 /* One instantiation per element type: the type must be a compile-time constant, or every K/V
