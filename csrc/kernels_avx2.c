@@ -341,12 +341,13 @@ TARGET __attribute__((always_inline)) static inline void score4(
  * n % 4 keys one by one; masked keys are scored like the rest (their values are never used), then
  * hidden with -inf. */
 TARGET __attribute__((always_inline)) static inline void score_typed(
-    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int all,
-    const int64_t *kp, int64_t qpos, float *p, const int32_t k_type) {
+    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
+    int all, const int64_t *kp, int64_t qpos, float *p, const int32_t k_type) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
     int64_t s = 0;
-    for (; s + 4 <= n; s += 4)
+    for (; s + 4 <= n; s += 4) {
+        if (s % 8 == 0) kvref_attn_prefetch(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;
@@ -356,6 +357,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             default: score4(a, qg, row + s, srow + s, pg, k_type, 3);
             }
         }
+    }
     for (; s < n; s++)
         for (int64_t g = 0; g < G; g++) {
             __m256 d = _mm256_setzero_ps();
@@ -437,12 +439,12 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
 /* One instantiation per element type: the type must be a compile-time constant, or every K/V
  * load would test it. */
 TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow,
-                               int64_t n, int all, const int64_t *kp, int64_t qpos, float *p) {
+                               int64_t n, int64_t nrows, int all, const int64_t *kp, int64_t qpos, float *p) {
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_I8); break;
-    case KVREF_TYPE_F16: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_F16); break;
-    case KVREF_TYPE_BF16: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_BF16); break;
-    default: score_typed(a, q, row, srow, n, all, kp, qpos, p, KVREF_TYPE_F32);
+    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_F16: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_BF16); break;
+    default: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_F32);
     }
 }
 
@@ -475,8 +477,9 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
         for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
         if (nvis == 0) continue;
         const int all = nvis == n;
-        kvref_attn_rows(a, hk, c0, n, row, srow);
-        score_chunk(a, q, row, srow, n, all, kp, qpos, p);
+        const int64_t nrows = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
+        kvref_attn_rows(a, hk, c0, nrows, row, srow); /* the chunk's keys and those prefetched */
+        score_chunk(a, q, row, srow, n, nrows, all, kp, qpos, p);
         for (int64_t g = 0; g < G; g++) {
             float *pg = p + g * C;
             const int64_t nv = n / 8 * 8;

@@ -351,8 +351,6 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
 
 /* ---- attention unit (same algorithm as kvref_attn_unit_ref in scalar.c) ------------------ */
 
-static inline int64_t kv_bytes(int32_t type) { return type == KVREF_TYPE_F32 ? 4 : type == KVREF_TYPE_I8 ? 1 : 2; }
-
 /* 16 K/V values at element e of a layer's K or V, as float32: F16 and BF16 widened, I8 times
  * `scale`, its group's scale (the SIMD unit takes I8 only when 16 | group_size, so a vector never
  * spans two groups). `full` (a compile-time constant where it matters): the mask is all ones, so a
@@ -394,25 +392,6 @@ TARGET static inline __m256 reduce8(const __m512 *v) {
     return _mm512_castps512_ps256(_mm512_shuffle_f32x4(u, u, 0x08));
 }
 
-/* The whole K and V slots (every kv head: contiguous memory) of keys i0 .. i0+15 (those of the
- * nrows looked up), asked for into L2 while kv head 0 scores keys KVREF_ATTN_PREFETCH_KEYS earlier.
- * A unit reads one kv head's part of each slot, a strided pattern the hardware prefetchers follow
- * poorly, so without this attention over a cache streamed from DRAM waits on memory at every group
- * of keys. Measured on this repository's 2-core Zen 4 machine, 30 layers x 4096 positions, Hkv = 3,
- * 2 threads, cache cold (float16 / int8 K/V): no prefetch 9.7 / 7.8 ms, into L1 (locality 3)
- * 9.1 / 6.2 ms, into L2 (locality 2) 7.4-7.9 / 4.8-5.2 ms; 64 or 128 keys ahead gained nothing.
- * With kv head 0, row[i] is the slot's first element. */
-#define KVREF_ATTN_PREFETCH_KEYS 32
-TARGET static inline void prefetch_rows(const kvref_attn_args *a, const int64_t *row, int64_t i0, int64_t nrows) {
-    const int64_t kb = kv_bytes(a->k_type), vb = kv_bytes(a->v_type), elems = a->Hkv * a->D;
-    const int64_t i1 = i0 + 16 < nrows ? i0 + 16 : nrows;
-    for (int64_t i = i0; i < i1; i++) { /* __builtin_prefetch: GCC 12 silently drops _mm_prefetch in
-                                           this inlined helper */
-        for (int64_t o = 0; o < elems * kb; o += 64) __builtin_prefetch(a->k + row[i] * kb + o, 0, 2);
-        for (int64_t o = 0; o < elems * vb; o += 64) __builtin_prefetch(a->v + row[i] * vb + o, 0, 2);
-    }
-}
-
 /* Scores of 8 keys (rows row[0..8)) for the gb <= 3 heads q[0..gb) of the group: 8 dot-product
  * vectors per head, each K vector loaded (and widened) once for all gb heads, then one transposing
  * reduction per head. The vectors of one I8 scale group are consecutive (vpg of them), so its
@@ -444,13 +423,13 @@ TARGET __attribute__((always_inline)) static inline void score8(
  * keys one by one */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
-    int prefetch, float *p, const int32_t k_type, const int full) {
+    float *p, const int32_t k_type, const int full) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
-        if (prefetch && s % 16 == 0) prefetch_rows(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        kvref_attn_prefetch(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;
@@ -562,21 +541,21 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
 /* One instantiation per element type (and, for the float types, per `full`): the type must be a
  * compile-time constant, or every K/V load would test it. I8 always has 16 | D here. */
 TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow,
-                               int64_t n, int64_t nrows, int prefetch, float *p) {
+                               int64_t n, int64_t nrows, float *p) {
     const int full = a->D % 16 == 0;
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
-        if (full) score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F16, 1);
-        else score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F16, 0);
+        if (full) score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F16, 1);
+        else score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F16, 0);
         break;
     case KVREF_TYPE_BF16:
-        if (full) score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_BF16, 1);
-        else score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_BF16, 0);
+        if (full) score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_BF16, 1);
+        else score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_BF16, 0);
         break;
     default:
-        if (full) score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F32, 1);
-        else score_typed(a, q, row, srow, n, nrows, prefetch, p, KVREF_TYPE_F32, 0);
+        if (full) score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F32, 1);
+        else score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F32, 0);
     }
 }
 
@@ -618,11 +597,10 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
         int64_t nvis = 0;
         for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
         if (nvis == 0) continue;
-        const int all = nvis == n, prefetch = hk == 0;
-        const int64_t ahead = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
-        const int64_t nrows = prefetch ? ahead : n;
-        kvref_attn_rows(a, hk, c0, nrows, row, srow);
-        score_chunk(a, q, row, srow, n, nrows, prefetch, p);
+        const int all = nvis == n;
+        const int64_t nrows = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
+        kvref_attn_rows(a, hk, c0, nrows, row, srow); /* the chunk's keys and those prefetched */
+        score_chunk(a, q, row, srow, n, nrows, p);
         if (!all) /* masked keys: scored like the rest (their values are never used), then hidden */
             for (int64_t s = 0; s < n; s++)
                 if (kp[s] > qpos)

@@ -7,20 +7,11 @@
  */
 #include "internal.h"
 
-static int64_t element_bytes(int32_t type) {
-    switch (type) {
-    case KVREF_TYPE_F32: return 4;
-    case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 2;
-    case KVREF_TYPE_I8: return 1;
-    default: return -1;
-    }
-}
-
 static int mul_overflows(int64_t a, int64_t b) { return a > 0 && b > 0 && a > INT64_MAX / b; }
 
 int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D, int64_t positions) {
     if (kv == NULL || kv->k == NULL || kv->v == NULL) return KVREF_ERR_NULL;
-    if (element_bytes(kv->k_type) < 0 || element_bytes(kv->v_type) < 0) return KVREF_ERR_TYPE;
+    if (kvref_kv_element_bytes(kv->k_type) < 0 || kvref_kv_element_bytes(kv->v_type) < 0) return KVREF_ERR_TYPE;
     if (kv->n_layers < 0 || kv->n_slots < 0 || kv->n_kv_heads < 1 || kv->head_dim < 1 || positions < 0)
         return KVREF_ERR_DIM;
     if (kv->n_layers != n_layers || kv->n_kv_heads != Hkv || kv->head_dim != D) return KVREF_ERR_SHAPE;
@@ -44,8 +35,8 @@ int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D,
 void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a) {
     const int64_t vectors = kv->n_slots * kv->n_kv_heads; /* per layer */
     const int64_t ng = kv->group_size > 0 ? kv->head_dim / kv->group_size : 0;
-    a->k = (const uint8_t *)kv->k + layer * vectors * kv->head_dim * element_bytes(kv->k_type);
-    a->v = (const uint8_t *)kv->v + layer * vectors * kv->head_dim * element_bytes(kv->v_type);
+    a->k = (const uint8_t *)kv->k + layer * vectors * kv->head_dim * kvref_kv_element_bytes(kv->k_type);
+    a->v = (const uint8_t *)kv->v + layer * vectors * kv->head_dim * kvref_kv_element_bytes(kv->v_type);
     a->k_scales = kv->k_type == KVREF_TYPE_I8 ? kv->k_scales + layer * vectors * ng : NULL;
     a->v_scales = kv->v_type == KVREF_TYPE_I8 ? kv->v_scales + layer * vectors * ng : NULL;
     a->k_type = kv->k_type;
@@ -100,8 +91,8 @@ void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, 
     int64_t row, srow;
     kvref_attn_rows(&a, 0, position, 1, &row, &srow);
     const int64_t n = kv->n_kv_heads * kv->head_dim;
-    encode(kv->k_type, n, kv->group_size, k, kk, (uint8_t *)a.k + row * element_bytes(kv->k_type),
+    encode(kv->k_type, n, kv->group_size, k, kk, (uint8_t *)a.k + row * kvref_kv_element_bytes(kv->k_type),
            a.k_scales != NULL ? (float *)a.k_scales + srow : NULL);
-    encode(kv->v_type, n, kv->group_size, v, kk, (uint8_t *)a.v + row * element_bytes(kv->v_type),
+    encode(kv->v_type, n, kv->group_size, v, kk, (uint8_t *)a.v + row * kvref_kv_element_bytes(kv->v_type),
            a.v_scales != NULL ? (float *)a.v_scales + srow : NULL);
 }
