@@ -203,10 +203,11 @@ static inline int64_t kvref_kv_element_bytes(int32_t type) {
  * before it is read and the requests are spread evenly over the work. Without it, attention over a
  * cache streamed from DRAM waits on memory at every group of keys: a unit reads a third of each
  * slot (SmolLM2, Hkv = 3), a strided pattern the hardware prefetchers follow poorly. Measured on
- * this repository's 2-core Zen 4 machine, 30 layers x 4096 float16 positions, 2 threads, cache
- * cold: no prefetch 9.7 ms; whole slots into L1 from kv head 0, 32 keys ahead, 9.1; the same into
- * L2 6.5-7.1; this (each unit its own head's part, one chunk ahead, into L2) 5.4-5.5 ms in the
- * same alternating runs; twice as far ahead, or half the lines, was slower. */
+ * this repository's 2-core Zen 4 machine (attention over 30 layers x 4096 float16 positions, cache
+ * cold, 2 threads; each pair from builds run alternately, as the host's load moves absolute times):
+ * whole slots asked for by kv head 0 only, 32 keys ahead: into L1 9.1 ms against 9.7 with no
+ * prefetch, into L2 6.7-6.9 ms against 5.6-5.9 for this; twice as far ahead, or every other line,
+ * was slower. */
 static inline void kvref_attn_prefetch(const kvref_attn_args *a, const int64_t *row, int64_t i0, int64_t nrows) {
     const int64_t kw = kvref_kv_element_bytes(a->k_type), vw = kvref_kv_element_bytes(a->v_type);
     const int64_t i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
