@@ -373,8 +373,8 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
 def read_bandwidth(threads=1, nbytes=512 * 2**20, tries=5) -> float:
     """Bytes per second of reading a `nbytes` float32 array once (np.max over `threads` slices, one
     Python thread each: NumPy reductions release the GIL); the best of `tries`. The array is far
-    larger than any last-level cache: a VM may report 32 MiB of L3 on a host part with several times
-    that, and a 128 MiB probe once measured 50 GB/s here where DRAM gives 30-34."""
+    larger than any last-level cache, so this is DRAM. On a shared VM the figure follows the host's
+    load: this repository's 2-core machine measured 29-55 GB/s at 2 threads within an hour."""
     from concurrent.futures import ThreadPoolExecutor
 
     a = np.ones(nbytes // 4, dtype=np.float32)
