@@ -135,8 +135,8 @@ class FusedForward:
 
     def runs(self, ops, config, weights, cache) -> bool:
         """True when forward() runs in C for these arguments (else it calls the shared decoder)."""
-        return (isinstance(ops, native_ops.Kernels) and config == self.config
-                and native_ops.cache_storage(cache) is not None and weights is self.weights and [id(t) for t in _tensors(weights)] == self._fingerprint)
+        return (isinstance(ops, native_ops.Kernels) and config == self.config and native_ops.reads_in_place(cache)
+                and weights is self.weights and [id(t) for t in _tensors(weights)] == self._fingerprint)
 
     def forward(self, ops, config, weights, token_ids, cache, all_logits=False):
         # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T

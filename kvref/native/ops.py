@@ -194,26 +194,22 @@ class _KV:
         d.block_size = block_size
 
 
-def cache_storage(cache):
-    """(store, block_table, block_size) of a cache the native kernels read and write in place, else None:
-    a ContiguousCache or PagedCache (exactly: a subclass may store differently) with K and V in
-    KV_TYPES. block_table is None for the contiguous layout (position p in slot p)."""
-    if cache.k_dtype not in KV_TYPES or cache.v_dtype not in KV_TYPES or cache.freed:
-        return None
-    if type(cache) is ContiguousCache:
-        return cache.store, None, 1
-    if type(cache) is PagedCache:
-        return cache.pool.store, np.asarray(cache.block_table, dtype=_I64), cache.pool.block_size
-    return None
+def reads_in_place(cache) -> bool:
+    """Whether the native kernels read and write this cache's storage in place: a ContiguousCache or
+    PagedCache (exactly: a subclass may store differently), live, with K and V in KV_TYPES."""
+    return (type(cache) in (ContiguousCache, PagedCache) and not cache.freed
+            and cache.k_dtype in KV_TYPES and cache.v_dtype in KV_TYPES)
 
 
 def cache_descriptor(cache) -> _KV:
     """The kvref_kv of a cache's storage, every array checked; CacheError if C cannot use it in place."""
-    found = cache_storage(cache)
-    if found is None:
+    if not reads_in_place(cache):
         raise CacheError(f"the native kernels read contiguous and paged caches with K/V in {tuple(KV_TYPES)} in "
                          f"place; this is a {cache.layout} cache of {cache.dtype_name}")
-    store, table, block_size = found
+    if type(cache) is PagedCache:  # position p in slot table[p // block_size] * block_size + p % block_size
+        store, table, block_size = cache.pool.store, np.asarray(cache.block_table, dtype=_I64), cache.pool.block_size
+    else:  # position p in slot p
+        store, table, block_size = cache.store, None, 1
     L, Hkv, D, slots = cache.n_layers, cache.n_kv_heads, cache.head_dim, store.k.shape[1:-2]
     expected = {"k": (store.k_codec.storage_dtype, D), "v": (store.v_codec.storage_dtype, D),
                 "k_scales": (SCALE_DTYPE, store.k_codec.n_groups), "v_scales": (SCALE_DTYPE, store.v_codec.n_groups)}
