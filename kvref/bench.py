@@ -14,6 +14,9 @@ What is measured (every rate is a median over --repeat runs, after one warm-up r
              is truncated back to --context positions, so every repeat reads the same cache length
   split      a separate profiled pass of each of the above (one run): milliseconds per token by
              kernel family, from a KernelClock (below)
+  kv read    the context cache's stored K/V arrays read READ_TRIES times with as many threads as the
+             forward (np.max): attention's time per token beside the time to read that K/V once
+             at the median rate (issue 4: within 2x)
   memory     peak RSS of the process (getrusage ru_maxrss and /proc/self/status VmHWM), beside the
              GGUF file size and the bytes of the largest cache used; the budget of issue 4 is
              file + cache + 100 MB (no dequantized copy of the weights)
@@ -58,6 +61,7 @@ FAMILIES = ("projections", "attention", "other")
 #: which family each kernel of the kernel set belongs to
 KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "other", "rms_norm": "other",
                  "rope": "other", "swiglu": "other"}
+READ_TRIES = 7  # reads of the cache's K/V whose median rate times one read (kv_read)
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
 BUDGET_SLACK = 100 * 10**6  # issue 4: peak RSS <= file + KV cache + 100 MB
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
@@ -334,10 +338,10 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
                     break
                 clock = ShimClock(model)  # the counters stayed at zero: the forward fell back to the decoder
             splits[name] = got
-    peak = peak_rss()  # before the bandwidth probe below allocates its buffer
+    peak = peak_rss()
     if splits.get("context"):
-        progress("measuring memory read bandwidth", force=True)
-        splits["context"]["kv_read"] = kv_read(splits["context"], _cache_bytes(model, context, kv),
+        progress("reading the cache's K/V", force=True)
+        splits["context"]["kv_read"] = kv_read(splits["context"], context_cache, _cache_bytes(model, context, kv),
                                                threads_of(model) or 1)
     progress.done()
 
@@ -370,32 +374,49 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
     }
 
 
-def read_bandwidth(threads=1, nbytes=512 * 2**20, tries=5) -> float:
-    """Bytes per second of reading a `nbytes` float32 array once (np.max over `threads` slices, one
-    Python thread each: NumPy reductions release the GIL); the best of `tries`. The array is far
-    larger than any last-level cache, so this is DRAM. On a shared VM the figure follows the host's
-    load: this repository's 2-core machine measured 29-55 GB/s at 2 threads within an hour."""
+def stored_arrays(cache) -> list:
+    """Every array `cache` keeps its K/V in, in its stored form (a paged cache: its pool's)."""
+    store = cache.pool.store if cache.layout == "paged" else cache.store
+    return [a for _, a in store.arrays()]
+
+
+def read_seconds(arrays, threads=1, tries=READ_TRIES) -> list[float]:
+    """Seconds to read every byte of `arrays` once, `tries` times: `threads` Python threads each take
+    np.max over its share of every array (a uint8 view: NumPy's reductions run at L3 speed and
+    release the GIL, so the figure is the memory's). For arrays larger than the last-level cache
+    this is DRAM; a smaller cache is partly read from that cache, as attention reads it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    a = np.ones(nbytes // 4, dtype=np.float32)
-    parts = np.array_split(a, threads)
+    flat = [a.reshape(-1).view(np.uint8) for a in arrays]
+    splits = [np.array_split(f, threads) for f in flat]
+    shares = [[parts[i] for parts in splits] for i in range(threads)]
+
+    def read(share):
+        for part in share:
+            part.max(initial=0)
+
+    seconds = []
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.max, parts))
-        best = float("inf")
         for _ in range(tries):
             start = time.perf_counter()
-            list(pool.map(np.max, parts))
-            best = min(best, time.perf_counter() - start)
-    return a.nbytes / best
+            list(pool.map(read, shares))
+            seconds.append(time.perf_counter() - start)
+    return seconds
 
 
-def kv_read(split, kv_bytes, threads) -> dict:
-    """Attention time per decode step beside the time to read the cache's K/V once from memory
-    (issue 4: within 2x). kv_bytes: the K/V of every layer at the context length."""
-    bandwidth = read_bandwidth(threads)
-    read_ms = 1e3 * kv_bytes / bandwidth
+def kv_read(split, cache, kv_bytes, threads) -> dict:
+    """Attention time per decode step beside the time to read that K/V once from memory (issue 4:
+    within 2x). The cache's own arrays are read READ_TRIES times right after the profiled pass, with
+    as many threads as the forward used; the median read rate gives the time of kv_bytes (the K/V of
+    every layer at the context length; the arrays also hold the slots of the decoded steps)."""
+    arrays = stored_arrays(cache)
+    stored = sum(a.nbytes for a in arrays)
+    seconds = read_seconds(arrays, threads)
+    rates = sorted(stored / s for s in seconds)
+    read_ms = 1e3 * kv_bytes / statistics.median(rates)
     attention_ms = split["ms_per_token"]["attention"]
-    return {"kv_bytes": kv_bytes, "bandwidth_gb_s": bandwidth / 1e9, "threads": threads, "read_ms": read_ms,
+    return {"kv_bytes": kv_bytes, "bandwidth_gb_s": statistics.median(rates) / 1e9,
+            "bandwidth_range_gb_s": [rates[0] / 1e9, rates[-1] / 1e9], "threads": threads, "read_ms": read_ms,
             "attention_ms": attention_ms, "ratio": attention_ms / read_ms}
 
 
@@ -597,7 +618,9 @@ def report(r: dict) -> str:
     if read:
         lines.append(f"attention at {r['settings']['context']} cached: {read['attention_ms']:.2f} ms per token = "
                      f"{read['ratio']:.2f}x the time to read its K/V once ({human_bytes(read['kv_bytes'])} at "
-                     f"{read['bandwidth_gb_s']:.1f} GB/s, measured with {read['threads']} thread(s))")
+                     f"{read['bandwidth_gb_s']:.1f} GB/s, the median of {READ_TRIES} reads of the cache with "
+                     f"{read['threads']} thread(s): {read['bandwidth_range_gb_s'][0]:.1f}-"
+                     f"{read['bandwidth_range_gb_s'][1]:.1f} GB/s)")
     mem = r["memory"]
     line = f"peak RSS {human_bytes(mem['peak_rss_bytes'])}"
     if mem["vmhwm_bytes"]:
