@@ -197,24 +197,25 @@ static inline int64_t kvref_kv_element_bytes(int32_t type) {
     }
 }
 
-/* Ask for the K and V vectors (kv head hk's part of each slot: rows from kvref_attn_rows) of keys
- * i0 .. i0+7, those of the nrows looked up, to be brought into L2. A SIMD unit calls this every 8
- * keys for the keys one chunk ahead, so each line is asked for a whole chunk (all kv heads' turns)
- * before it is read and the requests are spread evenly over the work. Without it, attention over a
- * cache streamed from DRAM waits on memory at every group of keys: a unit reads a third of each
- * slot (SmolLM2, Hkv = 3), a strided pattern the hardware prefetchers follow poorly. Measured on
- * this repository's 2-core Zen 4 machine (attention over 30 layers x 4096 float16 positions, cache
- * cold, 2 threads; each pair from builds run alternately, as the host's load moves absolute times):
- * whole slots asked for by kv head 0 only, 32 keys ahead: into L1 9.1 ms against 9.7 with no
- * prefetch, into L2 6.7-6.9 ms against 5.6-5.9 for this; twice as far ahead, or every other line,
- * was slower. */
-static inline void kvref_attn_prefetch(const kvref_attn_args *a, const int64_t *row, int64_t i0, int64_t nrows) {
-    const int64_t kw = kvref_kv_element_bytes(a->k_type), vw = kvref_kv_element_bytes(a->v_type);
-    const int64_t i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
-    for (int64_t i = i0; i < i1; i++) { /* one 64-byte line at a time, into L2 (locality 2) */
-        for (int64_t o = 0; o < a->D * kw; o += 64) __builtin_prefetch(a->k + row[i] * kw + o, 0, 2);
-        for (int64_t o = 0; o < a->D * vw; o += 64) __builtin_prefetch(a->v + row[i] * vw + o, 0, 2);
-    }
+/* Ask for the K or V vectors (base and type: the layer's K or V; kv head hk's part of each slot:
+ * rows from kvref_attn_rows) of keys i0 .. i0+7, those of the nrows looked up, to be brought into
+ * L2, one 64-byte line at a time. A SIMD unit calls this every 8 keys for the keys one chunk ahead,
+ * so each line is asked for a whole chunk (all kv heads' turns) before it is read: the AVX-512 unit
+ * asks for K while it scores and for V while it sums values, which spreads the requests over the
+ * work. Without it, attention over a cache streamed from DRAM waits on memory at every group of
+ * keys: a unit reads a third of each slot (SmolLM2, Hkv = 3), a strided pattern the hardware
+ * prefetchers follow poorly. Measured on this repository's 2-core Zen 4 machine (attention over 30
+ * layers x 4096 float16 positions, cache cold, 2 threads; each pair from builds run alternately, as
+ * the host's load moves absolute times): whole slots asked for by kv head 0 only, 32 keys ahead:
+ * into L1 9.1 ms against 9.7 with no prefetch, into L2 6.7-6.9 ms against 5.6-5.9 for K and V
+ * together while scoring; V while summing values instead: 4.1-4.7 ms against 4.5-4.9 (with the
+ * segment runs of attention.c), and 3.2 against 3.5 ms with the cache in L3. Twice as far ahead,
+ * every other line, or into L1 was slower. */
+static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_t D, const int64_t *row, int64_t i0,
+                                       int64_t nrows) {
+    const int64_t width = kvref_kv_element_bytes(type), i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
 }
 
 typedef struct kvref_kernels {

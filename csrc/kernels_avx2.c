@@ -347,7 +347,10 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
     int64_t s = 0;
     for (; s + 4 <= n; s += 4) {
-        if (s % 8 == 0) kvref_attn_prefetch(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        if (s % 8 == 0) {
+            kvref_attn_prefetch(a->k, a->k_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+            kvref_attn_prefetch(a->v, a->v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        }
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;

@@ -429,7 +429,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
-        kvref_attn_prefetch(a, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        kvref_attn_prefetch(a->k, a->k_type, a->D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;
@@ -460,7 +460,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
  * chains are in flight, not 4 that wait on the FMA latency at every key. plain: exactly 4 full
  * vectors. */
 TARGET __attribute__((always_inline)) static inline void pv_visible(
-    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
+    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows, const float *p, float *acc,
     const int32_t v_type, const int plain, __mmask16 last, const int gb) {
 #define load_v(s, j) load_kv_m(a->v, v_type, row[s] + 16 * (j), mk[j], plain, \
                                v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg[j]] : 0.0f)
@@ -478,12 +478,14 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
             for (int j = 0; j < 4; j++)
                 ac[k][g][j] = k == 0 ? _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j) : _mm512_setzero_ps();
     int64_t s = 0;
-    for (; s + keys <= n; s += keys)
+    for (; s + keys <= n; s += keys) {
+        if ((s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int k = 0; k < keys; k++)
             for (int j = 0; j < 4; j++) {
                 const __m512 v = load_v(s + k, j);
                 for (int g = 0; g < gb; g++) ac[k][g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * C + s + k]), v, ac[k][g][j]);
             }
+    }
     for (; s < n; s++) /* one key left over (keys == 2) */
         for (int j = 0; j < 4; j++) {
             const __m512 v = load_v(s, j);
@@ -499,7 +501,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
 
 /* acc += p V over the chunk's n keys; masked keys (kp[s] > qpos) never touch acc */
 TARGET __attribute__((always_inline)) static inline void pv_typed(
-    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
+    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows, const float *p, float *acc,
     int all, const int64_t *kp, int64_t qpos, const int32_t v_type, const int full) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
@@ -510,13 +512,13 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
             float *ag = acc + g0 * D;
             const int64_t gb = a->G - g0;
             if (full && nvec == 4) {
-                if (gb == 1) pv_visible(a, row, srow, n, pg, ag, v_type, 1, (__mmask16)0xffff, 1);
-                else if (gb == 2) pv_visible(a, row, srow, n, pg, ag, v_type, 1, (__mmask16)0xffff, 2);
-                else pv_visible(a, row, srow, n, pg, ag, v_type, 1, (__mmask16)0xffff, 3);
+                if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 1, (__mmask16)0xffff, 1);
+                else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 1, (__mmask16)0xffff, 2);
+                else pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 1, (__mmask16)0xffff, 3);
             } else {
-                if (gb == 1) pv_visible(a, row, srow, n, pg, ag, v_type, 0, last, 1);
-                else if (gb == 2) pv_visible(a, row, srow, n, pg, ag, v_type, 0, last, 2);
-                else pv_visible(a, row, srow, n, pg, ag, v_type, 0, last, 3);
+                if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 0, last, 1);
+                else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 0, last, 2);
+                else pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 0, last, 3);
             }
         }
         return;
@@ -527,8 +529,10 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
         for (int64_t j = 0; j < nvec; j++) {
             const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
             const int64_t jg = j / vpg;
+            const int ahead = g == 0 && j == 0; /* the first pass over the keys asks for the next V */
             __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
             for (int64_t s = 0; s < n; s++) {
+                if (ahead && (s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
                 if (!all && kp[s] > qpos) continue;
                 const float sc = v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg] : 0.0f;
                 av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(a->v, v_type, row[s] + 16 * j, mk, full, sc), av);
@@ -559,22 +563,22 @@ TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const i
     }
 }
 
-TARGET static void pv_chunk(const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n,
+TARGET static void pv_chunk(const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
                             const float *p, float *acc, int all, const int64_t *kp, int64_t qpos) {
     const int full = a->D % 16 == 0;
     switch (a->v_type) {
-    case KVREF_TYPE_I8: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_I8: pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
-        if (full) pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F16, 1);
-        else pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F16, 0);
+        if (full) pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F16, 1);
+        else pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F16, 0);
         break;
     case KVREF_TYPE_BF16:
-        if (full) pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 1);
-        else pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 0);
+        if (full) pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 1);
+        else pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 0);
         break;
     default:
-        if (full) pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F32, 1);
-        else pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F32, 0);
+        if (full) pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F32, 1);
+        else pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F32, 0);
     }
 }
 
@@ -634,7 +638,7 @@ TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, in
             }
             m[g] = mnew;
         }
-        pv_chunk(a, row, srow, n, p, acc, all, kp, qpos); /* acc += p V */
+        pv_chunk(a, row, srow, n, nrows, p, acc, all, kp, qpos); /* acc += p V */
     }
 }
 
