@@ -26,9 +26,9 @@ Section "forward" (the whole model, kvref.load(backend="c", threads=N)):
   prefill    512 tokens in one execution into an empty cache, median of 3;
   context    decode steps at 4096 cached positions (the cache filled with random K/V through its
              own update: decode speed does not depend on the values), K/V stored as float32,
-             float16, bfloat16 and int8, and float16 in a paged cache; attention ms per step against the time to read that K/V once at the fastest rate
-             the same run streamed the weights from memory (projection bytes / projection time of
-             the int8 mode, whose projections are memory-bound);
+             float16, bfloat16 and int8, and float16 in a paged cache; attention ms per step against
+             the time to read that K/V once (kvref.bench.kv_read: the cache's own arrays read 7
+             times right after, with the same thread count, at the median rate);
 for the fused forward in both activation modes (float32 exact, int8), the shared decoder calling the
 native kernels one by one, and the spec (NumPy) decoder (decode only).
 
@@ -53,6 +53,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvref import native  # noqa: E402
+from kvref.bench import kv_read  # noqa: E402
 from kvref.formats.ggml import GGMLType, QuantizedTensor, row_nbytes  # noqa: E402
 from kvref.formats.gguf import GGUFFile  # noqa: E402
 from kvref.spec import ops as spec  # noqa: E402
@@ -302,16 +303,11 @@ def bench_forward(args, results):
     prompt = [(1000 + 37 * i) % 49152 for i in range(32)]
     prefill_ids = [(500 + 91 * i) % 49152 for i in range(512)]
     steps = 32 if args.quick else 128
-    weight_bytes = None
-    best_rate, attention_rows = {}, []
     print("\nforward: SmolLM2-135M-Instruct Q4_1 (decode: 32-token prompt + "
           f"{steps} steps; prefill: 512 tokens; context: decode at 4096 cached positions)")
     for th in args.threads:
         model = kvref.load(backend="c", threads=th)
         c = model.config
-        if weight_bytes is None:
-            weight_bytes = sum(w.data.nbytes for lw in model.weights.layers for w in
-                               (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)) + model.weights.output.data.nbytes
         engines = [("fused float32", backends.forward_impl("c", c, model.weights, "float32")),
                    ("fused int8", backends.forward_impl("c", c, model.weights, "int8")),
                    ("decoder + native kernels", decoder.forward)]
@@ -326,9 +322,6 @@ def bench_forward(args, results):
             times, split = timed_steps(model, cache, 5, steps)
             t = statistics.median(times)
             row["decode"] = {"ms_per_token": t * 1e3, "tok_s": 1 / t, "split_ms": split_ms(split, times)}
-            if row["decode"]["split_ms"]:
-                rate = weight_bytes / (row["decode"]["split_ms"]["projections"] * 1e-3)
-                best_rate[th] = max(best_rate.get(th, 0.0), rate)
             print(f"    {label:26s} decode  {t * 1e3:7.2f} ms/token {1 / t:7.1f} tok/s{fmt_split(row['decode']['split_ms'])}")
             if label != "decoder + native kernels" or not args.quick:
                 rep = []
@@ -350,24 +343,14 @@ def bench_forward(args, results):
                     ms = split_ms(split, times)
                     kv_bytes = (4096 + 40) * cache.bytes_per_position  # int8 scales included
                     kv_dtype = kv_dtype if layout == "contiguous" else f"{kv_dtype} {layout}"
-                    rate = weight_bytes / (ms["projections"] * 1e-3)  # bytes/s this step streamed its weights at
-                    best_rate[th] = max(best_rate.get(th, 0.0), rate)
+                    read = kv_read({"ms_per_token": ms}, cache, kv_bytes, th)
                     entry = {"kv_dtype": kv_dtype, "ms_per_token": t * 1e3, "tok_s": 1 / t, "split_ms": ms,
-                             "kv_bytes_per_token": kv_bytes, "weight_stream_GBps": rate / 1e9}
+                             "kv_bytes_per_token": kv_bytes, "attention_vs_one_read": read}
                     row["context"].append(entry)
-                    attention_rows.append((th, label, kv_dtype, ms["attention"], kv_bytes))
                     print(f"    {label:26s} @4096 {kv_dtype:7s} {t * 1e3:6.2f} ms/token {1 / t:6.1f} tok/s; attention "
-                          f"{ms['attention']:.2f} ms for {kv_bytes / 2**20:.0f} MiB of K/V{fmt_split(ms)}")
+                          f"{ms['attention']:.2f} ms = {read['ratio']:.2f}x one read of its "
+                          f"{kv_bytes / 2**20:.0f} MiB at {read['bandwidth_gb_s']:.1f} GB/s{fmt_split(ms)}")
             results["forward"].append(row)
-        # one read of the K/V, timed at the fastest rate this run streamed weights from memory (the
-        # int8 mode's projections are memory-bound; the exact mode's are partly compute-bound)
-        for (t_, label, kv_dtype, att_ms, kv_bytes) in [r for r in attention_rows if r[0] == th]:
-            read_ms = kv_bytes / best_rate[th] * 1e3
-            results["forward"].append({"threads": th, "engine": label, "attention_vs_one_read": {
-                "kv_dtype": kv_dtype, "attention_ms": att_ms, "read_ms": read_ms, "ratio": att_ms / read_ms,
-                "stream_GBps": best_rate[th] / 1e9}})
-            print(f"    attention @4096 {kv_dtype:7s} ({label}): {att_ms:.2f} ms = {att_ms / read_ms:.2f}x one read of "
-                  f"its {kv_bytes / 2**20:.0f} MiB at {best_rate[th] / 1e9:.1f} GB/s ({read_ms:.2f} ms)")
         del model
     # the spec path: NumPy kernels on float32 weights dequantized at load (decode only)
     spec_model = kvref.load(backend="numpy")
