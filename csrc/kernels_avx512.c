@@ -454,32 +454,33 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
         }
 }
 
-/* acc[g] += sum_s p[g, s] V[s] for the gb <= 3 heads p[0..gb), acc[0..gb) of the group, head dims up
- * to 64 (a V row is at most 4 vectors) and a chunk with every key visible: each V vector is loaded
- * (and widened) once for all gb heads. One head takes two keys per step, so 8 independent FMA
- * chains are in flight, not 4 that wait on the FMA latency at every key. plain: exactly 4 full
- * vectors. */
+/* acc[g] += sum_s p[g, s] V[s] for the gb <= 3 heads p[0..gb), acc[0..gb) of the group, over the
+ * slice of the head dim from vector j0 on (at most 4 vectors: 64 floats) and a chunk with every key
+ * visible: each V vector is loaded (and widened) once for all gb heads. One head takes two keys per
+ * step, so 8 independent FMA chains are in flight, not 4 that wait on the FMA latency at every key.
+ * plain: the slice is exactly 4 full vectors. ahead: this pass asks for the next chunk's V. */
 TARGET __attribute__((always_inline)) static inline void pv_visible(
     const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows, const float *p, float *acc,
-    const int32_t v_type, const int plain, __mmask16 last, const int gb) {
-#define load_v(s, j) load_kv_m(a->v, v_type, row[s] + 16 * (j), mk[j], plain, \
+    int64_t j0, int ahead, const int32_t v_type, const int plain, __mmask16 last, const int gb) {
+#define load_v(s, j) load_kv_m(a->v, v_type, row[s] + 16 * (j0 + j), mk[j], plain, \
                                v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg[j]] : 0.0f)
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int keys = gb == 1 ? 2 : 1; /* keys per step */
     __mmask16 mk[4];
     int64_t jg[4]; /* the I8 scale group of each vector */
     for (int64_t j = 0; j < 4; j++) {
-        mk[j] = j < nvec - 1 ? (__mmask16)0xffff : j == nvec - 1 ? last : 0;
-        jg[j] = v_type == KVREF_TYPE_I8 ? 16 * j / a->group_size : 0;
+        mk[j] = j0 + j < nvec - 1 ? (__mmask16)0xffff : j0 + j == nvec - 1 ? last : 0;
+        jg[j] = v_type == KVREF_TYPE_I8 ? 16 * (j0 + j) / a->group_size : 0;
     }
+    float *as = acc + 16 * j0;
     __m512 ac[2][3][4];
     for (int k = 0; k < keys; k++)
         for (int g = 0; g < gb; g++)
             for (int j = 0; j < 4; j++)
-                ac[k][g][j] = k == 0 ? _mm512_maskz_loadu_ps(mk[j], acc + g * D + 16 * j) : _mm512_setzero_ps();
+                ac[k][g][j] = k == 0 ? _mm512_maskz_loadu_ps(mk[j], as + g * D + 16 * j) : _mm512_setzero_ps();
     int64_t s = 0;
     for (; s + keys <= n; s += keys) {
-        if ((s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        if (ahead && (s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int k = 0; k < keys; k++)
             for (int j = 0; j < 4; j++) {
                 const __m512 v = load_v(s + k, j);
@@ -494,7 +495,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
     for (int g = 0; g < gb; g++)
         for (int j = 0; j < 4; j++) {
             const __m512 sum = keys == 2 ? _mm512_add_ps(ac[0][g][j], ac[1][g][j]) : ac[0][g][j];
-            _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk[j], sum);
+            _mm512_mask_storeu_ps(as + g * D + 16 * j, mk[j], sum);
         }
 #undef load_v
 }
@@ -506,24 +507,26 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    if (all && nvec <= 4) {
-        for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
-            const float *pg = p + g0 * C;
-            float *ag = acc + g0 * D;
-            const int64_t gb = a->G - g0;
-            if (full && nvec == 4) {
-                if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 1, (__mmask16)0xffff, 1);
-                else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 1, (__mmask16)0xffff, 2);
-                else pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 1, (__mmask16)0xffff, 3);
-            } else {
-                if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 0, last, 1);
-                else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 0, last, 2);
-                else pv_visible(a, row, srow, n, nrows, pg, ag, v_type, 0, last, 3);
+    if (all) { /* every key visible: the head dim in slices of 4 vectors, each for up to 3 heads */
+        for (int64_t g0 = 0; g0 < a->G; g0 += 3)
+            for (int64_t j0 = 0; j0 < nvec; j0 += 4) {
+                const float *pg = p + g0 * C;
+                float *ag = acc + g0 * D;
+                const int64_t gb = a->G - g0;
+                const int ahead = g0 == 0 && j0 == 0;
+                if (full && nvec % 4 == 0) {
+                    if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
+                    else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
+                    else pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
+                } else {
+                    if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 0, last, 1);
+                    else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 0, last, 2);
+                    else pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 0, last, 3);
+                }
             }
-        }
         return;
     }
-    /* any head dim, or masked keys in the chunk: one 16-wide slice of every head at a time */
+    /* masked keys in the chunk: one 16-wide slice of every head at a time */
     for (int64_t g = 0; g < a->G; g++) {
         const float *pg = p + g * C;
         for (int64_t j = 0; j < nvec; j++) {
@@ -533,7 +536,7 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
             __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
             for (int64_t s = 0; s < n; s++) {
                 if (ahead && (s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-                if (!all && kp[s] > qpos) continue;
+                if (kp[s] > qpos) continue;
                 const float sc = v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg] : 0.0f;
                 av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(a->v, v_type, row[s] + 16 * j, mk, full, sc), av);
             }

@@ -211,7 +211,8 @@ def attention_cases(draw):
     T = draw(st.integers(1, 6))
     Hkv = draw(st.integers(1, 4))
     G = draw(st.integers(1, 4))  # MHA (1), GQA, and with Hkv == 1 MQA
-    D = draw(st.integers(1, 40))  # odd head dims and tails of every SIMD width
+    # odd head dims and tails of every SIMD width; past 64, rows of several 4-vector slices
+    D = draw(st.one_of(st.integers(1, 40), st.sampled_from([72, 100, 128])))
     S = draw(st.integers(0, 600))  # crosses the 64-key chunks and 256-key segments
     layout = draw(st.sampled_from(["cache", "scattered"]))
     kv_dtype = draw(st.sampled_from([np.float32, np.float16]))
@@ -291,7 +292,7 @@ def long_cache_attention_cases(draw):
     """Decode-sized query counts over caches long enough (> 3 segments of 256 keys) that a work unit
     covers every kv head of one key segment (csrc/attention.c, attn_segment_task)."""
     T, Hkv, G = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    D = draw(st.sampled_from([3, 16, 24, 64]))
+    D = draw(st.sampled_from([3, 16, 24, 64, 80, 128]))
     S = draw(st.integers(769, 1400))
     kv_dtype = draw(st.sampled_from([np.float32, np.float16]))
     rng = np.random.default_rng(draw(SEEDS))
@@ -324,7 +325,7 @@ def stored_caches(draw):
     cache has a random block size and shares its pool with another sequence written in between, so
     its blocks are neither in order nor adjacent."""
     L, Hkv, G, T = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    D = draw(st.sampled_from([2, 8, 16, 24, 30, 64]))
+    D = draw(st.sampled_from([2, 8, 16, 24, 30, 64, 96, 128]))
     k_dtype, v_dtype = draw(st.sampled_from(NATIVE_KV_DTYPES)), draw(st.sampled_from(NATIVE_KV_DTYPES))
     group = draw(st.sampled_from([g for g in (2, 8, 16, 32, D) if D % g == 0]))
     S = draw(st.integers(0, 700))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kvref
@@ -89,7 +89,7 @@ def quantized_models(draw, max_layers=3):
     read, wherever the input width K is a whole number of that type's blocks."""
     n_kv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([2, 6, 8, 16, 32, 64]))
+    head_dim = draw(st.sampled_from([2, 6, 8, 16, 32, 64, 80, 128]))
     config = kvref.ModelConfig(
         n_layers=draw(st.integers(1, max_layers)), d_model=draw(st.sampled_from([32, 64, 256])),
         n_heads=n_kv * group, n_kv_heads=n_kv, head_dim=head_dim, d_ff=draw(st.sampled_from([32, 96, 256])),
@@ -337,6 +337,11 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
     ks = nops.kernels(2, isa)
     ff = fused.FusedForward(config, weights, "int8")
     got, got_cache = run(ff.forward, ks, config, weights, tokens, chunks, kv_dtype, steps)
+    # An int8 group narrower than a vector is read by the portable attention unit, which rounds its
+    # sums differently from the SIMD unit the decoder's float K/V go to; 8-bit activations turn
+    # such a last-bit difference into a different block quantization, so neither a bit-for-bit nor
+    # a float32-tolerance comparison holds. The exact-mode test above covers those caches.
+    assume(reads_like_float_kv(isa, got_cache))
     want, want_cache = run(decoder.forward, Int8Kernels(ks), config, weights, tokens, chunks, kv_dtype, steps)
     assert_same_execution(isa, got, got_cache, want, want_cache)
 
