@@ -44,6 +44,25 @@ def test_run_reports_every_figure_with_sane_values(backend):
     assert mem["cache_bytes"] == kvref.cache_bytes(2, 10, 2, 8, "float32")
 
 
+@pytest.mark.parametrize("layout, kv_dtype, n_arrays", [("contiguous", "float16", 2), ("contiguous", "int8", 4),
+                                                       ("paged", "int8", 4)])
+def test_kv_read_times_a_read_of_the_caches_own_arrays(layout, kv_dtype, n_arrays):
+    model = kvref.Model.random(CONFIG, seed=0)
+    cache = model.new_cache(layout=layout, kv_dtype=kv_dtype)
+    model.forward([1, 2, 3], cache)
+    store = cache.pool.store if layout == "paged" else cache.store
+    arrays = bench.stored_arrays(cache)
+    assert len(arrays) == n_arrays and all(any(a is b for _, b in store.arrays()) for a in arrays)
+    for threads in (1, 3):
+        seconds = bench.read_seconds(arrays, threads, tries=4)
+        assert len(seconds) == 4 and all(s > 0 for s in seconds)
+    split = {"ms_per_token": {"attention": 2.0}}
+    read = bench.kv_read(split, cache, cache.nbytes, 2)
+    assert read["bandwidth_range_gb_s"][0] <= read["bandwidth_gb_s"] <= read["bandwidth_range_gb_s"][1]
+    assert read["read_ms"] == pytest.approx(1e3 * cache.nbytes / (read["bandwidth_gb_s"] * 1e9))
+    assert read["ratio"] == pytest.approx(2.0 / read["read_ms"])
+
+
 def test_shims_time_every_kernel_call_and_change_nothing():
     model = kvref.Model.random(CONFIG, seed=1, backend="numpy")
     clock = bench.ShimClock(model)
