@@ -22,7 +22,7 @@ typedef struct {
     kvref_pool *pool;
     kvref_attn_unit_fn unit_fn;
     int64_t nseg;
-    int64_t span;              /* attn_segment_task: consecutive segments per unit */
+    int64_t span, runs;        /* attn_segment_task: consecutive segments per unit, units per query */
     float *partial;            /* nseg > 1: [T, Hkv, nseg, G * (D + 2)] (m[G], l[G], acc[G, D]) */
     float *out;                /* [T, H, D] */
 } attn_ctx;
@@ -74,8 +74,8 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
 static void attn_segment_task(void *vctx, int64_t unit, int thread) {
     const attn_ctx *c = vctx;
     const kvref_attn_args *a = &c->a;
-    const int64_t G = a->G, D = a->D, nseg = c->nseg, units = (nseg + c->span - 1) / c->span;
-    const int64_t t = unit / units, seg0 = unit % units * c->span;
+    const int64_t G = a->G, D = a->D, nseg = c->nseg;
+    const int64_t t = unit / c->runs, seg0 = unit % c->runs * c->span;
     const int64_t seg1 = seg0 + c->span < nseg ? seg0 + c->span : nseg;
     float *scratch = kvref_pool_scratch(c->pool, thread);
     for (int64_t seg = seg0; seg < seg1; seg++) {
@@ -151,7 +151,8 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     if (c.nseg >= KVREF_ATTN_SEGMENT_UNITS_MIN && a->Hkv > 1) {
         const int64_t units = 2 * kvref_pool_threads(pool);
         c.span = (c.nseg + units - 1) / units;
-        kvref_pool_run(pool, attn_segment_task, &c, a->T * ((c.nseg + c.span - 1) / c.span));
+        c.runs = (c.nseg + c.span - 1) / c.span;
+        kvref_pool_run(pool, attn_segment_task, &c, a->T * c.runs);
     } else
         kvref_pool_run(pool, attn_task, &c, a->T * a->Hkv * c.nseg);
     if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, a->T * a->Hkv);

@@ -208,7 +208,7 @@ static inline int64_t kvref_kv_element_bytes(int32_t type) {
  * layers x 4096 float16 positions, cache cold, 2 threads; each pair from builds run alternately, as
  * the host's load moves absolute times): whole slots asked for by kv head 0 only, 32 keys ahead:
  * into L1 9.1 ms against 9.7 with no prefetch, into L2 6.7-6.9 ms against 5.6-5.9 for K and V
- * together while scoring; V while summing values instead: 4.1-4.7 ms against 4.5-4.9 (with the
+ * together while scoring; V while summing values instead: 4.0-4.5 ms against 4.5-4.9 (with the
  * segment runs of attention.c), and 3.2 against 3.5 ms with the cache in L3. Twice as far ahead,
  * every other line, or into L1 was slower. */
 static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_t D, const int64_t *row, int64_t i0,

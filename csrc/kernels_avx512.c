@@ -470,7 +470,8 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
     int64_t jg[4]; /* the I8 scale group of each vector */
     for (int64_t j = 0; j < 4; j++) {
         mk[j] = j0 + j < nvec - 1 ? (__mmask16)0xffff : j0 + j == nvec - 1 ? last : 0;
-        jg[j] = v_type == KVREF_TYPE_I8 ? 16 * (j0 + j) / a->group_size : 0;
+        /* vectors past the head dim (mk 0) load nothing; their scale index stays in the row */
+        jg[j] = v_type == KVREF_TYPE_I8 && mk[j] ? 16 * (j0 + j) / a->group_size : 0;
     }
     float *as = acc + 16 * j0;
     __m512 ac[2][3][4];

@@ -12,6 +12,8 @@ The module is skipped only when the extension is not built; set KVREF_REQUIRE_NA
 that an error instead (CI does).
 """
 
+import ctypes
+import mmap
 import os
 import threading
 
@@ -290,7 +292,7 @@ def test_attention_is_bit_identical_for_1_and_2_threads(case, isa):
 @st.composite
 def long_cache_attention_cases(draw):
     """Decode-sized query counts over caches long enough (> 3 segments of 256 keys) that a work unit
-    covers every kv head of one key segment (csrc/attention.c, attn_segment_task)."""
+    covers every kv head of a run of key segments (csrc/attention.c, attn_segment_task)."""
     T, Hkv, G = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     D = draw(st.sampled_from([3, 16, 24, 64, 80, 128]))
     S = draw(st.integers(769, 1400))
@@ -362,6 +364,34 @@ def test_attention_reading_any_cache_layout_in_place_equals_attention_over_the_d
     else:
         assert_within(got, want, 2 * attention_bound(q, k, v, q_pos, k_pos), what=f"{cache.stats()} {isa}")
     np.testing.assert_array_equal(got, ks(3 - threads, isa).cache_attention(q, q_pos, cache, layer))
+
+
+def guarded_copy(a):
+    """A copy of `a` whose last byte is the last one before a page that cannot be read: a kernel that
+    loads one element past the end crashes here instead of reading allocator slack."""
+    page = mmap.PAGESIZE
+    span = -(-a.nbytes // page) * page
+    buf = mmap.mmap(-1, span + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(base + span), page, 0) == 0  # PROT_NONE
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=span - a.nbytes).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+@pytest.mark.parametrize("kv_dtype", NATIVE_KV_DTYPES)
+@pytest.mark.parametrize("D", [16, 48, 64, 80, 96, 128])
+def test_attention_reads_nothing_past_the_end_of_the_stored_arrays(D, kv_dtype, isa):
+    L, Hkv, S = 2, 2, 70
+    cache = ContiguousCache(L, Hkv, D, S, kv_dtype, group_size=16)  # capacity S: the last slot is in use
+    rng = np.random.default_rng(D)
+    cache.append(rng.standard_normal((L, S, Hkv, D)), rng.standard_normal((L, S, Hkv, D)))
+    q = rng.standard_normal((1, 3 * Hkv, D)).astype(np.float32)
+    want = ks(1, isa).cache_attention(q, [S - 1], cache, L - 1)
+    for name, a in cache.store.arrays():
+        setattr(cache.store, name, guarded_copy(a))
+    np.testing.assert_array_equal(ks(1, isa).cache_attention(q, [S - 1], cache, L - 1), want)
 
 
 def test_cache_attention_refuses_layouts_and_layers_it_cannot_read():
