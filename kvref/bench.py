@@ -374,12 +374,6 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
     }
 
 
-def stored_arrays(cache) -> list:
-    """Every array `cache` keeps its K/V in, in its stored form (a paged cache: its pool's)."""
-    store = cache.pool.store if cache.layout == "paged" else cache.store
-    return [a for _, a in store.arrays()]
-
-
 def read_seconds(arrays, threads=1, tries=READ_TRIES) -> list[float]:
     """Seconds to read every byte of `arrays` once, `tries` times: `threads` Python threads each take
     np.max over its share of every array (a uint8 view: NumPy's reductions run at L3 speed and
@@ -409,7 +403,7 @@ def kv_read(split, cache, kv_bytes, threads) -> dict:
     within 2x). The cache's own arrays are read READ_TRIES times right after the profiled pass, with
     as many threads as the forward used; the median read rate gives the time of kv_bytes (the K/V of
     every layer at the context length; the arrays also hold the slots of the decoded steps)."""
-    arrays = stored_arrays(cache)
+    arrays = [a for _, a in cache.store.arrays()]  # K, V and any int8 scales (a paged cache: its pool's)
     stored = sum(a.nbytes for a in arrays)
     seconds = read_seconds(arrays, threads)
     rates = sorted(stored / s for s in seconds)

@@ -4,10 +4,13 @@ Profiles: "ci" (the default; thorough but keeps the whole suite within minutes o
 "dev" (quick). Choose with HYPOTHESIS_PROFILE=dev.
 """
 
+import ctypes
 import functools
+import mmap
 import os
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, settings
 
 import kvref
@@ -72,3 +75,16 @@ def reads_like_float_kv(isa: str, cache) -> bool:
     if "int8" not in (cache.k_dtype, cache.v_dtype):
         return True
     return cache.group_size % ATTENTION_LANES[isa] == 0
+
+
+def guarded_copy(a):
+    """A copy of `a` whose last byte is the last one before a page that cannot be read: a kernel that
+    loads one element past the end crashes here instead of reading allocator slack."""
+    page = mmap.PAGESIZE
+    span = -(-a.nbytes // page) * page
+    buf = mmap.mmap(-1, span + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(base + span), page, 0) == 0  # PROT_NONE
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=span - a.nbytes).reshape(a.shape)
+    out[...] = a
+    return out

@@ -12,8 +12,6 @@ The module is skipped only when the extension is not built; set KVREF_REQUIRE_NA
 that an error instead (CI does).
 """
 
-import ctypes
-import mmap
 import os
 import threading
 
@@ -28,7 +26,7 @@ from kvref.errors import BackendError, CacheError, ConfigError, DTypeError, KVRe
 from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import ops as spec
 from kvref.spec import quants
-from tests.conftest import NATIVE_KV_DTYPES, reads_like_float_kv
+from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, reads_like_float_kv
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -187,6 +185,22 @@ def test_matmul_reads_weights_at_any_byte_offset(gtype, isa, seed, offset):
     for T in (1, 6):
         x = rng.standard_normal((T, K)).astype(np.float32)
         np.testing.assert_array_equal(ks(1, isa).matmul(x, w_shifted), ks(1, isa).matmul(x, w))
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+@pytest.mark.parametrize("gtype", FLOAT_TYPES + BLOCK_TYPES)
+def test_projections_and_embed_read_nothing_past_the_end_of_the_weights(gtype, isa):
+    # a GGUF tensor can end where the file's mapping ends: its last block is the last readable byte
+    rng = np.random.default_rng(int(gtype))
+    block_values = BLOCK_LAYOUT[gtype][0]
+    for K in ([7, 16, 37] if block_values == 1 else [block_values, 2 * block_values]):
+        w = random_weight(gtype, 3, K, rng)
+        guarded = QuantizedTensor(w.ggml_type, w.shape, guarded_copy(w.data))
+        for T in (1, 2, 6):  # decode dots, and the tiled path from KVREF_GEMM_MIN_T rows on
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            np.testing.assert_array_equal(ks(1, isa).matmul(x, guarded), ks(1, isa).matmul(x, w))
+            np.testing.assert_array_equal(ks(1, isa).matmul_int8(x, guarded), ks(1, isa).matmul_int8(x, w))
+        np.testing.assert_array_equal(ks(1, isa).embed(guarded, [2, 0, 2]), ks(1, isa).embed(w, [2, 0, 2]))
 
 
 # ---- embed --------------------------------------------------------------------------------
@@ -364,19 +378,6 @@ def test_attention_reading_any_cache_layout_in_place_equals_attention_over_the_d
     else:
         assert_within(got, want, 2 * attention_bound(q, k, v, q_pos, k_pos), what=f"{cache.stats()} {isa}")
     np.testing.assert_array_equal(got, ks(3 - threads, isa).cache_attention(q, q_pos, cache, layer))
-
-
-def guarded_copy(a):
-    """A copy of `a` whose last byte is the last one before a page that cannot be read: a kernel that
-    loads one element past the end crashes here instead of reading allocator slack."""
-    page = mmap.PAGESIZE
-    span = -(-a.nbytes // page) * page
-    buf = mmap.mmap(-1, span + page)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    assert ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(base + span), page, 0) == 0  # PROT_NONE
-    out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=span - a.nbytes).reshape(a.shape)
-    out[...] = a
-    return out
 
 
 @pytest.mark.parametrize("isa", nops.supported_isas())

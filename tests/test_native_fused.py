@@ -34,7 +34,7 @@ from kvref.spec import decoder
 from kvref.spec import quants
 from kvref.tolerance import assert_close, compare
 from kvref.weights import LayerWeights, Weights, random_weights
-from tests.conftest import NATIVE_KV_DTYPES, chunkings, configs, reads_like_float_kv
+from tests.conftest import NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, reads_like_float_kv
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -135,7 +135,7 @@ def new_cache(config, kv_dtype, layout="contiguous", v_dtype=None, block_size=5)
 
 def stored(cache):
     """Every stored array of a cache (the pool's, for a paged one): K, V and any int8 scales."""
-    return [a for _, a in cache.store.arrays()] if hasattr(cache, "store") else [a for _, a in cache.pool.store.arrays()]
+    return [a for _, a in cache.store.arrays()]
 
 
 def assert_same_execution(isa, got, got_cache, want, want_cache):
@@ -189,6 +189,28 @@ def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernel
     assert got.dtype == np.float32 and got.shape == want.shape
     assert got_cache.length == want_cache.length == len(tokens) + steps
     assert_same_execution(isa, got, got_cache, want, want_cache)
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+@pytest.mark.parametrize("kv_dtype", NATIVE_KV_DTYPES)
+def test_fused_forward_touches_nothing_past_the_end_of_a_full_cache(kv_dtype, isa):
+    # head dim 80: a value-sum slice with one live vector; int8 groups of 16: a scale per vector
+    config = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=6, n_kv_heads=2, head_dim=80, d_ff=32, vocab_size=16,
+                               max_seq_len=9)
+    weights, ops = random_weights(config, 0, "float32"), nops.kernels(1, isa)
+    ff = fused.FusedForward(config, weights, "float32")
+
+    def fill(cache):  # prefill, a second chunk, then one decode step into the last slot
+        return [ff.forward(ops, config, weights, np.array(ids), cache, True) for ids in ([1, 2, 3, 4, 5], [6, 7, 8], [9])]
+
+    shape = (config.n_layers, config.n_kv_heads, config.head_dim)
+    plain, guarded = (ContiguousCache(*shape, config.max_seq_len, kv_dtype, group_size=16) for _ in range(2))
+    for name, a in guarded.store.arrays():
+        setattr(guarded.store, name, guarded_copy(a))
+    for got, want in zip(fill(guarded), fill(plain)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(stored(guarded), stored(plain)):
+        np.testing.assert_array_equal(got, want)
 
 
 @given(st.data())

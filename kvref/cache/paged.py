@@ -173,6 +173,11 @@ class PagedCache(KVCache):
     # ---- accounting ----------------------------------------------------------------------------------
 
     @property
+    def store(self) -> SlotStore:
+        """Where this sequence's K/V live: its pool's slot store, shared with the pool's other sequences."""
+        return self.pool.store
+
+    @property
     def block_table(self) -> tuple:
         return tuple(self._table)
 

@@ -206,10 +206,11 @@ def cache_descriptor(cache) -> _KV:
     if not reads_in_place(cache):
         raise CacheError(f"the native kernels read contiguous and paged caches with K/V in {tuple(KV_TYPES)} in "
                          f"place; this is a {cache.layout} cache of {cache.dtype_name}")
+    store = cache.store
     if type(cache) is PagedCache:  # position p in slot table[p // block_size] * block_size + p % block_size
-        store, table, block_size = cache.pool.store, np.asarray(cache.block_table, dtype=_I64), cache.pool.block_size
+        table, block_size = np.asarray(cache.block_table, dtype=_I64), cache.pool.block_size
     else:  # position p in slot p
-        store, table, block_size = cache.store, None, 1
+        table, block_size = None, 1
     L, Hkv, D, slots = cache.n_layers, cache.n_kv_heads, cache.head_dim, store.k.shape[1:-2]
     expected = {"k": (store.k_codec.storage_dtype, D), "v": (store.v_codec.storage_dtype, D),
                 "k_scales": (SCALE_DTYPE, store.k_codec.n_groups), "v_scales": (SCALE_DTYPE, store.v_codec.n_groups)}
