@@ -407,9 +407,10 @@ def kv_read(split, cache, kv_bytes, threads) -> dict:
     stored = sum(a.nbytes for a in arrays)
     seconds = read_seconds(arrays, threads)
     rates = sorted(stored / s for s in seconds)
-    read_ms = 1e3 * kv_bytes / statistics.median(rates)
+    rate = statistics.median(rates)
+    read_ms = 1e3 * kv_bytes / rate
     attention_ms = split["ms_per_token"]["attention"]
-    return {"kv_bytes": kv_bytes, "bandwidth_gb_s": statistics.median(rates) / 1e9,
+    return {"kv_bytes": kv_bytes, "bandwidth_gb_s": rate / 1e9,
             "bandwidth_range_gb_s": [rates[0] / 1e9, rates[-1] / 1e9], "threads": threads, "read_ms": read_ms,
             "attention_ms": attention_ms, "ratio": attention_ms / read_ms}
 
