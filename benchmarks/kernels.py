@@ -286,18 +286,16 @@ def context_cache(model, kv_dtype, layout, positions, capacity):
     else:
         cache = model.new_cache(capacity=capacity, kv_dtype=kv_dtype)
     rng = np.random.default_rng(1)
-    cache.next_positions(positions)
-    for layer in range(c.n_layers):
-        k, v = (rng.standard_normal((positions, c.n_kv_heads, c.head_dim), dtype=np.float32) for _ in range(2))
-        cache.update(layer, k, v)
-    cache.advance(positions)
+    with cache.begin(positions) as step:  # K/V without token ids: the positions' ids stay unknown
+        for layer in range(c.n_layers):
+            k, v = (rng.standard_normal((positions, c.n_kv_heads, c.head_dim), dtype=np.float32) for _ in range(2))
+            step.update(layer, k, v)
     return cache
 
 
 def bench_forward(args, results):
     import kvref
     from kvref import backends
-    from kvref.spec import decoder
 
     results["forward"] = []
     prompt = [(1000 + 37 * i) % 49152 for i in range(32)]
@@ -308,13 +306,13 @@ def bench_forward(args, results):
     for th in args.threads:
         model = kvref.load(backend="c", threads=th)
         c = model.config
-        engines = [("fused float32", backends.forward_impl("c", c, model.weights, "float32")),
-                   ("fused int8", backends.forward_impl("c", c, model.weights, "int8")),
-                   ("decoder + native kernels", decoder.forward)]
+        engines = [("fused float32", backends.fused_forward("c", c, model.weights, "float32")),
+                   ("fused int8", backends.fused_forward("c", c, model.weights, "int8")),
+                   ("decoder + native kernels", None)]
         print(f"  {th} thread{'s' if th > 1 else ''} (CPU check: {python_speed():.0f} M Python loop steps/s, "
               f"load average {os.getloadavg()[0]:.2f})")
-        for label, forward in engines:
-            model._forward = forward  # benchmark-only: choose the implementation Model.forward runs
+        for label, fused in engines:
+            model.fused = fused  # benchmark-only: choose the forward Model.forward runs (None: the decoder)
             row = {"threads": th, "engine": label}
             cache = model.new_cache(capacity=1024)
             model.forward(prompt, cache)

@@ -4,10 +4,10 @@ Both provide the same names (embed, matmul, rms_norm, rope, attention, swiglu) w
 the decoder is shared. "auto" takes the native kernels when they are built and the model is float32
 (they compute in float32), and says once when it has to fall back to the spec.
 
-`forward_impl` picks the function a Model runs per execution: on the native backend, the fused C
-forward (kvref.native.fused: a whole prefill or decode step in one C call, checked against the
-shared decoder), which itself hands any execution it cannot take (another cache layout or kv dtype)
-to the shared decoder; on the spec backend, the shared decoder.
+`fused_forward` gives a Model on the native backend its fused C forward (kvref.native.fused: a whole
+prefill or decode step in one C call, checked against the shared decoder), which itself hands any
+execution it cannot take (a cache layout or kv dtype C cannot use in place) to the shared decoder;
+on the spec backend, or for weights C cannot read, there is none and the shared decoder runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import warnings
 from . import native
 from .errors import BackendError, DTypeError
 from .errors import KVRefError
-from .spec import decoder
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
@@ -67,19 +66,19 @@ def kernels(backend: str, threads: int | None = None):
     return native_ops.kernels(threads=threads)
 
 
-def forward_impl(backend: str, config, weights, activations: str | None = None):
-    """The forward(ops, config, weights, token_ids, cache, all_logits) a Model of this backend runs.
+def fused_forward(backend: str, config, weights, activations: str | None = None):
+    """The FusedForward a Model of this backend runs its executions with, or None (the shared decoder).
 
     activations: "float32" (exact) or "int8" (decode rounds matmul inputs to 8-bit blocks; see
     kvref.native.fused); default KVREF_ACTIVATIONS, else "float32". Native only.
     """
     if backend != "c":
-        return decoder.forward
+        return None
     from .native import fused
 
     try:
-        return fused.FusedForward(config, weights, activations).forward
+        return fused.FusedForward(config, weights, activations)
     except KVRefError as exc:
         if activations is not None or isinstance(exc, BackendError):
             raise  # a mode was asked for explicitly, or KVREF_ACTIVATIONS is wrong: say so
-        return decoder.forward  # weights the C forward cannot take: the decoder runs them kernel by kernel
+        return None  # weights the C forward cannot take: the decoder runs them kernel by kernel

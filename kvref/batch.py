@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .cache import begin_all
 from .cache.paged import BlockPool, PagedCache, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
 from .generate import _selector
@@ -40,21 +41,19 @@ def forward_batch(model, token_lists, caches, all_logits=False):
     """Model.forward for several sequences in one execution: returns one logits array per sequence.
 
     token_lists[b] are the new ids of caches[b] (any lengths); the result is [V] per sequence, or
-    [T_b, V] with all_logits. The checks of Model.forward apply to every sequence before any work,
-    and if one sequence cannot take its positions, none of the caches changes.
+    [T_b, V] with all_logits. The checks of Model.forward apply to every sequence before any work;
+    the execution is one transaction over every cache (kvref.cache.begin_all): if one sequence
+    cannot take its positions, or anything fails on the way, none of the caches changes.
     """
     if len(token_lists) != len(caches) or not caches:
         raise GenerationError(f"forward_batch needs one id list per cache; got {len(token_lists)} lists "
                               f"and {len(caches)} caches")
-    if len({id(c) for c in caches}) != len(caches):
-        raise CacheError("a cache appears twice in one batch; fork it to run two continuations")
     ids = [model.check_tokens(t) for t in token_lists]
     for cache, t in zip(caches, ids):
         model.check_cache(cache)
         model.check_context(cache.next_position, len(t))
-    logits = decoder.forward_batch(model.ops, model.config, model.weights, ids, caches, all_logits)
-    for cache, t, out in zip(caches, ids, logits):
-        cache.after_forward(t, out[-1])
+    with begin_all(caches, ids) as steps:
+        logits = decoder.forward_batch(model.ops, model.config, model.weights, ids, steps, all_logits)
     return logits if all_logits else [out[0] for out in logits]
 
 

@@ -1,8 +1,9 @@
 """A chat over one KV cache: each turn prefills only the tokens the cache does not already hold.
 
 Each turn renders the whole conversation with the model's chat template and tokenizes it. The
-longest prefix shared with the token history whose K/V are cached is reused as is; the cache is
-truncated to that prefix (normally a no-op) and only the rest is prefilled. This is the articles'
+longest prefix shared with the ids of the cached positions (the cache's sequence records them with
+every execution) is reused as is; the cache is truncated to that prefix (normally a no-op) and only
+the rest is prefilled. This is the articles'
 point at conversation scale: turn n does not pay again for turns 1..n-1.
 """
 
@@ -27,7 +28,6 @@ class Conversation:
         self.model = model
         self.messages = [] if system is None else [{"role": "system", "content": system}]
         self.cache = model.new_cache()
-        self.history: list[int] = []  # token history: the cached positions, then the last selected token
         self.last_turn: TurnStats | None = None
 
     def prompt_ids(self) -> list[int]:
@@ -39,7 +39,7 @@ class Conversation:
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self.prompt_ids()
-            reused = min(shared_prefix(ids, self.history), self.cache.length, len(ids) - 1)
+            reused = min(shared_prefix(ids, self.cache.sequence.token_ids or []), len(ids) - 1)
             self.model.check_context(reused, len(ids) - reused + max(max_new_tokens - 1, 0))
         except Exception:
             self.messages.pop()  # a refused turn leaves the conversation as it was
@@ -51,7 +51,6 @@ class Conversation:
         for token in generate(self.model, ids[reused:], max_new_tokens, stop_ids=stop, cache=self.cache, **sampling):
             reply.append(token)
             yield token
-        self.history = ids + reply
         content = reply[:-1] if reply and reply[-1] in stop else reply
         self.messages.append({"role": "assistant", "content": self.model.tokenizer.decode(content)})
 

@@ -50,25 +50,27 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None
 
 def resume(model, cache: KVCache, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
            seed=None, stop_ids=(), executions: list | None = None):
-    """Continue a generation from a cache alone: the first token comes from cache.last_logits.
+    """Continue a generation from a cache alone: the first token comes from cache.sequence.last_logits.
 
-    A cache records the logits of its last execution (Model.forward) and keeps them through
-    save/load, so `resume(model, model.load_cache(path), n)` selects exactly the tokens the
+    Every execution commits the logits of its last position with the cache's sequence, and they
+    survive save/load, so `resume(model, model.load_cache(path), n)` selects exactly the tokens the
     interrupted generation would have selected next (with the same sampling arguments and seed).
     """
     check_sampling(temperature, top_k, top_p, min_p)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     model.check_cache(cache)
-    if cache.last_logits is None:
-        raise GenerationError("the cache holds no last logits to select a token from (no execution ran into it)")
+    last_logits = cache.sequence.last_logits
+    if last_logits is None:
+        raise GenerationError("the cache holds no last logits to select a token from (no execution has run "
+                              "since its positions last changed)")
     n_positions = max(max_new_tokens - 1, 0)  # the first token needs no execution, the last needs none either
     model.check_context(cache.next_position, n_positions)
     if not cache.can_append(n_positions):
         raise CacheFullError(f"{max_new_tokens} new tokens need {n_positions} positions; the cache has "
                              f"{cache.capacity - cache.length} free of {cache.capacity}")
     select = _selector(temperature, top_k, top_p, min_p, seed)
-    return _resumed_loop(model, np.array(cache.last_logits), max_new_tokens, select, frozenset(stop_ids), cache,
+    return _resumed_loop(model, np.array(last_logits), max_new_tokens, select, frozenset(stop_ids), cache,
                          executions)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from . import backends
 from .cache import BlockPool, ContiguousCache, KVCache, WindowCache, dtype_name
+from .spec import decoder
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import ModelConfig
@@ -33,7 +34,9 @@ class Model:
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype)
         self.ops = backends.kernels(self.backend, threads)
-        self._forward = backends.forward_impl(self.backend, config, weights)  # fused C forward or the decoder
+        # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
+        # None: every execution runs the shared decoder kernel by kernel
+        self.fused = backends.fused_forward(self.backend, config, weights)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
@@ -96,7 +99,7 @@ class Model:
                 raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
             cache = WindowCache(c.n_layers, c.n_kv_heads, c.head_dim, window, 0 if sinks is None else sinks,
                                 k_name, **common)
-        cache.model_fingerprint = self.fingerprint()
+        cache.sequence.model = self.fingerprint()
         return cache
 
     def load_cache(self, path, pool=None) -> KVCache:
@@ -163,7 +166,8 @@ class Model:
         One call with many tokens is a prefill; one call with a single token is a decode step; both
         are this same code. `cache=None` recomputes from position 0 with a cache thrown away after.
         Returns the last position's logits [V], or every new position's [T, V] with all_logits.
-        On any error the cache is left exactly as it was.
+        The execution is a transaction (cache.begin): it commits the new positions, their ids and the
+        last logits together, and on any error (Ctrl-C included) the cache is left exactly as it was.
         """
         ids = self.check_tokens(token_ids)
         if cache is None:
@@ -172,9 +176,18 @@ class Model:
         else:
             self.check_cache(cache)
             self.check_context(cache.next_position, len(ids))
-        logits = self._forward(self.ops, self.config, self.weights, ids, cache, all_logits)
-        cache.after_forward(ids, logits[-1])  # ids for prefix reuse, last logits for save and resume
+        run = decoder.forward if self.fused is None else self.fused.forward
+        logits = run(self.ops, self.config, self.weights, ids, cache, all_logits)
         return logits if all_logits else logits[0]
+
+    def fused_problem(self, cache: KVCache) -> str | None:
+        """Why an execution on `cache` runs the shared decoder kernel by kernel instead of the fused C
+        forward (the spec backend, weights or a cache layout the C forward cannot take); None when it
+        runs in C."""
+        if self.fused is None:
+            return ("this model runs the NumPy spec" if self.backend == "numpy"
+                    else "the fused C forward cannot take this model's weights")
+        return self.fused.fallback_reason(self.ops, self.config, self.weights, cache)
 
     # ---- the native forward's counters ----------------------------------------------------------------
 
@@ -182,25 +195,17 @@ class Model:
     def activations(self) -> str | None:
         """How the C forward feeds its projections: "float32" (exact) or "int8" (KVREF_ACTIVATIONS); None
         when the model runs the shared decoder (the spec backend, or weights the C forward cannot read)."""
-        fused = self._fused()
-        return None if fused is None else fused.activations
+        return None if self.fused is None else self.fused.activations
 
     def timings(self) -> dict | None:
         """Seconds the C forward spent since the model was made or reset_timings(), by kernel family:
         {"projections", "attention", "other": seconds, "calls": C forwards}. None when the forward keeps no
         counters (the shared decoder; kvref.bench times it with shims around each kernel instead)."""
-        fused = self._fused()
-        return None if fused is None else fused.timings()
+        return None if self.fused is None else self.fused.timings()
 
     def reset_timings(self) -> None:
-        fused = self._fused()
-        if fused is not None:
-            fused.reset_timings()
-
-    def _fused(self):
-        # the fused C forward is an object whose bound method is self._forward; the decoder is a function
-        owner = getattr(self._forward, "__self__", None)
-        return owner if callable(getattr(owner, "timings", None)) else None
+        if self.fused is not None:
+            self.fused.reset_timings()
 
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (special tokens as ids)."""
@@ -232,6 +237,8 @@ class Model:
                 f"({start} already used + {n_new} new)")
 
     def check_cache(self, cache) -> None:
+        """CacheError unless `cache` was made for this model: its shapes, and the model named by
+        cache.sequence.model (a cache filled by another model holds K/V that are wrong for this one)."""
         c = self.config
         if not isinstance(cache, KVCache):
             raise CacheError(f"expected a KVCache from model.new_cache(); got {type(cache).__name__}")
@@ -240,6 +247,14 @@ class Model:
             raise CacheError(
                 f"cache shape (layers, kv heads, head_dim) = {got} does not match the model's "
                 f"{(c.n_layers, c.n_kv_heads, c.head_dim)}")
+        owner, ours = cache.sequence.model, self.fingerprint()
+        if owner is None:
+            raise CacheError("this cache was not made by a model, so nothing says whose K/V it holds; make it "
+                             "with model.new_cache() or model.load_cache()")
+        if owner is not ours and (owner.get("config_sha256"), owner.get("weights_sha256")) != (
+                ours["config_sha256"], ours["weights_sha256"]):
+            raise CacheError("this cache belongs to another model (other config or weights): its K/V would be "
+                             "wrong for this one; make one with this model's new_cache()")
 
 
 def model_dtype(dtype) -> str:

@@ -36,7 +36,7 @@ def test_one_batched_execution_equals_each_sequence_alone(data):
         if h:
             model.forward(h, alone)
         assert_close(out, model.forward(n, alone, all_logits=True), "float64", "batched vs alone")
-        assert cache.length == alone.length and cache.token_ids == alone.token_ids
+        assert cache.length == alone.length and cache.sequence.token_ids == alone.sequence.token_ids
 
 
 def test_a_batch_in_which_one_sequence_does_not_fit_changes_no_cache():

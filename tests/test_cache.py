@@ -84,12 +84,15 @@ def test_new_cache_rejects_bad_layouts_capacities_and_dtypes():
             kvref.Model.random(CFG, backend="c").new_cache(kv_dtype="float64")
 
 
-def test_update_rejects_kv_of_the_wrong_shape():
+def test_update_rejects_kv_of_the_wrong_shape_and_the_execution_commits_nothing():
     cache = kvref.Model.random(CFG).new_cache()
-    with pytest.raises(ShapeError, match=r"expected \[T, 2, 8\]"):
-        cache.update(0, np.zeros((1, 3, 8)), np.zeros((1, 3, 8)))
-    with pytest.raises(ShapeError, match="layer 2 out of range"):
-        cache.update(2, np.zeros((1, 2, 8)), np.zeros((1, 2, 8)))
+    for layer, shape, message in ((0, (1, 3, 8), r"expected \[T, Hkv, D\] = \[1, 2, 8\]"),
+                                  (0, (2, 2, 8), r"expected \[T, Hkv, D\] = \[1, 2, 8\]"),
+                                  (2, (1, 2, 8), "layer 2 out of range")):
+        with pytest.raises(ShapeError, match=message):
+            with cache.begin([1]) as step:
+                step.update(layer, np.zeros(shape), np.zeros(shape))
+        assert cache.length == 0 and not cache.executing
 
 
 def test_truncate_rolls_back_and_generation_resumes_as_if_never_extended():

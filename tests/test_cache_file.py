@@ -29,8 +29,8 @@ def test_a_loaded_cache_continues_exactly_like_the_saved_one(model, options, tmp
     cache.save(tmp_path / "c.kvc")
     loaded = model.load_cache(tmp_path / "c.kvc")
     assert type(loaded) is type(cache) and loaded.stats() == cache.stats()
-    assert loaded.token_ids == cache.token_ids == list(range(13))
-    np.testing.assert_array_equal(loaded.last_logits, cache.last_logits)
+    assert loaded.sequence.token_ids == cache.sequence.token_ids == list(range(13))
+    np.testing.assert_array_equal(loaded.sequence.last_logits, cache.sequence.last_logits)
     for layer in range(CFG.n_layers):  # the stored bytes themselves, not a re-quantization
         for a, b in zip(loaded.read_raw(layer), cache.read_raw(layer)):
             assert (a is None and b is None) or np.array_equal(a, b)

@@ -98,11 +98,12 @@ class ReferenceWindow(ContiguousCache):
     def __init__(self, model, window, sinks):
         c = model.config
         super().__init__(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len, model.dtype)
+        self.sequence.model = model.fingerprint()
         self.window, self.sinks = window, sinks
 
-    def update(self, layer, k, v):
+    def _write(self, reservation, layer, k, v):
         start = self.length
-        k_all, v_all, pos = super().update(layer, k, v)
+        k_all, v_all, pos = super()._write(reservation, layer, k, v)
         keep = (pos < self.sinks) | (pos >= start - self.window)  # sinks, the last W before, all new
         return k_all[keep], v_all[keep], pos[keep]
 
@@ -308,7 +309,7 @@ def test_prefix_reuse_gives_the_logits_of_a_cold_prefill(data):
     reused = model.forward(second[n:], b, all_logits=True)
     cold = model.forward(second, all_logits=True)[n:]
     assert_close(reused, cold, "float64", f"prefix reuse of {n} positions")
-    assert b.token_ids == second
+    assert b.sequence.token_ids == second
 
 
 def test_prefix_reuse_needs_an_empty_sequence_in_a_reuse_pool():

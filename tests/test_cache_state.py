@@ -178,7 +178,7 @@ class CacheMachine(RuleBasedStateMachine):
                 k, v = cache.keys(layer), cache.values(layer)
                 assert np.array_equal(k.astype(np.float64), np.array([exp.k[p][layer] for p in kept]).reshape(k.shape))
                 assert np.array_equal(v.astype(np.float64), np.array([exp.v[p][layer] for p in kept]).reshape(v.shape))
-            assert cache.token_ids == exp.ids
+            assert cache.sequence.token_ids == exp.ids
 
     # layout hooks
     def blocks_free(self):

@@ -399,7 +399,7 @@ def test_cache_attention_refuses_layouts_and_layers_it_cannot_read():
     k = nops.kernels(1)
     q = np.ones((1, 2, 8), np.float32)
     window = WindowCache(1, 1, 8, window=4)
-    with pytest.raises(CacheError, match="contiguous and paged"):
+    with pytest.raises(CacheError, match="window stages new K/V until the commit"):
         k.cache_attention(q, [0], window, 0)
     with pytest.raises(CacheError, match="float64"):
         k.cache_attention(q, [0], ContiguousCache(1, 1, 8, 4, "float64"), 0)

@@ -229,7 +229,7 @@ def test_fused_forward_equals_the_spec_decoder_within_the_float32_tolerance(data
 def test_fused_cached_logits_equal_full_recomputation(data):
     config = data.draw(configs(max_layers=4))
     model = kvref.Model.random(config, seed=data.draw(st.integers(0, 2**16)), backend="c")
-    assert isinstance(model._forward.__self__, fused.FusedForward)
+    assert isinstance(model.fused, fused.FusedForward)
     tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=48))
     cache, out, start = model.new_cache(), [], 0
     for n in data.draw(chunkings(len(tokens))):
@@ -373,7 +373,7 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
 @pytest.fixture(scope="module")
 def smollm2():
     model = kvref.load(backend="c")
-    return model, model._forward.__self__
+    return model, model.fused
 
 
 @pytest.mark.parametrize("ref", PROMPTS, ids=[p["id"] for p in PROMPTS])
@@ -419,7 +419,7 @@ CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64
 @pytest.fixture
 def small():
     model = kvref.Model.random(CFG, seed=3, backend="c")
-    return model, model._forward.__self__
+    return model, model.fused
 
 
 def snapshot(cache):
@@ -468,19 +468,23 @@ def test_executions_the_c_forward_cannot_take_run_on_the_decoder(small):
     model, ff = small
     # a float64 cache: the decoder runs it, and the native attention refuses float64 K/V before C
     cache = ContiguousCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, 16, "float64")
-    assert not ff.runs(model.ops, model.config, model.weights, cache)
+    assert "float64" in ff.fallback_reason(model.ops, model.config, model.weights, cache)
     with pytest.raises(DTypeError):
-        model.forward([1, 2], cache)
-    assert cache.length == 0
+        ff.forward(model.ops, model.config, model.weights, np.array([1, 2]), cache)
+    assert cache.length == 0 and not cache.executing
+    # a window cache stages its writes: the decoder runs it, and the model says why
+    window = model.new_cache(layout="window", window=4)
+    assert "window stages new K/V" in model.fused_problem(window)
+    assert model.fused_problem(model.new_cache()) is None
     # other weights than the descriptor's (or one tensor swapped): the decoder, with correct results
     other = random_weights(CFG, seed=4)
-    assert not ff.runs(model.ops, model.config, other, model.new_cache())
+    assert "weights" in ff.fallback_reason(model.ops, model.config, other, model.new_cache())
     want = decoder.forward(model.ops, CFG, other, np.array([1, 2]), model.new_cache(), True)
     np.testing.assert_array_equal(ff.forward(model.ops, CFG, other, np.array([1, 2]), model.new_cache(), True), want)
     model.weights.layers[1].wq = other.layers[1].wq
-    assert not ff.runs(model.ops, model.config, model.weights, model.new_cache())
+    assert "weights" in ff.fallback_reason(model.ops, model.config, model.weights, model.new_cache())
     # the spec kernel set
-    assert not ff.runs(kvref.spec.ops, model.config, model.weights, model.new_cache())
+    assert "kernel set" in ff.fallback_reason(kvref.spec.ops, model.config, model.weights, model.new_cache())
 
 
 def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_when_asked_for():
@@ -488,9 +492,9 @@ def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_whe
     weights.layers[0].wv = QuantizedTensor(GGMLType.Q5_0, (16, 32), np.zeros((16, 22), np.uint8))
     with pytest.raises(DTypeError):
         fused.FusedForward(CFG, weights)
-    assert backends.forward_impl("c", CFG, weights) is decoder.forward
+    assert backends.fused_forward("c", CFG, weights) is None
     with pytest.raises(DTypeError):
-        backends.forward_impl("c", CFG, weights, "float32")
+        backends.fused_forward("c", CFG, weights, "float32")
     with pytest.raises(BackendError):
         fused.FusedForward(CFG, random_weights(CFG, seed=1), "int4")
     bad = random_weights(CFG, seed=1)
@@ -505,9 +509,9 @@ def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_whe
 
 def test_kvref_activations_environment_variable(monkeypatch):
     monkeypatch.setenv("KVREF_ACTIVATIONS", "int8")
-    assert kvref.Model.random(CFG, backend="c")._forward.__self__.activations == "int8"
+    assert kvref.Model.random(CFG, backend="c").fused.activations == "int8"
     monkeypatch.setenv("KVREF_EXACT", "1")
-    assert kvref.Model.random(CFG, backend="c")._forward.__self__.activations == "float32"
+    assert kvref.Model.random(CFG, backend="c").fused.activations == "float32"
     monkeypatch.delenv("KVREF_EXACT")
     monkeypatch.setenv("KVREF_ACTIVATIONS", "fp4")
     with pytest.raises(BackendError, match="KVREF_ACTIVATIONS"):

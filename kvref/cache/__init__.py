@@ -1,4 +1,8 @@
-"""The explicit KV cache: one interface (KVCache), several layouts behind it.
+"""The explicit KV cache: one interface (KVCache) and its execution transaction, several layouts behind it.
+
+    KVCache.begin     an execution (Execution); begin_all: one over several caches (ExecutionGroup)
+    Sequence          what the executions recorded: model, token ids, last logits (cache.sequence)
+    Storage           where the K/V lie, for code that reads them in place (cache.storage())
 
     ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
     PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
@@ -8,11 +12,13 @@ Each stores K and V as float64/float32/float16/bfloat16 or int8 with grouped sca
 saves to a versioned file (fileformat.py), and reports its bytes (report.py).
 """
 
-from .base import ELEMENT_BYTES, KVCache, bytes_per_position, cache_bytes, dtype_name, reorder
+from .base import (ELEMENT_BYTES, Execution, ExecutionGroup, KVCache, Sequence, Storage, begin_all,
+                   bytes_per_position, cache_bytes, dtype_name, reorder)
 from .contiguous import ContiguousCache
 from .paged import BlockPool, PagedCache
 from .report import layout_report, layout_rows
 from .window import WindowCache
 
-__all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "KVCache", "PagedCache", "WindowCache",
-           "bytes_per_position", "cache_bytes", "dtype_name", "layout_report", "layout_rows", "reorder"]
+__all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "Execution", "ExecutionGroup", "KVCache", "PagedCache",
+           "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name",
+           "layout_report", "layout_rows", "reorder"]

@@ -1,4 +1,4 @@
-"""The one interface every KV cache layout implements, and the memory formula.
+"""The one interface every KV cache layout implements, its execution transaction, and the memory formula.
 
 A cache stores, for every layer, the keys and values of the positions already processed, per kv
 head; it never stores queries (a later position needs only its own query). K is stored *after*
@@ -6,28 +6,43 @@ RoPE: a key is rotated once, for the absolute position it was computed at, and r
 later query. The price: moving a key to another position (a context shift) means rotating it
 again by the difference, which RoPE allows because rotations compose.
 
-An execution (prefill or decode step) uses the interface in three moves:
+An execution (prefill or decode step) is a transaction the cache hands out:
 
-    positions = cache.next_positions(T)      # checks room first: a full cache fails before any work
-    k_all, v_all, k_pos = cache.update(layer, k_new, v_new)   # once per layer
-    cache.advance(T)                          # commit: only now does cache.length grow
+    with cache.begin(token_ids) as step:             # room is checked (and, paged, reserved) here
+        positions = step.positions                   # [T] absolute positions of the new tokens
+        k_all, v_all, k_pos = step.update(layer, k, v)   # once per layer
+        step.last_logits = logits[-1]                # committed together with the new positions
+    # leaving the block normally commits: cache.length grows, the ids and last logits are recorded;
+    # any exception aborts: every count, block, refcount and free list is as it was before begin
 
-`update` writes the new K/V beside what is stored and returns everything the new queries may attend
-to; until `advance`, the stored length is unchanged, so an execution that fails halfway leaves the
-cache as it was (`abort` releases whatever it had reserved). Occupancy is bookkeeping (`length`),
-never inferred from the stored values.
+Until the commit nothing stored has changed (the contiguous and paged layouts write beyond their
+length, the window stages its writes), so an abort only returns what begin reserved. A cache serves
+one execution at a time: a second `begin` while one is open, from another thread or from inside
+the first, raises CacheError instead of interleaving two writers. `begin_all` is the same
+transaction over several caches (a batched execution): every cache reserves or none does, and all
+commit or none.
 
-Operations beyond an execution (truncate, fork, shift, save, free, and `reorder` over a list of
-caches) each come with a capability check (`can_truncate(n)`, `can_fork()`, `can_shift(n)`): a
-layout that cannot do an operation *exactly* raises CacheError saying why; nothing no-ops silently.
+What the executions recorded about the positions (the model that computed them, their token ids,
+the last logits) lives in one object, `cache.sequence` (a Sequence); the layouts keep only storage,
+capacity and capabilities. Operations beyond an execution (truncate, fork, shift, save, free, and
+`reorder` over a list of caches) each come with a capability check (`can_truncate(n)`,
+`can_fork()`, `can_shift(n)`): a layout that cannot do an operation *exactly* raises CacheError
+saying why; nothing no-ops silently.
+
+Code that reads and writes the stored K/V where they lie (the native path) asks `cache.storage()`
+for a Storage description (the slot store, an optional block table); a layout that cannot be used in
+place says why through `storage_problem()`.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from ..errors import CacheError, CacheFullError, ShapeError
-from .quant import ELEMENT_BYTES, Codec, dtype_name  # noqa: F401  (ELEMENT_BYTES, dtype_name re-exported)
+from .quant import ELEMENT_BYTES, Codec, SlotStore, dtype_name  # noqa: F401  (ELEMENT_BYTES, dtype_name re-exported)
 
 # K can be moved to another position (re-rotated) without rounding history a second time only when
 # it is stored at least as wide as the arithmetic that rotates it.
@@ -46,6 +61,45 @@ def bytes_per_position(n_layers, n_kv_heads, head_dim, k_dtype, v_dtype=None, gr
     return n_layers * n_kv_heads * (k.bytes_per_vector() + v.bytes_per_vector())
 
 
+@dataclass
+class Sequence:
+    """What the executions recorded about one cache's positions: the session state beside the storage.
+
+    model        fingerprint of the model whose K/V the cache holds (Model.fingerprint()); None for a
+                 cache not made by a model, which Model.forward refuses
+    token_ids    ids of positions 0..next_position-1; None once some positions were not computed from
+                 known ids (raw K/V appended without ids, a context shift)
+    last_logits  logits [V] of the last position of the last execution: what the next token is drawn
+                 from (kvref.resume), None when no execution has run since the positions last changed
+
+    Every commit updates the three together with the cache's length, so they never disagree.
+    """
+
+    model: dict | None = None
+    token_ids: list | None = field(default_factory=list)
+    last_logits: np.ndarray | None = None
+
+    def copy(self) -> "Sequence":
+        return Sequence(self.model, None if self.token_ids is None else list(self.token_ids),
+                        None if self.last_logits is None else self.last_logits.copy())
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where a cache's K/V lie, for code that reads and writes them in place (kvref.native).
+
+    store        the SlotStore: k, v [L, *slots, Hkv, D] in their stored forms, int8 scales
+                 [L, *slots, Hkv, D/g]; store.k_codec / v_codec name the element types and group size
+    block_table  int64 [n_blocks]: position p lives in slot (block_table[p // block_size],
+                 p % block_size) of slots (num_blocks, block_size); None: position p lives in slot p
+    block_size   positions per block (1 without a block table)
+    """
+
+    store: SlotStore
+    block_table: np.ndarray | None = None
+    block_size: int = 1
+
+
 class KVCache:
     """Interface of a KV cache for one sequence; layouts subclass it.
 
@@ -53,14 +107,16 @@ class KVCache:
     next_position absolute position of the next new token (== length unless a layout drops positions)
     capacity      positions the cache can hold
     nbytes        bytes of the stored K/V (cache_bytes of `length` positions, plus any int8 scales)
-    token_ids     ids of positions 0..next_position-1 when every execution came through Model.forward
-    last_logits   logits [V] of the last position of the last execution (what the next token is drawn from)
+    sequence      the Sequence: model, token ids and last logits, committed with every execution
+
+    Layouts implement the execution hooks `_reserve`, `_write`, `_commit` (which cannot fail) and
+    `_release`, and the operations' `_truncate`, `_fork`, `_shift`, `_free`.
     """
 
     layout = "abstract"
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, *, v_dtype=None,
-                 group_size=None, rope_theta=None):
+                 group_size=None, rope_theta=None, lock=None):
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -69,10 +125,12 @@ class KVCache:
         k, v = self.k_codec.name, self.v_codec.name
         self.dtype_name = k if k == v else f"{k}/{v}"
         self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
-        self.last_logits = None
-        self.model_fingerprint = None  # set by Model.new_cache: names the model in saved files
-        self._token_ids: list | None = []
+        self.sequence = Sequence()
         self._freed = False
+        self._execution: Execution | None = None  # the open execution, if any
+        # guards the open execution and every change of the bookkeeping; caches sharing storage
+        # (the sequences of one block pool) share one lock
+        self._lock = threading.RLock() if lock is None else lock
 
     # ---- accounting -----------------------------------------------------------------------------
 
@@ -110,13 +168,13 @@ class KVCache:
         return self.length * self.bytes_per_position
 
     @property
-    def token_ids(self):
-        """Token ids of positions 0..next_position-1, or None if some execution bypassed Model.forward."""
-        return None if self._token_ids is None else list(self._token_ids)
-
-    @property
     def freed(self) -> bool:
         return self._freed
+
+    @property
+    def executing(self) -> bool:
+        """Whether an execution is open on this cache (begun, neither committed nor aborted)."""
+        return self._execution is not None
 
     def positions(self) -> np.ndarray:
         """Absolute positions of the stored K/V, ascending: [length]."""
@@ -134,64 +192,50 @@ class KVCache:
         """Whether an execution of n_new positions fits now."""
         return not self._freed and n_new <= self.capacity - self.length
 
-    def next_positions(self, n_new: int) -> np.ndarray:
-        """Absolute positions of `n_new` new tokens; raises CacheFullError if they do not fit."""
-        self._check_live()
-        free = self.capacity - self.length
-        if n_new > free:
-            raise CacheFullError(
-                f"cannot append {n_new} positions: the cache holds {self.length} of {self.capacity} "
-                f"({free} free)")
-        return np.arange(self.next_position, self.next_position + n_new)  # [T]
+    def begin(self, token_ids) -> "Execution":
+        """Open an execution over new positions: `token_ids` [T], or T alone when the ids are unknown.
 
-    def update(self, layer: int, k: np.ndarray, v: np.ndarray):
-        """Store K/V of the new positions for `layer`; return (k_all, v_all, k_positions).
-
-        k, v: [T, Hkv, D] -> k_all, v_all: [S, Hkv, D] (one dtype), k_positions: [S]
-        New K/V are read back as stored (quantized layouts included), so how an input is split into
-        executions never changes what a query sees.
+        Checks room first (CacheFullError, before any work) and reserves what the execution needs;
+        raises CacheError if another execution is open on this cache. Use the result as a context
+        manager (see the module docstring), or call its commit() / abort() yourself.
         """
-        raise NotImplementedError
-
-    def advance(self, n_new: int) -> None:
-        """Commit the `n_new` positions written by `update` in every layer."""
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        """Forget an execution that will not be committed (its reservation, its staged K/V)."""
-
-    def after_forward(self, token_ids, last_logits) -> None:
-        """Called by Model.forward after a committed execution: record its ids and last logits.
-
-        The ids are kept only while they account for every position (an execution run straight
-        through spec.decoder.forward leaves them unknown); layouts that reuse K/V by token ids
-        (the paged pool's prefix index) read them here.
-        """
-        ids = [int(t) for t in token_ids]
-        if self._token_ids is not None and len(self._token_ids) + len(ids) == self.next_position:
-            self._token_ids.extend(ids)
-        else:
-            self._token_ids = None
-        self.last_logits = None if last_logits is None else np.array(last_logits, copy=True)
+        ids, n_new = _new_positions(token_ids)
+        with self._lock:
+            self._check_live()
+            if self._execution is not None:
+                raise CacheError("an execution is already open on this cache (another thread, or a begin inside "
+                                 "an execution): a cache serves one execution at a time; give each thread its "
+                                 "own cache (model.new_cache(), or cache.fork())")
+            reservation = self._reserve(n_new)  # raises before anything changes
+            positions = np.arange(self.next_position, self.next_position + n_new)  # [T]
+            self._execution = Execution(self, positions, ids, reservation)
+            return self._execution
 
     def append(self, k, v, token_ids=None):
         """Store K/V of new positions in every layer at once: k, v [L, T, Hkv, D] (tools and tests)."""
         k, v = np.asarray(k), np.asarray(v)
         if k.ndim != 4 or k.shape[0] != self.n_layers:
             raise ShapeError(f"k has shape {k.shape}; expected [{self.n_layers}, T, {self.n_kv_heads}, {self.head_dim}]")
-        T = k.shape[1]
-        self.next_positions(T)
-        try:
+        if token_ids is not None and len(token_ids) != k.shape[1]:
+            raise ShapeError(f"{len(token_ids)} token ids for {k.shape[1]} positions")
+        with self.begin(k.shape[1] if token_ids is None else token_ids) as step:
             for layer in range(self.n_layers):
-                self.update(layer, k[layer], v[layer])
-        except BaseException:
-            self.abort()
-            raise
-        self.advance(T)
-        if token_ids is not None:
-            self.after_forward(token_ids, None)
-        else:
-            self._token_ids = None
+                step.update(layer, k[layer], v[layer])
+
+    def _finish(self, execution, commit: bool) -> None:
+        # the end of `execution`: commit (the checks are done; nothing here can fail) or release
+        with self._lock:
+            self._execution = None
+            if not commit:
+                self._release(execution.reservation)
+                return
+            seq = self.sequence
+            if execution.token_ids is None or seq.token_ids is None:
+                seq.token_ids = None  # some position's id is unknown from now on
+            else:
+                seq.token_ids.extend(execution.token_ids)
+            seq.last_logits = execution.last_logits
+            self._commit(execution.reservation)
 
     # ---- reading ---------------------------------------------------------------------------------
 
@@ -213,39 +257,52 @@ class KVCache:
         _, _, v, vs = self.read_raw(layer)
         return _readonly(self.v_codec.decode(v, vs))
 
+    def storage_problem(self) -> str | None:
+        """Why this cache's K/V cannot be read and written in place (None when they can)."""
+        return "this cache was freed" if self._freed else None
+
+    def storage(self) -> Storage:
+        """Where the K/V lie, for reading and writing in place; CacheError naming why if they cannot be."""
+        problem = self.storage_problem()
+        if problem is not None:
+            raise CacheError(f"a {self.layout} cache cannot be used in place: {problem}")
+        return self._storage()
+
     # ---- operations, each with its capability check -----------------------------------------------
 
     def can_truncate(self, n: int) -> bool:
-        return not self._freed and self._truncate_problem(n) is None
+        return not self._freed and self._execution is None and self._truncate_problem(n) is None
 
     def truncate(self, n: int) -> None:
         """Forget every position >= n (roll back rejected tokens); afterwards next_position == n."""
-        self._check_live()
-        self.abort()
-        problem = self._truncate_problem(n)
-        if problem is not None:
-            raise CacheError(f"cannot truncate to {n}: {problem}")
-        self._truncate(n)
-        if n == 0:
-            self._token_ids = []  # an empty cache knows the ids of all of its (no) positions
-        elif self._token_ids is not None:
-            del self._token_ids[n:]
+        with self._lock:
+            self._check_idle()
+            problem = self._truncate_problem(n)
+            if problem is not None:
+                raise CacheError(f"cannot truncate to {n}: {problem}")
+            if n == self.next_position:
+                return
+            self._truncate(n)
+            seq = self.sequence
+            if n == 0:
+                seq.token_ids = []  # an empty cache knows the ids of all of its (no) positions
+            elif seq.token_ids is not None:
+                del seq.token_ids[n:]
+            seq.last_logits = None  # they were the logits of a position that is gone
 
     def can_fork(self) -> bool:
-        return not self._freed
+        return not self._freed and self._execution is None
 
     def fork(self) -> "KVCache":
         """An independent cache holding the same positions (layouts may share storage copy-on-write)."""
-        self._check_live()
-        self.abort()
-        child = self._fork()
-        child.model_fingerprint = self.model_fingerprint
-        child._token_ids = self.token_ids
-        child.last_logits = None if self.last_logits is None else self.last_logits.copy()
-        return child
+        with self._lock:
+            self._check_idle()
+            child = self._fork()
+            child.sequence = self.sequence.copy()
+            return child
 
     def can_shift(self, n: int = 1, keep: int = 0) -> bool:
-        return not self._freed and self._shift_problem(n, keep) is None
+        return not self._freed and self._execution is None and self._shift_problem(n, keep) is None
 
     def shift(self, n: int, keep: int = 0) -> None:
         """Context shift: drop positions keep..keep+n-1 and move every later position down by n.
@@ -255,36 +312,68 @@ class KVCache:
         float rounding of one extra rotation. Needs K stored as float32/float64 (SHIFTABLE_K_DTYPES):
         a narrower K would be rounded a second time, which no layout ever does to history.
         """
-        self._check_live()
-        self.abort()
-        problem = self._shift_problem(n, keep)
-        if problem is not None:
-            raise CacheError(f"cannot shift by {n} after {keep} kept positions: {problem}")
-        self._shift(n, keep)
-        # the K/V now differ from what a plain prefill of the kept ids would give: ids no longer describe them
-        self._token_ids = None
+        with self._lock:
+            self._check_idle()
+            problem = self._shift_problem(n, keep)
+            if problem is not None:
+                raise CacheError(f"cannot shift by {n} after {keep} kept positions: {problem}")
+            self._shift(n, keep)
+            # the K/V now differ from what a plain prefill of the kept ids would give: ids no longer describe them
+            self.sequence.token_ids = None
 
     def free(self) -> None:
         """Release the storage (a paged cache returns its blocks to the pool); the cache is unusable after."""
-        if self._freed:
-            return
-        self.abort()
-        self._free()
-        self._freed = True
+        with self._lock:
+            if self._freed:
+                return
+            self._check_idle()
+            self._free()
+            self._freed = True
 
     def save(self, path) -> None:
-        """Write this cache to `path` in the versioned kvref format (see kvref/cache/fileformat.py).
+        """Write this cache and its sequence to `path` in the versioned kvref format (kvref/cache/fileformat.py).
 
-        The file names the model it belongs to (a fingerprint of config and weights, given by
-        Model.new_cache); model.load_cache(path) refuses any other model.
+        The file names the model it belongs to (sequence.model, given by Model.new_cache);
+        model.load_cache(path) refuses any other model.
         """
         from .fileformat import save_cache
 
-        self._check_live()
-        self.abort()
-        save_cache(self, path)
+        with self._lock:
+            self._check_idle()
+            save_cache(self, path)
+
+    def layout_options(self) -> dict:
+        """Layout parameters a saved file records so that loading makes the same layout."""
+        return {}
+
+    def load_rows(self, positions, next_position, raw_layers) -> None:
+        """Fill an empty cache from saved rows: positions [n], raw_layers[l] = (k, ks, v, vs) [n, ...]."""
+        raise NotImplementedError
 
     # ---- hooks for the layouts ---------------------------------------------------------------------
+
+    def _reserve(self, n_new: int):
+        """Check room for n_new positions (CacheFullError) and reserve it; return what _release undoes."""
+        raise NotImplementedError
+
+    def _write(self, reservation, layer, k, v):
+        """Store the new K/V of `layer` ([T, Hkv, D]) beside the stored ones; return (k_all, v_all, k_positions).
+
+        k_all, v_all: [S, Hkv, D] (one dtype), k_positions: [S]. New K/V are read back as stored
+        (quantized layouts included), so how an input is split into executions never changes what a
+        query sees.
+        """
+        raise NotImplementedError
+
+    def _commit(self, reservation) -> None:
+        """Make the reserved positions part of the cache (every layer was written). Cannot fail."""
+        raise NotImplementedError
+
+    def _release(self, reservation) -> None:
+        """Undo _reserve exactly: the cache (and a shared pool) are as they were before it."""
+
+    def _storage(self) -> Storage:
+        raise NotImplementedError
 
     def _truncate_problem(self, n):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -308,33 +397,185 @@ class KVCache:
             return f"positions {keep}..{keep + n - 1} are not all before next_position {self.next_position}"
         return None
 
-    def _layout_options(self) -> dict:
-        """Layout parameters a saved file records so load makes the same layout."""
-        return {}
-
-    def _load_rows(self, positions, next_position, raw_layers) -> None:
-        """Fill an empty cache from saved rows: positions [n], raw_layers[l] = (k, ks, v, vs) [n, ...]."""
-        raise NotImplementedError
-
     def _check_live(self):
         if self._freed:
             raise CacheError("this cache was freed; make a new one with model.new_cache() or fork a live one")
 
-    def _check_kv(self, layer, k, v):
-        expected = (self.n_kv_heads, self.head_dim)
-        if not 0 <= layer < self.n_layers:
-            raise ShapeError(f"layer {layer} out of range: the cache has {self.n_layers} layers")
+    def _check_idle(self):
+        self._check_live()
+        if self._execution is not None:
+            raise CacheError("an execution is open on this cache; finish it (commit or abort) first")
+
+    def _check_kv(self, layer, k, v, n_new):
+        expected = (n_new, self.n_kv_heads, self.head_dim)
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.n_layers:
+            raise ShapeError(f"layer {layer!r} out of range: the cache has {self.n_layers} layers")
         for name, a in (("k", k), ("v", v)):
-            if a.ndim != 3 or a.shape[1:] != expected:
-                raise ShapeError(f"{name} has shape {a.shape}; expected [T, {expected[0]}, {expected[1]}]")
-        if k.shape != v.shape:
-            raise ShapeError(f"k shape {k.shape} != v shape {v.shape}")
+            if not isinstance(a, np.ndarray) or a.shape != expected:
+                raise ShapeError(f"{name} has shape {getattr(a, 'shape', None)}; expected [T, Hkv, D] = {list(expected)}")
 
     def _rerotate(self, k, n):
         # [S, Hkv, D] keys stored after RoPE at positions p -> the same keys at positions p - n
         from ..spec.ops import rope
 
         return rope(k, np.full(k.shape[0], -n, dtype=np.int64), self.rope_theta)
+
+
+class Execution:
+    """One prefill or decode step on one cache, from `cache.begin` to its commit or abort.
+
+    positions    [T] absolute positions of the new tokens
+    token_ids    their ids (None when unknown), recorded in cache.sequence at commit
+    last_logits  set by the caller before the commit: the logits [V] of the last new position
+
+    As a context manager, leaving the block normally commits and an exception aborts. commit()
+    refuses (and aborts) if some layer's K/V were never written.
+    """
+
+    def __init__(self, cache: KVCache, positions, token_ids, reservation):
+        self.cache = cache
+        self.positions = positions
+        self.token_ids = token_ids
+        self.reservation = reservation
+        self.last_logits = None
+        self._written = set()  # layers whose new K/V were stored
+        self._open = True
+
+    def __enter__(self) -> "Execution":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+        return False  # the exception goes on
+
+    @property
+    def n_new(self) -> int:
+        return len(self.positions)
+
+    def update(self, layer: int, k: np.ndarray, v: np.ndarray):
+        """Store K/V of the new positions for `layer`; return (k_all, v_all, k_positions).
+
+        k, v: [T, Hkv, D] -> k_all, v_all: [S, Hkv, D] (one dtype), k_positions: [S]: everything the
+        new queries may attend to (causal masking by position is the attention's job).
+        """
+        self._check_open()
+        self.cache._check_kv(layer, k, v, self.n_new)
+        out = self.cache._write(self.reservation, int(layer), k, v)
+        self._written.add(int(layer))
+        return out
+
+    def storage(self) -> Storage:
+        """The cache's Storage with this execution's reserved slots, for a caller that writes the new
+        K/V of every layer in place itself (the fused C forward); CacheError if the layout cannot."""
+        self._check_open()
+        storage = self.cache.storage()
+        self._written.update(range(self.cache.n_layers))
+        return storage
+
+    def check_complete(self) -> None:
+        """CacheError unless the execution is open and every layer's K/V were written."""
+        self._check_open()
+        missing = sorted(set(range(self.cache.n_layers)) - self._written)
+        if missing:
+            raise CacheError(f"cannot commit: layers {missing} of the new positions were never written")
+
+    def commit(self) -> None:
+        """Make the new positions part of the cache, with their ids and last logits; aborts if incomplete."""
+        try:
+            self.check_complete()
+            self._check_logits()
+        except BaseException:
+            self.abort()
+            raise
+        self._open = False
+        self.cache._finish(self, commit=True)
+
+    def abort(self) -> None:
+        """Forget this execution: the cache is exactly as it was before begin. Idempotent."""
+        if self._open:
+            self._open = False
+            self.cache._finish(self, commit=False)
+
+    def _check_open(self):
+        if not self._open:
+            raise CacheError("this execution has ended (committed or aborted); begin a new one")
+
+    def _check_logits(self):
+        if self.last_logits is not None:
+            logits = np.array(self.last_logits, copy=True)
+            if logits.ndim != 1:
+                raise ShapeError(f"last_logits must be the [V] logits of one position; got shape {logits.shape}")
+            self.last_logits = logits
+
+
+class ExecutionGroup:
+    """One batched execution over several caches: `steps[b]` is cache b's Execution.
+
+    Every cache reserves or none does (begin_all); leaving the block normally commits every step
+    after checking all of them, so the commit cannot fail part-way; an exception aborts every step.
+    """
+
+    def __init__(self, steps: list):
+        self.steps = steps
+
+    def __enter__(self) -> list:
+        return self.steps
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+        return False
+
+    def commit(self) -> None:
+        try:
+            for step in self.steps:
+                step.check_complete()
+                step._check_logits()
+        except BaseException:
+            self.abort()
+            raise
+        for step in self.steps:
+            step.commit()  # checked above: cannot fail
+
+    def abort(self) -> None:
+        for step in self.steps:
+            step.abort()
+
+
+def begin_all(caches, token_lists) -> ExecutionGroup:
+    """begin() on every cache (token_lists[b] for caches[b]); if one cannot, the others are released."""
+    if len(caches) != len(token_lists):
+        raise CacheError(f"one id list per cache: {len(token_lists)} lists for {len(caches)} caches")
+    if len({id(c) for c in caches}) != len(caches):
+        raise CacheError("a cache appears twice in one batch; fork it to run two continuations")
+    steps = []
+    try:
+        for cache, ids in zip(caches, token_lists):
+            steps.append(cache.begin(ids))
+    except BaseException:
+        for step in steps:
+            step.abort()
+        raise
+    return ExecutionGroup(steps)
+
+
+def _new_positions(token_ids):
+    # token ids [T] -> (list of T ints, T); an int T -> (None, T): ids unknown
+    if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, bool):
+        ids, n_new = None, int(token_ids)
+    else:
+        array = np.asarray(token_ids)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise ShapeError(f"an execution takes a 1-D sequence of token ids (or their count); got {token_ids!r}")
+        ids, n_new = [int(t) for t in array], len(array)
+    if n_new < 1:
+        raise ShapeError(f"an execution needs at least one new position; got {n_new}")
+    return ids, n_new
 
 
 def reorder(caches: list, indices) -> list:
@@ -355,7 +596,7 @@ def reorder(caches: list, indices) -> list:
         raise CacheError("reorder needs distinct caches; the same cache appears twice")
     for i in set(idx):
         if not caches[i].can_fork():
-            raise CacheError(f"cache {i} cannot be forked (it was freed)")
+            raise CacheError(f"cache {i} cannot be forked (it was freed, or an execution is open on it)")
     seen, out, forks = set(), [], []
     try:
         for i in idx:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import KVCache
+from ..errors import CacheFullError
+from .base import KVCache, Storage
 from .quant import SlotStore
 
 
@@ -43,19 +44,24 @@ class ContiguousCache(KVCache):
         """Bytes reserved for the full capacity (the OS commits pages only as rows are written)."""
         return self.store.allocated_nbytes
 
-    def update(self, layer, k, v):
-        self._check_live()
-        self._check_kv(layer, k, v)
-        start, end = self._length, self._length + k.shape[0]
-        if end > self._capacity:
-            self.next_positions(k.shape[0])  # raises CacheFullError with the numbers
-        self.store.write(layer, slice(start, end), k, v)  # rows >= length: nothing stored is touched
+    def _reserve(self, n_new):
+        free = self._capacity - self._length
+        if n_new > free:
+            raise CacheFullError(f"cannot append {n_new} positions: the cache holds {self._length} of "
+                                 f"{self._capacity} ({free} free)")
+        return n_new  # rows length..length+n_new-1 are beyond the length: nothing stored changes
+
+    def _write(self, n_new, layer, k, v):
+        end = self._length + n_new
+        self.store.write(layer, slice(self._length, end), k, v)
         k_all, v_all = self.store.read(layer, slice(0, end))  # float types: views, no copy
         return k_all, v_all, np.arange(end)
 
-    def advance(self, n_new):
-        self.next_positions(n_new)
+    def _commit(self, n_new):
         self._length += n_new
+
+    def _storage(self):
+        return Storage(self.store)  # position p in row p
 
     def read(self, layer):
         return self.store.read(layer, slice(0, self._length))
@@ -86,11 +92,11 @@ class ContiguousCache(KVCache):
     def _free(self):
         self.store = self.k = self.v = None
 
-    def _load_rows(self, positions, next_position, raw_layers):
+    def load_rows(self, positions, next_position, raw_layers):
         n = len(positions)
         for layer, raw in enumerate(raw_layers):
             self.store.write_raw(layer, slice(0, n), raw)
         self._length = n
 
-    def _layout_options(self):
+    def layout_options(self):
         return {"capacity": self._capacity}

@@ -42,7 +42,8 @@ _ARRAY_DTYPES = {"int64", "float64", "float32", "float16", "uint16", "int8"}
 
 
 def save_cache(cache, path) -> None:
-    if getattr(cache, "model_fingerprint", None) is None:
+    sequence = cache.sequence
+    if sequence.model is None:
         raise CacheError("this cache was not made by model.new_cache(), so it cannot name its model; "
                          "only such caches can be saved")
     arrays = [("positions", cache.positions().astype(np.int64))]
@@ -50,16 +51,16 @@ def save_cache(cache, path) -> None:
     for i, name in enumerate(("k", "k_scales", "v", "v_scales")):
         if raw[0][i] is not None:  # scales only for int8
             arrays.append((name, np.stack([r[i] for r in raw])))
-    if cache.token_ids is not None:
-        arrays.append(("token_ids", np.asarray(cache.token_ids, dtype=np.int64)))
-    if cache.last_logits is not None:
-        arrays.append(("last_logits", np.asarray(cache.last_logits)))
+    if sequence.token_ids is not None:
+        arrays.append(("token_ids", np.asarray(sequence.token_ids, dtype=np.int64)))
+    if sequence.last_logits is not None:
+        arrays.append(("last_logits", np.asarray(sequence.last_logits)))
     header = {
         "format": "kvref KV cache",
         "version": FORMAT_VERSION,
-        "model": cache.model_fingerprint,
+        "model": sequence.model,
         "layout": cache.layout,
-        "options": cache._layout_options(),
+        "options": cache.layout_options(),
         "n_layers": cache.n_layers, "n_kv_heads": cache.n_kv_heads, "head_dim": cache.head_dim,
         "k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype, "group_size": cache.group_size,
         "rope": {"theta": cache.rope_theta, "pairs": "adjacent (x[2i], x[2i+1])",
@@ -210,14 +211,12 @@ def load_cache(model, path, pool=None):
     try:
         if n > cache.capacity and layout != "paged":  # a pool says CacheFullError itself, with its numbers
             raise CacheError(f"{where} holds {n} positions; the {layout} cache made for it holds {cache.capacity}")
-        cache._load_rows(positions, next_position, raw_layers)
+        cache.sequence.token_ids = [int(t) for t in arrays["token_ids"]] if "token_ids" in arrays else None
+        cache.sequence.last_logits = arrays["last_logits"].copy() if "last_logits" in arrays else None
+        cache.load_rows(positions, next_position, raw_layers)  # a paged cache keys its blocks by those ids
     except BaseException:
         cache.free()
         raise
-    cache._token_ids = [int(t) for t in arrays["token_ids"]] if "token_ids" in arrays else None
-    cache.last_logits = arrays["last_logits"].copy() if "last_logits" in arrays else None
-    if layout == "paged":
-        cache._index_full_blocks()
     return cache
 
 

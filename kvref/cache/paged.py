@@ -13,22 +13,30 @@ Blocks are reference counted. `fork()` shares every block of the parent; the fir
 shared block copies it (copy-on-write), so a fork costs nothing until the two sequences differ.
 Freed blocks go to the end of the free list and are reused oldest first.
 
+An execution's `begin` reserves every block it will write (fresh blocks, and a copy of a shared or
+indexed last block) before any work, so a full pool fails at once; its abort gives them back to the
+front of the free list in the order they were taken, so the pool is exactly as before (except that
+a prefix key of a free block handed out is dropped for good: the execution may have overwritten it).
+The sequences of one pool share its lock: two threads may run executions on two sequences of one
+pool, never two on one sequence.
+
 Prefix reuse (BlockPool(prefix_reuse=True)): a full block whose token ids are known gets a key,
 sha256(previous block's key + its token ids), so equal keys mean equal token prefixes and equal K/V.
 The pool indexes full blocks by key, and `prefill_reuse(ids)` lets a new sequence adopt the blocks
 of the longest indexed prefix of ids instead of computing them. A freed block keeps its key until
 the free list hands it out again, so a system prompt stays reusable after the request that computed
-it finished. Token ids reach the cache through Model.forward (`KVCache.after_forward`).
+it finished. Token ids reach the layout with each commit (`cache.sequence.token_ids`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 
 from ..errors import CacheError, CacheFullError, TokenError
-from .base import KVCache
+from .base import KVCache, Storage
 from .quant import Codec, SlotStore
 
 DEFAULT_BLOCK_SIZE = 16
@@ -70,6 +78,7 @@ class BlockPool:
         self._key_of: dict[int, bytes] = {}  # block -> prefix key (full blocks with known ids)
         self._block_of: dict[bytes, int] = {}  # prefix key -> block
         self.reused_positions = 0  # positions served from the prefix index so far (accounting)
+        self.lock = threading.RLock()  # every change of the pool or of one of its sequences holds it
 
     # ---- accounting ----------------------------------------------------------------------------------
 
@@ -134,6 +143,12 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
+    def _give_back(self, blocks: list) -> None:
+        """Undo _allocate(len(blocks)) exactly: the blocks return to the front of the free list, in order."""
+        for b in blocks:
+            self.refcount[b] = 0
+        self._free = dict.fromkeys([*blocks, *self._free])
+
     def _incref(self, b):
         if self.refcount[b] == 0:
             del self._free[b]
@@ -162,12 +177,11 @@ class PagedCache(KVCache):
     def __init__(self, pool: BlockPool):
         super().__init__(pool.n_layers, pool.n_kv_heads, pool.head_dim, pool.k_codec.name,
                          v_dtype=pool.v_codec.name, group_size=pool.k_codec.group_size or pool.v_codec.group_size,
-                         rope_theta=pool.rope_theta)
+                         rope_theta=pool.rope_theta, lock=pool.lock)
         self.pool = pool
-        self.model_fingerprint = pool.model_fingerprint
+        self.sequence.model = pool.model_fingerprint
         self._table: list[int] = []
         self._length = 0
-        self._pending = None  # an execution's reservation until advance() or abort()
         self._chain: list[bytes] = []  # prefix keys of this sequence's full blocks (when ids are known)
 
     # ---- accounting ----------------------------------------------------------------------------------
@@ -223,9 +237,12 @@ class PagedCache(KVCache):
                 "pool_blocks_free": self.pool.blocks_free, "pool_num_blocks": self.pool.num_blocks}
 
     def _cow_needed(self) -> int:
-        """1 if the next write lands in a shared, partly filled last block (it must be copied first)."""
-        if self._length % self.pool.block_size and self.pool.refcount[self._table[-1]] > 1:
-            return 1
+        """1 if the next write lands in a partly filled last block that is shared or indexed by a prefix
+        key: it is copied first, so the others (and the index) keep seeing it as it is."""
+        if self._length % self.pool.block_size:
+            last = self._table[-1]
+            if self.pool.refcount[last] > 1 or last in self.pool._key_of:
+                return 1
         return 0
 
     def blocks_needed(self, n_new: int) -> int:
@@ -240,10 +257,8 @@ class PagedCache(KVCache):
 
     # ---- one execution -------------------------------------------------------------------------------
 
-    def next_positions(self, n_new: int) -> np.ndarray:
-        """Reserve the blocks n_new positions need (copy a shared last block now); commit in advance()."""
-        self._check_live()
-        self.abort()
+    def _reserve(self, n_new):
+        # Writes land only in blocks that are ours alone and unindexed; _release undoes this exactly
         pool, bs = self.pool, self.pool.block_size
         if pool.max_positions is not None and self._length + n_new > pool.max_positions:
             raise CacheFullError(f"cannot append {n_new} positions: the sequence holds {self._length} of at "
@@ -255,60 +270,39 @@ class PagedCache(KVCache):
                 f"cannot append {n_new} positions: the sequence holds {self._length} positions in "
                 f"{len(self._table)} blocks of {bs} and needs {need} more{cow}; the pool has "
                 f"{pool.blocks_free} free of {pool.num_blocks}")
-        # Writes land only in blocks that are ours alone. A reservation is undone by abort(); a block
-        # unindexed here stays unindexed (the execution may already have written into it).
-        before, cow = list(self._table), None
-        if n_new > 0 and self._length % bs:
+        before, taken, cow = list(self._table), [], None
+        if self._cow_needed():  # copy-on-write: the block stays as its sharers and the index see it
             last = self._table[-1]
-            if pool.refcount[last] > 1:  # copy-on-write: the shared block stays as the others see it
-                (copy,) = pool._allocate(1)
-                pool.store.copy_slots(copy, last)
-                pool._decref(last)
-                self._table[-1] = copy
-                cow = (last, copy)
-            elif last in pool._key_of:  # ours alone, but indexed: its key will no longer describe it
-                pool._unregister(last)
+            taken = pool._allocate(1)
+            pool.store.copy_slots(taken[0], last)
+            pool._decref(last)
+            self._table[-1] = taken[0]
+            cow = last
         fresh = pool._allocate(blocks_for(self._length + n_new, bs) - len(self._table))
         self._table += fresh
-        self._pending = (n_new, before, cow, fresh)
-        return np.arange(self._length, self._length + n_new)  # [T]
+        return n_new, before, cow, taken + fresh
 
-    def update(self, layer, k, v):
-        self._check_live()
-        self._check_kv(layer, k, v)
-        T = k.shape[0]
-        if self._pending is None or self._pending[0] != T:
-            raise CacheError(f"update of {T} positions without next_positions({T}) first")
-        bs, end = self.pool.block_size, self._length + T
+    def _write(self, reservation, layer, k, v):
+        bs, end = self.pool.block_size, self._length + reservation[0]
         new = np.arange(self._length, end)
         table = np.asarray(self._table, dtype=np.int64)
         self.pool.store.write(layer, (table[new // bs], new % bs), k, v)  # each position into its block slot
         k_all, v_all = self.pool.store.decode_raw(self._gather(layer, end))
         return k_all, v_all, np.arange(end)
 
-    def advance(self, n_new):
-        if self._pending is None or self._pending[0] != n_new:
-            raise CacheError(f"advance({n_new}) without a matching next_positions({n_new})")
-        self._length += n_new
-        self._pending = None
+    def _commit(self, reservation):
+        self._length += reservation[0]
+        self._index_full_blocks()
 
-    def abort(self):
-        if self._pending is None:
-            return
-        pool = self.pool
-        _, before, cow, fresh = self._pending
-        self._pending = None
-        for b in fresh:
-            pool._decref(b)
+    def _release(self, reservation):
+        _, before, cow, taken = reservation
         if cow is not None:
-            shared, copy = cow
-            pool._incref(shared)
-            pool._decref(copy)
+            self.pool._incref(cow)  # back from the free list if the copy had been its only reference
+        self.pool._give_back(taken)
         self._table = before
 
-    def after_forward(self, token_ids, last_logits):
-        super().after_forward(token_ids, last_logits)
-        self._index_full_blocks()
+    def _storage(self):
+        return Storage(self.pool.store, np.asarray(self._table, dtype=np.int64), self.pool.block_size)
 
     # ---- prefix reuse --------------------------------------------------------------------------------
 
@@ -320,8 +314,11 @@ class PagedCache(KVCache):
         block is indexed, the last block is adopted short of its last position (its next write
         copies or unindexes it). The caller then runs model.forward(token_ids[n:], cache).
         """
-        self._check_live()
-        self.abort()
+        with self._lock:
+            self._check_idle()
+            return self._adopt_prefix(token_ids)
+
+    def _adopt_prefix(self, token_ids):
         pool, bs = self.pool, self.pool.block_size
         if not pool.prefix_reuse:
             raise CacheError("prefix reuse is off for this pool; make it with "
@@ -346,16 +343,19 @@ class PagedCache(KVCache):
         for b in self._table:
             pool._incref(b)
         self._length = n
-        self._token_ids = [int(t) for t in ids[:n]]
+        self.sequence.token_ids = [int(t) for t in ids[:n]]
+        self.sequence.last_logits = None
         self._chain = keys[: n // bs]
         pool.reused_positions += n
         return n
 
     def _index_full_blocks(self):
-        if not self.pool.prefix_reuse or self._token_ids is None:
+        # key every full block whose ids are known (after a commit, or a load)
+        ids = self.sequence.token_ids
+        if not self.pool.prefix_reuse or ids is None:
             self._chain = []
             return
-        bs, ids = self.pool.block_size, self._token_ids
+        bs = self.pool.block_size
         for i in range(len(self._chain), self._length // bs):
             previous = self._chain[-1] if self._chain else _ROOT_KEY
             self._chain.append(block_key(previous, ids[i * bs:(i + 1) * bs]))
@@ -425,11 +425,11 @@ class PagedCache(KVCache):
         self._table = []
         self._chain = []
 
-    def _layout_options(self):
+    def layout_options(self):
         return {"block_size": self.pool.block_size, "num_blocks": self.pool.num_blocks,
                 "prefix_reuse": self.pool.prefix_reuse}
 
-    def _load_rows(self, positions, next_position, raw_layers):
+    def load_rows(self, positions, next_position, raw_layers):
         n, bs = len(positions), self.pool.block_size
         need = blocks_for(n, bs)
         if need > self.pool.blocks_free:
@@ -441,3 +441,4 @@ class PagedCache(KVCache):
         for layer, raw in enumerate(raw_layers):
             self.pool.store.write_raw(layer, index, raw)
         self._length = n
+        self._index_full_blocks()  # the loaded sequence's ids, when the file had them

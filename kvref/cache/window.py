@@ -12,8 +12,9 @@ position p stays right); `next_position` keeps counting while `length` is the nu
 
 What an execution sees: the positions the cache held before it, plus its own new positions (each
 query causally). A decode step therefore attends to the sinks, the last `window` positions and
-itself; after the execution the ring keeps only the last `window`. New K/V are staged until
-`advance`, so a failed execution overwrites nothing.
+itself; after the execution the ring keeps only the last `window`. New K/V are staged until the
+commit, so a failed execution overwrites nothing; for the same reason the native path cannot write
+them in place (`storage_problem`), and runs this layout kernel by kernel on the decoded K/V.
 
 A ring that has dropped a position cannot be rolled back (`truncate`) to an earlier state: the
 dropped positions would be needed again. `shift(n, keep=sinks)` closes the gap between the sinks
@@ -49,7 +50,6 @@ class WindowCache(KVCache):
         self._n_ring = 0  # ring slots filled: positions next-n_ring .. next-1
         self._head = 0  # ring slot (0..window-1) the next ring position is written to
         self._next = 0  # next absolute position
-        self._staged = None  # (T, {layer: encoded new K/V}) until advance() or abort()
 
     # ---- accounting ----------------------------------------------------------------------------------
 
@@ -85,31 +85,21 @@ class WindowCache(KVCache):
     def can_append(self, n_new: int) -> bool:
         return not self._freed  # the ring makes room by dropping its oldest positions
 
-    def next_positions(self, n_new: int) -> np.ndarray:
-        self._check_live()
-        self.abort()
-        self._staged = (n_new, {})
-        return np.arange(self._next, self._next + n_new)  # [T]
+    def _reserve(self, n_new):
+        return n_new, {}  # the ring always has room; the layers' encoded K/V are staged here
 
-    def update(self, layer, k, v):
-        self._check_live()
-        self._check_kv(layer, k, v)
-        T = k.shape[0]
-        if self._staged is None or self._staged[0] != T:
-            raise CacheError(f"update of {T} positions without next_positions({T}) first")
-        new = (*self.k_codec.encode(k), *self.v_codec.encode(v))  # encoded once, written in advance()
-        self._staged[1][layer] = new
+    def _write(self, reservation, layer, k, v):
+        T, staged = reservation
+        new = (*self.k_codec.encode(k), *self.v_codec.encode(v))  # encoded once, written at the commit
+        staged[layer] = new
         k_old, v_old = self.store.read(layer, self._slots())  # [length, Hkv, D] in position order
         k_new, v_new = self.store.decode_raw(new)  # [T, Hkv, D], read back as stored
         positions = np.concatenate([self.positions(), np.arange(self._next, self._next + T)])
         k_all, v_all = np.concatenate([k_old, k_new]), np.concatenate([v_old, v_new])
         return k_all.astype(k_new.dtype, copy=False), v_all.astype(v_new.dtype, copy=False), positions
 
-    def advance(self, n_new):
-        if self._staged is None or self._staged[0] != n_new or len(self._staged[1]) != self.n_layers:
-            raise CacheError(f"advance({n_new}) without next_positions({n_new}) and an update of every layer")
-        staged = self._staged[1]
-        self._staged = None
+    def _commit(self, reservation):
+        n_new, staged = reservation
         new = np.arange(self._next, self._next + n_new)
         to_sinks = np.flatnonzero(new < self.sinks)  # only while the sinks are not yet filled
         to_ring = np.flatnonzero(new >= self.sinks)[-self.window:]  # earlier ones would be dropped anyway
@@ -123,8 +113,10 @@ class WindowCache(KVCache):
         self._n_ring = min(self._n_ring + len(to_ring), self.window)
         self._next += n_new
 
-    def abort(self):
-        self._staged = None
+    def storage_problem(self):
+        return super().storage_problem() or (
+            "the window stages new K/V until the commit (so an abort can keep the ring) and keeps its "
+            "positions in a ring; it is read through read() and run kernel by kernel")
 
     # ---- reading -------------------------------------------------------------------------------------
 
@@ -184,10 +176,10 @@ class WindowCache(KVCache):
         self.store = None
         self._n_sinks = self._n_ring = 0
 
-    def _layout_options(self):
+    def layout_options(self):
         return {"window": self.window, "sinks": self.sinks}
 
-    def _load_rows(self, positions, next_position, raw_layers):
+    def load_rows(self, positions, next_position, raw_layers):
         positions = np.asarray(positions)
         n_sinks = int(np.sum(positions < self.sinks))
         ring = positions[n_sinks:]

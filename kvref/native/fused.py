@@ -9,13 +9,15 @@ all_logits, else [1, V] for the last position. It runs in C (csrc/forward.c) whe
 
   - `ops` is a native kernel set (kvref.native.ops.Kernels): its thread pool runs the forward;
   - `config` and `weights` are the ones this object was built from (every tensor, by identity);
-  - `cache` is a kvref.cache.ContiguousCache or PagedCache storing K and V as float32, float16,
-    bfloat16 or int8 (K and V may differ): C writes the new positions' K/V into their slots in the
-    stored form (kvref/cache/quant.py's encoding, byte for byte) and attention reads the stored
-    form in place, through the block table of a paged cache (kvref.native.ops.cache_descriptor).
+  - `cache` describes its storage (`cache.storage()`: contiguous and paged layouts) with K and V
+    stored as float32, float16, bfloat16 or int8 (K and V may differ): C writes the new positions'
+    K/V into their slots in the stored form (kvref/cache/quant.py's encoding, byte for byte) and
+    attention reads the stored form in place, through the block table of a paged cache
+    (kvref.native.ops.cache_descriptor).
 
-Otherwise (a window cache, float64 K/V, another kernel set) it calls the shared decoder with
-`ops`, which computes the same thing kernel by kernel on the K/V the cache decodes.
+Otherwise it calls the shared decoder with `ops`, which computes the same thing kernel by kernel on
+the K/V the cache decodes; `fallback_reason` says why (a window cache stages its writes, float64
+K/V, another kernel set, ...).
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
@@ -31,10 +33,10 @@ is the default: on SmolLM2 the int8 greedy continuation leaves the float32 refer
 tokens, as llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
 
 Argument checks happen here, before C runs: token ids (TokenError), room in the cache
-(CacheFullError, from cache.next_positions, which also reserves a paged cache's blocks), the cache
-arrays' dtype, shape and contiguity. C writes only the slots of positions [length, length + T),
-and cache.advance(T) commits them after C returns; a failed call aborts the reservation and leaves
-the cache as it was. No cffi object leaves this module.
+(CacheFullError, from cache.begin, which also reserves a paged cache's blocks), the cache arrays'
+dtype, shape and contiguity. C writes only the slots of positions [length, length + T) inside the
+execution's transaction, which commits them with the ids and last logits after C returns; a failed
+call (or an interrupt) aborts it and leaves the cache as it was. No cffi object leaves this module.
 """
 
 from __future__ import annotations
@@ -133,35 +135,42 @@ class FusedForward:
 
     # ---- running ------------------------------------------------------------------------------
 
-    def runs(self, ops, config, weights, cache) -> bool:
-        """True when forward() runs in C for these arguments (else it calls the shared decoder)."""
-        return (isinstance(ops, native_ops.Kernels) and config == self.config and native_ops.reads_in_place(cache)
-                and weights is self.weights and [id(t) for t in _tensors(weights)] == self._fingerprint)
+    def fallback_reason(self, ops, config, weights, cache) -> str | None:
+        """Why forward() would call the shared decoder for these arguments; None when it runs in C."""
+        if not isinstance(ops, native_ops.Kernels):
+            return f"the kernel set is {getattr(ops, '__name__', type(ops).__name__)}, not a native Kernels"
+        if config != self.config or weights is not self.weights or [id(t) for t in _tensors(weights)] != self._fingerprint:
+            return "the config or weights are not the ones this C forward was built from"
+        problem = native_ops.in_place_problem(cache)
+        return None if problem is None else f"the C forward cannot use this {cache.layout} cache in place: {problem}"
 
     def forward(self, ops, config, weights, token_ids, cache, all_logits=False):
         # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T
-        if not self.runs(ops, config, weights, cache):
+        if self.fallback_reason(ops, config, weights, cache) is not None:
             return decoder.forward(ops, config, weights, token_ids, cache, all_logits)
         c = config
         ids = _token_ids(token_ids, c.vocab_size)
         T = ids.shape[0]
         if not isinstance(all_logits, (bool, np.bool_)):
             raise ShapeError(f"all_logits={all_logits!r} must be True or False")
-        length = cache.length
-        cache.next_positions(T)  # a full cache fails here, before any work; a paged cache reserves blocks
-        try:
-            kv = native_ops.cache_descriptor(cache)  # the storage, with any blocks just reserved
+        with cache.begin(ids) as step:  # room reserved first; any exception below leaves the cache as it was
+            kv = native_ops.cache_descriptor(cache, step.storage())  # reserved blocks included; C writes every layer
             logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
             with self._lock:
                 status = lib.kvref_forward(ops._pool.ptr, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
-                                           T, kv.ptr, length, ACTIVATIONS[self.activations], int(bool(all_logits)),
-                                           ffi.from_buffer("float[]", logits))
+                                           T, kv.ptr, cache.length, ACTIVATIONS[self.activations],
+                                           int(bool(all_logits)), ffi.from_buffer("float[]", logits))
             _check_status(status, "forward")
-        except BaseException:
-            cache.abort()  # release what next_positions reserved; the cache is as it was
-            raise
-        cache.advance(T)  # every layer wrote its K/V: commit the new positions
+            step.last_logits = logits[-1]  # committed with the new positions as the block ends
         return logits
+
+    def fail_at_layer(self, layer: int) -> None:
+        """Test hook: the next C forward fails (BackendError) on reaching `layer`, after writing the K/V
+        of the layers before it; -1 disarms. Lets tests interrupt an execution mid-way in C."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not -1 <= layer < self.config.n_layers:
+            raise ShapeError(f"layer={layer!r} must be -1 or in [0, {self.config.n_layers})")
+        with self._lock:
+            _check_status(lib.kvref_state_fail_at_layer(self._state, int(layer)), "fail_at_layer")
 
     # ---- timing -------------------------------------------------------------------------------
 

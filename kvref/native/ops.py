@@ -13,8 +13,9 @@ Activations are float32 (the kernels take and return float32 only). A weight is 
 float16) ndarray in file layout, or a kvref.formats.ggml.QuantizedTensor of type F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
-arrays; `Kernels.cache_attention` reads a contiguous or paged cache in place instead, K/V stored
-as float32, float16, bfloat16 or int8 (decoded in registers: the same float32 values NumPy decodes).
+arrays; `Kernels.cache_attention` reads a cache's K/V in place instead (any layout whose
+`cache.storage()` describes them: contiguous and paged today), stored as float32, float16, bfloat16
+or int8 (decoded in registers: the same float32 values NumPy decodes).
 
 Numerics: every weight value is decoded to exactly the float32 the spec dequantizer
 (kvref.spec.quants) produces, and dot products accumulate in float32, so matmul differs from the
@@ -43,7 +44,6 @@ import threading
 
 import numpy as np
 
-from ..cache import ContiguousCache, PagedCache
 from ..cache.quant import SCALE_DTYPE
 from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
 from ..formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
@@ -194,23 +194,23 @@ class _KV:
         d.block_size = block_size
 
 
-def reads_in_place(cache) -> bool:
-    """Whether the native kernels read and write this cache's storage in place: a ContiguousCache or
-    PagedCache (exactly: a subclass may store differently), live, with K and V in KV_TYPES."""
-    return (type(cache) in (ContiguousCache, PagedCache) and not cache.freed
-            and cache.k_dtype in KV_TYPES and cache.v_dtype in KV_TYPES)
+def in_place_problem(cache) -> str | None:
+    """Why the native kernels cannot read and write `cache`'s K/V where they lie (None when they can):
+    the layout's own answer (cache.storage_problem()), or a K/V type the kernels do not read."""
+    problem = cache.storage_problem()
+    if problem is None and (cache.k_dtype not in KV_TYPES or cache.v_dtype not in KV_TYPES):
+        problem = f"K/V are stored as {cache.dtype_name}; the native kernels read {tuple(KV_TYPES)} in place"
+    return problem
 
 
-def cache_descriptor(cache) -> _KV:
-    """The kvref_kv of a cache's storage, every array checked; CacheError if C cannot use it in place."""
-    if not reads_in_place(cache):
-        raise CacheError(f"the native kernels read contiguous and paged caches with K/V in {tuple(KV_TYPES)} in "
-                         f"place; this is a {cache.layout} cache of {cache.dtype_name}")
-    store = cache.store
-    if type(cache) is PagedCache:  # position p in slot table[p // block_size] * block_size + p % block_size
-        table, block_size = np.asarray(cache.block_table, dtype=_I64), cache.pool.block_size
-    else:  # position p in slot p
-        table, block_size = None, 1
+def cache_descriptor(cache, storage=None) -> _KV:
+    """The kvref_kv of a cache's storage (cache.storage(), or `storage`: an open execution's, reserved
+    blocks included), every array checked; CacheError if C cannot use it in place."""
+    problem = in_place_problem(cache)
+    if problem is not None:
+        raise CacheError(f"the native kernels cannot use this {cache.layout} cache in place: {problem}")
+    storage = cache.storage() if storage is None else storage
+    store = storage.store
     L, Hkv, D, slots = cache.n_layers, cache.n_kv_heads, cache.head_dim, store.k.shape[1:-2]
     expected = {"k": (store.k_codec.storage_dtype, D), "v": (store.v_codec.storage_dtype, D),
                 "k_scales": (SCALE_DTYPE, store.k_codec.n_groups), "v_scales": (SCALE_DTYPE, store.v_codec.n_groups)}
@@ -221,9 +221,16 @@ def cache_descriptor(cache) -> _KV:
                 or not a.flags.writeable):
             raise CacheError(f"cache {name} must be a writeable C-contiguous {dtype} array of shape {shape}; got "
                              f"{a.dtype} {a.shape}, strides {a.strides}, writeable={a.flags.writeable}")
+    table = storage.block_table
+    if table is not None:
+        n_blocks = store.k.shape[1]
+        if (table.dtype != _I64 or table.ndim != 1 or storage.block_size != store.k.shape[2]
+                or (table.size and (table.min() < 0 or table.max() >= n_blocks))):
+            raise CacheError(f"block table must be int64 ids in [0, {n_blocks}) of blocks of {store.k.shape[2]}")
+        table = np.ascontiguousarray(table)
     group = store.k_codec.group_size or store.v_codec.group_size
-    return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[cache.k_dtype], KV_TYPES[cache.v_dtype],
-               group, table, block_size)
+    return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
+               KV_TYPES[store.v_codec.name], group, table, storage.block_size)
 
 
 def _threads(threads):
@@ -431,8 +438,9 @@ class Kernels:
 
     def cache_attention(self, q, q_positions, cache, layer):
         # [T, H, D], [T], a cache of `length` positions -> [T, H, D]
-        """Attention of q over every stored position of `layer`, reading the cache in place: a
-        contiguous or paged cache (block table) with K/V in float32, float16, bfloat16 or int8."""
+        """Attention of q over every stored position of `layer`, reading the cache in place (its
+        cache.storage(): a slot store, with a block table for a paged cache), K/V in float32,
+        float16, bfloat16 or int8."""
         kv = cache_descriptor(cache)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < cache.n_layers:
             raise ShapeError(f"layer {layer!r} out of range: the cache has {cache.n_layers} layers")
