@@ -3,6 +3,7 @@
 import hashlib
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import kvref
 from kvref.cache.fileformat import FORMAT_VERSION, MAGIC, read_cache_file
 from kvref.errors import CacheError, CacheFullError
 
+DATA = Path(__file__).parent / "data"
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
 LAYOUTS = [{}, {"kv_dtype": "int8", "group_size": 4}, {"k_dtype": "bfloat16", "v_dtype": "float16"},
            {"layout": "paged", "block_size": 4, "prefix_reuse": True}, {"layout": "paged", "kv_dtype": "int8"},
@@ -163,3 +165,20 @@ def test_a_header_whose_dtype_disagrees_with_the_stored_array_is_refused(model, 
     rewrite(tmp_path / "c.kvc", set_in(["k_dtype"], "float16"))
     with pytest.raises(CacheError, match="array 'k' is float32; float16 is stored as float16"):
         model.load_cache(tmp_path / "c.kvc")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_files_saved_before_the_sequence_moved_off_the_cache_load_and_resume(layout):
+    """tests/data/cache_v1_*.kvc were written by kvref at 97f87de, when the token ids and last logits
+    were attributes of the cache; the file format (version 1) did not change, so they load into
+    cache.sequence and generation resumes exactly where a fresh run of the same ids is."""
+    small = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=24, vocab_size=20,
+                              max_seq_len=40)
+    model = kvref.Model.random(small, seed=21, backend="numpy")
+    loaded = model.load_cache(DATA / f"cache_v1_{layout}.kvc")
+    assert loaded.layout == layout and loaded.sequence.token_ids == [1, 2, 3, 4, 5, 6, 7]
+    options = {"layout": "paged", "block_size": 4, "kv_dtype": "int8"} if layout == "paged" else {}
+    fresh = model.new_cache(**options)
+    model.forward([1, 2, 3, 4, 5, 6], fresh)
+    np.testing.assert_array_equal(loaded.sequence.last_logits, model.forward([7], fresh))
+    assert list(kvref.resume(model, loaded, 5)) == list(kvref.resume(model, fresh, 5))

@@ -543,7 +543,7 @@ class ExecutionGroup:
             step.commit()  # checked above: cannot fail
 
     def abort(self) -> None:
-        for step in self.steps:
+        for step in reversed(self.steps):  # last begun, first released: a shared pool's free list comes back in order
             step.abort()
 
 
@@ -558,8 +558,7 @@ def begin_all(caches, token_lists) -> ExecutionGroup:
         for cache, ids in zip(caches, token_lists):
             steps.append(cache.begin(ids))
     except BaseException:
-        for step in steps:
-            step.abort()
+        ExecutionGroup(steps).abort()
         raise
     return ExecutionGroup(steps)
 

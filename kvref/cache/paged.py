@@ -96,6 +96,16 @@ class BlockPool:
         return sum(1 for b in self._free if b in self._key_of)
 
     @property
+    def free_list(self) -> tuple:
+        """The free blocks in the order they will be handed out (oldest freed first)."""
+        return tuple(self._free)
+
+    @property
+    def prefix_keys(self) -> dict:
+        """{block: prefix key} of every indexed block (a copy)."""
+        return dict(self._key_of)
+
+    @property
     def block_nbytes(self) -> int:
         return self.block_size * self.n_layers * self.n_kv_heads * (
             self.k_codec.bytes_per_vector() + self.v_codec.bytes_per_vector())
