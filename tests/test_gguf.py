@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gguf_writer import assemble, gguf_bytes, header, kv, tensor_info, u32, u64
 from kvref.errors import GGUFError, ModelNotFoundError, ShapeError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from kvref.formats.gguf import MAX_ARRAY_NESTING, GGUFFile, TensorInfo, ValueType as V
 
 # One value of every type, including arrays of every kind and arrays nested three deep.

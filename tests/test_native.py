@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvref import native
 from kvref.cache import BlockPool, ContiguousCache, WindowCache
 from kvref.errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import ops as spec
 from kvref.spec import quants
 from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, reads_like_float_kv
@@ -634,7 +634,7 @@ def test_bad_KVREF_THREADS_or_KVREF_ISA_raises_a_backend_error(monkeypatch):
 
 def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     # a second line of defence under the wrappers: bad arguments come back as a status, never a crash
-    pool = nops.kernels(1, "scalar")._pool.ptr
+    pool = nops.kernels(1, "scalar").c_pool
     x = np.ones((2, 64), np.float32)
     y = np.empty((2, 4), np.float32)
     xb, wb, yb = ffi.from_buffer("float[]", x), ffi.from_buffer(W.data), ffi.from_buffer("float[]", y)

@@ -29,7 +29,7 @@ import kvref
 from kvref import backends, native
 from kvref.cache import BlockPool, ContiguousCache
 from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, KVRefError, ShapeError, TokenError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import decoder
 from kvref.spec import quants
 from kvref.tolerance import assert_close, compare
@@ -516,7 +516,7 @@ def test_kvref_activations_environment_variable(monkeypatch):
 
 def test_the_c_forward_returns_a_status_for_every_wrong_call(small):
     model, ff = small
-    pool, m, s = model.ops._pool.ptr, ff._model, ff._state
+    pool, m, s = model.ops.c_pool, ff._model, ff._state
     cache = model.new_cache()
     kv = nops.cache_descriptor(cache)  # capacity CFG.max_seq_len == 16
     ids = np.array([1, 2, 3], np.int64)
@@ -615,7 +615,7 @@ def test_the_descriptor_keeps_the_arrays_it_points_into_alive():
     gc.collect()
     junk = [np.full((CFG.vocab_size, CFG.d_model), 7.0, np.float32) for _ in range(50)]  # would reuse freed memory
     cache, got = new_cache(CFG, "float32"), np.empty_like(want)
-    status = lib.kvref_forward(nops.kernels()._pool.ptr, ff._model, ff._state, ffi.from_buffer("int64_t[]", ids), 3,
+    status = lib.kvref_forward(nops.kernels().c_pool, ff._model, ff._state, ffi.from_buffer("int64_t[]", ids), 3,
                                nops.cache_descriptor(cache).ptr, 0, lib.KVREF_ACT_F32, 1, ffi.from_buffer("float[]", got))
     assert status == lib.KVREF_OK and len(junk) == 50
     np.testing.assert_array_equal(got, want)

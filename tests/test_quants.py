@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvref.errors import DTypeError, ShapeError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType
 from kvref.spec import quants
 
 FORMATS = list(quants.DEQUANTIZERS)

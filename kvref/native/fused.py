@@ -47,7 +47,7 @@ import numpy as np
 from ..errors import BackendError, DTypeError, ShapeError, TokenError
 from ..spec import decoder
 from . import ops as native_ops
-from .ops import _check_status, _weight, ffi, lib
+from .ops import check_status, check_weight, ffi, lib
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
@@ -105,10 +105,10 @@ class FusedForward:
         desc.output_norm = self._gain(weights.output_norm, "output_norm")
         desc.layers = layers
         out = ffi.new("kvref_model **")
-        _check_status(lib.kvref_model_create(desc, out), "model descriptor")
+        check_status(lib.kvref_model_create(desc, out), "model descriptor")
         self._model = ffi.gc(out[0], lib.kvref_model_destroy)
         state = ffi.new("kvref_state **")
-        _check_status(lib.kvref_state_create(self._model, state), "run state")
+        check_status(lib.kvref_state_create(self._model, state), "run state")
         self._state = ffi.gc(state[0], lib.kvref_state_destroy)
 
     def _gain(self, g, name):
@@ -122,7 +122,7 @@ class FusedForward:
         return ffi.cast("const float *", ffi.from_buffer(g))
 
     def _tensor(self, dst, w, name):
-        gtype, data, N, K = _weight(w, name)  # validates type, shape, byte count, contiguity
+        gtype, data, N, K = check_weight(w, name)  # validates type, shape, byte count, contiguity
         if isinstance(w, np.ndarray) and not w.flags.aligned:
             raise ShapeError(f"{name} is not aligned to its dtype")
         self._keep.append(data)
@@ -153,10 +153,10 @@ class FusedForward:
             kv = native_ops.cache_descriptor(cache)  # the storage, with any blocks just reserved
             logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
             with self._lock:
-                status = lib.kvref_forward(ops._pool.ptr, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
+                status = lib.kvref_forward(ops.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
                                            T, kv.ptr, length, ACTIVATIONS[self.activations], int(bool(all_logits)),
                                            ffi.from_buffer("float[]", logits))
-            _check_status(status, "forward")
+            check_status(status, "forward")
         except BaseException:
             cache.abort()  # release what next_positions reserved; the cache is as it was
             raise
