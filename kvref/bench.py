@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli_common import add_model_arguments, count, human_bytes
 from .errors import ConfigError
 from .sampling import greedy
 
@@ -516,8 +517,6 @@ def _status_bytes(field) -> int | None:
 
 def add_bench(commands):
     """Register `kvref bench` on the CLI's subcommands."""
-    from .cli import add_model_arguments, count
-
     p = commands.add_parser("bench", help="prefill/decode tokens/s, time per token by kernel family, peak memory")
     add_model_arguments(p)
     p.add_argument("--threads", type=count, default=None,
@@ -579,8 +578,6 @@ def command_line(args) -> str:
 
 def report(r: dict) -> str:
     """The human-readable table of a run() result."""
-    from .cli import human_bytes
-
     m = r["model"]
     name = Path(m["path"]).name if m["path"] else "model"
     size = f" ({human_bytes(m['file_bytes'])})" if m["file_bytes"] else ""
