@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kvref import native  # noqa: E402
 from kvref.bench import kv_read  # noqa: E402
-from kvref.formats.ggml import GGMLType, QuantizedTensor, row_nbytes  # noqa: E402
+from kvref.spec.ggml import GGMLType, QuantizedTensor, row_nbytes  # noqa: E402
 from kvref.formats.gguf import GGUFFile  # noqa: E402
 from kvref.spec import ops as spec  # noqa: E402
 from kvref.spec.quants import dequantize as _dequantize  # noqa: E402
@@ -219,7 +219,7 @@ def bench_kernels(args, repeat, results):
     ks1 = nops.kernels(1)
     from kvref.native._kvref import ffi, lib
     out = np.empty_like(g)
-    pool = ks1._pool.ptr
+    pool = ks1.c_pool
     overhead = {
         "swiglu [1, 8], module function": lambda: nops.swiglu(g, g),
         "swiglu [1, 8], Kernels method": lambda: ks1.swiglu(g, g),

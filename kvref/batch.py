@@ -32,8 +32,7 @@ import numpy as np
 from .cache import begin_all
 from .cache.paged import BlockPool, PagedCache, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
-from .generate import _selector
-from .sampling import check_sampling
+from .sampling import Sampler, check_sampling
 from .spec import decoder
 
 
@@ -124,7 +123,7 @@ class Scheduler:
             raise CacheFullError(f"a request of {n_positions} positions may need {reserve} blocks of "
                                  f"{self.pool.block_size}; the pool has {self.pool.num_blocks} in all")
         request = Request(self._next_id, prompt, int(max_new_tokens), frozenset(int(t) for t in stop_ids),
-                          _select=_selector(temperature, top_k, top_p, min_p, seed), _blocks_reserved=reserve)
+                          _select=Sampler(temperature, top_k, top_p, min_p, seed), _blocks_reserved=reserve)
         self._next_id += 1
         if max_new_tokens == 0:
             self._finish(request, "length")

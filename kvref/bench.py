@@ -16,10 +16,13 @@ What is measured (every rate is a median over --repeat runs, after one warm-up r
              kernel family, from a KernelClock (below)
   kv read    the context cache's stored K/V arrays read READ_TRIES times with as many threads as the
              forward (np.max): attention's time per token beside the time to read that K/V once
-             at the median rate (issue 4: within 2x)
+             at the median rate, the floor a memory-bound attention cannot beat
   memory     peak RSS of the process (getrusage ru_maxrss and /proc/self/status VmHWM), beside the
-             GGUF file size and the bytes of the largest cache used; the budget of issue 4 is
-             file + cache + 100 MB (no dequantized copy of the weights)
+             GGUF file size and the bytes of the largest cache used, and the budget
+             file + cache + BUDGET_SLACK: what a process needs that keeps no dequantized copy of
+             the weights
+
+The targets these figures are judged against, and the figures measured, are in docs/benchmarks.md.
 
 Kernel families: projections (matmul: Q/K/V/O, the MLP and the LM head), attention, other (embedding,
 RMSNorm, RoPE, SwiGLU), and python: the rest of the wall time of an execution (the decoder's loop,
@@ -34,8 +37,8 @@ A KernelClock is where the split comes from; two sources feed the same report:
     timed, and the profiled pass runs the shared decoder kernel by kernel with it. On the native
     backend this is the kernel-by-kernel path, not the fused forward: the report names its source.
 
-Timing shims cost two clock reads per kernel call (well under a microsecond): the profiled pass is
-kept apart from the timed runs anyway, so the rates are never measured with instrumentation on.
+Timing shims add two clock reads and some bookkeeping to every kernel call, so the profiled pass is
+kept apart from the timed runs: the rates are never measured with instrumentation on.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli_common import add_model_arguments, count, human_bytes
 from .errors import ConfigError
 from .sampling import greedy
 
@@ -63,7 +67,7 @@ KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "ot
                  "rope": "other", "swiglu": "other"}
 READ_TRIES = 7  # reads of the cache's K/V whose median rate times one read (kv_read)
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
-BUDGET_SLACK = 100 * 10**6  # issue 4: peak RSS <= file + KV cache + 100 MB
+BUDGET_SLACK = 100 * 10**6  # memory budget: peak RSS <= file + KV cache + 100 MB (interpreter, NumPy, scratch)
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 
 # Real text for prompts: repeated to any length, the same for every engine (benchmarks/compare.py)
@@ -376,8 +380,8 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
 
 def read_seconds(arrays, threads=1, tries=READ_TRIES) -> list[float]:
     """Seconds to read every byte of `arrays` once, `tries` times: `threads` Python threads each take
-    np.max over its share of every array (a uint8 view: NumPy's reductions run at L3 speed and
-    release the GIL, so the figure is the memory's). For arrays larger than the last-level cache
+    np.max over its share of every array (a uint8 view: a reduction that keeps up with the cache and
+    releases the GIL, so the figure is the memory's). For arrays larger than the last-level cache
     this is DRAM; a smaller cache is partly read from that cache, as attention reads it."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -399,10 +403,11 @@ def read_seconds(arrays, threads=1, tries=READ_TRIES) -> list[float]:
 
 
 def kv_read(split, cache, kv_bytes, threads) -> dict:
-    """Attention time per decode step beside the time to read that K/V once from memory (issue 4:
-    within 2x). The cache's own arrays are read READ_TRIES times right after the profiled pass, with
-    as many threads as the forward used; the median read rate gives the time of kv_bytes (the K/V of
-    every layer at the context length; the arrays also hold the slots of the decoded steps)."""
+    """Attention time per decode step beside the time to read that K/V once from memory (the floor a
+    memory-bound attention cannot beat; their ratio is the figure judged). The cache's own arrays are
+    read READ_TRIES times right after the profiled pass, with as many threads as the forward used; the
+    median read rate gives the time of kv_bytes (the K/V of every layer at the context length; the
+    arrays also hold the slots of the decoded steps)."""
     arrays = [a for _, a in cache.store.arrays()]  # K, V and any int8 scales (a paged cache: its pool's)
     stored = sum(a.nbytes for a in arrays)
     seconds = read_seconds(arrays, threads)
@@ -516,8 +521,6 @@ def _status_bytes(field) -> int | None:
 
 def add_bench(commands):
     """Register `kvref bench` on the CLI's subcommands."""
-    from .cli import add_model_arguments, count
-
     p = commands.add_parser("bench", help="prefill/decode tokens/s, time per token by kernel family, peak memory")
     add_model_arguments(p)
     p.add_argument("--threads", type=count, default=None,
@@ -579,8 +582,6 @@ def command_line(args) -> str:
 
 def report(r: dict) -> str:
     """The human-readable table of a run() result."""
-    from .cli import human_bytes
-
     m = r["model"]
     name = Path(m["path"]).name if m["path"] else "model"
     size = f" ({human_bytes(m['file_bytes'])})" if m["file_bytes"] else ""

@@ -10,6 +10,7 @@ import time
 from . import trace
 from .bench import add_bench
 from .cache import ELEMENT_BYTES, cache_bytes
+from .cli_common import add_model_arguments, count, human_bytes
 from .config import ModelConfig
 from .errors import ConfigError, KVRefError
 from .generate import generate
@@ -31,11 +32,6 @@ def main(argv=None) -> int:
     except KVRefError as error:
         print(f"kvref {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-
-
-def add_model_arguments(p):
-    p.add_argument("-m", "--model", help="GGUF file (default: $KVREF_MODEL, else SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default="auto", choices=["auto", "numpy", "c"])
 
 
 def add_sampling_arguments(p):
@@ -280,24 +276,6 @@ def run_memory(args) -> int:
         print()
         print(layout_report(sizes, args.tokens, args.batch))
     return 0
-
-
-def count(text: str) -> int:
-    """argparse type: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import numpy as np
 from . import trace
 from .cache import KVCache
 from .errors import CacheFullError, GenerationError
-from .sampling import check_sampling, sample
+from .sampling import Sampler, check_sampling
 
 
 def generate(model, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,
@@ -43,7 +43,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None
         raise CacheFullError(
             f"prompt ({len(prompt)}) + {max_new_tokens} new tokens need {n_positions} positions; "
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
-    select = _selector(temperature, top_k, top_p, min_p, seed)
+    select = Sampler(temperature, top_k, top_p, min_p, seed)
     loop = _cached_loop if use_cache else _uncached_loop
     return loop(model, prompt, max_new_tokens, select, frozenset(stop_ids), cache, executions)
 
@@ -69,7 +69,7 @@ def resume(model, cache: KVCache, max_new_tokens: int, temperature=0.0, top_k=No
     if not cache.can_append(n_positions):
         raise CacheFullError(f"{max_new_tokens} new tokens need {n_positions} positions; the cache has "
                              f"{cache.capacity - cache.length} free of {cache.capacity}")
-    select = _selector(temperature, top_k, top_p, min_p, seed)
+    select = Sampler(temperature, top_k, top_p, min_p, seed)
     return _resumed_loop(model, np.array(last_logits), max_new_tokens, select, frozenset(stop_ids), cache,
                          executions)
 
@@ -84,11 +84,6 @@ def _resumed_loop(model, logits, max_new_tokens, select, stop_ids, cache, execut
         yield token
         if token in stop_ids:
             return
-
-
-def _selector(temperature, top_k, top_p, min_p, seed):
-    rng = np.random.default_rng(seed)
-    return lambda logits: sample(logits, rng, temperature, top_k, top_p, min_p)
 
 
 def _cached_loop(model, prompt, max_new_tokens, select, stop_ids, cache, executions):

@@ -4,6 +4,14 @@ Order of operations (as in transformers): divide by temperature, softmax, then k
 likely, then the smallest set whose probability reaches top_p, then those with at least
 min_p x the top probability; renormalise and draw with a numpy.random.Generator. Temperature 0 is
 greedy: the argmax, first index on ties. Ranking ties break by token id, so results are exact.
+
+A Sampler holds one request's settings and its own seeded generator, and is called on logits:
+
+    select = Sampler(temperature=0.7, top_p=0.9, seed=1)   # checked here (SamplingError)
+    token = select(logits)                                # [V] -> token id; the next call draws on
+
+Each call consumes the draws of one token, so two samplers made alike select alike over the same
+logits: what makes a request select the same tokens in a batch (kvref.batch) as alone (kvref.generate).
 """
 
 from __future__ import annotations
@@ -59,3 +67,24 @@ def sample(logits, rng: np.random.Generator, temperature=0.0, top_k=None, top_p=
     index = np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")
     # u * total can round up to total itself; that draw belongs to the last candidate
     return int(candidates[min(index, candidates.size - 1)])
+
+
+class Sampler:
+    """Selects token ids from logits with fixed settings and its own generator, seeded once.
+
+    Sampler(temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None); calling it on [V]
+    logits returns a token id (see the module docstring). Settings are checked on construction.
+    """
+
+    def __init__(self, temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None):
+        check_sampling(temperature, top_k, top_p, min_p)
+        self.temperature, self.top_k, self.top_p, self.min_p, self.seed = temperature, top_k, top_p, min_p, seed
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, logits) -> int:
+        # [V] -> token id
+        return sample(logits, self.rng, self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def __repr__(self):
+        return (f"Sampler(temperature={self.temperature!r}, top_k={self.top_k!r}, top_p={self.top_p!r}, "
+                f"min_p={self.min_p!r}, seed={self.seed!r})")

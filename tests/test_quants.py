@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvref.errors import DTypeError, ShapeError
-from kvref.formats.ggml import BLOCK_LAYOUT, GGMLType
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType
 from kvref.spec import quants
+from tests.conftest import require
 
 FORMATS = list(quants.DEQUANTIZERS)
 
@@ -39,7 +40,7 @@ def with_finite_scales(ggml_type, blocks):
 
 def reference(ggml_type, blocks):
     # [n, block_bytes] -> [n, block_values] float32, by the gguf package
-    gguf = pytest.importorskip("gguf")
+    gguf = require("gguf")
     out = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(ggml_type)))
     return np.asarray(out, dtype=np.float32).reshape(blocks.shape[0], -1)
 

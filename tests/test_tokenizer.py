@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 from kvref.errors import TokenError, TokenizerError
 from kvref.tokenizer import CONTROL, USER_DEFINED, PRE_TOKENIZERS, StreamDecoder, Tokenizer
 
-import tokenizers
-
-from tests.conftest import gguf_metadata
+from tests.conftest import gguf_metadata, require
 
 REFS = Path(__file__).parent / "data" / "refs" / "smollm2.json"
 # Bytes SmolLM2's vocabulary has no token for (its BPE alphabet was restricted): text containing them
@@ -50,6 +48,7 @@ def with_extra_tokens(metadata: dict) -> dict:
 def hf_pre_tokenizer(pre: str):
     """HF's equivalent of each pre-tokenizer name. smollm is the pre_tokenizer of SmolLM2's own
     tokenizer.json; gpt-2 is GPT-2's; default chains llama.cpp's regexes as isolated splits."""
+    tokenizers = require("tokenizers")
     P = tokenizers.pre_tokenizers
     if pre == "smollm":
         return P.Sequence([P.Digits(individual_digits=True),
@@ -62,6 +61,7 @@ def hf_pre_tokenizer(pre: str):
 
 def hf_tokenizer(metadata: dict, pre: str, split_special: bool = True):
     """An HF tokenizer from the same vocabulary and merges; control tokens are its special added tokens."""
+    tokenizers = require("tokenizers")
     tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
     hf = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)}, merges))

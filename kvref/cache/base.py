@@ -280,15 +280,14 @@ class KVCache:
             problem = self._truncate_problem(n)
             if problem is not None:
                 raise CacheError(f"cannot truncate to {n}: {problem}")
-            if n == self.next_position:
-                return
-            self._truncate(n)
             seq = self.sequence
+            if n < self.next_position:
+                self._truncate(n)
+                seq.last_logits = None  # they were the logits of a position that is gone
             if n == 0:
                 seq.token_ids = []  # an empty cache knows the ids of all of its (no) positions
             elif seq.token_ids is not None:
                 del seq.token_ids[n:]
-            seq.last_logits = None  # they were the logits of a position that is gone
 
     def can_fork(self) -> bool:
         return not self._freed and self._execution is None

@@ -25,16 +25,6 @@ KV_DTYPES = ("float64", "float32", "float16", "bfloat16", "int8")
 SCALE_DTYPE = np.dtype(np.float32)  # one per int8 group; 4 bytes
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never produced, so negation is exact
 
-# How far a quantized cache may move next-token logits against the same model with a float32 cache,
-# as a fraction of the row's largest |logit|:  max|diff| <= bound x max|reference|  per position.
-# A stored element carries relative error 2**-11 (float16), 2**-8 (bfloat16) or up to 1/254 of its
-# group's max|x| (int8); attention and the later layers carry that into the logits. Measured over 300
-# random models with d_model >= 16 and head_dim in {16, 32, 64} (1-4 layers, 64 positions): worst
-# 1.2e-3 (float16), 7.8e-3 (bfloat16), 2.2e-2 (int8, default group). The bounds keep ~4x margin.
-# Degenerate shapes (d_model 5 feeding head_dim 30) amplify any K/V error far more and are not covered.
-# On SmolLM2 the figures that matter are KL and top-1 (benchmarks/cache_quality.py, docs/cache-layouts.md).
-QUANTIZED_LOGIT_BOUNDS = {"float16": 5e-3, "bfloat16": 3e-2, "int8": 8e-2}
-
 
 def dtype_name(dtype) -> str:
     """Normalise a dtype given as a name or a NumPy dtype to its name in ELEMENT_BYTES."""

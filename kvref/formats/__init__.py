@@ -1,1 +1,1 @@
-"""Weight file formats (GGUF) and the block layouts of their tensor types."""
+"""Weight file formats: the GGUF reader and the Llama tensor names (block layouts: kvref.spec.ggml)."""

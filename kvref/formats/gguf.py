@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import GGUFError, ModelNotFoundError, ShapeError
 from ..spec import quants
-from .ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
+from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

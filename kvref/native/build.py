@@ -69,7 +69,8 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def _flags():
+def compiler_flags():
+    """(cflags, ldflags) for the C sources: KVREF_SANITIZE=1 builds with ASan/UBSan; KVREF_CFLAGS adds flags."""
     if os.environ.get("KVREF_SANITIZE", "") not in ("", "0"):
         cflags = ["-std=c11", "-O1", "-g", "-fno-omit-frame-pointer",
                   "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
@@ -88,7 +89,7 @@ def make_builder(absolute_paths: bool = False) -> FFI:
     path = str if absolute_paths else _rel
     builder = FFI()
     builder.cdef(cdef_from_header((CSRC / "kvref.h").read_text()))
-    cflags, ldflags = _flags()
+    cflags, ldflags = compiler_flags()
     builder.set_source(
         MODULE,
         '#include "kvref.h"',

@@ -49,7 +49,7 @@ import numpy as np
 from ..errors import BackendError, DTypeError, ShapeError, TokenError
 from ..spec import decoder
 from . import ops as native_ops
-from .ops import _check_status, _weight, ffi, lib
+from .ops import check_status, check_weight, ffi, lib
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
@@ -107,10 +107,10 @@ class FusedForward:
         desc.output_norm = self._gain(weights.output_norm, "output_norm")
         desc.layers = layers
         out = ffi.new("kvref_model **")
-        _check_status(lib.kvref_model_create(desc, out), "model descriptor")
+        check_status(lib.kvref_model_create(desc, out), "model descriptor")
         self._model = ffi.gc(out[0], lib.kvref_model_destroy)
         state = ffi.new("kvref_state **")
-        _check_status(lib.kvref_state_create(self._model, state), "run state")
+        check_status(lib.kvref_state_create(self._model, state), "run state")
         self._state = ffi.gc(state[0], lib.kvref_state_destroy)
 
     def _gain(self, g, name):
@@ -124,7 +124,7 @@ class FusedForward:
         return ffi.cast("const float *", ffi.from_buffer(g))
 
     def _tensor(self, dst, w, name):
-        gtype, data, N, K = _weight(w, name)  # validates type, shape, byte count, contiguity
+        gtype, data, N, K = check_weight(w, name)  # validates type, shape, byte count, contiguity
         if isinstance(w, np.ndarray) and not w.flags.aligned:
             raise ShapeError(f"{name} is not aligned to its dtype")
         self._keep.append(data)
@@ -157,10 +157,10 @@ class FusedForward:
             kv = native_ops.cache_descriptor(cache, step.storage())  # reserved blocks included; C writes every layer
             logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
             with self._lock:
-                status = lib.kvref_forward(ops._pool.ptr, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
+                status = lib.kvref_forward(ops.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
                                            T, kv.ptr, cache.length, ACTIVATIONS[self.activations],
                                            int(bool(all_logits)), ffi.from_buffer("float[]", logits))
-            _check_status(status, "forward")
+            check_status(status, "forward")
             step.last_logits = logits[-1]  # committed with the new positions as the block ends
         return logits
 
@@ -170,7 +170,7 @@ class FusedForward:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not -1 <= layer < self.config.n_layers:
             raise ShapeError(f"layer={layer!r} must be -1 or in [0, {self.config.n_layers})")
         with self._lock:
-            _check_status(lib.kvref_state_fail_at_layer(self._state, int(layer)), "fail_at_layer")
+            check_status(lib.kvref_state_fail_at_layer(self._state, int(layer)), "fail_at_layer")
 
     # ---- timing -------------------------------------------------------------------------------
 

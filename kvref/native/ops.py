@@ -10,7 +10,7 @@
         int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
 Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
-float16) ndarray in file layout, or a kvref.formats.ggml.QuantizedTensor of type F32, F16, BF16,
+float16) ndarray in file layout, or a kvref.spec.ggml.QuantizedTensor of type F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
 arrays; `Kernels.cache_attention` reads a cache's K/V in place instead (any layout whose
@@ -27,7 +27,9 @@ forward uses in its opt-in int8 mode (bound in tests/test_native_fused.py).
 Every argument is checked here, before C runs: types, dtypes, C-contiguity, alignment, shapes,
 lengths, token ids, quantized byte counts and thread counts. A wrong call raises a KVRefError
 subclass naming the argument; it never reaches C. The C side checks its scalar arguments again
-and returns a status, which is mapped to the same exceptions. No cffi object leaves this module.
+and returns a status, which is mapped to the same exceptions (check_status). No cffi object leaves
+kvref.native: Kernels.c_pool, check_status and check_weight exist for the fused forward's C calls
+(kvref.native.fused) and are not in __all__.
 
 Threads: the module functions run on a shared pool per (threads, isa), created on first use with
 `threads` from the argument, else KVREF_THREADS (read once, at the first call; reset_default()
@@ -46,7 +48,7 @@ import numpy as np
 
 from ..cache.quant import SCALE_DTYPE
 from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
-from ..formats.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
+from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from . import available, unavailable_reason
 
 if not available():
@@ -81,7 +83,8 @@ _STATUS_ERRORS = {
 }
 
 
-def _check_status(status, what):
+def check_status(status, what):
+    """Raise the KVRefError subclass of a C status (nothing for KVREF_OK); `what` names the call."""
     if status != lib.KVREF_OK:
         message = ffi.string(lib.kvref_status_string(status)).decode()
         raise _STATUS_ERRORS.get(status, BackendError)(f"native {what} failed: {message} (status {status})")
@@ -142,8 +145,9 @@ def _real(value, name, minimum_exclusive=None, minimum=None):
     return v
 
 
-def _weight(w, name):
-    """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K]."""
+def check_weight(w, name):
+    """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K], checked
+    (type, shape, byte count, contiguity); DTypeError/ShapeError naming `name` otherwise."""
     if isinstance(w, QuantizedTensor):
         try:
             gtype = GGMLType(w.ggml_type)
@@ -281,7 +285,7 @@ class _Pool:
 
     def __init__(self, threads, isa):
         out = ffi.new("kvref_pool **")
-        _check_status(lib.kvref_pool_create(threads, ISAS[isa], out), "pool creation")
+        check_status(lib.kvref_pool_create(threads, ISAS[isa], out), "pool creation")
         self.ptr = out[0]
         self.pid = os.getpid()
 
@@ -355,9 +359,15 @@ class Kernels:
     def __repr__(self):
         return f"Kernels(threads={self.threads}, isa={self.isa!r})"
 
+    @property
+    def c_pool(self):
+        """The C pool (a cffi pointer) these kernels run on, for the C calls of kvref.native's own
+        modules (the fused forward); no cffi object leaves kvref.native."""
+        return self._pool.ptr
+
     def embed(self, table, token_ids):
         # [V, E], [T] -> [T, E] float32
-        gtype, data, V, E = _weight(table, "table")
+        gtype, data, V, E = check_weight(table, "table")
         ids = _positions(token_ids, "token_ids", None)
         if ids.size and (ids.min() < 0 or ids.max() >= V):
             bad = ids[(ids < 0) | (ids >= V)][0]
@@ -366,7 +376,7 @@ class Kernels:
         status = lib.kvref_embed(self._pool.ptr, ffi.from_buffer(data), gtype, data.nbytes, V, E,
                                  ffi.from_buffer("int64_t[]", ids), ids.shape[0],
                                  ffi.from_buffer("float[]", out))
-        _check_status(status, "embed")
+        check_status(status, "embed")
         return out
 
     def matmul(self, x, w):
@@ -381,14 +391,14 @@ class Kernels:
     def _projection(self, c_function, name, x, w):
         # the checks and call shared by both projections; c_function has kvref_matmul's signature
         _array(x, "x", (_F32,), 2)
-        gtype, data, N, K = _weight(w, "w")
+        gtype, data, N, K = check_weight(w, "w")
         T = x.shape[0]
         if x.shape[1] != K:
             raise ShapeError(f"x has {x.shape[1]} columns but w is [{N}, {K}] (y = x @ W.T needs {K})")
         y = np.empty((T, N), dtype=_F32)
         status = c_function(self._pool.ptr, ffi.from_buffer("float[]", x), T, K,
                             ffi.from_buffer(data), gtype, data.nbytes, N, ffi.from_buffer("float[]", y))
-        _check_status(status, name)
+        check_status(status, name)
         return y
 
     def rms_norm(self, x, weight, eps):
@@ -406,7 +416,7 @@ class Kernels:
         status = lib.kvref_rms_norm(self._pool.ptr, ffi.from_buffer("float[]", x), T, E,
                                     ffi.from_buffer("float[]", weight), eps,
                                     ffi.from_buffer("float[]", out))
-        _check_status(status, "rms_norm")
+        check_status(status, "rms_norm")
         return out
 
     def rope(self, x, positions, theta):
@@ -421,7 +431,7 @@ class Kernels:
         status = lib.kvref_rope(self._pool.ptr, ffi.from_buffer("float[]", x), T, nh, D,
                                 ffi.from_buffer("int64_t[]", pos), theta,
                                 ffi.from_buffer("float[]", out))
-        _check_status(status, "rope")
+        check_status(status, "rope")
         return out
 
     def attention(self, q, k, v, q_positions, k_positions):
@@ -460,7 +470,7 @@ class Kernels:
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
                                      ffi.from_buffer("float[]", out))
-        _check_status(status, "attention")
+        check_status(status, "attention")
         return out
 
     def swiglu(self, gate, up):
@@ -472,7 +482,7 @@ class Kernels:
         out = np.empty_like(gate)
         status = lib.kvref_swiglu(self._pool.ptr, ffi.from_buffer("float[]", gate),
                                   ffi.from_buffer("float[]", up), gate.size, ffi.from_buffer("float[]", out))
-        _check_status(status, "swiglu")
+        check_status(status, "swiglu")
         return out
 
 

@@ -1,7 +1,7 @@
 """Dequantization of GGML tensor types: one function per format, written as the definition of its block.
 
 Every function takes the raw blocks of a tensor, uint8 [n_blocks, block_bytes] as BLOCK_LAYOUT in
-kvref.formats.ggml gives them, and returns float32 [n_blocks, block_values]. Multi-byte fields are
+kvref.spec.ggml gives them, and returns float32 [n_blocks, block_values]. Multi-byte fields are
 little-endian. The arithmetic is done in float32 in the order ggml's reference (dequantize_row_*) uses,
 so results are bit-identical to ggml's and to the `gguf` package's.
 
@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from ..errors import DTypeError, ShapeError
-from ..formats.ggml import BLOCK_LAYOUT, QK_K, GGMLType
+from .ggml import BLOCK_LAYOUT, QK_K, GGMLType
 
 
 def _f16(field):

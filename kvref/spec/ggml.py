@@ -1,8 +1,12 @@
-"""GGML tensor types: ids as stored in GGUF files, block sizes, and the quantized tensor type.
+"""GGML tensor types: what a quantized block is, and the quantized tensor the kernels take.
 
-A quantized tensor is a sequence of blocks; each block encodes BLOCK_SIZE consecutive values of one
-row in TYPE_SIZE bytes. A row of K values therefore takes K / BLOCK_SIZE * TYPE_SIZE bytes, and rows
-are stored one after another (the matrix is [N, K], out x in, like every weight in kvref).
+A quantized tensor is a sequence of blocks; each block encodes `block_values` consecutive values of
+one row in `block_bytes` bytes (BLOCK_LAYOUT). A row of K values therefore takes
+K / block_values * block_bytes bytes, and rows are stored one after another (the matrix is [N, K],
+out x in, like every weight in kvref). The type ids are GGML's, as GGUF files store them.
+
+This is the spec's description of the weights: kvref.spec.quants defines each block's values,
+the GGUF reader (kvref.formats) hands out QuantizedTensors, and the native kernels read them.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ def row_nbytes(ggml_type: GGMLType, n_values: int) -> int:
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A weight matrix kept exactly as the file stores it: raw blocks, row after row.
+
+    Its values are kvref.spec.quants.dequantize(ggml_type, data, shape).
 
     data: uint8 [N, row_nbytes] (usually a read-only view into the memory-mapped file)
     shape: (N, K) logical values, out x in
