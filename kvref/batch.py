@@ -51,8 +51,8 @@ def forward_batch(model, token_lists, caches, all_logits=False):
     for cache, t in zip(caches, ids):
         model.check_cache(cache)
         model.check_context(cache.next_position, len(t))
-    with begin_all(caches, ids) as steps:
-        logits = decoder.forward_batch(model.ops, model.config, model.weights, ids, steps, all_logits)
+    with begin_all(caches, ids) as executions:
+        logits = decoder.forward_batch(model.ops, model.config, model.weights, executions, all_logits)
     return logits if all_logits else [out[0] for out in logits]
 
 
@@ -75,6 +75,13 @@ class Request:
     @property
     def done(self) -> bool:
         return self.state == "finished"
+
+    def unfed(self) -> list:
+        """Ids of the request's history with no K/V in its cache yet: the prompt (past any reused
+        prefix) before its prefill, then the last selected token. Derived from what the cache has
+        committed, so a step interrupted anywhere is neither lost nor run twice."""
+        history = [*self.prompt, *self.tokens]
+        return history[self.cache.next_position:]
 
 
 class Scheduler:
@@ -137,12 +144,15 @@ class Scheduler:
         if not self.running:
             return []
         batch = list(self.running)
-        feeds = [r.prompt[r.reused:] if not r.tokens else [r.tokens[-1]] for r in batch]
-        logits = forward_batch(self.model, feeds, [r.cache for r in batch])
+        # a request whose last execution committed but whose token was never selected (an interrupted
+        # step) has nothing to feed: it selects from the logits its cache recorded
+        fed = [r for r in batch if r.unfed()]
+        if fed:
+            forward_batch(self.model, [r.unfed() for r in fed], [r.cache for r in fed])
         self.steps += 1
         out = []
-        for request, row in zip(batch, logits):
-            token = request._select(row)
+        for request in batch:
+            token = request._select(request.cache.sequence.last_logits)
             request.tokens.append(token)
             out.append((request, token))
             if token in request.stop_ids:

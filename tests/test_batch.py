@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import kvref
 from kvref.batch import Scheduler, forward_batch
 from kvref.errors import CacheError, CacheFullError, GenerationError
+from kvref.sampling import Sampler
 from kvref.tolerance import assert_close
 from tests.conftest import configs
 
@@ -103,3 +104,29 @@ def test_prefix_reuse_in_the_scheduler_skips_the_shared_system_prompt():
     for i, r in enumerate(later):
         assert r.tokens == list(kvref.generate(model, system + [3 + i], 4))
     assert sched.pool.blocks_free == sched.pool.num_blocks
+
+
+def test_a_step_interrupted_between_its_execution_and_its_selections_neither_loses_nor_repeats_work(monkeypatch):
+    model = kvref.Model.random(CFG, seed=5, backend="numpy")
+
+    def run():
+        sched = Scheduler(model, max_batch=2)
+        requests = [sched.submit([1, 2, 3], 4), sched.submit([4, 5, 6, 7], 4, temperature=0.8, seed=1)]
+        return sched, requests
+
+    want = run()[0].run()
+    sched, requests = run()
+    select, calls = Sampler.__call__, []
+
+    def interrupted_once(self, logits):  # Ctrl-C as the second request's first token is selected
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return select(self, logits)
+
+    monkeypatch.setattr(Sampler, "__call__", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        sched.step()
+    monkeypatch.setattr(Sampler, "__call__", select)
+    assert [r.cache.sequence.token_ids for r in requests] == [[1, 2, 3], [4, 5, 6, 7]]
+    assert sched.run() == want

@@ -8,10 +8,10 @@ again by the difference, which RoPE allows because rotations compose.
 
 An execution (prefill or decode step) is a transaction the cache hands out:
 
-    with cache.begin(token_ids) as step:             # room is checked (and, paged, reserved) here
-        positions = step.positions                   # [T] absolute positions of the new tokens
-        k_all, v_all, k_pos = step.update(layer, k, v)   # once per layer
-        step.last_logits = logits[-1]                # committed together with the new positions
+    with cache.begin(token_ids) as execution:        # room is checked (and, paged, reserved) here
+        positions = execution.positions              # [T] absolute positions of the new tokens
+        k_all, v_all, k_pos = execution.update(layer, k, v)   # once per layer
+        execution.last_logits = logits[-1]           # committed together with the new positions
     # leaving the block normally commits: cache.length grows, the ids and last logits are recorded;
     # any exception aborts: every count, block, refcount and free list is as it was before begin
 
@@ -36,8 +36,11 @@ place says why through `storage_problem()`.
 
 from __future__ import annotations
 
+import signal
 import threading
-from dataclasses import dataclass, field
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,27 +64,69 @@ def bytes_per_position(n_layers, n_kv_heads, head_dim, k_dtype, v_dtype=None, gr
     return n_layers * n_kv_heads * (k.bytes_per_vector() + v.bytes_per_vector())
 
 
-@dataclass
 class Sequence:
     """What the executions recorded about one cache's positions: the session state beside the storage.
 
     model        fingerprint of the model whose K/V the cache holds (Model.fingerprint()); None for a
                  cache not made by a model, which Model.forward refuses
-    token_ids    ids of positions 0..next_position-1; None once some positions were not computed from
-                 known ids (raw K/V appended without ids, a context shift)
-    last_logits  logits [V] of the last position of the last execution: what the next token is drawn
-                 from (kvref.resume), None when no execution has run since the positions last changed
+    token_ids    ids of positions 0..next_position-1 (a copy); None once some positions were not
+                 computed from known ids (raw K/V appended without ids, a context shift)
+    last_logits  logits [V] (read-only) of the last position of the last execution: what the next
+                 token is drawn from (kvref.resume); None when no execution has run since positions
+                 were removed (truncate)
 
-    Every commit updates the three together with the cache's length, so they never disagree.
+    Every commit updates them together with the cache's length, so they never disagree.
     """
 
-    model: dict | None = None
-    token_ids: list | None = field(default_factory=list)
-    last_logits: np.ndarray | None = None
+    def __init__(self, model=None, token_ids=(), last_logits=None):
+        self.model = model
+        self.replace(token_ids, last_logits)
+
+    def __repr__(self):
+        n = "unknown" if self._token_ids is None else len(self._token_ids)
+        return f"Sequence(token ids: {n}, last logits: {self.last_logits is not None})"
+
+    @property
+    def token_ids(self) -> list | None:
+        return None if self._token_ids is None else list(self._token_ids)
+
+    @property
+    def n_token_ids(self) -> int | None:
+        """How many ids are known (None: unknown), without copying them."""
+        return None if self._token_ids is None else len(self._token_ids)
+
+    def ids(self, start: int, end: int) -> list:
+        """token_ids[start:end] without copying the rest; the ids must be known."""
+        return self._token_ids[start:end]
 
     def copy(self) -> "Sequence":
-        return Sequence(self.model, None if self.token_ids is None else list(self.token_ids),
-                        None if self.last_logits is None else self.last_logits.copy())
+        return Sequence(self.model, self._token_ids, self.last_logits)
+
+    def record(self, token_ids, last_logits) -> None:
+        """A commit: the new positions' ids (None: unknown) and the last logits (already a private copy)."""
+        if token_ids is None or self._token_ids is None:
+            self._token_ids = None  # some position's id is unknown from now on
+        else:
+            self._token_ids.extend(token_ids)
+        self.last_logits = None if last_logits is None else _readonly(last_logits)
+
+    def replace(self, token_ids, last_logits=None) -> None:
+        """Positions came from elsewhere (a saved file, an adopted prefix): their ids (None: unknown)
+        and the logits of their last position (None: not known)."""
+        self._token_ids = None if token_ids is None else [int(t) for t in token_ids]
+        self.last_logits = None if last_logits is None else _readonly(np.array(last_logits, copy=True))
+
+    def trim(self, n: int) -> None:
+        """Positions >= n are gone (truncate): their ids go, and the last logits, which were a gone position's."""
+        if n == 0:
+            self._token_ids = []  # an empty cache knows the ids of all of its (no) positions
+        elif self._token_ids is not None:
+            del self._token_ids[n:]
+        self.last_logits = None
+
+    def forget_ids(self) -> None:
+        """The K/V no longer equal a plain run of the ids (a shift): the ids stop describing them."""
+        self._token_ids = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +155,8 @@ class KVCache:
     sequence      the Sequence: model, token ids and last logits, committed with every execution
 
     Layouts implement the execution hooks `_reserve`, `_write`, `_commit` (which cannot fail) and
-    `_release`, and the operations' `_truncate`, `_fork`, `_shift`, `_free`.
+    `_release`; the operations' `_truncate`, `_fork`, `_shift`, `_free`; the storage description
+    `_storage` and `storage_problem`; the file hooks `layout_options` and `_load_rows`.
     """
 
     layout = "abstract"
@@ -127,7 +173,7 @@ class KVCache:
         self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
         self.sequence = Sequence()
         self._freed = False
-        self._execution: Execution | None = None  # the open execution, if any
+        self._execution = None  # weak reference to the open execution, if any
         # guards the open execution and every change of the bookkeeping; caches sharing storage
         # (the sequences of one block pool) share one lock
         self._lock = threading.RLock() if lock is None else lock
@@ -174,7 +220,7 @@ class KVCache:
     @property
     def executing(self) -> bool:
         """Whether an execution is open on this cache (begun, neither committed nor aborted)."""
-        return self._execution is not None
+        return self._execution is not None and self._execution() is not None
 
     def positions(self) -> np.ndarray:
         """Absolute positions of the stored K/V, ascending: [length]."""
@@ -200,16 +246,20 @@ class KVCache:
         manager (see the module docstring), or call its commit() / abort() yourself.
         """
         ids, n_new = _new_positions(token_ids)
-        with self._lock:
+        with self._lock, _sigint_deferred():
             self._check_live()
-            if self._execution is not None:
+            if self.executing:
                 raise CacheError("an execution is already open on this cache (another thread, or a begin inside "
                                  "an execution): a cache serves one execution at a time; give each thread its "
                                  "own cache (model.new_cache(), or cache.fork())")
             reservation = self._reserve(n_new)  # raises before anything changes
             positions = np.arange(self.next_position, self.next_position + n_new)  # [T]
-            self._execution = Execution(self, positions, ids, reservation)
-            return self._execution
+            execution = Execution(self, positions, ids, reservation)
+            # The cache holds its open execution weakly: one dropped unfinished (an interrupt between
+            # begin and the with block, a caller that forgot it) is aborted when it is collected.
+            self._execution = weakref.ref(execution)
+            execution._finalizer = weakref.finalize(execution, self._abandon, reservation)
+            return execution
 
     def append(self, k, v, token_ids=None):
         """Store K/V of new positions in every layer at once: k, v [L, T, Hkv, D] (tools and tests)."""
@@ -223,19 +273,25 @@ class KVCache:
                 step.update(layer, k[layer], v[layer])
 
     def _finish(self, execution, commit: bool) -> None:
-        # the end of `execution`: commit (the checks are done; nothing here can fail) or release
-        with self._lock:
-            self._execution = None
-            if not commit:
-                self._release(execution.reservation)
+        # the end of `execution`: commit (the checks are done; nothing here can fail) or release.
+        # Ctrl-C between two of these updates would leave them half made, so SIGINT waits until the end.
+        with self._lock, _sigint_deferred():
+            if not execution._open:
                 return
-            seq = self.sequence
-            if execution.token_ids is None or seq.token_ids is None:
-                seq.token_ids = None  # some position's id is unknown from now on
+            execution._open = False
+            execution._finalizer.detach()
+            self._execution = None
+            if commit:
+                self.sequence.record(execution.token_ids, execution.last_logits)
+                self._commit(execution.reservation)
             else:
-                seq.token_ids.extend(execution.token_ids)
-            seq.last_logits = execution.last_logits
-            self._commit(execution.reservation)
+                self._release(execution.reservation)
+
+    def _abandon(self, reservation) -> None:
+        # an open execution was collected without commit or abort: release what it reserved
+        with self._lock, _sigint_deferred():
+            self._execution = None
+            self._release(reservation)
 
     # ---- reading ---------------------------------------------------------------------------------
 
@@ -271,7 +327,7 @@ class KVCache:
     # ---- operations, each with its capability check -----------------------------------------------
 
     def can_truncate(self, n: int) -> bool:
-        return not self._freed and self._execution is None and self._truncate_problem(n) is None
+        return not self._freed and not self.executing and self._truncate_problem(n) is None
 
     def truncate(self, n: int) -> None:
         """Forget every position >= n (roll back rejected tokens); afterwards next_position == n."""
@@ -280,17 +336,14 @@ class KVCache:
             problem = self._truncate_problem(n)
             if problem is not None:
                 raise CacheError(f"cannot truncate to {n}: {problem}")
-            seq = self.sequence
             if n < self.next_position:
                 self._truncate(n)
-                seq.last_logits = None  # they were the logits of a position that is gone
-            if n == 0:
-                seq.token_ids = []  # an empty cache knows the ids of all of its (no) positions
-            elif seq.token_ids is not None:
-                del seq.token_ids[n:]
+                self.sequence.trim(n)
+            elif n == 0:
+                self.sequence.trim(0)  # an empty cache knows the ids of all of its (no) positions
 
     def can_fork(self) -> bool:
-        return not self._freed and self._execution is None
+        return not self._freed and not self.executing
 
     def fork(self) -> "KVCache":
         """An independent cache holding the same positions (layouts may share storage copy-on-write)."""
@@ -301,7 +354,7 @@ class KVCache:
             return child
 
     def can_shift(self, n: int = 1, keep: int = 0) -> bool:
-        return not self._freed and self._execution is None and self._shift_problem(n, keep) is None
+        return not self._freed and not self.executing and self._shift_problem(n, keep) is None
 
     def shift(self, n: int, keep: int = 0) -> None:
         """Context shift: drop positions keep..keep+n-1 and move every later position down by n.
@@ -317,8 +370,7 @@ class KVCache:
             if problem is not None:
                 raise CacheError(f"cannot shift by {n} after {keep} kept positions: {problem}")
             self._shift(n, keep)
-            # the K/V now differ from what a plain prefill of the kept ids would give: ids no longer describe them
-            self.sequence.token_ids = None
+            self.sequence.forget_ids()  # the kept K/V now differ from a plain prefill of the kept ids
 
     def free(self) -> None:
         """Release the storage (a paged cache returns its blocks to the pool); the cache is unusable after."""
@@ -347,7 +399,11 @@ class KVCache:
 
     def load_rows(self, positions, next_position, raw_layers) -> None:
         """Fill an empty cache from saved rows: positions [n], raw_layers[l] = (k, ks, v, vs) [n, ...]."""
-        raise NotImplementedError
+        with self._lock:
+            self._check_idle()
+            if self.next_position:
+                raise CacheError(f"rows load into an empty cache; this one is at position {self.next_position}")
+            self._load_rows(positions, next_position, raw_layers)
 
     # ---- hooks for the layouts ---------------------------------------------------------------------
 
@@ -372,6 +428,9 @@ class KVCache:
         """Undo _reserve exactly: the cache (and a shared pool) are as they were before it."""
 
     def _storage(self) -> Storage:
+        raise NotImplementedError
+
+    def _load_rows(self, positions, next_position, raw_layers) -> None:
         raise NotImplementedError
 
     def _truncate_problem(self, n):
@@ -402,7 +461,7 @@ class KVCache:
 
     def _check_idle(self):
         self._check_live()
-        if self._execution is not None:
+        if self.executing:
             raise CacheError("an execution is open on this cache; finish it (commit or abort) first")
 
     def _check_kv(self, layer, k, v, n_new):
@@ -437,8 +496,9 @@ class Execution:
         self.token_ids = token_ids
         self.reservation = reservation
         self.last_logits = None
+        self._open = True  # until the commit or the abort
+        self._finalizer = None  # set by begin: aborts the execution if it is dropped unfinished
         self._written = set()  # layers whose new K/V were stored
-        self._open = True
 
     def __enter__(self) -> "Execution":
         return self
@@ -466,9 +526,10 @@ class Execution:
         self._written.add(int(layer))
         return out
 
-    def storage(self) -> Storage:
+    def write_in_place(self) -> Storage:
         """The cache's Storage with this execution's reserved slots, for a caller that writes the new
-        K/V of every layer in place itself (the fused C forward); CacheError if the layout cannot."""
+        K/V of every layer in place itself (the fused C forward): from now on every layer counts as
+        written. CacheError if the layout cannot be used in place."""
         self._check_open()
         storage = self.cache.storage()
         self._written.update(range(self.cache.n_layers))
@@ -489,14 +550,15 @@ class Execution:
         except BaseException:
             self.abort()
             raise
-        self._open = False
         self.cache._finish(self, commit=True)
 
     def abort(self) -> None:
         """Forget this execution: the cache is exactly as it was before begin. Idempotent."""
-        if self._open:
-            self._open = False
-            self.cache._finish(self, commit=False)
+        self.cache._finish(self, commit=False)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
 
     def _check_open(self):
         if not self._open:
@@ -513,8 +575,9 @@ class Execution:
 class ExecutionGroup:
     """One batched execution over several caches: `steps[b]` is cache b's Execution.
 
-    Every cache reserves or none does (begin_all); leaving the block normally commits every step
-    after checking all of them, so the commit cannot fail part-way; an exception aborts every step.
+    Every cache reserves or none does (begin_all); leaving the block normally commits every
+    execution after checking all of them, with Ctrl-C held until the last, so the commit cannot stop
+    part-way; an exception aborts every execution.
     """
 
     def __init__(self, steps: list):
@@ -538,12 +601,14 @@ class ExecutionGroup:
         except BaseException:
             self.abort()
             raise
-        for step in self.steps:
-            step.commit()  # checked above: cannot fail
+        with _sigint_deferred():  # no Ctrl-C between two of the commits
+            for step in self.steps:
+                step.cache._finish(step, commit=True)
 
     def abort(self) -> None:
-        for step in reversed(self.steps):  # last begun, first released: a shared pool's free list comes back in order
-            step.abort()
+        with _sigint_deferred():
+            for step in self.steps:
+                step.abort()
 
 
 def begin_all(caches, token_lists) -> ExecutionGroup:
@@ -560,6 +625,24 @@ def begin_all(caches, token_lists) -> ExecutionGroup:
         ExecutionGroup(steps).abort()
         raise
     return ExecutionGroup(steps)
+
+
+@contextmanager
+def _sigint_deferred():
+    # Hold Ctrl-C until the block ends, then deliver it as usual. Python runs signal handlers in the
+    # main thread only, so only there can a KeyboardInterrupt split the block; the handler installed
+    # meanwhile just notes the signal.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _new_positions(token_ids):
@@ -592,9 +675,12 @@ def reorder(caches: list, indices) -> list:
         raise CacheError(f"reorder index {bad[0]} is out of range for {len(caches)} caches")
     if len({id(c) for c in caches}) != len(caches):
         raise CacheError("reorder needs distinct caches; the same cache appears twice")
+    for i, cache in enumerate(caches):
+        if cache.executing:
+            raise CacheError(f"cache {i} has an open execution; finish it before reordering")
     for i in set(idx):
         if not caches[i].can_fork():
-            raise CacheError(f"cache {i} cannot be forked (it was freed, or an execution is open on it)")
+            raise CacheError(f"cache {i} cannot be forked (it was freed)")
     seen, out, forks = set(), [], []
     try:
         for i in idx:

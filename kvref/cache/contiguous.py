@@ -92,7 +92,7 @@ class ContiguousCache(KVCache):
     def _free(self):
         self.store = self.k = self.v = None
 
-    def load_rows(self, positions, next_position, raw_layers):
+    def _load_rows(self, positions, next_position, raw_layers):
         n = len(positions)
         for layer, raw in enumerate(raw_layers):
             self.store.write_raw(layer, slice(0, n), raw)

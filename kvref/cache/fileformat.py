@@ -211,8 +211,7 @@ def load_cache(model, path, pool=None):
     try:
         if n > cache.capacity and layout != "paged":  # a pool says CacheFullError itself, with its numbers
             raise CacheError(f"{where} holds {n} positions; the {layout} cache made for it holds {cache.capacity}")
-        cache.sequence.token_ids = [int(t) for t in arrays["token_ids"]] if "token_ids" in arrays else None
-        cache.sequence.last_logits = arrays["last_logits"].copy() if "last_logits" in arrays else None
+        cache.sequence.replace(arrays.get("token_ids"), arrays.get("last_logits"))
         cache.load_rows(positions, next_position, raw_layers)  # a paged cache keys its blocks by those ids
     except BaseException:
         cache.free()

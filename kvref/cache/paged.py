@@ -14,9 +14,11 @@ shared block copies it (copy-on-write), so a fork costs nothing until the two se
 Freed blocks go to the end of the free list and are reused oldest first.
 
 An execution's `begin` reserves every block it will write (fresh blocks, and a copy of a shared or
-indexed last block) before any work, so a full pool fails at once; its abort gives them back to the
-front of the free list in the order they were taken, so the pool is exactly as before (except that
-a prefix key of a free block handed out is dropped for good: the execution may have overwritten it).
+indexed last block, which stays referenced by the sequence until the commit) before any work, so a
+full pool fails at once; its abort gives each block back to its place in the free list, so the pool
+is exactly as before (except that a prefix key of a free block handed out is dropped for good: the
+execution may have overwritten it). While an execution is open its sequence holds one reference
+more than its table shows (the block it copied); `check` is for pools with no open execution.
 The sequences of one pool share its lock: two threads may run executions on two sequences of one
 pool, never two on one sequence.
 
@@ -31,6 +33,7 @@ it finished. Token ids reach the layout with each commit (`cache.sequence.token_
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
 
 import numpy as np
@@ -75,6 +78,10 @@ class BlockPool:
                                self.k_codec, self.v_codec)
         self.refcount = np.zeros(self.num_blocks, dtype=np.int64)  # [num_blocks] table entries pointing at each block
         self._free = dict.fromkeys(range(self.num_blocks))  # insertion order = reuse order (oldest freed first)
+        # when each block last joined the free list: the free list is in this order, so blocks an
+        # aborted execution gives back can return to their places whatever else happened meanwhile
+        self._freed_at = list(range(self.num_blocks))
+        self._clock = self.num_blocks
         self._key_of: dict[int, bytes] = {}  # block -> prefix key (full blocks with known ids)
         self._block_of: dict[bytes, int] = {}  # prefix key -> block
         self.reused_positions = 0  # positions served from the prefix index so far (accounting)
@@ -154,10 +161,10 @@ class BlockPool:
         return blocks
 
     def _give_back(self, blocks: list) -> None:
-        """Undo _allocate(len(blocks)) exactly: the blocks return to the front of the free list, in order."""
+        """Undo _allocate of `blocks` exactly: each returns to its place in the free list."""
         for b in blocks:
             self.refcount[b] = 0
-        self._free = dict.fromkeys([*blocks, *self._free])
+        self._free = dict.fromkeys(heapq.merge(blocks, self._free, key=self._freed_at.__getitem__))
 
     def _incref(self, b):
         if self.refcount[b] == 0:
@@ -168,6 +175,8 @@ class BlockPool:
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
             self._free[b] = None  # keeps its prefix key: reusable until handed out again
+            self._freed_at[b] = self._clock
+            self._clock += 1
 
     def _register(self, b, key):
         if key not in self._block_of and b not in self._key_of:
@@ -262,9 +271,6 @@ class PagedCache(KVCache):
         fresh = blocks_for(self._length + n_new, self.pool.block_size) - len(self._table)
         return fresh + self._cow_needed()
 
-    def can_append(self, n_new: int) -> bool:
-        return not self._freed and n_new <= self.capacity - self._length
-
     # ---- one execution -------------------------------------------------------------------------------
 
     def _reserve(self, n_new):
@@ -282,12 +288,10 @@ class PagedCache(KVCache):
                 f"{pool.blocks_free} free of {pool.num_blocks}")
         before, taken, cow = list(self._table), [], None
         if self._cow_needed():  # copy-on-write: the block stays as its sharers and the index see it
-            last = self._table[-1]
+            cow = self._table[-1]  # still referenced by this sequence until the commit
             taken = pool._allocate(1)
-            pool.store.copy_slots(taken[0], last)
-            pool._decref(last)
+            pool.store.copy_slots(taken[0], cow)
             self._table[-1] = taken[0]
-            cow = last
         fresh = pool._allocate(blocks_for(self._length + n_new, bs) - len(self._table))
         self._table += fresh
         return n_new, before, cow, taken + fresh
@@ -301,13 +305,14 @@ class PagedCache(KVCache):
         return k_all, v_all, np.arange(end)
 
     def _commit(self, reservation):
-        self._length += reservation[0]
+        n_new, _, cow, _ = reservation
+        if cow is not None:
+            self.pool._decref(cow)  # the copy replaces it in this sequence's table for good
+        self._length += n_new
         self._index_full_blocks()
 
     def _release(self, reservation):
-        _, before, cow, taken = reservation
-        if cow is not None:
-            self.pool._incref(cow)  # back from the free list if the copy had been its only reference
+        _, before, _, taken = reservation
         self.pool._give_back(taken)
         self._table = before
 
@@ -353,22 +358,20 @@ class PagedCache(KVCache):
         for b in self._table:
             pool._incref(b)
         self._length = n
-        self.sequence.token_ids = [int(t) for t in ids[:n]]
-        self.sequence.last_logits = None
+        self.sequence.replace(ids[:n])
         self._chain = keys[: n // bs]
         pool.reused_positions += n
         return n
 
     def _index_full_blocks(self):
         # key every full block whose ids are known (after a commit, or a load)
-        ids = self.sequence.token_ids
-        if not self.pool.prefix_reuse or ids is None:
+        if not self.pool.prefix_reuse or self.sequence.n_token_ids is None:
             self._chain = []
             return
         bs = self.pool.block_size
         for i in range(len(self._chain), self._length // bs):
             previous = self._chain[-1] if self._chain else _ROOT_KEY
-            self._chain.append(block_key(previous, ids[i * bs:(i + 1) * bs]))
+            self._chain.append(block_key(previous, self.sequence.ids(i * bs, (i + 1) * bs)))
             self.pool._register(self._table[i], self._chain[-1])
 
     # ---- reading -------------------------------------------------------------------------------------
@@ -439,7 +442,7 @@ class PagedCache(KVCache):
         return {"block_size": self.pool.block_size, "num_blocks": self.pool.num_blocks,
                 "prefix_reuse": self.pool.prefix_reuse}
 
-    def load_rows(self, positions, next_position, raw_layers):
+    def _load_rows(self, positions, next_position, raw_layers):
         n, bs = len(positions), self.pool.block_size
         need = blocks_for(n, bs)
         if need > self.pool.blocks_free:

@@ -179,7 +179,7 @@ class WindowCache(KVCache):
     def layout_options(self):
         return {"window": self.window, "sinks": self.sinks}
 
-    def load_rows(self, positions, next_position, raw_layers):
+    def _load_rows(self, positions, next_position, raw_layers):
         positions = np.asarray(positions)
         n_sinks = int(np.sum(positions < self.sinks))
         ring = positions[n_sinks:]

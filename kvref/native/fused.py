@@ -153,15 +153,15 @@ class FusedForward:
         T = ids.shape[0]
         if not isinstance(all_logits, (bool, np.bool_)):
             raise ShapeError(f"all_logits={all_logits!r} must be True or False")
-        with cache.begin(ids) as step:  # room reserved first; any exception below leaves the cache as it was
-            kv = native_ops.cache_descriptor(cache, step.storage())  # reserved blocks included; C writes every layer
+        with cache.begin(ids) as execution:  # room reserved first; any exception below leaves the cache as it was
+            kv = native_ops.cache_descriptor(cache, execution.write_in_place())  # reserved blocks included
             logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
             with self._lock:
                 status = lib.kvref_forward(ops.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
                                            T, kv.ptr, cache.length, ACTIVATIONS[self.activations],
                                            int(bool(all_logits)), ffi.from_buffer("float[]", logits))
             check_status(status, "forward")
-            step.last_logits = logits[-1]  # committed with the new positions as the block ends
+            execution.last_logits = logits[-1]  # committed with the new positions as the block ends
         return logits
 
     def fail_at_layer(self, layer: int) -> None:

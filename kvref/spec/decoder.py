@@ -30,30 +30,30 @@ from ..weights import LayerWeights, Weights
 
 def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_logits=False):
     # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T
-    with cache.begin(token_ids) as step:  # room checked first; an exception inside leaves the cache as it was
+    with cache.begin(token_ids) as execution:  # room checked first; an exception inside leaves the cache as it was
         x = ops.embed(weights.tok_embeddings, token_ids)  # [T, E]
         for layer, lw in enumerate(weights.layers):
-            x = x + attention_block(ops, config, lw, x, step, layer)  # [T, E]
+            x = x + attention_block(ops, config, lw, x, execution, layer)  # [T, E]
             x = x + mlp_block(ops, config, lw, x)  # [T, E]
         if not all_logits:
             x = x[-1:]  # only the last position's logits select the next token
         x = ops.rms_norm(x, weights.output_norm, config.norm_eps)  # [T or 1, E]
         logits = ops.matmul(x, weights.output)  # [T or 1, V]
-        step.last_logits = logits[-1]  # committed with the new positions as the block ends
+        execution.last_logits = logits[-1]  # committed with the new positions as the block ends
     return logits
 
 
-def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, step, layer):
-    # [T, E] -> [T, E]; step: the open execution (positions, and the cache's K/V)
+def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, layer):
+    # [T, E] -> [T, E]; execution: the open one (positions, and the cache's K/V)
     T, H, Hkv, D = x.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
-    positions = step.positions  # [T] absolute positions of the new tokens
+    positions = execution.positions  # [T] absolute positions of the new tokens
     h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [T, E]
     q = ops.matmul(h, lw.wq).reshape(T, H, D)  # [T, H, D]
     k = ops.matmul(h, lw.wk).reshape(T, Hkv, D)  # [T, Hkv, D]
     v = ops.matmul(h, lw.wv).reshape(T, Hkv, D)  # [T, Hkv, D]
     q = ops.rope(q, positions, config.rope_theta)  # rotated for the absolute positions
     k = ops.rope(k, positions, config.rope_theta)  # stored rotated: never rotated again
-    k_all, v_all, k_positions = step.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
+    k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
     out = ops.attention(q, k_all, v_all, positions, k_positions)  # [T, H, D]
     return ops.matmul(out.reshape(T, H * D), lw.wo)  # [T, E]
 
@@ -66,29 +66,30 @@ def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x):
     return ops.matmul(ops.swiglu(gate, up), lw.w_down)  # [T, E]
 
 
-def forward_batch(ops, config: ModelConfig, weights: Weights, token_lists, steps, all_logits=False):
-    # B sequences, T_b new ids each (ragged), N = sum T_b rows -> B logits arrays [T_b, V] or [1, V]
-    # steps[b]: the open execution of sequence b's cache; the caller commits them all or none.
+def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_logits=False):
+    # B open executions (one per sequence, T_b new ids each, ragged), N = sum T_b rows
+    #   -> B logits arrays [T_b, V] or [1, V]; the caller commits them all or none.
     # Every step that acts on positions one by one (embedding, norms, projections, RoPE at each
     # row's own position, the MLP, the LM head) runs once over all N rows; attention runs per
     # sequence, each against its own cache.
-    bounds = np.cumsum([0, *(len(ids) for ids in token_lists)])  # rows bounds[b]:bounds[b+1] are sequence b's
-    positions = np.concatenate([step.positions for step in steps])  # [N]: each row's own position
-    x = ops.embed(weights.tok_embeddings, np.concatenate(token_lists))  # [N, E]
+    bounds = np.cumsum([0, *(e.n_new for e in executions)])  # rows bounds[b]:bounds[b+1] are sequence b's
+    positions = np.concatenate([e.positions for e in executions])  # [N]: each row's own position
+    x = ops.embed(weights.tok_embeddings, np.concatenate([e.token_ids for e in executions]))  # [N, E]
     for layer, lw in enumerate(weights.layers):
-        x = x + batch_attention_block(ops, config, lw, x, positions, bounds, steps, layer)  # [N, E]
+        x = x + batch_attention_block(ops, config, lw, x, positions, bounds, executions, layer)  # [N, E]
         x = x + mlp_block(ops, config, lw, x)  # [N, E]
+    rows = bounds
     if not all_logits:
         x = x[bounds[1:] - 1]  # [B, E]: each sequence's last position selects its next token
-        bounds = np.arange(len(steps) + 1)
+        rows = np.arange(len(executions) + 1)
     logits = ops.matmul(ops.rms_norm(x, weights.output_norm, config.norm_eps), weights.output)  # [N or B, V]
-    out = [logits[bounds[b]:bounds[b + 1]] for b in range(len(steps))]  # [T_b or 1, V] each
-    for step, rows in zip(steps, out):
-        step.last_logits = rows[-1]  # committed with the sequence's new positions
+    out = [logits[rows[b]:rows[b + 1]] for b in range(len(executions))]  # [T_b or 1, V] each
+    for execution, sequence_logits in zip(executions, out):
+        execution.last_logits = sequence_logits[-1]  # committed with the sequence's new positions
     return out
 
 
-def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, steps, layer):
+def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
     # [N, E] rows of B sequences -> [N, E]; the projections are shared, attention is per sequence
     N, H, Hkv, D = x.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
     h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [N, E]
@@ -96,8 +97,8 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
     k = ops.rope(ops.matmul(h, lw.wk).reshape(N, Hkv, D), positions, config.rope_theta)  # [N, Hkv, D]
     v = ops.matmul(h, lw.wv).reshape(N, Hkv, D)  # [N, Hkv, D]
     out = np.empty_like(q)  # [N, H, D]
-    for b, step in enumerate(steps):
+    for b, execution in enumerate(executions):
         rows = slice(bounds[b], bounds[b + 1])  # this sequence's new positions
-        k_all, v_all, k_positions = step.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
+        k_all, v_all, k_positions = execution.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
         out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions)  # [T_b, H, D]
     return ops.matmul(out.reshape(N, H * D), lw.wo)  # [N, E]
