@@ -471,7 +471,7 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
     status = state_reserve(state, T, S);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM (any type, so a misaligned F32 weight too) */
         size_t scratch = (size_t)KVREF_TILE_N * (size_t)model->max_k * sizeof(float);
-        const size_t attn = kvref_attention_scratch_bytes(c->n_heads / c->n_kv_heads, c->head_dim);
+        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }
     if (status != KVREF_OK) {
