@@ -1,8 +1,15 @@
 /* attention.c: causal grouped-query attention by position, single pass over K/V.
  *
- * Work units are (query t, kv head hk, key segment). A unit scores its keys for all G query heads
- * that share hk, so each K/V row is read once per group, not once per head, and keeps an online
- * softmax (running max m, sum of exponentials l, unnormalised output acc) over them.
+ * The work is (query t, kv head hk, key segment) states: the G query heads that share hk are
+ * scored together, so each K/V row is read once per group, not once per head, with an online
+ * softmax (running max m, sum of exponentials l, unnormalised output acc) over the keys. A work unit
+ * covers one or several such states (attn_task).
+ *
+ * This file is the whole algorithm for every instruction set: the chunk loop, the masking by
+ * position, the online-softmax update and the merge of segments. The kernel table supplies the
+ * arithmetic of one chunk (internal.h, kvref_attn_kernels): the scores, the exponentials and their
+ * sums, and the value sum; the SIMD kernels take the G heads of a group at once, so each K/V vector
+ * is loaded once per group, and prefetch the next chunk's rows.
  *
  * With few query positions (decode) there are too few (t, hk) pairs to keep every thread busy on
  * a long cache, so the keys are cut into fixed segments of KVREF_ATTN_SEGMENT and the segments'
@@ -16,83 +23,189 @@
 #define KVREF_ATTN_SEGMENT 256
 #define KVREF_ATTN_SPLIT_MAX_T 4   /* split keys into segments when T <= this */
 #define KVREF_ATTN_SEGMENT_UNITS_MIN 4 /* from this many segments on, a unit covers every kv head */
+#define KVREF_ATTN_QUERY_UNITS_MIN 4 /* unsplit keys: a unit covers every kv head from this many
+                                        queries per thread on */
+
+/* Per-thread scratch of a unit: probabilities p [G, CHUNK], each head's new running max and sum of
+ * exponentials [G] and [G] (floats), then the rows of a chunk and its lookahead as int64: row and
+ * srow [CHUNK + LOOKAHEAD]. */
+static int64_t unit_scratch_floats(int64_t G) {
+    return G * KVREF_ATTN_CHUNK + 2 * G + 4 * (KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD) + 64;
+}
+
+/* The online-softmax state of no key seen, for the G heads of a group: running max m = -inf, sum of
+ * exponentials l = 0, unnormalised output acc = 0; m, l [G], acc [G, D] */
+static void state_init(int64_t G, int64_t D, float *m, float *l, float *acc) {
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+}
+
+/* How many of the keys kp [n] a query at qpos sees (kp[s] <= qpos). SSE2, all that baseline x86-64
+ * has, cannot compare int64 lanes, so the test is spelled as uint64 arithmetic it can vectorize:
+ * the sign bit of qpos - kp[s], corrected for overflow (Hacker's Delight 2-12), is qpos < kp[s]. */
+static int64_t visible_keys(const int64_t *kp, int64_t n, int64_t qpos) {
+    const uint64_t a = (uint64_t)qpos;
+    uint64_t hidden = 0;
+    for (int64_t s = 0; s < n; s++) {
+        const uint64_t b = (uint64_t)kp[s], d = a - b;
+        hidden += (d ^ ((a ^ b) & (d ^ a))) >> 63;
+    }
+    return n - (int64_t)hidden;
+}
+
+/* A unit's place in query t's keys: the chunk it is at (kvref_attn_chunk, pointed at a kv head by
+ * chunk_update) and its scratch. */
+typedef struct {
+    kvref_attn_chunk c;
+    int64_t t;
+    int64_t k_head, v_head;    /* bytes from one kv head's K (V) vector to the next one's in a slot */
+    int64_t s_head;            /* I8 scales from one kv head's to the next one's */
+    float *p, *mnew, *sum;     /* [G, CHUNK], [G], [G] */
+    int64_t *row, *srow;       /* [CHUNK + LOOKAHEAD] each: c.row, c.srow */
+} attn_cursor;
+
+/* scratch: unit_scratch_floats(G) floats, 8-byte aligned */
+static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, float *scratch) {
+    const int64_t G = a->G, D = a->D;
+    u->t = t;
+    u->k_head = D * kvref_kv_element_bytes(a->k_type);
+    u->v_head = D * kvref_kv_element_bytes(a->v_type);
+    u->s_head = a->group_size > 0 ? D / a->group_size : 0;
+    u->p = scratch;
+    u->mnew = u->p + G * KVREF_ATTN_CHUNK;
+    u->sum = u->mnew + G;
+    u->row = (int64_t *)(void *)(u->sum + G);
+    u->srow = u->row + KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD;
+    u->c.row = u->row;
+    u->c.srow = u->srow;
+    u->c.qpos = a->q_positions[t];
+}
+
+/* Moves the cursor to the chunk of keys [c0, c0 + n): which are visible, and the rows of its keys
+ * and of those the kernels prefetch. Returns 0 when no key of the chunk is visible: the chunk
+ * would leave every state as it was. */
+static int cursor_seek(attn_cursor *u, const kvref_attn_args *a, int64_t c0, int64_t n) {
+    kvref_attn_chunk *c = &u->c;
+    const int64_t *kp = a->k_positions + c0;
+    const int64_t nvis = visible_keys(kp, n, c->qpos);
+    if (nvis == 0) return 0;
+    c->n = n;
+    c->kp = kp;
+    c->all = nvis == n;
+    c->nrows = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
+    kvref_attn_rows(a, c0, c->nrows, u->row, u->srow);
+    return 1;
+}
+
+/* The cursor's chunk for the G query heads of kv head hk: an online-softmax update of their state
+ * (m, l [G], acc [G, D], relative to m; state_init is the state of no key seen). Each head's
+ * running max moves once per chunk, rescaling what was accumulated, then probability x value is
+ * added. A unit applies this to the chunks of its keys in order from a multiple of
+ * KVREF_ATTN_CHUNK, so a state is the same, bit for bit, however the keys were cut into segments
+ * and units (and whichever thread ran them). */
+static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a, attn_cursor *u, int64_t hk,
+                         float *m, float *l, float *acc) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+    kvref_attn_chunk *c = &u->c;
+    float *p = u->p;
+    c->q = a->q + (u->t * a->H + hk * G) * D;
+    c->k = a->k + hk * u->k_head;
+    c->v = a->v + hk * u->v_head;
+    c->k_scales = a->k_scales != NULL ? a->k_scales + hk * u->s_head : NULL;
+    c->v_scales = a->v_scales != NULL ? a->v_scales + hk * u->s_head : NULL;
+    ak->score(a, c, p);
+    if (!c->all) /* masked keys get probability exp(-inf) = 0 */
+        for (int64_t s = 0; s < c->n; s++)
+            if (c->kp[s] > c->qpos)
+                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
+    ak->exp(G, c->n, m, p, u->mnew, u->sum);
+    for (int64_t g = 0; g < G; g++) {
+        const float alpha = expf(m[g] - u->mnew[g]); /* 0 while nothing was seen (m = -inf) */
+        l[g] = l[g] * alpha + u->sum[g];
+        if (alpha != 1.0f)
+            for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
+        m[g] = u->mnew[g];
+    }
+    ak->values(a, c, p, acc);
+}
 
 typedef struct {
     kvref_attn_args a;
     kvref_pool *pool;
-    kvref_attn_unit_fn unit_fn;
-    int64_t nseg;
-    int64_t span, runs;        /* attn_segment_task: consecutive segments per unit, units per query */
+    const kvref_attn_kernels *kernels;
+    int64_t nseg;              /* key segments of KVREF_ATTN_SEGMENT keys (1: all S keys in one) */
+    int64_t heads;             /* kv heads per unit: 1 or Hkv */
+    int64_t span, runs;        /* consecutive segments per unit; units per query and block of heads */
     float *partial;            /* nseg > 1: [T, Hkv, nseg, G * (D + 2)] (m[G], l[G], acc[G, D]) */
     float *out;                /* [T, H, D] */
 } attn_ctx;
 
-/* floats of one (m, l, acc) state for G heads, rounded up to even */
-static int64_t partial_floats(int64_t G, int64_t D) { return (G * (D + 2) + 1) / 2 * 2; }
+/* The state of query t, kv head hk, segment seg: in the partials when the keys are split;
+ * otherwise m, l in the unit's ml [heads, 2, G] (hk0: the unit's first kv head) and acc in out,
+ * where the unit normalises it at the end. */
+static void state_of(const attn_ctx *c, int64_t t, int64_t hk, int64_t seg, float *ml, int64_t hk0, float **m,
+                     float **l, float **acc) {
+    const int64_t G = c->a.G, D = c->a.D;
+    if (c->nseg > 1) {
+        *m = c->partial + ((t * c->a.Hkv + hk) * c->nseg + seg) * G * (D + 2);
+        *acc = *m + 2 * G;
+    } else {
+        *m = ml + (hk - hk0) * 2 * G;
+        *acc = c->out + (t * c->a.H + hk * G) * D;
+    }
+    *l = *m + G;
+}
 
+/* One unit: query t, the kv heads hk0 .. hk0 + heads - 1 and the key segments seg0 .. seg1 - 1,
+ * chunk by chunk; a chunk's visibility and rows are found once for all the unit's kv heads.
+ *
+ * Few queries (decode) over a long cache: a unit covers every kv head of a run of `span`
+ * segments, so each chunk's K/V rows (all heads: contiguous memory) are consumed together and the
+ * cache streams from memory in order; a unit of one kv head reads one head's part of every row, a
+ * third of each row for SmolLM2, and walks the layer's K/V once per kv head. The span makes two
+ * units per thread: a unit prefetches one chunk ahead of the keys it scores, so only its first
+ * chunk waits on memory, and runs of segments that long stream the rest behind the prefetches;
+ * two, not one, so a thread the host delays leaves work for the others (one and four per thread
+ * measured no faster than two). Many queries (prefill): a unit covers every kv head of one query
+ * when that still leaves several units per thread. Each (t, hk, segment) state is the same sequence
+ * of chunk updates whatever the unit, so the results are identical for any split. */
 static void attn_task(void *vctx, int64_t unit, int thread) {
     const attn_ctx *c = vctx;
     const kvref_attn_args *a = &c->a;
-    const int64_t G = a->G, D = a->D;
-    const int64_t seg = unit % c->nseg;
-    const int64_t hk = (unit / c->nseg) % a->Hkv;
-    const int64_t t = unit / (c->nseg * a->Hkv);
-    const int64_t s0 = seg * KVREF_ATTN_SEGMENT;
-    const int64_t s1 = (c->nseg == 1 || s0 + KVREF_ATTN_SEGMENT > a->S) ? a->S : s0 + KVREF_ATTN_SEGMENT;
-    float *scratch = kvref_pool_scratch(c->pool, thread);
-    float *mla;
-    if (c->nseg > 1) {
-        mla = c->partial + unit * G * (D + 2);
-    } else {
-        mla = scratch;
-        scratch += partial_floats(G, D); /* the unit's int64 rows stay 8-byte aligned */
-    }
-    float *m = mla, *l = mla + G, *acc = mla + 2 * G;
-    kvref_attn_state_init(G, D, m, l, acc);
-    c->unit_fn(a, t, hk, s0, s1, m, l, acc, scratch);
-    if (c->nseg == 1) {
-        for (int64_t g = 0; g < G; g++) {
-            float *o = c->out + (t * a->H + hk * G + g) * D;
-            /* l > 0 iff some key was visible; a query that sees nothing gets zeros */
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-            for (int64_t i = 0; i < D; i++) o[i] = l[g] > 0.0f ? acc[g * D + i] * inv : 0.0f;
-        }
-    }
-}
-
-/* Decode over a long cache: one unit per (query, run of `span` consecutive segments) covering every
- * kv head, chunk by chunk, so each chunk's K/V rows (all heads: contiguous memory) are consumed
- * together and the cache streams from memory in order. attn_task's units read one kv head's part of
- * every row, a third of each row for SmolLM2, and walk the layer's K/V once per kv head. Each
- * (hk, segment) partial is the same sequence of chunk updates either way, so the results are
- * identical, whatever the span. The span makes two units per thread: a unit prefetches one chunk
- * ahead of the keys it scores, so only its first chunk waits on memory, and runs of segments that
- * long stream the rest behind the prefetches; two, not one, so a thread the host delays leaves work
- * for the others. Measured here (30 layers x 4096 float16 positions, cache cold, 2 threads, builds
- * run alternately): one unit per segment 5.8-6.5 ms, two per thread 4.3-5.0 ms, one per thread and
- * four per thread no different from two. */
-static void attn_segment_task(void *vctx, int64_t unit, int thread) {
-    const attn_ctx *c = vctx;
-    const kvref_attn_args *a = &c->a;
-    const int64_t G = a->G, D = a->D, nseg = c->nseg;
-    const int64_t t = unit / c->runs, seg0 = unit % c->runs * c->span;
+    const int64_t G = a->G, D = a->D, nseg = c->nseg, blocks = a->Hkv / c->heads;
+    const int64_t run = unit % c->runs, hk0 = unit / c->runs % blocks * c->heads, t = unit / (c->runs * blocks);
+    const int64_t hk1 = hk0 + c->heads, seg0 = run * c->span;
     const int64_t seg1 = seg0 + c->span < nseg ? seg0 + c->span : nseg;
-    float *scratch = kvref_pool_scratch(c->pool, thread);
+    float *scratch = kvref_pool_scratch(c->pool, thread), *ml = scratch + unit_scratch_floats(G), *m, *l, *acc;
+    attn_cursor u;
+    cursor_init(&u, a, t, scratch);
     for (int64_t seg = seg0; seg < seg1; seg++) {
         const int64_t s0 = seg * KVREF_ATTN_SEGMENT;
-        const int64_t s1 = s0 + KVREF_ATTN_SEGMENT > a->S ? a->S : s0 + KVREF_ATTN_SEGMENT;
-        for (int64_t hk = 0; hk < a->Hkv; hk++) {
-            float *mla = c->partial + ((t * a->Hkv + hk) * nseg + seg) * G * (D + 2);
-            kvref_attn_state_init(G, D, mla, mla + G, mla + 2 * G);
+        const int64_t s1 = nseg == 1 || s0 + KVREF_ATTN_SEGMENT > a->S ? a->S : s0 + KVREF_ATTN_SEGMENT;
+        for (int64_t hk = hk0; hk < hk1; hk++) {
+            state_of(c, t, hk, seg, ml, hk0, &m, &l, &acc);
+            state_init(G, D, m, l, acc);
         }
         for (int64_t c0 = s0; c0 < s1; c0 += KVREF_ATTN_CHUNK) {
-            const int64_t c1 = c0 + KVREF_ATTN_CHUNK > s1 ? s1 : c0 + KVREF_ATTN_CHUNK;
-            for (int64_t hk = 0; hk < a->Hkv; hk++) {
-                float *mla = c->partial + ((t * a->Hkv + hk) * nseg + seg) * G * (D + 2);
-                c->unit_fn(a, t, hk, c0, c1, mla, mla + G, mla + 2 * G, scratch);
+            if (!cursor_seek(&u, a, c0, s1 - c0 < KVREF_ATTN_CHUNK ? s1 - c0 : KVREF_ATTN_CHUNK)) continue;
+            for (int64_t hk = hk0; hk < hk1; hk++) {
+                state_of(c, t, hk, seg, ml, hk0, &m, &l, &acc);
+                chunk_update(c->kernels, a, &u, hk, m, l, acc);
             }
         }
     }
+    if (nseg == 1)
+        for (int64_t hk = hk0; hk < hk1; hk++) {
+            state_of(c, t, hk, 0, ml, hk0, &m, &l, &acc);
+            for (int64_t g = 0; g < G; g++) {
+                /* l > 0 iff some key was visible; a query that sees nothing gets zeros */
+                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+                for (int64_t i = 0; i < D; i++) acc[g * D + i] = l[g] > 0.0f ? acc[g * D + i] * inv : 0.0f;
+            }
+        }
 }
 
 /* out[t, hk*G + g] = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M), M = max_j m_j */
@@ -131,8 +244,8 @@ static int64_t n_segments(int64_t T, int64_t S) {
     return T <= KVREF_ATTN_SPLIT_MAX_T ? (S + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT : 1;
 }
 
-size_t kvref_attention_scratch_bytes(int64_t G, int64_t D) {
-    return (size_t)(kvref_attn_scratch_floats(G, D) + partial_floats(G, D)) * sizeof(float);
+size_t kvref_attention_scratch_bytes(int64_t H, int64_t G) {
+    return (size_t)(unit_scratch_floats(G) + 2 * H) * sizeof(float);
 }
 
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S) {
@@ -147,14 +260,20 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     c.out = out;
     c.nseg = n_segments(a->T, a->S);
     c.partial = partial;
-    c.unit_fn = kvref_pool_kernels(pool)->attn_unit;
-    if (c.nseg >= KVREF_ATTN_SEGMENT_UNITS_MIN && a->Hkv > 1) {
-        const int64_t units = 2 * kvref_pool_threads(pool);
-        c.span = (c.nseg + units - 1) / units;
+    c.kernels = &kvref_pool_kernels(pool)->attn;
+    const int i8 = a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8;
+    if (i8 && a->group_size % c.kernels->i8_lanes != 0) c.kernels = &kvref_kernels_scalar.attn;
+    const int64_t threads = kvref_pool_threads(pool);
+    c.heads = 1; /* a unit per (query, kv head, segment) */
+    c.span = 1;
+    c.runs = c.nseg;
+    if (a->Hkv > 1 && c.nseg >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
+        c.heads = a->Hkv;
+        c.span = (c.nseg + 2 * threads - 1) / (2 * threads);
         c.runs = (c.nseg + c.span - 1) / c.span;
-        kvref_pool_run(pool, attn_segment_task, &c, a->T * c.runs);
-    } else
-        kvref_pool_run(pool, attn_task, &c, a->T * a->Hkv * c.nseg);
+    } else if (a->Hkv > 1 && c.nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
+        c.heads = a->Hkv; /* a unit per query */
+    kvref_pool_run(pool, attn_task, &c, a->T * (a->Hkv / c.heads) * c.runs);
     if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, a->T * a->Hkv);
 }
 
@@ -181,7 +300,7 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
                          .G = G, .scale = (float)(1.0 / sqrt((double)D))};
     kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
-    status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(G, D));
+    status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G));
     float *partial = NULL;
     const int64_t np = kvref_attention_partial_floats(T, Hkv, G, D, S);
     if (status == KVREF_OK && np > 0) {

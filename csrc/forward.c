@@ -55,6 +55,7 @@ struct kvref_state {
     float *partial;            /* attention's per-segment softmax states */
     double *inv_freq;          /* [D/2] theta ** (-2i / D) */
     int64_t ns[3], calls;      /* kvref_state_timings */
+    int64_t fail_layer;        /* kvref_state_fail_at_layer: the layer the next forward stops at, or -1 */
 };
 
 /* one call's arguments, passed to every step */
@@ -366,6 +367,7 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
     kvref_state *s = calloc(1, sizeof *s);
     if (s == NULL) return KVREF_ERR_NOMEM;
     s->model = model;
+    s->fail_layer = -1;
     const int64_t D = model->desc.head_dim;
     s->inv_freq = malloc((size_t)(D / 2 + 1) * sizeof(double));
     s->xqs = aligned_alloc(64, ((size_t)(KVREF_GEMM_MIN_T - 1) * (size_t)model->max_k + 63) & ~(size_t)63);
@@ -448,6 +450,13 @@ void kvref_state_reset_timings(kvref_state *state) {
     state->calls = 0;
 }
 
+int kvref_state_fail_at_layer(kvref_state *state, int64_t layer) {
+    if (state == NULL) return KVREF_ERR_NULL;
+    if (layer < -1 || layer >= state->model->desc.n_layers) return KVREF_ERR_VALUE;
+    state->fail_layer = layer;
+    return KVREF_OK;
+}
+
 /* ---- the forward ---------------------------------------------------------------------------- */
 
 int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state, const int64_t *token_ids,
@@ -471,7 +480,7 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
     status = state_reserve(state, T, S);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM (any type, so a misaligned F32 weight too) */
         size_t scratch = (size_t)KVREF_TILE_N * (size_t)model->max_k * sizeof(float);
-        const size_t attn = kvref_attention_scratch_bytes(c->n_heads / c->n_kv_heads, c->head_dim);
+        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }
     if (status != KVREF_OK) {
@@ -488,6 +497,11 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
 
     embed_tokens(&f);                                     /* x = tok_embeddings[token_ids] */
     for (f.layer = 0; f.layer < c->n_layers; f.layer++) {
+        if (f.layer == state->fail_layer) { /* the test hook: layers < f.layer are written, no more */
+            state->fail_layer = -1;
+            kvref_pool_unlock(pool);
+            return KVREF_ERR_INJECTED;
+        }
         f.lw = &c->layers[f.layer];
         /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
         rms_norm(&f, f.lw->attn_norm);                    /* xb = rms_norm(x) * attn_norm */

@@ -110,6 +110,118 @@ static inline void kvref_q8_scale(float amax, float *d, float *id) {
     *id = *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
+/* ---- attention chunk kernels (the skeleton that drives them is csrc/attention.c) ------------ */
+
+/* What every attention kernel reads: the queries, one layer of the cache and the positions. */
+typedef struct kvref_attn_args {
+    const float *q;            /* [T, H, D] */
+    const uint8_t *k, *v;      /* the layer's slots [n_slots, Hkv, D] of k_type / v_type */
+    const float *k_scales, *v_scales; /* the layer's I8 scales [n_slots, Hkv, D / group_size] or NULL */
+    int32_t k_type, v_type;
+    int64_t group_size;
+    const int64_t *block_table; /* key s is in slot table[s / block_size] * block_size + s % block_size */
+    int64_t block_size;        /* ... or in slot s when block_table is NULL */
+    const int64_t *q_positions, *k_positions; /* [T], [S] */
+    int64_t T, H, D, S, Hkv, G;
+    float scale;               /* 1 / sqrt(D) */
+} kvref_attn_args;
+
+/* Keys the skeleton hands the kernels per step; how far ahead of the keys it scores a kernel
+ * prefetches (one chunk); and so how many keys past a chunk the skeleton looks up rows for. */
+#define KVREF_ATTN_CHUNK 64
+#define KVREF_ATTN_PREFETCH_KEYS 64
+#define KVREF_ATTN_LOOKAHEAD (KVREF_ATTN_PREFETCH_KEYS + 8)
+
+/* A chunk of n <= KVREF_ATTN_CHUNK consecutive keys, as the skeleton hands it to the kernels of one
+ * query and kv head hk: key s's K vector is the D elements (of k_type) at element k + row[s], its
+ * I8 scales the D / group_size floats at k_scales + srow[s]; V likewise. C = KVREF_ATTN_CHUNK. */
+typedef struct kvref_attn_chunk {
+    const float *q;            /* [G, D]: the query's G heads that share kv head hk */
+    const uint8_t *k, *v;      /* kv head hk's vector in slot 0 of the layer's K and V */
+    const float *k_scales, *v_scales; /* kv head hk's I8 scales in slot 0, or NULL */
+    const int64_t *row, *srow; /* [nrows] from kvref_attn_rows: the chunk's n keys, then keys ahead */
+    int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD */
+    const int64_t *kp;         /* [n]: the keys' positions; key s is visible iff kp[s] <= qpos */
+    int64_t qpos;
+    int all;                   /* every key of the chunk is visible (none visible: never handed over) */
+} kvref_attn_chunk;
+
+/* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G; p [G, C].
+ * A masked key's entry may hold anything (the skeleton overwrites it with -inf). Keys from n to
+ * nrows are the next chunk's: a kernel may prefetch their K (and V) while it scores. */
+typedef void (*kvref_attn_score_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
+/* The exponentials of a chunk's n >= 1 keys for the G heads of a group: for each g < G, mnew[g] =
+ * max(m[g], max_s p[g * C + s]), p[g * C + s] = exp(p[g * C + s] - mnew[g]) in place (0 for a masked
+ * key's -inf) and sum[g] = the sum of those. p [G, C]; m, mnew, sum [G]. */
+typedef void (*kvref_attn_exp_fn)(int64_t G, int64_t n, const float *m, float *p, float *mnew, float *sum);
+/* acc[g * D + i] += sum over the visible keys s of p[g * C + s] * v_s[i], for g < G, i < D: p [G, C],
+ * acc [G, D]. A masked key never touches acc. */
+typedef void (*kvref_attn_values_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc);
+
+/* One instruction set's attention kernels. Their vectors read an I8 K or V one scale group at a time,
+ * so they take I8 only when i8_lanes divides group_size; otherwise the skeleton runs the scalar
+ * table's three kernels instead, and the results are the scalar table's whatever the instruction set. */
+typedef struct kvref_attn_kernels {
+    kvref_attn_score_fn score;
+    kvref_attn_exp_fn exp;
+    kvref_attn_values_fn values;
+    int64_t i8_lanes;          /* 1 for kernels that take any group size */
+} kvref_attn_kernels;
+
+/* Where the slots of keys c0 .. c0+n-1 are: row[i] is the element offset of key c0 + i's slot in the
+ * layer's K and V arrays (slot * Hkv * D; kv head hk's vector is hk * D further), srow[i] the offset
+ * of its first I8 scale (slot * Hkv * D / group_size; left unwritten when group_size is 0: nothing
+ * is I8). The slots follow the block table one block at a time (one division per call, none per
+ * key); within a block they are consecutive, so the offsets step by a constant: loops of additions,
+ * which compilers vectorize for baseline x86-64 (multiplying int64 lanes needs AVX-512). */
+static inline void kvref_attn_rows(const kvref_attn_args *a, int64_t c0, int64_t n, int64_t *row, int64_t *srow) {
+    const int64_t *table = a->block_table;
+    const int64_t ng = a->group_size > 0 ? a->D / a->group_size : 0;
+    const int64_t rstep = a->Hkv * a->D, sstep = a->Hkv * ng;
+    const int64_t bs = table != NULL ? a->block_size : INT64_MAX;
+    int64_t b = c0 / bs, o = c0 % bs;
+    for (int64_t i = 0; i < n;) {
+        const int64_t slot = table != NULL ? table[b] * bs + o : c0 + i;
+        const int64_t len = bs - o < n - i ? bs - o : n - i; /* keys left in this block */
+        int64_t r = slot * rstep;
+        for (int64_t j = i; j < i + len; j++, r += rstep) row[j] = r;
+        if (ng > 0) {
+            int64_t sr = slot * sstep;
+            for (int64_t j = i; j < i + len; j++, sr += sstep) srow[j] = sr;
+        }
+        i += len;
+        o = 0;
+        b++;
+    }
+}
+
+/* Bytes of one stored K/V element of `type`; -1 for a type a cache cannot store. */
+static inline int64_t kvref_kv_element_bytes(int32_t type) {
+    switch (type) {
+    case KVREF_TYPE_F32: return 4;
+    case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 2;
+    case KVREF_TYPE_I8: return 1;
+    default: return -1;
+    }
+}
+
+/* Ask for the K or V vectors (base and type: a chunk's k or v, kv head hk's part of each slot;
+ * rows from kvref_attn_rows) of keys i0 .. i0+7, those of the nrows looked up, to be brought into
+ * L2, one 64-byte line at a time. A SIMD kernel calls this every 8 keys for the keys one chunk
+ * ahead (row[n ..] of its chunk), so each line is asked for a whole chunk (all kv heads' turns)
+ * before it is read: the AVX-512 kernels ask for K while they score and for V while they sum
+ * values, which spreads the requests over the work. Without it, attention over a cache streamed
+ * from DRAM waits on memory at every group of keys: the kernels read one kv head's part of each
+ * slot (a third for SmolLM2, Hkv = 3), a strided pattern the hardware prefetchers follow poorly. One
+ * chunk ahead into L2 is the measured best: further ahead, every other line, or into L1 were
+ * slower (figures in docs/benchmarks.md). */
+static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_t D, const int64_t *row, int64_t i0,
+                                       int64_t nrows) {
+    const int64_t width = kvref_kv_element_bytes(type), i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
+}
+
 /* ---- kernel table: one per instruction set -------------------------------------------------- */
 
 /* dot of one weight row (K values in `type` blocks) with x [K] */
@@ -124,106 +236,12 @@ typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, floa
 typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
                               float *y, int64_t ldy);
 
-/* One unit of attention: query t against keys [s0, s1) for the G query heads of kv head hk, an
- * online-softmax update of the state it is given: for each head g of the group, the running max
- * m[g], the sum of exponentials l[g] and the unnormalised output acc[g * D .. +D] (all relative to
- * m[g]). Start from kvref_attn_state_init (m = -inf, l = 0, acc = 0: no key seen); a range with no
- * visible key leaves the state as it was. Updating with [s0, s1) then [s1, s2) is the same
- * computation, bit for bit, as one update with [s0, s2) when s1 - s0 is a multiple of
- * KVREF_ATTN_CHUNK (the unit works chunk by chunk from s0). */
-typedef struct kvref_attn_args {
-    const float *q;            /* [T, H, D] */
-    const uint8_t *k, *v;      /* the layer's slots [n_slots, Hkv, D] of k_type / v_type */
-    const float *k_scales, *v_scales; /* the layer's I8 scales [n_slots, Hkv, D / group_size] or NULL */
-    int32_t k_type, v_type;
-    int64_t group_size;
-    const int64_t *block_table; /* key s is in slot table[s / block_size] * block_size + s % block_size */
-    int64_t block_size;        /* ... or in slot s when block_table is NULL */
-    const int64_t *q_positions, *k_positions; /* [T], [S] */
-    int64_t T, H, D, S, Hkv, G;
-    float scale;               /* 1 / sqrt(D) */
-} kvref_attn_args;
-
-typedef void (*kvref_attn_unit_fn)(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0,
-                                   int64_t s1, float *m, float *l, float *acc, float *scratch);
-
-static inline void kvref_attn_state_init(int64_t G, int64_t D, float *m, float *l, float *acc) {
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
-}
-
-/* Keys a unit scores per step; how far ahead of the keys it scores a unit prefetches (one chunk);
- * and so how many keys past a chunk it looks up rows for. */
-#define KVREF_ATTN_CHUNK 64
-#define KVREF_ATTN_PREFETCH_KEYS 64
-#define KVREF_ATTN_LOOKAHEAD (KVREF_ATTN_PREFETCH_KEYS + 8)
-
-/* Per-thread scratch of an attention unit: probabilities p [G, CHUNK] floats, then the rows of a
- * chunk (and its lookahead) as int64: row [CHUNK + LOOKAHEAD], srow [CHUNK + LOOKAHEAD]. */
-static inline int64_t kvref_attn_scratch_floats(int64_t G, int64_t D) {
-    return G * KVREF_ATTN_CHUNK + 4 * (KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD) + 64;
-}
-
-/* Where kv head hk's vectors of keys c0 .. c0+n-1 are: row[i] is the element offset of key c0 + i's
- * vector in the layer's K and V arrays ((slot * Hkv + hk) * D), srow[i] the offset of its first I8
- * scale ((slot * Hkv + hk) * D / group_size; 0 when nothing is I8). The slots follow the
- * block table one block at a time: one division per call, none per key. */
-static inline void kvref_attn_rows(const kvref_attn_args *a, int64_t hk, int64_t c0, int64_t n, int64_t *row,
-                                   int64_t *srow) {
-    const int64_t bs = a->block_table != NULL ? a->block_size : INT64_MAX;
-    const int64_t ng = a->group_size > 0 ? a->D / a->group_size : 0;
-    int64_t b = c0 / bs, o = c0 % bs;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t slot = a->block_table != NULL ? a->block_table[b] * bs + o : c0 + i;
-        row[i] = (slot * a->Hkv + hk) * a->D;
-        srow[i] = (slot * a->Hkv + hk) * ng;
-        if (++o == bs) {
-            o = 0;
-            b++;
-        }
-    }
-}
-
-/* Bytes of one stored K/V element of `type`; -1 for a type a cache cannot store. */
-static inline int64_t kvref_kv_element_bytes(int32_t type) {
-    switch (type) {
-    case KVREF_TYPE_F32: return 4;
-    case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 2;
-    case KVREF_TYPE_I8: return 1;
-    default: return -1;
-    }
-}
-
-/* Ask for the K or V vectors (base and type: the layer's K or V; kv head hk's part of each slot:
- * rows from kvref_attn_rows) of keys i0 .. i0+7, those of the nrows looked up, to be brought into
- * L2, one 64-byte line at a time. A SIMD unit calls this every 8 keys for the keys one chunk ahead,
- * so each line is asked for a whole chunk (all kv heads' turns) before it is read: the AVX-512 unit
- * asks for K while it scores and for V while it sums values, which spreads the requests over the
- * work. Without it, attention over a cache streamed from DRAM waits on memory at every group of
- * keys: a unit reads a third of each slot (SmolLM2, Hkv = 3), a strided pattern the hardware
- * prefetchers follow poorly. Measured on this repository's 2-core Zen 4 machine (attention over 30
- * layers x 4096 float16 positions, cache cold, 2 threads; each pair from builds run alternately, as
- * the host's load moves absolute times): whole slots asked for by kv head 0 only, 32 keys ahead:
- * into L1 9.1 ms against 9.7 with no prefetch, into L2 6.7-6.9 ms against 5.6-5.9 for K and V
- * together while scoring; V while summing values instead: 4.0-4.5 ms against 4.5-4.9 (with the
- * segment runs of attention.c), and 3.2 against 3.5 ms with the cache in L3. Twice as far ahead,
- * every other line, or into L1 was slower. */
-static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_t D, const int64_t *row, int64_t i0,
-                                       int64_t nrows) {
-    const int64_t width = kvref_kv_element_bytes(type), i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
-    for (int64_t i = i0; i < i1; i++)
-        for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
-}
-
 typedef struct kvref_kernels {
     int32_t isa;
     kvref_vec_dot_fn vec_dot[KVREF_TYPE_SLOTS];
     kvref_dequant_fn dequant[KVREF_TYPE_SLOTS];
     kvref_gemm_fn gemm_f32;
-    kvref_attn_unit_fn attn_unit;
+    kvref_attn_kernels attn;
     /* out[i] = silu(gate[i]) * up[i] */
     void (*swiglu)(int64_t n, const float *gate, const float *up, float *out);
     /* 8-bit activations: a dot kernel for the weight types that have one (NULL: use vec_dot) */
@@ -246,9 +264,6 @@ float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const int8_t *
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
 void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out);
-/* the portable attention unit: any K/V types and group size (SIMD units hand it what they do not cover) */
-void kvref_attn_unit_ref(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
-                         float *l, float *acc, float *scratch);
 float kvref_silu_ref(float g);
 void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out);
 
@@ -312,11 +327,13 @@ void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a);
 void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t position,
                     const float *k, const float *v);
 
-/* per-thread scratch bytes, and shared floats for segment partials, of kvref_attention_run */
-size_t kvref_attention_scratch_bytes(int64_t G, int64_t D);
+/* per-thread scratch bytes (H query heads, G per kv head), and shared floats for segment partials,
+ * of kvref_attention_run */
+size_t kvref_attention_scratch_bytes(int64_t H, int64_t G);
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S);
 /* the work of kvref_attention for checked arguments (S > 0); partial holds
- * kvref_attention_partial_floats floats */
+ * kvref_attention_partial_floats floats; out [T, H, D] must not overlap the inputs (it holds the
+ * unnormalised outputs while the work runs) */
 void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *partial, float *out);
 
 /* ---- pool internals ------------------------------------------------------------------------- */

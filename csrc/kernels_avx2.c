@@ -280,10 +280,11 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
     }
 }
 
-/* ---- attention unit (same algorithm as kvref_attn_unit_ref in scalar.c) ------------------ */
+/* ---- attention chunk kernels (the skeleton that runs them: csrc/attention.c) -------------- */
 
-/* 8 K/V values at element e of a layer's K or V, as float32: F16 and BF16 widened, I8 times its
- * group's `scale` (the SIMD unit takes I8 only when 8 | group_size: a vector never spans two groups) */
+/* 8 K/V values at element e of a chunk's K or V, as float32: F16 and BF16 widened, I8 times its
+ * group's `scale` (these kernels take I8 only when 8 | group_size, their i8_lanes: a vector never
+ * spans two groups) */
 TARGET static inline __m256 load_kv8(const uint8_t *base, int32_t type, int64_t e, float scale) {
     switch (type) {
     case KVREF_TYPE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(base + 2 * e)));
@@ -303,13 +304,14 @@ TARGET static inline float load_kv1(const uint8_t *base, int32_t type, int64_t e
     }
 }
 
-/* Scores of 4 keys (rows row[0..4)) for the gb <= 3 heads q[0..gb) of the group: each K vector is
- * loaded (and widened) once for all gb heads, into 4 x gb independent accumulators; two rounds of
- * hadd give each head's 4 sums, to which the head dim's last D % 8 products are added one by one.
- * The vectors of one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+/* Scores of 4 keys (K vectors at kb + row[0..4), I8 scales at ks + srow[0..4)) for the gb <= 3 heads
+ * q[0..gb) of the group: each K vector is loaded (and widened) once for all gb heads, into 4 x gb
+ * independent accumulators; two rounds of hadd give each head's 4 sums, to which the head dim's
+ * last D % 8 products are added one by one. The vectors of one I8 scale group are consecutive (vpg
+ * of them), so its scale is read once. */
 TARGET __attribute__((always_inline)) static inline void score4(
-    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, float *p, const int32_t k_type,
-    const int gb) {
+    const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
+    const int64_t *srow, float *p, const int32_t k_type, const int gb) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
     __m256 d[3][4];
@@ -321,8 +323,8 @@ TARGET __attribute__((always_inline)) static inline void score4(
             __m256 qv[3];
             for (int g = 0; g < gb; g++) qv[g] = _mm256_loadu_ps(q + g * D + i);
             for (int r = 0; r < 4; r++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[r] + jg] : 0.0f;
-                const __m256 kv = load_kv8(a->k, k_type, row[r] + i, sc);
+                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
+                const __m256 kv = load_kv8(kb, k_type, row[r] + i, sc);
                 for (int g = 0; g < gb; g++) d[g][r] = _mm256_fmadd_ps(qv[g], kv, d[g][r]);
             }
         }
@@ -331,33 +333,36 @@ TARGET __attribute__((always_inline)) static inline void score4(
         float dots[4];
         _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
         for (int r = 0; r < 4; r++) {
-            for (int64_t t = Dv; t < D; t++) dots[r] += q[g * D + t] * load_kv1(a->k, k_type, row[r] + t);
+            for (int64_t t = Dv; t < D; t++) dots[r] += q[g * D + t] * load_kv1(kb, k_type, row[r] + t);
             p[g * C + r] = dots[r] * a->scale;
         }
     }
 }
 
 /* p[g * C + s] = (q_g . k_s) * scale for the chunk's keys, 4 at a time for up to 3 heads, the last
- * n % 4 keys one by one; masked keys are scored like the rest (their values are never used), then
- * hidden with -inf. */
+ * n % 4 keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
+ * skeleton hides them). Every 8 keys, asks for the K and V of the keys a chunk ahead. */
 TARGET __attribute__((always_inline)) static inline void score_typed(
-    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
-    int all, const int64_t *kp, int64_t qpos, float *p, const int32_t k_type) {
+    const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type) {
+    const float *q = c->q, *ks = c->k_scales;
+    const uint8_t *kb = c->k;
+    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t n = c->n, nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
     int64_t s = 0;
     for (; s + 4 <= n; s += 4) {
         if (s % 8 == 0) {
-            kvref_attn_prefetch(a->k, a->k_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-            kvref_attn_prefetch(a->v, a->v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+            kvref_attn_prefetch(kb, a->k_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+            kvref_attn_prefetch(c->v, a->v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         }
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;
             switch (G - g0) {
-            case 1: score4(a, qg, row + s, srow + s, pg, k_type, 1); break;
-            case 2: score4(a, qg, row + s, srow + s, pg, k_type, 2); break;
-            default: score4(a, qg, row + s, srow + s, pg, k_type, 3);
+            case 1: score4(a, qg, kb, ks, row + s, srow + s, pg, k_type, 1); break;
+            case 2: score4(a, qg, kb, ks, row + s, srow + s, pg, k_type, 2); break;
+            default: score4(a, qg, kb, ks, row + s, srow + s, pg, k_type, 3);
             }
         }
     }
@@ -366,27 +371,27 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             __m256 d = _mm256_setzero_ps();
             int64_t i = 0;
             for (int64_t jg = 0; i < Dv; jg++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[s] + jg] : 0.0f;
+                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[s] + jg] : 0.0f;
                 for (int64_t jj = 0; jj < vpg && i < Dv; jj++, i += 8)
-                    d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(a->k, k_type, row[s] + i, sc), d);
+                    d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(kb, k_type, row[s] + i, sc), d);
             }
             float dot = hsum8(d);
-            for (; i < D; i++) dot += q[g * D + i] * load_kv1(a->k, k_type, row[s] + i);
+            for (; i < D; i++) dot += q[g * D + i] * load_kv1(kb, k_type, row[s] + i);
             p[g * C + s] = dot * a->scale;
         }
-    if (!all)
-        for (s = 0; s < n; s++)
-            if (kp[s] > qpos)
-                for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
 }
 
 /* acc[g] += p[g] V over the chunk's n keys for the gb <= 3 heads p[0..gb), acc[0..gb) of the group,
  * one 8-wide slice of the head dim at a time: each V vector is loaded (and widened) once for all gb
  * heads, `keys` keys per step so that 4 to 6 FMA chains are in flight. Masked keys never touch acc. */
 TARGET __attribute__((always_inline)) static inline void pv_block(
-    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
-    int all, const int64_t *kp, int64_t qpos, const int32_t v_type, const int gb) {
-#define load_v(s) load_kv8(a->v, v_type, row[s] + i, v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg] : 0.0f)
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type, const int gb) {
+#define load_v(s) load_kv8(vb, v_type, row[s] + i, v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg] : 0.0f)
+    const uint8_t *vb = c->v;
+    const float *vs = c->v_scales;
+    const int64_t *row = c->row, *srow = c->srow, *kp = c->kp;
+    const int64_t n = c->n, qpos = c->qpos;
+    const int all = c->all;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
     const int keys = gb == 1 ? 4 : 2;
     for (int64_t i = 0; i < Dv; i += 8) {
@@ -417,7 +422,7 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
             float av = acc[g * D + i];
             for (int64_t s = 0; s < n; s++) {
                 if (!all && kp[s] > qpos) continue;
-                av += p[g * C + s] * load_kv1(a->v, v_type, row[s] + i);
+                av += p[g * C + s] * load_kv1(vb, v_type, row[s] + i);
             }
             acc[g * D + i] = av;
         }
@@ -425,92 +430,64 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
 }
 
 TARGET __attribute__((always_inline)) static inline void pv_typed(
-    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, const float *p, float *acc,
-    int all, const int64_t *kp, int64_t qpos, const int32_t v_type) {
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK;
     for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
         const float *pg = p + g0 * C;
         float *ag = acc + g0 * D;
         switch (a->G - g0) {
-        case 1: pv_block(a, row, srow, n, pg, ag, all, kp, qpos, v_type, 1); break;
-        case 2: pv_block(a, row, srow, n, pg, ag, all, kp, qpos, v_type, 2); break;
-        default: pv_block(a, row, srow, n, pg, ag, all, kp, qpos, v_type, 3);
+        case 1: pv_block(a, c, pg, ag, v_type, 1); break;
+        case 2: pv_block(a, c, pg, ag, v_type, 2); break;
+        default: pv_block(a, c, pg, ag, v_type, 3);
         }
     }
 }
 
 /* One instantiation per element type: the type must be a compile-time constant, or every K/V
  * load would test it. */
-TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow,
-                               int64_t n, int64_t nrows, int all, const int64_t *kp, int64_t qpos, float *p) {
+TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_I8); break;
-    case KVREF_TYPE_F16: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_F16); break;
-    case KVREF_TYPE_BF16: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_BF16); break;
-    default: score_typed(a, q, row, srow, n, nrows, all, kp, qpos, p, KVREF_TYPE_F32);
+    case KVREF_TYPE_I8: score_typed(a, c, p, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_F16: score_typed(a, c, p, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: score_typed(a, c, p, KVREF_TYPE_BF16); break;
+    default: score_typed(a, c, p, KVREF_TYPE_F32);
     }
 }
 
-TARGET static void pv_chunk(const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n,
-                            const float *p, float *acc, int all, const int64_t *kp, int64_t qpos) {
+TARGET static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     switch (a->v_type) {
-    case KVREF_TYPE_I8: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_I8); break;
-    case KVREF_TYPE_F16: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F16); break;
-    case KVREF_TYPE_BF16: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_BF16); break;
-    default: pv_typed(a, row, srow, n, p, acc, all, kp, qpos, KVREF_TYPE_F32);
+    case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_F16: pv_typed(a, c, p, acc, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: pv_typed(a, c, p, acc, KVREF_TYPE_BF16); break;
+    default: pv_typed(a, c, p, acc, KVREF_TYPE_F32);
     }
 }
 
-TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
-                             float *l, float *acc, float *scratch) {
-    if ((a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8) && a->group_size % 8 != 0) {
-        kvref_attn_unit_ref(a, t, hk, s0, s1, m, l, acc, scratch); /* scale groups narrower than a vector */
-        return;
-    }
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
-    const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
-    const int64_t qpos = a->q_positions[t];
-    float *p = scratch; /* [G, C] */
-    int64_t *row = (int64_t *)(void *)(p + G * C), *srow = row + C + KVREF_ATTN_LOOKAHEAD;
-
-    for (int64_t c0 = s0; c0 < s1; c0 += C) {
-        const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
-        const int64_t *kp = a->k_positions + c0;
-        int64_t nvis = 0;
-        for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
-        if (nvis == 0) continue;
-        const int all = nvis == n;
-        const int64_t nrows = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
-        kvref_attn_rows(a, hk, c0, nrows, row, srow); /* the chunk's keys and those prefetched */
-        score_chunk(a, q, row, srow, n, nrows, all, kp, qpos, p);
-        for (int64_t g = 0; g < G; g++) {
-            float *pg = p + g * C;
-            const int64_t nv = n / 8 * 8;
-            __m256 vmax = _mm256_set1_ps(-INFINITY);
-            int64_t s = 0;
-            for (; s < nv; s += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + s));
-            float cmax = hmax8(vmax);
-            for (; s < n; s++) cmax = pg[s] > cmax ? pg[s] : cmax;
-            const float mnew = cmax > m[g] ? cmax : m[g];
-            const float alpha = expf(m[g] - mnew);
-            const __m256 vm = _mm256_set1_ps(mnew);
-            __m256 vsum = _mm256_setzero_ps();
-            for (s = 0; s < nv; s += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + s), vm));
-                _mm256_storeu_ps(pg + s, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            float sum = hsum8(vsum);
-            for (; s < n; s++) {
-                pg[s] = expf(pg[s] - mnew);
-                sum += pg[s];
-            }
-            l[g] = l[g] * alpha + sum;
-            if (alpha != 1.0f)
-                for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
-            m[g] = mnew;
+/* each head's max and exponentials 8 keys at a time, the last n % 8 one by one (libm expf) */
+TARGET static void attn_exp(int64_t G, int64_t n, const float *m, float *p, float *mnew, float *sum) {
+    const int64_t nv = n / 8 * 8;
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = p + g * KVREF_ATTN_CHUNK;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int64_t s = 0;
+        for (; s < nv; s += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + s));
+        float cmax = hmax8(vmax);
+        for (; s < n; s++) cmax = pg[s] > cmax ? pg[s] : cmax;
+        const float mx = cmax > m[g] ? cmax : m[g];
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (s = 0; s < nv; s += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + s), vm));
+            _mm256_storeu_ps(pg + s, e);
+            vsum = _mm256_add_ps(vsum, e);
         }
-        pv_chunk(a, row, srow, n, p, acc, all, kp, qpos); /* acc += p V */
+        float total = hsum8(vsum);
+        for (; s < n; s++) {
+            pg[s] = expf(pg[s] - mx);
+            total += pg[s];
+        }
+        mnew[g] = mx;
+        sum[g] = total;
     }
 }
 
@@ -644,7 +621,7 @@ const kvref_kernels kvref_kernels_avx2 = {
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
-    .attn_unit = attn_unit,
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8},
     .swiglu = swiglu,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,

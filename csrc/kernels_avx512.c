@@ -349,11 +349,11 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
     }
 }
 
-/* ---- attention unit (same algorithm as kvref_attn_unit_ref in scalar.c) ------------------ */
+/* ---- attention chunk kernels (the skeleton that runs them: csrc/attention.c) -------------- */
 
-/* 16 K/V values at element e of a layer's K or V, as float32: F16 and BF16 widened, I8 times
- * `scale`, its group's scale (the SIMD unit takes I8 only when 16 | group_size, so a vector never
- * spans two groups). `full` (a compile-time constant where it matters): the mask is all ones, so a
+/* 16 K/V values at element e of a chunk's K or V, as float32: F16 and BF16 widened, I8 times
+ * `scale`, its group's scale (these kernels take I8 only when 16 | group_size, their i8_lanes, so a
+ * vector never spans two groups). `full` (a compile-time constant where it matters): the mask is all ones, so a
  * plain load does (masked loads cost more on some cores). */
 TARGET static inline __m512 load_kv_m(const uint8_t *base, int32_t type, int64_t e, __mmask16 mk, int full,
                                       float scale) {
@@ -397,8 +397,8 @@ TARGET static inline __m256 reduce8(const __m512 *v) {
  * reduction per head. The vectors of one I8 scale group are consecutive (vpg of them), so its
  * scale is read once. */
 TARGET __attribute__((always_inline)) static inline void score8(
-    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, float *p, const int32_t k_type,
-    const int full, const int gb) {
+    const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
+    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
@@ -411,8 +411,8 @@ TARGET __attribute__((always_inline)) static inline void score8(
             __m512 qv[3];
             for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
             for (int r = 0; r < 8; r++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[r] + jg] : 0.0f;
-                const __m512 kv = load_kv_m(a->k, k_type, row[r] + 16 * j, mk, full, sc);
+                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
+                const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, sc);
                 for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
             }
         }
@@ -420,23 +420,27 @@ TARGET __attribute__((always_inline)) static inline void score8(
 }
 
 /* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
- * keys one by one */
+ * keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
+ * skeleton hides them). Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
 TARGET __attribute__((always_inline)) static inline void score_typed(
-    const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
-    float *p, const int32_t k_type, const int full) {
+    const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type, const int full) {
+    const float *q = c->q, *ks = c->k_scales;
+    const uint8_t *kb = c->k;
+    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t n = c->n, nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
-        kvref_attn_prefetch(a->k, a->k_type, a->D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        kvref_attn_prefetch(kb, a->k_type, a->D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;
             switch (G - g0) {
-            case 1: score8(a, qg, row + s, srow + s, pg, k_type, full, 1); break;
-            case 2: score8(a, qg, row + s, srow + s, pg, k_type, full, 2); break;
-            default: score8(a, qg, row + s, srow + s, pg, k_type, full, 3);
+            case 1: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1); break;
+            case 2: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2); break;
+            default: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3);
             }
         }
     }
@@ -446,9 +450,9 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             for (int64_t j = 0, jg = 0; j < nvec; jg++)
                 for (int64_t jj = 0; jj < vpg; jj++, j++) {
                     const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    const float sc = k_type == KVREF_TYPE_I8 ? a->k_scales[srow[s] + jg] : 0.0f;
+                    const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[s] + jg] : 0.0f;
                     d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
-                                        load_kv_m(a->k, k_type, row[s] + 16 * j, mk, full, sc), d);
+                                        load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, sc), d);
                 }
             p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
         }
@@ -460,10 +464,14 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
  * step, so 8 independent FMA chains are in flight, not 4 that wait on the FMA latency at every key.
  * plain: the slice is exactly 4 full vectors. ahead: this pass asks for the next chunk's V. */
 TARGET __attribute__((always_inline)) static inline void pv_visible(
-    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows, const float *p, float *acc,
-    int64_t j0, int ahead, const int32_t v_type, const int plain, __mmask16 last, const int gb) {
-#define load_v(s, j) load_kv_m(a->v, v_type, row[s] + 16 * (j0 + j), mk[j], plain, \
-                               v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg[j]] : 0.0f)
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, int64_t j0, int ahead,
+    const int32_t v_type, const int plain, __mmask16 last, const int gb) {
+#define load_v(s, j) load_kv_m(vb, v_type, row[s] + 16 * (j0 + j), mk[j], plain, \
+                               v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg[j]] : 0.0f)
+    const uint8_t *vb = c->v;
+    const float *vs = c->v_scales;
+    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t n = c->n, nrows = c->nrows;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int keys = gb == 1 ? 2 : 1; /* keys per step */
     __mmask16 mk[4];
@@ -481,7 +489,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
                 ac[k][g][j] = k == 0 ? _mm512_maskz_loadu_ps(mk[j], as + g * D + 16 * j) : _mm512_setzero_ps();
     int64_t s = 0;
     for (; s + keys <= n; s += keys) {
-        if (ahead && (s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+        if (ahead && (s & 7) == 0) kvref_attn_prefetch(vb, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
         for (int k = 0; k < keys; k++)
             for (int j = 0; j < 4; j++) {
                 const __m512 v = load_v(s + k, j);
@@ -503,12 +511,16 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
 
 /* acc += p V over the chunk's n keys; masked keys (kp[s] > qpos) never touch acc */
 TARGET __attribute__((always_inline)) static inline void pv_typed(
-    const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows, const float *p, float *acc,
-    int all, const int64_t *kp, int64_t qpos, const int32_t v_type, const int full) {
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type,
+    const int full) {
+    const uint8_t *vb = c->v;
+    const float *vs = c->v_scales;
+    const int64_t *row = c->row, *srow = c->srow, *kp = c->kp;
+    const int64_t n = c->n, nrows = c->nrows, qpos = c->qpos;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    if (all) { /* every key visible: the head dim in slices of 4 vectors, each for up to 3 heads */
+    if (c->all) { /* every key visible: the head dim in slices of 4 vectors, each for up to 3 heads */
         for (int64_t g0 = 0; g0 < a->G; g0 += 3)
             for (int64_t j0 = 0; j0 < nvec; j0 += 4) {
                 const float *pg = p + g0 * C;
@@ -516,13 +528,13 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
                 const int64_t gb = a->G - g0;
                 const int ahead = g0 == 0 && j0 == 0;
                 if (full && nvec % 4 == 0) {
-                    if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
-                    else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
-                    else pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
+                    if (gb == 1) pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
+                    else if (gb == 2) pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
+                    else pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
                 } else {
-                    if (gb == 1) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 0, last, 1);
-                    else if (gb == 2) pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 0, last, 2);
-                    else pv_visible(a, row, srow, n, nrows, pg, ag, j0, ahead, v_type, 0, last, 3);
+                    if (gb == 1) pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 1);
+                    else if (gb == 2) pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 2);
+                    else pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 3);
                 }
             }
         return;
@@ -536,10 +548,10 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
             const int ahead = g == 0 && j == 0; /* the first pass over the keys asks for the next V */
             __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
             for (int64_t s = 0; s < n; s++) {
-                if (ahead && (s & 7) == 0) kvref_attn_prefetch(a->v, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
+                if (ahead && (s & 7) == 0) kvref_attn_prefetch(vb, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
                 if (kp[s] > qpos) continue;
-                const float sc = v_type == KVREF_TYPE_I8 ? a->v_scales[srow[s] + jg] : 0.0f;
-                av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(a->v, v_type, row[s] + 16 * j, mk, full, sc), av);
+                const float sc = v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg] : 0.0f;
+                av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(vb, v_type, row[s] + 16 * j, mk, full, sc), av);
             }
             _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
         }
@@ -548,101 +560,64 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
 
 /* One instantiation per element type (and, for the float types, per `full`): the type must be a
  * compile-time constant, or every K/V load would test it. I8 always has 16 | D here. */
-TARGET static void score_chunk(const kvref_attn_args *a, const float *q, const int64_t *row, const int64_t *srow,
-                               int64_t n, int64_t nrows, float *p) {
+TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     const int full = a->D % 16 == 0;
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_I8: score_typed(a, c, p, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
-        if (full) score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F16, 1);
-        else score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F16, 0);
+        if (full) score_typed(a, c, p, KVREF_TYPE_F16, 1);
+        else score_typed(a, c, p, KVREF_TYPE_F16, 0);
         break;
     case KVREF_TYPE_BF16:
-        if (full) score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_BF16, 1);
-        else score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_BF16, 0);
+        if (full) score_typed(a, c, p, KVREF_TYPE_BF16, 1);
+        else score_typed(a, c, p, KVREF_TYPE_BF16, 0);
         break;
     default:
-        if (full) score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F32, 1);
-        else score_typed(a, q, row, srow, n, nrows, p, KVREF_TYPE_F32, 0);
+        if (full) score_typed(a, c, p, KVREF_TYPE_F32, 1);
+        else score_typed(a, c, p, KVREF_TYPE_F32, 0);
     }
 }
 
-TARGET static void pv_chunk(const kvref_attn_args *a, const int64_t *row, const int64_t *srow, int64_t n, int64_t nrows,
-                            const float *p, float *acc, int all, const int64_t *kp, int64_t qpos) {
+TARGET static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     const int full = a->D % 16 == 0;
     switch (a->v_type) {
-    case KVREF_TYPE_I8: pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
-        if (full) pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F16, 1);
-        else pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F16, 0);
+        if (full) pv_typed(a, c, p, acc, KVREF_TYPE_F16, 1);
+        else pv_typed(a, c, p, acc, KVREF_TYPE_F16, 0);
         break;
     case KVREF_TYPE_BF16:
-        if (full) pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 1);
-        else pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_BF16, 0);
+        if (full) pv_typed(a, c, p, acc, KVREF_TYPE_BF16, 1);
+        else pv_typed(a, c, p, acc, KVREF_TYPE_BF16, 0);
         break;
     default:
-        if (full) pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F32, 1);
-        else pv_typed(a, row, srow, n, nrows, p, acc, all, kp, qpos, KVREF_TYPE_F32, 0);
+        if (full) pv_typed(a, c, p, acc, KVREF_TYPE_F32, 1);
+        else pv_typed(a, c, p, acc, KVREF_TYPE_F32, 0);
     }
 }
 
-TARGET static void attn_unit(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
-                             float *l, float *acc, float *scratch) {
-    if ((a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8) && a->group_size % 16 != 0) {
-        kvref_attn_unit_ref(a, t, hk, s0, s1, m, l, acc, scratch); /* scale groups narrower than a vector */
-        return;
-    }
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
-    const int64_t qpos = a->q_positions[t];
-    const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    float *p = scratch; /* [G, C] */
-    int64_t *row = (int64_t *)(void *)(p + G * C), *srow = row + C + KVREF_ATTN_LOOKAHEAD;
-
-    for (int64_t c0 = s0; c0 < s1; c0 += C) {
-        const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
-        const int64_t *kp = a->k_positions + c0;
-        int64_t nvis = 0;
-        for (int64_t s = 0; s < n; s++) nvis += kp[s] <= qpos;
-        if (nvis == 0) continue;
-        const int all = nvis == n;
-        const int64_t nrows = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
-        kvref_attn_rows(a, hk, c0, nrows, row, srow); /* the chunk's keys and those prefetched */
-        score_chunk(a, q, row, srow, n, nrows, p);
-        if (!all) /* masked keys: scored like the rest (their values are never used), then hidden */
-            for (int64_t s = 0; s < n; s++)
-                if (kp[s] > qpos)
-                    for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
-        /* online softmax: move the running max once per chunk */
-        for (int64_t g = 0; g < G; g++) {
-            float *pg = p + g * C;
-            __m512 vmax = _mm512_set1_ps(-INFINITY);
-            for (int64_t s = 0; s < n; s += 16) {
-                const __mmask16 mk = n - s >= 16 ? (__mmask16)0xffff : tail_mask(n - s);
-                vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, pg + s));
-            }
-            const float cmax = _mm512_reduce_max_ps(vmax);
-            const float mnew = cmax > m[g] ? cmax : m[g];
-            const float alpha = expf(m[g] - mnew);
-            const __m512 vm = _mm512_set1_ps(mnew);
-            __m512 vsum = _mm512_setzero_ps();
-            for (int64_t s = 0; s < n; s += 16) {
-                const __mmask16 mk = n - s >= 16 ? (__mmask16)0xffff : tail_mask(n - s);
-                const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pg + s), vm)));
-                _mm512_mask_storeu_ps(pg + s, mk, e);
-                vsum = _mm512_add_ps(vsum, e);
-            }
-            l[g] = l[g] * alpha + _mm512_reduce_add_ps(vsum);
-            if (alpha != 1.0f) {
-                const __m512 va = _mm512_set1_ps(alpha);
-                for (int64_t j = 0; j < nvec; j++) {
-                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, _mm512_mul_ps(va, _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j)));
-                }
-            }
-            m[g] = mnew;
+/* each head's max and exponentials 16 keys at a time, the last vector masked (its masked-off lanes
+ * add 0 to the sum) */
+TARGET static void attn_exp(int64_t G, int64_t n, const float *m, float *p, float *mnew, float *sum) {
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = p + g * KVREF_ATTN_CHUNK;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t s = 0; s < n; s += 16) {
+            const __mmask16 mk = n - s >= 16 ? (__mmask16)0xffff : tail_mask(n - s);
+            vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, pg + s));
         }
-        pv_chunk(a, row, srow, n, nrows, p, acc, all, kp, qpos); /* acc += p V */
+        const float cmax = _mm512_reduce_max_ps(vmax);
+        const float mx = cmax > m[g] ? cmax : m[g];
+        const __m512 vm = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t s = 0; s < n; s += 16) {
+            const __mmask16 mk = n - s >= 16 ? (__mmask16)0xffff : tail_mask(n - s);
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pg + s), vm)));
+            _mm512_mask_storeu_ps(pg + s, mk, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        mnew[g] = mx;
+        sum[g] = _mm512_reduce_add_ps(vsum);
     }
 }
 
@@ -797,7 +772,7 @@ TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
-    .attn_unit = attn_unit,                                                                      \
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
     .swiglu = swiglu,                                                                            \
     .quantize_q8 = quantize_q8,                                                                  \
     .to_fp16 = to_fp16

@@ -89,7 +89,7 @@ void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, 
     kvref_attn_args a;
     kvref_kv_layer(kv, layer, &a);
     int64_t row, srow;
-    kvref_attn_rows(&a, 0, position, 1, &row, &srow);
+    kvref_attn_rows(&a, position, 1, &row, &srow);
     const int64_t n = kv->n_kv_heads * kv->head_dim;
     encode(kv->k_type, n, kv->group_size, k, kk, (uint8_t *)a.k + row * kvref_kv_element_bytes(kv->k_type),
            a.k_scales != NULL ? (float *)a.k_scales + srow : NULL);

@@ -41,7 +41,8 @@ enum kvref_status {
     KVREF_ERR_NOMEM = 6,       /* scratch memory could not be allocated */
     KVREF_ERR_THREAD = 7,      /* a worker thread could not be started */
     KVREF_ERR_ISA = 8,         /* the requested instruction set is not available on this CPU/build */
-    KVREF_ERR_VALUE = 9        /* a scalar argument is out of range (a position < 0, eps < 0, ...) */
+    KVREF_ERR_VALUE = 9,       /* a scalar argument is out of range (a position < 0, eps < 0, ...) */
+    KVREF_ERR_INJECTED = 10    /* a failure armed by kvref_state_fail_at_layer (a test hook) */
 };
 
 /* Instruction sets a pool can run its kernels with; chosen at run time from CPU detection. */
@@ -263,6 +264,14 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
  * norms, RoPE, cache writes), out[3] the number of kvref_forward calls counted. */
 void kvref_state_timings(const kvref_state *state, int64_t *out);
 void kvref_state_reset_timings(kvref_state *state);
+
+/* Test hook: arm a one-shot failure. The next kvref_forward on this state returns
+ * KVREF_ERR_INJECTED when it reaches `layer` (after writing the K/V of layers < layer, before any
+ * of `layer`'s); -1 disarms. The hook disarms itself once it fires; a call that fails before it
+ * reaches the layer leaves it armed. Like every call on a state, not concurrent with a
+ * kvref_forward on the same state. KVREF_ERR_NULL for a NULL state, KVREF_ERR_VALUE for a layer
+ * outside [-1, n_layers). */
+int kvref_state_fail_at_layer(kvref_state *state, int64_t layer);
 
 #ifdef __cplusplus
 }

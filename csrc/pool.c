@@ -398,6 +398,7 @@ const char *kvref_status_string(int32_t status) {
     case KVREF_ERR_THREAD: return "could not start a worker thread";
     case KVREF_ERR_ISA: return "instruction set not available on this CPU or build";
     case KVREF_ERR_VALUE: return "a scalar argument is out of range";
+    case KVREF_ERR_INJECTED: return "injected failure (test hook)";
     default: return "unknown status";
     }
 }

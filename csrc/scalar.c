@@ -164,11 +164,11 @@ static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64
         for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot_f32(K, x + t * K, w + n * K);
 }
 
-/* ---- attention unit ----------------------------------------------------------------------- */
+/* ---- attention chunk kernels ----------------------------------------------------------------- */
 
-/* element e of a layer's K or V (e = row + i, row from kvref_attn_rows), as float32; an I8 element
+/* element e of a chunk's K or V (base: c->k or c->v; e = row[s] + i), as float32; an I8 element
  * times its group's scale (the group of element e is e / group_size: rows start on a group) */
-static float kv_value(const uint8_t *base, const float *scales, int32_t type, int64_t group_size, int64_t e) {
+static inline float kv_value(const uint8_t *base, const float *scales, int32_t type, int64_t group_size, int64_t e) {
     switch (type) {
     case KVREF_TYPE_F16: return kvref_load_fp16(base + 2 * e);
     case KVREF_TYPE_BF16: return kvref_bf16_to_fp32(kvref_load_u16(base + 2 * e));
@@ -177,53 +177,77 @@ static float kv_value(const uint8_t *base, const float *scales, int32_t type, in
     }
 }
 
-/* One query position and one kv head against keys [s0, s1), in chunks of KVREF_ATTN_CHUNK keys,
- * updating (m, l, acc): score the chunk for every head of the group, move each head's running max
- * once per chunk (rescaling what was accumulated), then add probability x value. */
-void kvref_attn_unit_ref(const kvref_attn_args *a, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *m,
-                         float *l, float *acc, float *scratch) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size;
-    const float *q = a->q + (t * a->H + hk * G) * D; /* [G, D] */
-    const int64_t qpos = a->q_positions[t];
-    float *p = scratch;                                /* [G, C] */
-    int64_t *row = (int64_t *)(void *)(p + G * C), *srow = row + C + KVREF_ATTN_LOOKAHEAD;
-    for (int64_t c0 = s0; c0 < s1; c0 += C) {
-        const int64_t n = (s1 - c0 < C) ? s1 - c0 : C;
-        int any = 0;
-        for (int64_t s = 0; s < n; s++) any |= a->k_positions[c0 + s] <= qpos;
-        if (!any) continue;
-        kvref_attn_rows(a, hk, c0, n, row, srow);
-        for (int64_t s = 0; s < n; s++) {
-            const int visible = a->k_positions[c0 + s] <= qpos;
-            for (int64_t g = 0; g < G; g++) {
-                float dot = 0.0f;
-                if (visible)
-                    for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(a->k, a->k_scales, a->k_type, gs, row[s] + i);
-                p[g * C + s] = visible ? dot * a->scale : -INFINITY;
-            }
-        }
+/* The portable chunk kernels: plain loops, any K/V type and group size. They are the scalar table's,
+ * and what the SIMD tables run for I8 scale groups narrower than their vectors. The score and value
+ * loops are instantiated per element type (`type` a constant once inlined), so the element loads do
+ * not test the type. */
+
+/* p[g * C + s] = (q_g . k_s) * scale, the visible keys only, each dot summed in element order */
+static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t type) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n, qpos = c->qpos;
+    const float *q = c->q, *scales = c->k_scales;
+    const uint8_t *k = c->k;
+    const int64_t *row = c->row, *kp = c->kp;
+    const int all = c->all;
+    for (int64_t s = 0; s < n; s++) {
+        if (!all && kp[s] > qpos) continue;
         for (int64_t g = 0; g < G; g++) {
-            float cmax = -INFINITY;
-            for (int64_t s = 0; s < n; s++) cmax = p[g * C + s] > cmax ? p[g * C + s] : cmax;
-            const float mnew = cmax > m[g] ? cmax : m[g];
-            const float alpha = expf(m[g] - mnew); /* 0 while nothing was seen (m = -inf) */
-            float sum = 0.0f;
-            for (int64_t s = 0; s < n; s++) {
-                p[g * C + s] = expf(p[g * C + s] - mnew); /* masked: exp(-inf) = 0 */
-                sum += p[g * C + s];
-            }
-            l[g] = l[g] * alpha + sum;
-            if (alpha != 1.0f)
-                for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
-            m[g] = mnew;
+            float dot = 0.0f;
+            for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(k, scales, type, gs, row[s] + i);
+            p[g * C + s] = dot * a->scale;
         }
+    }
+}
+
+/* acc += p V: key by key, each value loaded once for the G heads */
+static inline void values_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc,
+                              const int32_t type) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n, qpos = c->qpos;
+    const float *scales = c->v_scales;
+    const uint8_t *v = c->v;
+    const int64_t *row = c->row, *kp = c->kp;
+    const int all = c->all;
+    for (int64_t s = 0; s < n; s++) {
+        if (!all && kp[s] > qpos) continue;
+        for (int64_t i = 0; i < D; i++) {
+            const float vi = kv_value(v, scales, type, gs, row[s] + i);
+            for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
+        }
+    }
+}
+
+static void attn_score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    switch (a->k_type) {
+    case KVREF_TYPE_F16: score_ref(a, c, p, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: score_ref(a, c, p, KVREF_TYPE_BF16); break;
+    case KVREF_TYPE_I8: score_ref(a, c, p, KVREF_TYPE_I8); break;
+    default: score_ref(a, c, p, KVREF_TYPE_F32);
+    }
+}
+
+static void attn_values_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
+    switch (a->v_type) {
+    case KVREF_TYPE_F16: values_ref(a, c, p, acc, KVREF_TYPE_F16); break;
+    case KVREF_TYPE_BF16: values_ref(a, c, p, acc, KVREF_TYPE_BF16); break;
+    case KVREF_TYPE_I8: values_ref(a, c, p, acc, KVREF_TYPE_I8); break;
+    default: values_ref(a, c, p, acc, KVREF_TYPE_F32);
+    }
+}
+
+/* each head's max, then p = exp(p - mnew) and their sum, one key at a time */
+static void attn_exp_ref(int64_t G, int64_t n, const float *m, float *p, float *mnew, float *sum) {
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = p + g * KVREF_ATTN_CHUNK;
+        float cmax = -INFINITY;
+        for (int64_t s = 0; s < n; s++) cmax = pg[s] > cmax ? pg[s] : cmax;
+        const float mx = cmax > m[g] ? cmax : m[g];
+        float total = 0.0f;
         for (int64_t s = 0; s < n; s++) {
-            if (a->k_positions[c0 + s] > qpos) continue; /* masked keys never touch acc */
-            for (int64_t i = 0; i < D; i++) {
-                const float vi = kv_value(a->v, a->v_scales, a->v_type, gs, row[s] + i);
-                for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
-            }
+            pg[s] = expf(pg[s] - mx); /* masked: exp(-inf) = 0 */
+            total += pg[s];
         }
+        mnew[g] = mx;
+        sum[g] = total;
     }
 }
 
@@ -321,7 +345,7 @@ const kvref_kernels kvref_kernels_scalar = {
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
-    .attn_unit = kvref_attn_unit_ref,
+    .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1},
     .swiglu = swiglu_scalar,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1,

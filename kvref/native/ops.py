@@ -79,7 +79,7 @@ _STATUS_ERRORS = {
     lib.KVREF_ERR_NULL: ShapeError, lib.KVREF_ERR_DIM: ShapeError, lib.KVREF_ERR_SHAPE: ShapeError,
     lib.KVREF_ERR_SIZE: ShapeError, lib.KVREF_ERR_VALUE: ShapeError, lib.KVREF_ERR_TYPE: DTypeError,
     lib.KVREF_ERR_NOMEM: BackendError, lib.KVREF_ERR_THREAD: BackendError,
-    lib.KVREF_ERR_ISA: BackendError,
+    lib.KVREF_ERR_ISA: BackendError, lib.KVREF_ERR_INJECTED: BackendError,
 }
 
 
