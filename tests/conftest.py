@@ -97,8 +97,8 @@ def gguf_metadata() -> dict:
 
 
 # K/V storage types the native kernels read in place (kvref.native.ops.KV_TYPES), and the lanes of
-# each instruction set's attention unit: int8 scale groups narrower than a vector go to the portable
-# unit (csrc/kernels_*.c attn_unit), whose summation order differs from the SIMD unit's.
+# each instruction set's attention kernels: int8 scale groups narrower than a vector go to the
+# portable chunk kernels (csrc/scalar.c), whose summation order differs from the SIMD kernels'.
 NATIVE_KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
 ATTENTION_LANES = {"scalar": 1, "avx2": 8, "avx512": 16}
 

@@ -301,7 +301,7 @@ def test_attention_is_bit_identical_for_1_and_2_threads(case, isa):
 @st.composite
 def long_cache_attention_cases(draw):
     """Decode-sized query counts over caches long enough (> 3 segments of 256 keys) that a work unit
-    covers every kv head of a run of key segments (csrc/attention.c, attn_segment_task)."""
+    covers every kv head of a run of key segments (csrc/attention.c, attn_task)."""
     T, Hkv, G = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     D = draw(st.sampled_from([3, 16, 24, 64, 80, 128]))
     S = draw(st.integers(769, 1400))
