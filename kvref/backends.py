@@ -30,7 +30,16 @@ KV_DTYPES = {"numpy": ("float64", "float32", "float16", "bfloat16", "int8"),
 _fallback_reported = []
 
 
-def resolve(backend: str, dtype: str = "float32") -> str:
+def native_problem(config) -> str | None:
+    """Why the native kernels cannot run `config` (None when they can): they compute the Llama
+    family, and the config sets fields of another (ModelConfig.family_fields)."""
+    fields = {} if config is None else config.family_fields()
+    if not fields:
+        return None
+    return f"the native kernels compute the Llama family; this model sets {', '.join(fields)}"
+
+
+def resolve(backend: str, dtype: str = "float32", config=None) -> str:
     """The concrete backend ("numpy" or "c") for a requested one; KVREF_BACKEND overrides "auto"."""
     if backend not in BACKENDS:
         raise BackendError(f"backend {backend!r} is unknown; expected one of {BACKENDS}")
@@ -41,6 +50,8 @@ def resolve(backend: str, dtype: str = "float32") -> str:
     if backend == "auto":
         if dtype not in NATIVE_DTYPES:
             return "numpy"  # the exactness path: float64 runs only in the spec
+        if native_problem(config) is not None:
+            return "numpy"  # a family whose fields only the spec computes so far (Model.backend says which)
         if native.available():
             return "c"
         if not _fallback_reported:
@@ -54,6 +65,9 @@ def resolve(backend: str, dtype: str = "float32") -> str:
         if dtype not in NATIVE_DTYPES:
             raise DTypeError(f"the native backend computes in {NATIVE_DTYPES}; model dtype {dtype!r} needs "
                              "backend='numpy'")
+        problem = native_problem(config)
+        if problem is not None:
+            raise BackendError(f"{problem}; use backend='numpy'")
     return backend
 
 

@@ -1,4 +1,8 @@
-"""ModelConfig: every architecture number of a decoder-only Llama-family model, in one place."""
+"""ModelConfig: every architecture number of a decoder-only model, in one place.
+
+A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 3) is a set of these fields, read by the one
+decoder where they apply; the defaults are Llama's. docs/architectures.md has the table.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ConfigError
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+# the fields that make the families other than Llama; at their defaults a config is Llama's
+FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
+                 "layer_windows", "rope_local_theta")
 
 
 @dataclass(frozen=True)
@@ -21,6 +30,16 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base: pair i rotates by position * theta**(-2i/D)
     norm_eps: float = 1e-5  # RMSNorm epsilon, added to the mean square before the root
     tie_embeddings: bool = False  # the LM head reuses the token embedding matrix
+    # -- fields that make the other families (defaults: Llama) ------------------------------------
+    qkv_bias: bool = False  # Qwen 2/2.5: the Q, K and V projections add a bias
+    qk_norm: bool = False  # Qwen 3, Gemma 3: RMSNorm of each head's q and k (gain [D]) before RoPE
+    sandwich_norms: bool = False  # Gemma 3: RMSNorm also on the attention and MLP outputs, before the residual add
+    embedding_scale: float = 1.0  # Gemma 3: sqrt(d_model); embeddings are multiplied by it
+    activation: str = "silu"  # the MLP gate: "silu" (SwiGLU: Llama, Qwen, Mistral) or "gelu_tanh" (GeGLU: Gemma)
+    attention_scale: float | None = None  # scores x this; None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar**-0.5
+    layer_windows: tuple | None = None  # per layer: None (attends to every position) or W (the last W
+    #                                     positions, itself included); Gemma 3: 512 on 5 layers of 6, Mistral v0.1: 4096
+    rope_local_theta: float | None = None  # RoPE base on windowed layers (Gemma 3: 10,000 there, rope_theta elsewhere)
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -43,8 +62,39 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("embedding_scale", "attention_scale", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                                      or value == float("inf")):
+                raise ConfigError(f"{name}={value!r} must be a positive finite number")
+        if self.embedding_scale is None:
+            raise ConfigError("embedding_scale must be a number (1.0: embeddings as stored)")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation={self.activation!r} is unknown; expected one of {ACTIVATIONS}")
+        if self.layer_windows is not None:
+            windows = self.layer_windows
+            if (not isinstance(windows, tuple) or len(windows) != self.n_layers
+                    or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0) for w in windows)):
+                raise ConfigError(f"layer_windows={windows!r} must be a tuple of {self.n_layers} entries, each None "
+                                  "(global) or a positive window")
+
+    def family_fields(self) -> dict:
+        """The FAMILY_FIELDS this config sets to something other than Llama's value."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in FAMILY_FIELDS if getattr(self, name) != defaults[name]}
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: every position)."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of `layer`: rope_local_theta on windowed layers when given, else rope_theta."""
+        if self.rope_local_theta is not None and self.window(layer) is not None:
+            return self.rope_local_theta
+        return self.rope_theta
 
     @property
     def group_size(self) -> int:

@@ -13,7 +13,7 @@ from .cache import BlockPool, ContiguousCache, KVCache, WindowCache, dtype_name
 from .spec import decoder
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
-from .config import ModelConfig
+from .config import FAMILY_FIELDS, ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .weights import Weights, random_weights
@@ -32,7 +32,7 @@ class Model:
         self.config = config
         self.weights = weights
         self.dtype = model_dtype(dtype)
-        self.backend = backends.resolve(backend, self.dtype)
+        self.backend = backends.resolve(backend, self.dtype, config)
         self.ops = backends.kernels(self.backend, threads)
         # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
         # None: every execution runs the shared decoder kernel by kernel
@@ -76,7 +76,7 @@ class Model:
         k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
         if group_size is not None and "int8" not in (k_name, v_name):
             raise CacheError(f"group_size={group_size!r} applies to int8 K/V; these are {k_name}/{v_name}")
-        common = dict(v_dtype=v_name, group_size=group_size, rope_theta=c.rope_theta)
+        common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
         if layout == "contiguous":
             capacity = c.max_seq_len if capacity is None else capacity
             if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
@@ -102,6 +102,13 @@ class Model:
         cache.sequence.model = self.fingerprint()
         return cache
 
+    @property
+    def kv_rope_theta(self) -> float | None:
+        """The RoPE base every cached key was rotated with, which a context shift needs; None when it
+        differs between layers (Gemma 3's local and global bases), so a cache refuses to shift."""
+        c = self.config
+        return c.rope_theta if c.rope_local_theta in (None, c.rope_theta) else None
+
     def load_cache(self, path, pool=None) -> KVCache:
         """A cache holding what cache.save(path) wrote, for this model only (see kvref/cache/fileformat.py).
 
@@ -118,7 +125,11 @@ class Model:
         retraining or different random seed; K/V computed by one model are wrong for another.
         """
         if getattr(self, "_fingerprint", None) is None:
-            config = dataclasses.asdict(self.config)
+            # family fields at their defaults (Llama's) are left out, so adding one to ModelConfig
+            # does not change the fingerprint of any model saved before
+            config = {name: value for name, value in dataclasses.asdict(self.config).items()
+                      if name not in FAMILY_FIELDS}
+            config.update(self.config.family_fields())
             w = self.weights
             sample = [w.output_norm, *(g for lw in w.layers for g in (lw.attn_norm, lw.ffn_norm)),
                       self.ops.embed(w.tok_embeddings, np.array([0, self.config.vocab_size // 2,

@@ -1,4 +1,4 @@
-"""Weights: every tensor of a Llama-family decoder, in file layout, one plain type per level.
+"""Weights: every tensor of a decoder, in file layout, one plain type per level.
 
 Projection matrices are [out, in] as GGUF and PyTorch store them; nothing is transposed at load.
 A backend may hold a tensor in its own form (the native path keeps quantized blocks); the decoder
@@ -25,6 +25,13 @@ class LayerWeights:
     w_gate: object  # [F, E]        SwiGLU gate projection
     w_up: object  # [F, E]          SwiGLU up projection
     w_down: object  # [E, F]        SwiGLU down projection
+    bq: object = None  # [H*D]      query bias (config.qkv_bias)
+    bk: object = None  # [Hkv*D]    key bias
+    bv: object = None  # [Hkv*D]    value bias
+    q_norm: object = None  # [D]    RMSNorm gain of each query head (config.qk_norm)
+    k_norm: object = None  # [D]    RMSNorm gain of each key head
+    post_attn_norm: object = None  # [E]  RMSNorm gain on the attention output (config.sandwich_norms)
+    post_ffn_norm: object = None  # [E]   RMSNorm gain on the MLP output
 
 
 @dataclass
@@ -52,6 +59,12 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(dtype)
 
     tok_embeddings = rng.standard_normal((V, E)).astype(dtype)
+    def bias(n):
+        return (0.1 * rng.standard_normal(n)).astype(dtype) if config.qkv_bias else None
+
+    def optional_gain(n, present):
+        return gain(n) if present else None
+
     layers = [
         LayerWeights(
             attn_norm=gain(E),
@@ -63,6 +76,11 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
             w_gate=matrix(F, E),
             w_up=matrix(F, E),
             w_down=matrix(E, F),
+            bq=bias(config.q_dim), bk=bias(config.kv_dim), bv=bias(config.kv_dim),
+            q_norm=optional_gain(config.head_dim, config.qk_norm),
+            k_norm=optional_gain(config.head_dim, config.qk_norm),
+            post_attn_norm=optional_gain(E, config.sandwich_norms),
+            post_ffn_norm=optional_gain(E, config.sandwich_norms),
         )
         for _ in range(config.n_layers)
     ]

@@ -37,11 +37,11 @@ class StopAtLayer:
     def __getattr__(self, name):
         return getattr(self.ops, name)
 
-    def attention(self, *args):
+    def attention(self, *args, **kwargs):
         self.n -= 1
         if self.n < 0:
             raise self.error("interrupted inside a layer")
-        return self.ops.attention(*args)
+        return self.ops.attention(*args, **kwargs)
 
 
 def pool_state(pool):

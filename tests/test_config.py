@@ -39,3 +39,25 @@ def test_group_size_names_mha_gqa_and_mqa():
     assert kvref.ModelConfig(**{**BASE, "n_kv_heads": 4}).group_size == 1  # MHA
     assert kvref.ModelConfig(**BASE).group_size == 2  # GQA
     assert kvref.ModelConfig(**{**BASE, "n_kv_heads": 1}).group_size == 4  # MQA
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"activation": "relu"}, "activation='relu' is unknown"),
+    ({"layer_windows": (4, None)}, "layer_windows=.* must be a tuple of 3 entries"),
+    ({"layer_windows": (4, 0, None)}, "must be a tuple of 3 entries"),
+    ({"attention_scale": -1.0}, "attention_scale=-1.0 must be a positive finite number"),
+    ({"embedding_scale": float("inf")}, "embedding_scale=inf"),
+    ({"qk_norm": 1}, "qk_norm=1 must be True or False"),
+])
+def test_family_fields_are_validated(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        kvref.ModelConfig(n_layers=3, d_model=8, n_heads=2, n_kv_heads=1, d_ff=8, vocab_size=8, max_seq_len=8, **fields)
+
+
+def test_family_fields_name_what_differs_from_llama_and_the_layers_read_them():
+    base = dict(n_layers=3, d_model=8, n_heads=2, n_kv_heads=1, d_ff=8, vocab_size=8, max_seq_len=8)
+    assert kvref.ModelConfig(**base).family_fields() == {}
+    gemma = kvref.ModelConfig(**base, layer_windows=(4, 4, None), rope_theta=1e6, rope_local_theta=1e4, qk_norm=True)
+    assert gemma.family_fields() == {"qk_norm": True, "layer_windows": (4, 4, None), "rope_local_theta": 1e4}
+    assert [gemma.window(i) for i in range(3)] == [4, 4, None]
+    assert [gemma.layer_rope_theta(i) for i in range(3)] == [1e4, 1e4, 1e6]

@@ -154,9 +154,9 @@ def load_cache(model, path, pool=None):
         theta = header["rope"]["theta"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CacheError(f"{where}: header field missing or malformed ({exc})") from None
-    if theta != model.config.rope_theta:
+    if theta != model.kv_rope_theta:
         raise CacheError(f"{where}: keys were rotated with rope_theta={theta}; this model uses "
-                         f"{model.config.rope_theta}")
+                         f"{model.kv_rope_theta}")
     c = model.config
     shape = (c.n_layers, n, c.n_kv_heads, c.head_dim)
     need = {"positions": (n,), "k": shape, "v": shape}

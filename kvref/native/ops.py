@@ -434,8 +434,13 @@ class Kernels:
         check_status(status, "rope")
         return out
 
-    def attention(self, q, k, v, q_positions, k_positions):
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None):
         # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+        # scale 1/sqrt(D) and no layer window: the C kernels cover those (backends.native_problem
+        # keeps models with other values on the spec path)
+        if scale is not None or window is not None:
+            raise BackendError(f"the native attention computes scale 1/sqrt(D) with no layer window; asked for "
+                               f"scale={scale!r}, window={window!r}")
         _array(k, "k", (_F32, _F16), 3)
         _array(v, "v", (_F32, _F16), 3)
         if v.shape != k.shape or v.dtype != k.dtype:
@@ -508,9 +513,9 @@ def rope(x, positions, theta, *, threads=None):
     return kernels(threads).rope(x, positions, theta)
 
 
-def attention(q, k, v, q_positions, k_positions, *, threads=None):
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, *, threads=None):
     # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
-    return kernels(threads).attention(q, k, v, q_positions, k_positions)
+    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window)
 
 
 def swiglu(gate, up, *, threads=None):

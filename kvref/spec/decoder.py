@@ -31,7 +31,7 @@ from ..weights import LayerWeights, Weights
 def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_logits=False):
     # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T
     with cache.begin(token_ids) as execution:  # room checked first; an exception inside leaves the cache as it was
-        x = ops.embed(weights.tok_embeddings, token_ids)  # [T, E]
+        x = embed_tokens(ops, config, weights, token_ids)  # [T, E]
         for layer, lw in enumerate(weights.layers):
             x = x + attention_block(ops, config, lw, x, execution, layer)  # [T, E]
             x = x + mlp_block(ops, config, lw, x)  # [T, E]
@@ -43,19 +43,52 @@ def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_lo
     return logits
 
 
+def embed_tokens(ops, config: ModelConfig, weights: Weights, token_ids):
+    # [T] -> [T, E]
+    x = ops.embed(weights.tok_embeddings, token_ids)  # [T, E]
+    if config.embedding_scale != 1.0:  # Gemma: x sqrt(E), rounded to the activation type first as Gemma does
+        x = x * np.asarray(config.embedding_scale, dtype=x.dtype)
+    return x
+
+
 def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, layer):
     # [T, E] -> [T, E]; execution: the open one (positions, and the cache's K/V)
-    T, H, Hkv, D = x.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
     positions = execution.positions  # [T] absolute positions of the new tokens
-    h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [T, E]
-    q = ops.matmul(h, lw.wq).reshape(T, H, D)  # [T, H, D]
-    k = ops.matmul(h, lw.wk).reshape(T, Hkv, D)  # [T, Hkv, D]
-    v = ops.matmul(h, lw.wv).reshape(T, Hkv, D)  # [T, Hkv, D]
-    q = ops.rope(q, positions, config.rope_theta)  # rotated for the absolute positions
-    k = ops.rope(k, positions, config.rope_theta)  # stored rotated: never rotated again
+    q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [T, H, D], [T, Hkv, D] x2
     k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
-    out = ops.attention(q, k_all, v_all, positions, k_positions)  # [T, H, D]
-    return ops.matmul(out.reshape(T, H * D), lw.wo)  # [T, E]
+    out = ops.attention(q, k_all, v_all, positions, k_positions,  # [T, H, D]
+                        scale=config.attention_scale, window=config.window(layer))
+    return attention_output(ops, config, lw, out)  # [T, E]
+
+
+def project_qkv(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer):
+    # [T, E], [T] -> q [T, H, D], k [T, Hkv, D] (both rotated for their absolute positions), v [T, Hkv, D]
+    T, H, Hkv, D = x.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
+    h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [T, E]
+    q = project(ops, h, lw.wq, lw.bq).reshape(T, H, D)  # [T, H, D]
+    k = project(ops, h, lw.wk, lw.bk).reshape(T, Hkv, D)  # [T, Hkv, D]
+    v = project(ops, h, lw.wv, lw.bv).reshape(T, Hkv, D)  # [T, Hkv, D]
+    if config.qk_norm:  # Qwen 3, Gemma 3: every head's q and k normalised on their own, before RoPE
+        q = ops.rms_norm(q.reshape(T * H, D), lw.q_norm, config.norm_eps).reshape(T, H, D)
+        k = ops.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, config.norm_eps).reshape(T, Hkv, D)
+    theta = config.layer_rope_theta(layer)
+    q = ops.rope(q, positions, theta)  # rotated for the absolute positions
+    k = ops.rope(k, positions, theta)  # stored rotated: never rotated again
+    return q, k, v
+
+
+def project(ops, x, w, bias):
+    # [T, K], [N, K], [N] or None -> [T, N]
+    y = ops.matmul(x, w)
+    return y if bias is None else y + bias  # Qwen 2's Q, K, V biases
+
+
+def attention_output(ops, config: ModelConfig, lw: LayerWeights, out):
+    # [T, H, D] -> [T, E]
+    y = ops.matmul(out.reshape(out.shape[0], -1), lw.wo)  # [T, E]
+    if config.sandwich_norms:  # Gemma 3 normalises the block's output too, before the residual add
+        y = ops.rms_norm(y, lw.post_attn_norm, config.norm_eps)
+    return y
 
 
 def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x):
@@ -63,7 +96,11 @@ def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x):
     h = ops.rms_norm(x, lw.ffn_norm, config.norm_eps)  # [T, E]
     gate = ops.matmul(h, lw.w_gate)  # [T, F]
     up = ops.matmul(h, lw.w_up)  # [T, F]
-    return ops.matmul(ops.swiglu(gate, up), lw.w_down)  # [T, E]
+    gated = ops.swiglu(gate, up) if config.activation == "silu" else ops.geglu(gate, up)  # [T, F]
+    y = ops.matmul(gated, lw.w_down)  # [T, E]
+    if config.sandwich_norms:
+        y = ops.rms_norm(y, lw.post_ffn_norm, config.norm_eps)
+    return y
 
 
 def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_logits=False):
@@ -74,7 +111,7 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
     # sequence, each against its own cache.
     bounds = np.cumsum([0, *(e.n_new for e in executions)])  # rows bounds[b]:bounds[b+1] are sequence b's
     positions = np.concatenate([e.positions for e in executions])  # [N]: each row's own position
-    x = ops.embed(weights.tok_embeddings, np.concatenate([e.token_ids for e in executions]))  # [N, E]
+    x = embed_tokens(ops, config, weights, np.concatenate([e.token_ids for e in executions]))  # [N, E]
     for layer, lw in enumerate(weights.layers):
         x = x + batch_attention_block(ops, config, lw, x, positions, bounds, executions, layer)  # [N, E]
         x = x + mlp_block(ops, config, lw, x)  # [N, E]
@@ -91,14 +128,11 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
 
 def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
     # [N, E] rows of B sequences -> [N, E]; the projections are shared, attention is per sequence
-    N, H, Hkv, D = x.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
-    h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [N, E]
-    q = ops.rope(ops.matmul(h, lw.wq).reshape(N, H, D), positions, config.rope_theta)  # [N, H, D]
-    k = ops.rope(ops.matmul(h, lw.wk).reshape(N, Hkv, D), positions, config.rope_theta)  # [N, Hkv, D]
-    v = ops.matmul(h, lw.wv).reshape(N, Hkv, D)  # [N, Hkv, D]
+    q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [N, H, D], [N, Hkv, D] x2
     out = np.empty_like(q)  # [N, H, D]
     for b, execution in enumerate(executions):
         rows = slice(bounds[b], bounds[b + 1])  # this sequence's new positions
         k_all, v_all, k_positions = execution.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
-        out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions)  # [T_b, H, D]
-    return ops.matmul(out.reshape(N, H * D), lw.wo)  # [N, E]
+        out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions,  # [T_b, H, D]
+                                  scale=config.attention_scale, window=config.window(layer))
+    return attention_output(ops, config, lw, out)  # [N, E]

@@ -68,19 +68,28 @@ def softmax(scores, axis=-1):
     return np.divide(e, total, out=np.zeros_like(e), where=total > 0).astype(scores.dtype)
 
 
-def attention(q, k, v, q_positions, k_positions):
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
     # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
     # Causal by position, not by index: query at position p sees every stored key at a position
-    # <= p. The cache decides which positions it still holds (a window drops old ones).
+    # <= p, and with a layer window W only those > p - W (its last W positions, itself included),
+    # whatever the cache holds and however the input was split into executions. The cache decides
+    # which positions it still holds (a window layout drops old ones).
     # GQA without copying K/V: query head h reads kv head h // G, expressed as a group axis.
+    # scale: what scores are multiplied by; None: 1/sqrt(D).
     T, H, D = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
     qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
     kh = k.transpose(1, 2, 0)  # [Hkv, D, S]
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
-    scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
-    visible = np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]  # [T, S]
+    if scale is None:
+        scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
+    else:
+        scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
+    k_pos, q_pos = np.asarray(k_positions)[None, :], np.asarray(q_positions)[:, None]
+    visible = k_pos <= q_pos  # [T, S]
+    if window is not None:
+        visible &= k_pos > q_pos - window
     scores = np.where(visible, scores, -np.inf)
     out = softmax(scores) @ vh[:, None]  # [Hkv, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(T, H, D)
@@ -94,3 +103,14 @@ def silu(x):
 def swiglu(gate, up):
     # [T, F], [T, F] -> [T, F]
     return silu(gate) * up
+
+
+def gelu_tanh(x):
+    # GELU with its tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    c = np.asarray(np.sqrt(2.0 / np.pi), dtype=x.dtype)
+    return 0.5 * x * (1.0 + np.tanh(c * (x + np.asarray(0.044715, dtype=x.dtype) * x * x * x)))
+
+
+def geglu(gate, up):
+    # [T, F], [T, F] -> [T, F]: Gemma's gated MLP, GELU (tanh form) in place of SiLU
+    return gelu_tanh(gate) * up

@@ -1,0 +1,186 @@
+"""Hugging Face checkpoints: config.json and tensor names -> ModelConfig and Weights.
+
+    config_from_hf(config_json)                      a config.json dict -> ModelConfig
+    weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
+
+Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text (docs/architectures.md has
+the table of fields). What a checkpoint stores differently from what the decoder reads is converted
+here, once, so the decoder never needs to know where a model came from:
+
+  - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
+    decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
+    rows (and their biases and QK-norm gains) are reordered so that row 2i holds HF row i and row
+    2i+1 holds HF row i + D/2: the same rotations of the same numbers, and a dot product of q and k
+    is unchanged by reordering both alike. V and the output projection keep their order, so the
+    attention output is HF's. The cached K are in the reordered layout.
+  - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
+
+Anything this module does not compute exactly (another RoPE type, biases on the output or MLP
+projections, logit soft-capping, sliding windows on some Qwen layers) is refused with a ConfigError
+naming the field, never ignored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ConfigError, ShapeError
+from ..weights import LayerWeights, Weights
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig of an HF config.json (as a dict); ConfigError for anything not computed exactly."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ConfigError(f"model_type {family!r} is not supported; kvref reads {FAMILIES}")
+    n_layers, n_heads = _int(hf, "num_hidden_layers"), _int(hf, "num_attention_heads")
+    d_model = _int(hf, "hidden_size")
+    head_dim = hf.get("head_dim") or d_model // n_heads
+    _refuse(hf, family)
+    gemma = family == "gemma3_text"
+    thetas = _rope_thetas(hf, family)
+    windows = _layer_windows(hf, family, n_layers)
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+        n_kv_heads=_int(hf, "num_key_value_heads", n_heads), d_ff=_int(hf, "intermediate_size"),
+        vocab_size=_int(hf, "vocab_size"), max_seq_len=_int(hf, "max_position_embeddings"), head_dim=head_dim,
+        rope_theta=thetas["full_attention"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=family in ("qwen3", "gemma3_text"),
+        sandwich_norms=gemma,
+        embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
+        activation="gelu_tanh" if gemma else "silu",
+        attention_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
+        layer_windows=windows,
+        rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
+    )
+
+
+def weights_from_hf(hf: dict, tensors, dtype="float32"):
+    """(ModelConfig, Weights) from a config.json dict and {HF tensor name: array}, converted to `dtype`.
+
+    Every tensor the config implies must be present with its shape; ShapeError names a missing or
+    misshapen one.
+    """
+    config = config_from_hf(hf)
+    c = config
+    gemma = hf["model_type"] == "gemma3_text"
+
+    def get(name, shape):
+        if name not in tensors:
+            raise ShapeError(f"the checkpoint has no tensor {name!r}")
+        a = np.asarray(tensors[name])
+        if a.shape != shape:
+            raise ShapeError(f"tensor {name!r} has shape {a.shape}; the config implies {shape}")
+        return a.astype(dtype)
+
+    def norm(name, size):
+        g = get(name, (size,))
+        return (g.astype(np.float64) + 1).astype(dtype) if gemma else g  # Gemma stores w of (1 + w)
+
+    def pairs_adjacent(a, heads):
+        # [heads * D, ...] in HF's half-split pair order -> the adjacent-pair order the decoder rotates
+        D = c.head_dim
+        order = np.arange(D).reshape(2, D // 2).T.reshape(-1)  # 0, D/2, 1, D/2+1, ...
+        return a.reshape(heads, D, *a.shape[1:])[:, order].reshape(a.shape)
+
+    E, F = c.d_model, c.d_ff
+    layers = []
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        post_attention = norm(p + "post_attention_layernorm.weight", E)
+        lw = LayerWeights(
+            attn_norm=norm(p + "input_layernorm.weight", E),
+            wq=pairs_adjacent(get(attn + "q_proj.weight", (c.q_dim, E)), c.n_heads),
+            wk=pairs_adjacent(get(attn + "k_proj.weight", (c.kv_dim, E)), c.n_kv_heads),
+            wv=get(attn + "v_proj.weight", (c.kv_dim, E)),
+            wo=get(attn + "o_proj.weight", (E, c.q_dim)),
+            # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
+            # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
+            ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
+            w_gate=get(p + "mlp.gate_proj.weight", (F, E)),
+            w_up=get(p + "mlp.up_proj.weight", (F, E)),
+            w_down=get(p + "mlp.down_proj.weight", (E, F)),
+        )
+        if c.qkv_bias:
+            lw.bq = pairs_adjacent(get(attn + "q_proj.bias", (c.q_dim,)), c.n_heads)
+            lw.bk = pairs_adjacent(get(attn + "k_proj.bias", (c.kv_dim,)), c.n_kv_heads)
+            lw.bv = get(attn + "v_proj.bias", (c.kv_dim,))
+        if c.qk_norm:
+            lw.q_norm = pairs_adjacent(norm(attn + "q_norm.weight", c.head_dim), 1)
+            lw.k_norm = pairs_adjacent(norm(attn + "k_norm.weight", c.head_dim), 1)
+        if c.sandwich_norms:
+            lw.post_attn_norm = post_attention
+            lw.post_ffn_norm = norm(p + "post_feedforward_layernorm.weight", E)
+        layers.append(lw)
+    embeddings = get("model.embed_tokens.weight", (c.vocab_size, E))
+    output = embeddings if c.tie_embeddings else get("lm_head.weight", (c.vocab_size, E))
+    return config, Weights(embeddings, layers, norm("model.norm.weight", E), output)
+
+
+def _int(hf, name, default=None):
+    value = hf.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json {name}={value!r} must be an integer")
+    return value
+
+
+def _refuse(hf, family):
+    # fields whose computation the decoder does not have: refused by name, never ignored
+    unsupported = {
+        "mlp_bias": hf.get("mlp_bias", False),
+        "attention_bias (on the output projection too)": family == "llama" and hf.get("attention_bias", False),
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
+        "use_sliding_window (Qwen)": family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False),
+    }
+    act = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act")
+    expected = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
+    unsupported[f"activation {act!r} (expected {expected!r})"] = act not in (None, expected)
+    bad = [name for name, value in unsupported.items() if value]
+    if bad:
+        raise ConfigError(f"this {family} checkpoint uses {', '.join(bad)}, which kvref does not compute yet")
+
+
+def _rope_thetas(hf, family) -> dict:
+    # {"full_attention": base, "sliding_attention": base}; transformers 5 writes rope_parameters
+    # (per layer type for Gemma 3), earlier versions rope_theta / rope_local_base_freq / rope_scaling
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = {"rope_theta": hf.get("rope_theta", 10000.0),
+                  "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default")}
+        if family == "gemma3_text":
+            params = {"full_attention": params,
+                      "sliding_attention": {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}}
+    per_type = params if "full_attention" in params else {"full_attention": params, "sliding_attention": params}
+    thetas = {}
+    for kind in ("full_attention", "sliding_attention"):
+        p = per_type.get(kind, per_type["full_attention"])
+        if p.get("rope_type", "default") != "default":
+            raise ConfigError(f"RoPE type {p.get('rope_type')!r} ({kind}) is not computed by kvref yet; "
+                              "it computes the default RoPE")
+        thetas[kind] = float(p.get("rope_theta", 10000.0))
+    return thetas
+
+
+def _layer_windows(hf, family, n_layers):
+    # per layer: None (global) or the sliding window W
+    window = hf.get("sliding_window")
+    if family == "mistral":
+        return None if window is None else (int(window),) * n_layers
+    if family != "gemma3_text":
+        return None
+    kinds = hf.get("layer_types")
+    if kinds is None:  # older config.json files: every pattern-th layer is global
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    if len(kinds) != n_layers or any(k not in ("full_attention", "sliding_attention") for k in kinds):
+        raise ConfigError(f"layer_types {kinds!r} must name full_attention or sliding_attention for each of "
+                          f"{n_layers} layers")
+    return tuple(int(window) if k == "sliding_attention" else None for k in kinds)

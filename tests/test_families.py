@@ -1,0 +1,133 @@
+"""Model families: the one decoder, configured by a checkpoint's fields, computes what transformers does.
+
+The strongest oracle: the same weights in two implementations. Each test builds a tiny random model of
+a family with transformers (a few layers, odd sizes, GQA or MQA, a window shorter than the prompt),
+converts its config and tensors with kvref.formats.hf, and compares the logits at every position
+with transformers' float32 logits by the rule of kvref/tolerance.py. (A float64 comparison would
+prove no more: transformers computes RoPE angles, and Gemma 3 its norms, in float32 even in a
+float64 model.) On every family, cached generation equals full recomputation and the paged cache
+equals the contiguous one, in float64.
+"""
+
+import numpy as np
+import pytest
+
+import kvref
+from kvref.errors import BackendError, ConfigError, ShapeError
+from kvref.formats.hf import config_from_hf, weights_from_hf
+from kvref.tolerance import assert_close
+from tests.conftest import require
+
+torch = require("torch")
+transformers = require("transformers")
+
+# a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
+# shorter than the prompts below, so the window changes what later positions see
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=12)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, head_dim=12, sliding_window=5)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True, hidden_size=40)),  # D = E / H
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=10)),
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=12,
+                                        sliding_window=4, layer_types=["sliding_attention", "sliding_attention",
+                                                                       "full_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1000000.0}})),
+}
+COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
+              max_position_embeddings=48, rms_norm_eps=1e-6)
+PROMPT = [3, 17, 42, 8, 8, 60, 1, 29, 33, 5, 12, 47, 19]  # 13 positions: past every window above
+
+
+def hf_model(family, seed=0):
+    """A transformers model of `family` with random weights everywhere (norm gains and biases too)."""
+    config_class, fields = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # gains near 1 (Gemma stores w of 1 + w: near 0)
+                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def hf_logits(model, ids, dtype):
+    model = model.to(getattr(torch, dtype))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def kvref_model(model, dtype):
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in model.state_dict().items()}
+    config, weights = weights_from_hf(model.config.to_dict(), tensors, dtype)
+    return kvref.Model(config, weights, dtype=dtype, backend="numpy")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_gives_transformers_logits_at_every_position(family):
+    hf = hf_model(family)
+    model = kvref_model(hf, "float32")
+    assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
+                 f"{family} kvref vs transformers")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_cached_in_any_chunking_and_layout_equals_full_recomputation(family):
+    model = kvref_model(hf_model(family, seed=1), "float64")
+    full = model.forward(PROMPT, all_logits=True)
+    for options in ({}, {"layout": "paged", "block_size": 3}):
+        for sizes in ([1] * len(PROMPT), [5, 1, 4, 3], [13]):
+            cache, out, start = model.new_cache(**options), [], 0
+            for n in sizes:
+                out.append(model.forward(PROMPT[start:start + n], cache, all_logits=True))
+                start += n
+            assert_close(np.concatenate(out), full, "float64", f"{family} {options} chunks {sizes}")
+
+
+def test_gemma3_fields_come_from_config_json_and_a_window_shows_the_last_w_positions():
+    # Gemma's local layers see the last 4 positions: the query at position 12 sees 9..12 only
+    hf = hf_model("gemma3", seed=2)
+    config, _ = weights_from_hf(hf.config.to_dict(), {k: v.numpy() for k, v in hf.state_dict().items()})
+    assert config.layer_windows == (4, 4, None) and config.rope_local_theta == 10000.0
+    assert config.rope_theta == 1000000.0 and config.attention_scale == 12 ** -0.5
+    model = kvref_model(hf, "float64")
+    spec = kvref.spec.ops
+    q = np.ones((1, 1, 4))
+    k = np.eye(4)[None].repeat(13, axis=0)[:, :1]  # [13, 1, 4]
+    v = np.arange(13.0)[:, None, None] * np.ones((13, 1, 4))
+    seen = spec.attention(q, k, v, [12], np.arange(13), window=4)[0, 0, 0]
+    assert seen == pytest.approx(np.mean([9, 10, 11, 12]))  # positions 9..12, equally weighted
+    assert model.config.window(2) is None
+
+
+def test_unsupported_checkpoints_are_refused_by_name():
+    base = dict(COMMON, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        config_from_hf({**base, "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="mlp_bias"):
+        config_from_hf({**base, "model_type": "llama", "mlp_bias": True})
+    with pytest.raises(ConfigError, match="RoPE type 'llama3'"):
+        config_from_hf({**base, "model_type": "llama",
+                        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        config_from_hf({**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0})
+    hf = hf_model("qwen2")
+    tensors = {k: v.numpy() for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
+    with pytest.raises(ShapeError, match="k_proj.bias"):
+        weights_from_hf(hf.config.to_dict(), tensors)
+
+
+def test_the_native_backend_says_which_fields_it_does_not_compute_yet():
+    config = config_from_hf(hf_model("qwen3").config.to_dict())
+    if kvref.native.available():
+        with pytest.raises(BackendError, match="qk_norm"):
+            kvref.Model.random(config, backend="c")
+    assert kvref.Model.random(config, backend="auto").backend == "numpy"
