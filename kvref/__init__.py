@@ -4,7 +4,7 @@ from .cache import ContiguousCache, KVCache, cache_bytes
 from .config import ModelConfig
 from .errors import (BackendError, CacheError, CacheFullError, ConfigError, ContextOverflowError,
                      DTypeError, GenerationError, GGUFError, KVRefError, ModelNotFoundError,
-                     SamplingError, ShapeError, TokenError, TokenizerError)
+                     SafetensorsError, SamplingError, ShapeError, TokenError, TokenizerError)
 from .conversation import Conversation
 from .generate import generate, resume
 from .loader import load
@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
     "ContiguousCache", "Conversation", "DTypeError", "GenerationError", "GGUFError", "KVCache", "KVRefError", "Model",
-    "ModelConfig", "ModelNotFoundError", "SamplingError", "ShapeError", "TokenError", "TokenizerError",
+    "ModelConfig", "ModelNotFoundError", "SafetensorsError", "SamplingError", "ShapeError", "TokenError", "TokenizerError",
     "Tokenizer", "cache_bytes", "generate", "load", "resume",
 ]

@@ -46,6 +46,10 @@ class GGUFError(KVRefError, ValueError):
     """A GGUF file is malformed, truncated or uses something kvref does not support."""
 
 
+class SafetensorsError(KVRefError, ValueError):
+    """A safetensors file (or its index) is malformed, truncated, or lies about its tensors."""
+
+
 class TokenizerError(KVRefError, ValueError):
     """The tokenizer metadata is missing or inconsistent, or text cannot be encoded."""
 

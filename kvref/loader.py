@@ -1,15 +1,17 @@
-"""kvref.load(): a GGUF file (by default SmolLM2-135M-Instruct) -> a ready Model with its tokenizer."""
+"""kvref.load(): a GGUF file (by default SmolLM2-135M-Instruct) or a Hugging Face checkpoint directory -> a Model."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 from . import backends
-from .errors import ModelNotFoundError
-from .formats import llama
+from .errors import ConfigError, ModelNotFoundError
+from .formats import hf, llama
 from .formats.gguf import GGUFFile
+from .formats.safetensors import Checkpoint
 from .model import Model, model_dtype
 from .tokenizer import Tokenizer
 
@@ -45,13 +47,15 @@ def model_path(path=None) -> Path:
 
 
 def load(path=None, backend="auto", dtype="float32", threads=None, progress=None) -> Model:
-    """Load a Llama-family GGUF model.
+    """Load a Llama-family GGUF model, or a Hugging Face checkpoint directory (load_hf).
 
     backend "numpy" dequantizes every weight once into `dtype` arrays for the spec kernels; "c"
     keeps every matrix as the file's blocks, memory-mapped, and the kernels read them in place.
     threads: size of the native thread pool (default: KVREF_THREADS, else every available core).
     progress: called as progress(tensors_done, tensors_total) while weights are prepared.
     """
+    if path is not None and Path(path).is_dir():
+        return load_hf(path, backend, dtype, threads)
     dtype = model_dtype(dtype)
     backend = backends.resolve(backend, dtype)
     in_place = native_weight_types() if backend == "c" else ()
@@ -75,6 +79,25 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         chat_template = gguf.metadata.get("tokenizer.chat_template")
     return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
                  threads=threads)
+
+
+def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
+    """A Model from a Hugging Face checkpoint directory: config.json and model.safetensors (or the
+    shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
+    kvref.formats.hf. The weights are converted to `dtype` once. Reading tokenizer.json is not
+    done yet: the model has no tokenizer (token ids in, logits out)."""
+    directory = Path(directory)
+    dtype = model_dtype(dtype)
+    try:
+        config_json = json.loads((directory / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{directory} has no config.json: not a Hugging Face checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{directory / 'config.json'} cannot be read as JSON: {exc}") from None
+    if not isinstance(config_json, dict):
+        raise ConfigError(f"{directory / 'config.json'} must hold a JSON object")
+    config, weights = hf.weights_from_hf(config_json, Checkpoint(directory), dtype)
+    return Model(config, weights, dtype, backend, threads=threads)
 
 
 def native_weight_types():

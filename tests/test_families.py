@@ -131,3 +131,22 @@ def test_the_native_backend_says_which_fields_it_does_not_compute_yet():
         with pytest.raises(BackendError, match="qk_norm"):
             kvref.Model.random(config, backend="c")
     assert kvref.Model.random(config, backend="auto").backend == "numpy"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("storage", ["float32", "bfloat16 sharded"])
+def test_kvref_load_reads_an_hf_checkpoint_directory_of_every_family(family, storage, tmp_path):
+    hf = hf_model(family, seed=3)
+    if storage != "float32":  # round the weights to bfloat16 values first: bfloat16 widens exactly
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    want = hf_logits(hf, PROMPT, "float32")
+    if storage == "float32":
+        hf.save_pretrained(tmp_path)
+    else:  # bfloat16 weights in several shards with an index, as big checkpoints come
+        hf.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = kvref.load(tmp_path, backend="numpy")
+    assert model.config == config_from_hf(hf.config.to_dict())
+    assert_close(model.forward(PROMPT, all_logits=True), want, "float32", f"{family} {storage} kvref.load vs transformers")
