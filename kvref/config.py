@@ -14,7 +14,7 @@ from .errors import ConfigError
 ACTIVATIONS = ("silu", "gelu_tanh")
 # the fields that make the families other than Llama; at their defaults a config is Llama's
 FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                 "layer_windows", "rope_local_theta")
+                 "layer_windows", "rope_local_theta", "rope_scaling")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class ModelConfig:
     layer_windows: tuple | None = None  # per layer: None (attends to every position) or W (the last W
     #                                     positions, itself included); Gemma 3: 512 on 5 layers of 6, Mistral v0.1: 4096
     rope_local_theta: float | None = None  # RoPE base on windowed layers (Gemma 3: 10,000 there, rope_theta elsewhere)
+    rope_scaling: tuple | None = None  # RoPE frequency scaling (spec.ops.rope_frequencies): ("linear", factor)
+    #                                   or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions)
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -74,6 +76,8 @@ class ModelConfig:
             raise ConfigError("embedding_scale must be a number (1.0: embeddings as stored)")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation={self.activation!r} is unknown; expected one of {ACTIVATIONS}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
         if self.layer_windows is not None:
             windows = self.layer_windows
             if (not isinstance(windows, tuple) or len(windows) != self.n_layers
@@ -111,6 +115,18 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_rope_scaling(scaling):
+    shapes = {"linear": 2, "llama3": 5}
+    kind = scaling[0] if isinstance(scaling, tuple) and scaling else None
+    numbers = scaling[1:] if kind in shapes else ()
+    if (kind not in shapes or len(scaling) != shapes[kind]
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in numbers)
+            or (kind == "llama3" and not scaling[2] < scaling[3])):
+        raise ConfigError(f"rope_scaling={scaling!r} must be ('linear', factor) or ('llama3', factor, "
+                          "low_freq_factor, high_freq_factor, original_max_positions), positive numbers with "
+                          "low_freq_factor < high_freq_factor")
 
 
 def _require_positive_int(name, value):

@@ -105,9 +105,10 @@ class Model:
     @property
     def kv_rope_theta(self) -> float | None:
         """The RoPE base every cached key was rotated with, which a context shift needs; None when it
-        differs between layers (Gemma 3's local and global bases), so a cache refuses to shift."""
+        differs between layers (Gemma 3's local and global bases) or the frequencies are scaled, so a
+        cache refuses to shift."""
         c = self.config
-        return c.rope_theta if c.rope_local_theta in (None, c.rope_theta) else None
+        return c.rope_theta if c.rope_local_theta in (None, c.rope_theta) and c.rope_scaling is None else None
 
     def load_cache(self, path, pool=None) -> KVCache:
         """A cache holding what cache.save(path) wrote, for this model only (see kvref/cache/fileformat.py).

@@ -25,6 +25,13 @@ transformers = require("transformers")
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=12)),
+    # Llama 3.1's RoPE scaling, with an original context short enough that the prompt's positions
+    # reach every band (divided, blended and kept frequencies)
+    "llama3": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama-linear": ("LlamaConfig", dict(num_key_value_heads=4, head_dim=12, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, head_dim=12, sliding_window=5)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True, hidden_size=40)),  # D = E / H
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=10)),
@@ -114,7 +121,10 @@ def test_unsupported_checkpoints_are_refused_by_name():
         config_from_hf({**base, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="mlp_bias"):
         config_from_hf({**base, "model_type": "llama", "mlp_bias": True})
-    with pytest.raises(ConfigError, match="RoPE type 'llama3'"):
+    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):
+        config_from_hf({**base, "model_type": "llama",
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}})
+    with pytest.raises(ConfigError, match="incomplete"):
         config_from_hf({**base, "model_type": "llama",
                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
     with pytest.raises(ConfigError, match="final_logit_softcapping"):

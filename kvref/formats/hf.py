@@ -15,7 +15,8 @@ here, once, so the decoder never needs to know where a model came from:
     attention output is HF's. The cached K are in the reordered layout.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
 
-Anything this module does not compute exactly (another RoPE type, biases on the output or MLP
+Anything this module does not compute exactly (RoPE types other than default, linear and llama3;
+scaling that differs between layer types; biases on the output or MLP
 projections, logit soft-capping, sliding windows on some Qwen layers) is refused with a ConfigError
 naming the field, never ignored.
 """
@@ -41,7 +42,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     head_dim = hf.get("head_dim") or d_model // n_heads
     _refuse(hf, family)
     gemma = family == "gemma3_text"
-    thetas = _rope_thetas(hf, family)
+    thetas, scaling = _rope(hf, family)
     windows = _layer_windows(hf, family, n_layers)
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads,
@@ -57,6 +58,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
         layer_windows=windows,
         rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
+        rope_scaling=scaling,
     )
 
 
@@ -148,25 +150,42 @@ def _refuse(hf, family):
         raise ConfigError(f"this {family} checkpoint uses {', '.join(bad)}, which kvref does not compute yet")
 
 
-def _rope_thetas(hf, family) -> dict:
-    # {"full_attention": base, "sliding_attention": base}; transformers 5 writes rope_parameters
-    # (per layer type for Gemma 3), earlier versions rope_theta / rope_local_base_freq / rope_scaling
+def _rope(hf, family):
+    # -> ({"full_attention": base, "sliding_attention": base}, scaling or None); transformers 5 writes
+    # rope_parameters (per layer type for Gemma 3), earlier versions rope_theta, rope_local_base_freq
+    # and rope_scaling
     params = hf.get("rope_parameters")
     if params is None:
-        params = {"rope_theta": hf.get("rope_theta", 10000.0),
-                  "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default")}
+        params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
         if family == "gemma3_text":
             params = {"full_attention": params,
                       "sliding_attention": {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}}
     per_type = params if "full_attention" in params else {"full_attention": params, "sliding_attention": params}
-    thetas = {}
+    thetas, scalings = {}, set()
     for kind in ("full_attention", "sliding_attention"):
         p = per_type.get(kind, per_type["full_attention"])
-        if p.get("rope_type", "default") != "default":
-            raise ConfigError(f"RoPE type {p.get('rope_type')!r} ({kind}) is not computed by kvref yet; "
-                              "it computes the default RoPE")
         thetas[kind] = float(p.get("rope_theta", 10000.0))
-    return thetas
+        scalings.add(_rope_scaling(p, kind))
+    if len(scalings) > 1:
+        raise ConfigError(f"RoPE scaling that differs between layer types ({per_type}) is not computed by kvref yet")
+    return thetas, scalings.pop()
+
+
+def _rope_scaling(p, kind):
+    # a rope_parameters entry -> ModelConfig.rope_scaling
+    kind_of = p.get("rope_type", p.get("type", "default"))
+    try:
+        if kind_of == "default":
+            return None
+        if kind_of == "linear":
+            return ("linear", float(p["factor"]))
+        if kind_of == "llama3":
+            return ("llama3", float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"]),
+                    int(p["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"RoPE parameters {p!r} ({kind}) are incomplete: {exc}") from None
+    raise ConfigError(f"RoPE type {kind_of!r} ({kind}) is not computed by kvref yet; it computes the default "
+                      "RoPE and the linear and llama3 scalings")
 
 
 def _layer_windows(hf, family, n_layers):

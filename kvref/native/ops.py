@@ -419,8 +419,11 @@ class Kernels:
         check_status(status, "rms_norm")
         return out
 
-    def rope(self, x, positions, theta):
-        # [T, nh, D], [T] -> [T, nh, D]
+    def rope(self, x, positions, theta, scaling=None):
+        # [T, nh, D], [T] -> [T, nh, D]; the C kernel has no frequency scaling (backends.native_problem
+        # keeps models with one on the spec path)
+        if scaling is not None:
+            raise BackendError(f"the native RoPE has no frequency scaling; asked for {scaling!r}")
         _array(x, "x", (_F32,), 3)
         T, nh, D = x.shape
         if D % 2:
@@ -508,9 +511,9 @@ def rms_norm(x, weight, eps, *, threads=None):
     return kernels(threads).rms_norm(x, weight, eps)
 
 
-def rope(x, positions, theta, *, threads=None):
+def rope(x, positions, theta, scaling=None, *, threads=None):
     # [T, nh, D], [T] -> [T, nh, D]
-    return kernels(threads).rope(x, positions, theta)
+    return kernels(threads).rope(x, positions, theta, scaling)
 
 
 def attention(q, k, v, q_positions, k_positions, scale=None, window=None, *, threads=None):

@@ -71,9 +71,9 @@ def project_qkv(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer)
     if config.qk_norm:  # Qwen 3, Gemma 3: every head's q and k normalised on their own, before RoPE
         q = ops.rms_norm(q.reshape(T * H, D), lw.q_norm, config.norm_eps).reshape(T, H, D)
         k = ops.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, config.norm_eps).reshape(T, Hkv, D)
-    theta = config.layer_rope_theta(layer)
-    q = ops.rope(q, positions, theta)  # rotated for the absolute positions
-    k = ops.rope(k, positions, theta)  # stored rotated: never rotated again
+    theta, scaling = config.layer_rope_theta(layer), config.rope_scaling
+    q = ops.rope(q, positions, theta, scaling)  # rotated for the absolute positions
+    k = ops.rope(k, positions, theta, scaling)  # stored rotated: never rotated again
     return q, k, v
 
 

@@ -33,18 +33,35 @@ def rms_norm(x, weight, eps):
     return (x / np.sqrt(ms + eps)).astype(x.dtype) * weight
 
 
-def rope_angles(positions, head_dim, theta, dtype):
-    # [T] -> [T, D/2]: pair i at position p turns by p * theta**(-2i/D)
+def rope_frequencies(head_dim, theta, scaling=None):
+    # -> [D/2] float64: pair i turns by theta**(-2i/D) per position, unless `scaling` stretches it:
+    #   ("linear", factor)                       every frequency / factor
+    #   ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions)
+    #       wavelengths longer than original / low_freq_factor are divided by factor, those shorter
+    #       than original / high_freq_factor kept, and the band between blended linearly (Llama 3.1+)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling[0] == "linear":
+        return inv_freq / scaling[1]
+    _, factor, low, high, original = scaling
+    wavelen = 2 * np.pi / inv_freq
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_angles(positions, head_dim, theta, dtype, scaling=None):
+    # [T] -> [T, D/2]: pair i at position p turns by p times its frequency
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     return np.outer(np.asarray(positions, dtype=np.float64), inv_freq).astype(dtype)
 
 
-def rope(x, positions, theta):
+def rope(x, positions, theta, scaling=None):
     # [T, nh, D], [T] -> [T, nh, D]
     # Rotates adjacent pairs (x[2i], x[2i+1]) by an angle proportional to the absolute position,
     # the convention of the original Llama and of GGUF files (see docs/formats.md). Computed in
     # float64 then rounded once, so float32 and float64 runs differ only by that rounding.
-    angles = rope_angles(positions, x.shape[-1], theta, np.float64)[:, None, :]  # [T, 1, D/2]
+    angles = rope_angles(positions, x.shape[-1], theta, np.float64, scaling)[:, None, :]  # [T, 1, D/2]
     cos, sin = np.cos(angles), np.sin(angles)
     even, odd = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
