@@ -9,8 +9,12 @@ float64 model.) On every family, cached generation equals full recomputation and
 equals the contiguous one, in float64.
 """
 
+import functools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvref
 from kvref.errors import BackendError, ConfigError, ShapeError
@@ -64,6 +68,11 @@ def hf_model(family, seed=0):
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def config_json(family):
+    return hf_model(family).config.to_dict()
 
 
 def hf_logits(model, ids, dtype):
@@ -160,3 +169,20 @@ def test_kvref_load_reads_an_hf_checkpoint_directory_of_every_family(family, sto
     model = kvref.load(tmp_path, backend="numpy")
     assert model.config == config_from_hf(hf.config.to_dict())
     assert_close(model.forward(PROMPT, all_logits=True), want, "float32", f"{family} {storage} kvref.load vs transformers")
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats() | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                     max_size=3), max_leaves=5)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(sorted(FAMILIES)), st.data())
+def test_any_value_in_config_json_is_read_or_refused_with_a_config_error(family, data):
+    config = dict(config_json(family))
+    key = data.draw(st.sampled_from(sorted(config)))
+    config[key] = data.draw(JSON_VALUES)
+    try:
+        config_from_hf(config)
+    except ConfigError:
+        pass

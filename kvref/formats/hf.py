@@ -33,7 +33,19 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """The ModelConfig of an HF config.json (as a dict); ConfigError for anything not computed exactly."""
+    """The ModelConfig of an HF config.json (as a dict); ConfigError for anything not computed exactly,
+    and for any value of the wrong type."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"config.json must hold a JSON object, not {type(hf).__name__}")
+    try:
+        return _config_from_hf(hf)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"config.json has a value of the wrong type or range: {exc!r}") from None
+
+
+def _config_from_hf(hf: dict) -> ModelConfig:
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"model_type {family!r} is not supported; kvref reads {FAMILIES}")
