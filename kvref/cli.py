@@ -12,7 +12,7 @@ from .bench import add_bench
 from .cache import ELEMENT_BYTES, cache_bytes
 from .cli_common import add_model_arguments, count, human_bytes
 from .config import ModelConfig
-from .errors import ConfigError, KVRefError
+from .errors import ConfigError, KVRefError, TokenizerError
 from .generate import generate
 from .model import Model
 
@@ -58,6 +58,15 @@ def load_model(args):
     return load(args.model, backend=args.backend, progress=progress if show else None)
 
 
+def load_text_model(args):
+    """load_model for the commands that read and write text: the model must have a tokenizer."""
+    model = load_model(args)
+    if model.tokenizer is None:
+        raise TokenizerError(f"{args.model} loaded without a tokenizer (reading a Hugging Face directory's "
+                             "tokenizer.json is not done yet), and this command needs one to read text")
+    return model
+
+
 def add_run(commands):
     p = commands.add_parser("run", help="generate text from a prompt, streamed as it is generated")
     add_model_arguments(p)
@@ -68,7 +77,7 @@ def add_run(commands):
 
 
 def run_run(args) -> int:
-    model = load_model(args)
+    model = load_text_model(args)
     tok = model.tokenizer
     if args.chat:
         prompt_ids = model.chat_ids([{"role": "user", "content": args.prompt}])
@@ -130,7 +139,7 @@ def add_chat(commands):
 def run_chat(args) -> int:
     from .conversation import Conversation
 
-    model = load_model(args)
+    model = load_text_model(args)
     chat = Conversation(model, system=args.system)
     print("kvref chat: one KV cache for the whole conversation; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:

@@ -41,6 +41,9 @@ def model_path(path=None) -> Path:
     if path is None:
         return default_model_path()
     path = Path(path)
+    if path.is_dir():
+        raise ModelNotFoundError(f"{path} is a directory; this reads GGUF files (a Hugging Face checkpoint "
+                                 "directory loads with kvref.load(directory))")
     if not path.is_file():
         raise ModelNotFoundError(f"no model file at {path}")
     return path

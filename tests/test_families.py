@@ -186,3 +186,13 @@ def test_any_value_in_config_json_is_read_or_refused_with_a_config_error(family,
         config_from_hf(config)
     except ConfigError:
         pass
+
+
+def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys):
+    from kvref.cli import main
+
+    hf_model("qwen3").save_pretrained(tmp_path)
+    assert main(["run", "-m", str(tmp_path), "--backend", "numpy", "hello"]) != 0
+    assert "TokenizerError" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) != 0
+    assert "is a directory; this reads GGUF files" in capsys.readouterr().err
