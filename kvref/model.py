@@ -10,12 +10,12 @@ import numpy as np
 
 from . import backends
 from .cache import BlockPool, ContiguousCache, KVCache, WindowCache, dtype_name
-from .spec import decoder
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
+from .spec import decoder
 from .weights import Weights, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
