@@ -119,8 +119,8 @@ def test_gguf_rows_with_adjacent_rope_equal_transformers_rows_with_rotate_half(m
         # [n_heads*D, E] GGUF order -> transformers order
         return w.reshape(n_heads, D // 2, 2, -1).transpose(0, 2, 1, 3).reshape(n_heads * D, -1)
 
-    def rope_halves(x, positions, theta):
-        angles = ops.rope_angles(positions, D, theta, np.float64)[:, None, :]  # [T, 1, D/2]
+    def rope_halves(x, positions, theta, scaling=None):
+        angles = ops.rope_angles(positions, D, theta, np.float64, scaling)[:, None, :]  # [T, 1, D/2]
         cos, sin = np.cos(angles), np.sin(angles)
         first, second = x[..., : D // 2], x[..., D // 2:]
         return np.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
