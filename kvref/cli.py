@@ -168,7 +168,7 @@ def add_inspect(commands):
 
 
 def run_inspect(args) -> int:
-    from .formats import llama
+    from .formats import architectures
     from .formats.gguf import GGUFFile
     from .loader import model_path
 
@@ -187,7 +187,7 @@ def run_inspect(args) -> int:
             shape = "x".join(map(str, info.shape))
             print(f"  {name:<28} {info.ggml_type.name:<6} {shape:<16} {info.nbytes:>12,}")
         print(f"  {'total':<52} {sum(i.nbytes for i in gguf.tensors.values()):>12,}")
-        config = llama.config_from_metadata(meta, gguf.tensors.keys())
+        config = architectures.config_from_metadata(meta, gguf.tensors.keys())
     print(f"\narchitecture: {config}")
     for dtype in ("float32", "float16"):
         per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
@@ -254,12 +254,12 @@ def add_memory(commands):
 
 def run_memory(args) -> int:
     if args.model:
-        from .formats import llama
+        from .formats import architectures
         from .formats.gguf import GGUFFile
         from .loader import model_path
 
         with GGUFFile(model_path(args.model)) as gguf:
-            config = llama.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+            config = architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys())
         args.layers = config.n_layers if args.layers is None else args.layers
         args.kv_heads = config.n_kv_heads if args.kv_heads is None else args.kv_heads
         args.head_dim = config.head_dim if args.head_dim is None else args.head_dim

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import backends
 from .errors import ConfigError, ModelNotFoundError
-from .formats import hf, llama
+from .formats import architectures, hf
 from .formats.gguf import GGUFFile
 from .formats.safetensors import Checkpoint
 from .model import Model, model_dtype
@@ -50,7 +50,8 @@ def model_path(path=None) -> Path:
 
 
 def load(path=None, backend="auto", dtype="float32", threads=None, progress=None) -> Model:
-    """Load a Llama-family GGUF model, or a Hugging Face checkpoint directory (load_hf).
+    """Load a GGUF model (the architectures of kvref.formats.architectures), or a Hugging Face
+    checkpoint directory (load_hf).
 
     backend "numpy" dequantizes every weight once into `dtype` arrays for the spec kernels; "c"
     keeps every matrix as the file's blocks, memory-mapped, and the kernels read them in place.
@@ -60,12 +61,12 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
     if path is not None and Path(path).is_dir():
         return load_hf(path, backend, dtype, threads)
     dtype = model_dtype(dtype)
-    backend = backends.resolve(backend, dtype)
-    in_place = native_weight_types() if backend == "c" else ()
     with GGUFFile(model_path(path)) as gguf:
-        config = llama.config_from_metadata(gguf.metadata, gguf.tensors.keys())
-        llama.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
-        total, done = len(llama.expected_shapes(config)), 0
+        config = architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+        architectures.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
+        backend = backends.resolve(backend, dtype, config)
+        in_place = native_weight_types() if backend == "c" else ()
+        total, done = len(architectures.expected_shapes(config)), 0
 
         def tensor(name):
             nonlocal done
@@ -77,7 +78,7 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
                 return gguf.quantized(name)  # a view of the mapped file: no copy, no dequantization
             return gguf.dequantize(name).astype(dtype, copy=False)
 
-        weights = llama.build_weights(config, tensor)
+        weights = architectures.build_weights(config, tensor, gguf.metadata["general.architecture"])
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         chat_template = gguf.metadata.get("tokenizer.chat_template")
     return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,

@@ -52,10 +52,10 @@ COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, interm
 PROMPT = [3, 17, 42, 8, 8, 60, 1, 29, 33, 5, 12, 47, 19]  # 13 positions: past every window above
 
 
-def hf_model(family, seed=0):
+def hf_model(family, seed=0, **overrides):
     """A transformers model of `family` with random weights everywhere (norm gains and biases too)."""
     config_class, fields = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    config = getattr(transformers, config_class)(**{**COMMON, **fields, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -196,3 +196,85 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
     assert "TokenizerError" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) != 0
     assert "is a directory; this reads GGUF files" in capsys.readouterr().err
+
+
+# what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
+GGUF_ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
+                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False)}
+# what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
+# one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
+# llama.cpp (and kvref) take as every 6th layer global and head_dim
+GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None),
+                    "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gguf(hf, family, path):
+    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains."""
+    gguf = require("gguf")
+    arch, permute = GGUF_ARCHITECTURES[family]
+    c = hf.config
+    gemma = family == "gemma3"
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else c.rope_parameters["rope_theta"])
+    if gemma:
+        writer.add_sliding_window(c.sliding_window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
+    writer.add_token_merges(["a b"])
+    for name, t in hf.state_dict().items():
+        a = t.detach().to(torch.float32).numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if "norm" in name and gemma:
+            a = a + 1  # Gemma files store the (1 + w) of its RMSNorm
+        if permute and ("q_proj" in name or "k_proj" in name):  # llama.cpp's permute: to adjacent pairs
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            a = a.reshape(heads, 2, -1, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        writer.add_tensor(gguf_name(name, gemma), a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_name(name, gemma):
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    names = dict(GGUF_NAMES, post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
+                 pre_feedforward_layernorm="ffn_norm")
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+@pytest.mark.parametrize("family", [f for f in sorted(FAMILIES) if f in GGUF_ARCHITECTURES])
+def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path):
+    hf = hf_model(family, seed=4, **GGUF_EXPRESSIBLE.get(family, {}))
+    write_gguf(hf, family, tmp_path / "model.gguf")
+    model = kvref.load(tmp_path / "model.gguf", backend="auto")
+    def fields(config):  # the family fields, with the score scale as the number it stands for
+        return {**config.family_fields(), "attention_scale": config.attention_scale or config.head_dim ** -0.5}
+
+    assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
+    assert model.backend == ("c" if family in ("llama", "mistral") and kvref.native.available() else "numpy")
+    assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
+                 f"{family} GGUF vs transformers")

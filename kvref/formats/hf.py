@@ -28,6 +28,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, ShapeError
 from ..weights import LayerWeights, Weights
+from .architectures import half_split_to_adjacent
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -98,9 +99,7 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
 
     def pairs_adjacent(a, heads):
         # [heads * D, ...] in HF's half-split pair order -> the adjacent-pair order the decoder rotates
-        D = c.head_dim
-        order = np.arange(D).reshape(2, D // 2).T.reshape(-1)  # 0, D/2, 1, D/2+1, ...
-        return a.reshape(heads, D, *a.shape[1:])[:, order].reshape(a.shape)
+        return half_split_to_adjacent(a, heads, c.head_dim)
 
     E, F = c.d_model, c.d_ff
     layers = []

@@ -1,0 +1,165 @@
+"""The architectures of a GGUF file: metadata keys -> ModelConfig, tensor names -> Weights.
+
+`general.architecture` names the family, and its keys are prefixed with that name (`llama.block_count`,
+`qwen3.attention.head_count`, ...):
+
+    llama    Llama, SmolLM, Mistral      llama.cpp's converter permutes each head's Q/K rows so that RoPE
+                                         rotates adjacent pairs (x[2i], x[2i+1]): read as stored
+    qwen2    Qwen 2/2.5: Q/K/V biases    these keep the checkpoint's row order, where RoPE rotates
+    qwen3    Qwen 3: QK-norm             (x[i], x[i + D/2]) (llama.cpp's NEOX mode): the rows (and their
+    gemma3   Gemma 3                     biases and QK-norm gains) are reordered once here, as
+                                         kvref.formats.hf does for every HF checkpoint
+
+Gemma 3 files store its norm gains as 1 + w already. What they do not carry, llama.cpp assumes and so
+does kvref: a global layer after every 5 windowed ones, RoPE base 10,000 on the windowed layers,
+embeddings scaled by sqrt(d_model), and scores scaled by 1/sqrt(head_dim) (query_pre_attn_scalar =
+head_dim, as in every released Gemma 3 text model). docs/architectures.md has the table; anything
+else a file asks for (RoPE scaling, partial RoPE) is refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import GGUFError
+from ..spec.ggml import QuantizedTensor
+from ..weights import LayerWeights, Weights
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma3")  # Q/K rows in rotate_half order in the file
+GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's sliding-window pattern for gemma3: layer i is global if (i + 1) % 6 == 0
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+# LayerWeights field -> GGUF tensor name within block i (the optional ones when the config asks)
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+    "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
+}
+BIAS_TENSORS = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # .bias
+QK_NORM_TENSORS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm"}
+ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
+
+
+def config_from_metadata(metadata: dict, tensor_names) -> ModelConfig:
+    """ModelConfig from the `<architecture>.*` keys; anything the spec does not implement is refused by name."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"architecture {arch!r} is not supported; expected one of {ARCHITECTURES}")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+        raise GGUFError(f"RoPE scaling ({arch}.rope.scaling.type={scaling!r}, or a rope_freqs.weight tensor) is "
+                        "not read from GGUF files yet")
+
+    def key(name, default=None):
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFError(f"metadata key {arch}.{name} is missing")
+        return value
+
+    n_heads = int(key("attention.head_count"))
+    d_model = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", d_model // n_heads if n_heads else 0))
+    rotary = int(key("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
+    n_layers = int(key("block_count"))
+    vocab = metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
+    gemma = arch == "gemma3"
+    windows = None
+    if gemma:
+        window = int(key("attention.sliding_window"))
+        windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
+    return ModelConfig(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        d_ff=int(key("feed_forward_length")),
+        vocab_size=int(vocab),
+        max_seq_len=int(key("context_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sandwich_norms=gemma,
+        embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
+        activation="gelu_tanh" if gemma else "silu",
+        layer_windows=windows,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+    )
+
+
+def expected_shapes(config: ModelConfig) -> dict:
+    """Every tensor name the decoder needs, with its shape in NumPy order ([out, in] for matrices)."""
+    E, F, V, D = config.d_model, config.d_ff, config.vocab_size, config.head_dim
+    per_layer = {
+        "attn_norm.weight": (E,), "attn_q.weight": (config.q_dim, E), "attn_k.weight": (config.kv_dim, E),
+        "attn_v.weight": (config.kv_dim, E), "attn_output.weight": (E, config.q_dim), "ffn_norm.weight": (E,),
+        "ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F),
+    }
+    if config.qkv_bias:
+        per_layer.update({"attn_q.bias": (config.q_dim,), "attn_k.bias": (config.kv_dim,),
+                          "attn_v.bias": (config.kv_dim,)})
+    if config.qk_norm:
+        per_layer.update({"attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,)})
+    if config.sandwich_norms:
+        per_layer.update({"post_attention_norm.weight": (E,), "post_ffw_norm.weight": (E,)})
+    shapes = {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (V, E)
+    for i in range(config.n_layers):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def check_tensors(config: ModelConfig, tensor_shapes: dict) -> None:
+    """Every needed tensor is present with the shape the config implies."""
+    for name, shape in expected_shapes(config).items():
+        if name not in tensor_shapes:
+            raise GGUFError(f"tensor {name} is missing from the file")
+        if tuple(tensor_shapes[name]) != shape:
+            raise GGUFError(f"tensor {name} has shape {tuple(tensor_shapes[name])}; the metadata implies {shape}")
+
+
+def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> Weights:
+    """Weights whose every tensor is `tensor(name)`: the backend decides what a tensor is."""
+    reorder = architecture in HALF_SPLIT_PAIRS
+
+    def rows(field, name, heads):
+        t = tensor(name)
+        return half_split_to_adjacent(t, heads, config.head_dim) if reorder and field in ROTATED else t
+
+    heads = {"wq": config.n_heads, "bq": config.n_heads, "wk": config.n_kv_heads, "bk": config.n_kv_heads,
+             "q_norm": 1, "k_norm": 1}
+    layers = []
+    for i in range(config.n_layers):
+        names = {field: f"blk.{i}.{name}.weight" for field, name in LAYER_TENSORS.items()}
+        if config.qkv_bias:
+            names.update({field: f"blk.{i}.{name}.bias" for field, name in BIAS_TENSORS.items()})
+        if config.qk_norm:
+            names.update({field: f"blk.{i}.{name}.weight" for field, name in QK_NORM_TENSORS.items()})
+        if config.sandwich_norms:
+            names.update({field: f"blk.{i}.{name}.weight" for field, name in SANDWICH_TENSORS.items()})
+        layers.append(LayerWeights(**{field: rows(field, name, heads.get(field)) for field, name in names.items()}))
+    tok_embeddings = tensor("token_embd.weight")
+    output = tok_embeddings if config.tie_embeddings else tensor("output.weight")
+    return Weights(tok_embeddings, layers, tensor("output_norm.weight"), output)
+
+
+
+def half_split_to_adjacent(t, heads: int, head_dim: int):
+    """Rows [heads * D, ...] whose RoPE pairs are (i, i + D/2) in each head -> pairs (2i, 2i + 1).
+
+    Row 2i of a head takes row i, row 2i + 1 takes row i + D/2: the same rotations of the same numbers,
+    and q . k is unchanged when q and k are reordered alike. Works on float arrays and on the rows of
+    a QuantizedTensor (a quantized row is reordered as it is, block bytes and all).
+    """
+    order = np.arange(head_dim).reshape(2, head_dim // 2).T.reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
+    index = (np.arange(heads)[:, None] * head_dim + order).reshape(-1)
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.ggml_type, t.shape, np.ascontiguousarray(t.data[index]))
+    return np.ascontiguousarray(np.asarray(t)[index])
