@@ -42,6 +42,10 @@ PRE_TOKENIZERS = {
     # SmolLM, StarCoder: every digit alone, then GPT-2 on the rest (HF: Digits(individual) + ByteLevel)
     "smollm": (r"\p{N}", GPT2_REGEX),
     "gpt-2": (GPT2_REGEX,),
+    # Llama 3: case-insensitive contractions, a letter run with at most one leading non-letter,
+    # digits in groups of up to three, punctuation with its trailing newlines, newline runs
+    "llama-bpe": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
     # llama.cpp's fallback for files that name no pre-tokenizer
     "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"),
 }

@@ -45,9 +45,16 @@ def with_extra_tokens(metadata: dict) -> dict:
                                           *(k for _, k in EXTRA_TOKENS)]}
 
 
+# the Split pattern of Llama 3's own tokenizer.json, as HF spells it (case-insensitive group): an
+# independent statement of what kvref's "llama-bpe" regex must split
+LLAMA3_TOKENIZER_JSON_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def hf_pre_tokenizer(pre: str):
     """HF's equivalent of each pre-tokenizer name. smollm is the pre_tokenizer of SmolLM2's own
-    tokenizer.json; gpt-2 is GPT-2's; default chains llama.cpp's regexes as isolated splits."""
+    tokenizer.json; gpt-2 is GPT-2's; llama-bpe is Llama 3's; default chains llama.cpp's regexes as
+    isolated splits."""
     tokenizers = require("tokenizers")
     P = tokenizers.pre_tokenizers
     if pre == "smollm":
@@ -55,6 +62,9 @@ def hf_pre_tokenizer(pre: str):
                            P.ByteLevel(add_prefix_space=False, use_regex=True)])
     if pre == "gpt-2":
         return P.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "llama-bpe":
+        return P.Sequence([P.Split(tokenizers.Regex(LLAMA3_TOKENIZER_JSON_SPLIT), "isolated"),
+                           P.ByteLevel(add_prefix_space=False, use_regex=False)])
     splits = [P.Split(tokenizers.Regex(r), "isolated") for r in PRE_TOKENIZERS[pre]]
     return P.Sequence([*splits, P.ByteLevel(add_prefix_space=False, use_regex=False)])
 
@@ -87,7 +97,7 @@ def tok():
 
 # ---- agreement with HF tokenizers -------------------------------------------------------------
 
-@pytest.mark.parametrize("pre", ["smollm", "gpt-2", "default"])
+@pytest.mark.parametrize("pre", ["smollm", "gpt-2", "llama-bpe", "default"])
 @given(text=texts)
 def test_encode_equals_hf_tokenizers_on_random_unicode(pre, text):
     ours, hf_special, hf_plain = smollm_pair(pre)
@@ -95,10 +105,11 @@ def test_encode_equals_hf_tokenizers_on_random_unicode(pre, text):
     assert ours.encode(text) == hf_plain.encode(text, add_special_tokens=False).ids
 
 
-def test_encode_equals_hf_on_every_code_point():
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe"])
+def test_encode_equals_hf_on_every_code_point(pre):
     # every code point of planes 0, 1 and 14 (planes 2-3 hold only more CJK ideographs), once, between
     # letters, digits and spaces, so every class boundary of the regexes is crossed
-    ours, hf, _ = smollm_pair()
+    ours, hf, _ = smollm_pair(pre)
     cps = [cp for cp in [*range(0x20000), *range(0xE0000, 0xE0200)]
            if not 0xD800 <= cp < 0xE000 and chr(cp) not in UNENCODABLE]
     text = "".join(f"a{chr(cp)}{chr(cp)}b {chr(cp)}1" for cp in cps)
@@ -246,3 +257,33 @@ def test_encode_takes_only_str(tok):
     with pytest.raises(TokenizerError, match="bytes"):
         tok.encode(b"abc")
 
+
+
+@functools.lru_cache(maxsize=None)
+def trained_llama3_pair():
+    """A byte-level BPE trained by HF tokenizers with Llama 3's pre-tokenizer on text full of what its
+    regex treats specially (digit runs, contractions in any case, newline runs, punctuation), so the
+    vocabulary has multi-digit and cross-class merges that another split would not reproduce."""
+    tokenizers = require("tokenizers")
+    rng = np.random.default_rng(0)
+    words = ["I'LL", "we've", "DON'T", "it's", "IT'S", "12345", "2024", "7", "3.14159", "...\n\n", "  ", "\t", "hello",
+             "Hello", "naïve", "中文", "!!\n", "a1b2", "x=10;", "\r\n", "don't"]
+    corpus = ["".join(rng.choice(words, 12)) + " " + " ".join(rng.choice(words, 6)) for _ in range(400)]
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+    hf.pre_tokenizer = hf_pre_tokenizer("llama-bpe")
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=700, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+                                             show_progress=False)
+    hf.train_from_iterator(corpus, trainer)
+    model = json.loads(hf.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    ours = Tokenizer(tokens, [1] * len(tokens), merges, pre="llama-bpe")
+    return ours, hf, words
+
+
+@given(st.data())
+def test_llama_bpe_encodes_as_hf_tokenizers_with_llama3s_pre_tokenizer(data):
+    ours, hf, words = trained_llama3_pair()
+    text = data.draw(st.lists(st.sampled_from(words) | st.text(max_size=6), max_size=12).map("".join))
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids
