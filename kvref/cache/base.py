@@ -556,10 +556,6 @@ class Execution:
         """Forget this execution: the cache is exactly as it was before begin. Idempotent."""
         self.cache._finish(self, commit=False)
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     def _check_open(self):
         if not self._open:
             raise CacheError("this execution has ended (committed or aborted); begin a new one")
