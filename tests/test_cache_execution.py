@@ -6,6 +6,7 @@ cache, its sequence and a shared block pool exactly as they were. A cache serves
 execution at a time; a model serves any number of threads, each with its own cache.
 """
 
+import dataclasses
 import os
 import signal
 import threading
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvref
-from kvref import native
+from kvref import backends, native
 from kvref.batch import forward_batch
 from kvref.cache import begin_all, reorder
 from kvref.errors import BackendError, CacheError, CacheFullError, ShapeError
@@ -436,9 +437,14 @@ def test_a_second_thread_meets_an_open_execution_with_a_clear_error(backend):
 
 SMALL = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=24, vocab_size=20,
                           max_seq_len=40)
+# the hybrid layout needs sliding-window layers: the same model with a window of 3 on its first layer
+WINDOWED = dataclasses.replace(SMALL, layer_windows=(3, None))
 MODELS = {backend: kvref.Model.random(SMALL, seed=13, backend=backend) for backend in BACKENDS}
+WINDOWED_MODELS = {backend: kvref.Model.random(WINDOWED, seed=13, backend=backend) for backend in BACKENDS
+                   if backend == "numpy" or backends.native_problem(WINDOWED) is None}
 LAYOUT_OPTIONS = {"contiguous": {"capacity": 24}, "paged": {"layout": "paged", "block_size": 4, "num_blocks": 9},
-                  "window": {"layout": "window", "window": 5, "sinks": 1}}
+                  "window": {"layout": "window", "window": 5, "sinks": 1},
+                  "hybrid": {"layout": "hybrid", "capacity": 24, "spare": 1}}
 IDS = st.lists(st.integers(0, SMALL.vocab_size - 1), min_size=1, max_size=9)
 REFUSED = (CacheFullError, kvref.ContextOverflowError)
 
@@ -454,7 +460,8 @@ class InterruptMachine(RuleBasedStateMachine):
     @initialize(backend=st.sampled_from(BACKENDS), kv_dtype=st.sampled_from(["float32", "float16", "bfloat16", "int8"]))
     def setup(self, backend, kv_dtype):
         layout = self.layout
-        self.model = MODELS[backend]
+        models = WINDOWED_MODELS if layout == "hybrid" else MODELS
+        self.model = models.get(backend, models["numpy"])
         self.options = dict(LAYOUT_OPTIONS[layout], kv_dtype=kv_dtype)
         self.caches, self.twins = [self.model.new_cache(**self.options)], [self.model.new_cache(**self.options)]
         event(f"{layout} {kv_dtype} {backend}")
@@ -577,3 +584,4 @@ def interrupt_test_case(layout):
 test_interrupting_any_execution_at_any_layer_changes_nothing_contiguous = interrupt_test_case("contiguous")
 test_interrupting_any_execution_at_any_layer_changes_nothing_paged = interrupt_test_case("paged")
 test_interrupting_any_execution_at_any_layer_changes_nothing_window = interrupt_test_case("window")
+test_interrupting_any_execution_at_any_layer_changes_nothing_hybrid = interrupt_test_case("hybrid")

@@ -1,9 +1,11 @@
 """Every layout gives the logits of the contiguous cache: exactly for the same stored K/V, within the
 stated bounds for narrower K/V types. Window, shift, fork, prefix reuse and capability checks."""
 
+import dataclasses
+
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvref
@@ -390,3 +392,30 @@ def test_generation_resumes_exactly_from_a_saved_cache(tmp_path):
         resumed = list(resume(model, model.load_cache(tmp_path / "c.kvc"), 12, temperature=0.9,
                               seed=11))
         assert resumed == whole, options
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_layouts_that_claim_chunking_invariance_give_one_shot_logits_in_any_chunking(data):
+    cfg = data.draw(configs(max_layers=2, max_seq_len=48))
+    cfg = dataclasses.replace(cfg, layer_windows=tuple(data.draw(st.one_of(st.none(), st.integers(1, 5)))
+                                                        for _ in range(cfg.n_layers)))
+    model = kvref.Model.random(cfg, seed=data.draw(st.integers(0, 2**16)), dtype="float64", backend="numpy")
+    tokens = data.draw(token_lists(cfg, min_size=2, max_size=30))
+    expected = model.forward(tokens, model.new_cache(layout="contiguous"), all_logits=True)
+    options = data.draw(st.sampled_from([{"layout": "contiguous"}, {"layout": "hybrid", "spare": 1},
+                                         {"layout": "paged", "block_size": 3}]))
+    cache = model.new_cache(**options)
+    assert cache.chunking_invariant
+    assert_close(run_chunks(model, cache, tokens, data.draw(chunkings(len(tokens)))), expected, "float64", str(options))
+
+
+def test_the_streaming_window_is_not_chunking_invariant_and_says_so():
+    cfg = kvref.ModelConfig(n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8, vocab_size=11,
+                            max_seq_len=40)
+    model = kvref.Model.random(cfg, seed=3, dtype="float64", backend="numpy")
+    tokens = list(range(10))
+    one_shot = run_chunks(model, model.new_cache(layout="window", window=3), tokens, [10])
+    stepwise = run_chunks(model, model.new_cache(layout="window", window=3), tokens, [1] * 10)
+    assert not kvref.cache.WindowCache.chunking_invariant
+    assert np.abs(one_shot[-1] - stepwise[-1]).max() > 1e-6  # the last query saw 10 positions, then 4

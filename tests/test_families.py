@@ -99,7 +99,9 @@ def test_every_family_gives_transformers_logits_at_every_position(family):
 def test_every_family_cached_in_any_chunking_and_layout_equals_full_recomputation(family):
     model = kvref_model(hf_model(family, seed=1), "float64")
     full = model.forward(PROMPT, all_logits=True)
-    for options in ({}, {"layout": "paged", "block_size": 3}):
+    layouts = ({"layout": "contiguous"}, {"layout": "paged", "block_size": 3}, {"layout": "hybrid", "spare": 0},
+               {"layout": "hybrid", "spare": 2}, {})  # the default: hybrid on window models
+    for options in layouts:
         for sizes in ([1] * len(PROMPT), [5, 1, 4, 3], [13]):
             cache, out, start = model.new_cache(**options), [], 0
             for n in sizes:
@@ -194,8 +196,9 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
     hf_model("qwen3").save_pretrained(tmp_path)
     assert main(["run", "-m", str(tmp_path), "--backend", "numpy", "hello"]) != 0
     assert "TokenizerError" in capsys.readouterr().err
-    assert main(["inspect", str(tmp_path)]) != 0
-    assert "is a directory; this reads GGUF files" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) == 0  # inspect reads the directory itself
+    out = capsys.readouterr().out
+    assert "model_type 'qwen3'" in out and "model.layers.0.self_attn.q_norm.weight" in out and "qk_norm=True" in out
 
 
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)

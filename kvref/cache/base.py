@@ -138,11 +138,19 @@ class Storage:
     block_table  int64 [n_blocks]: position p lives in slot (block_table[p // block_size],
                  p % block_size) of slots (num_blocks, block_size); None: position p lives in slot p
     block_size   positions per block (1 without a block table)
+    layer_rings  None, or one int per layer: 0 = the layer's position p lives in its slot p (through
+                 the block table when there is one); R > 0 = the layer is a ring of R slots,
+                 position p in its slot p % R. With rings, block_table is None and the store's arrays
+                 are [1, sum of the layers' extents, Hkv, D] (scales likewise): layer l's slots follow
+                 layer l-1's; a layer's extent is its R, or layer_slots for a layer without a ring
+    layer_slots  slots of each layer without a ring (with layer_rings; else unused)
     """
 
     store: SlotStore
     block_table: np.ndarray | None = None
     block_size: int = 1
+    layer_rings: tuple | None = None
+    layer_slots: int = 0
 
 
 class KVCache:
@@ -160,6 +168,11 @@ class KVCache:
     """
 
     layout = "abstract"
+    # Whether how an input is split into executions leaves what each query sees unchanged (prefill
+    # in one chunk == any chunking == token by token, up to float rounding). True for every layout
+    # that keeps what its attention may read; the StreamingLLM window is the exception: a query sees
+    # what the ring held before its execution plus that execution's positions.
+    chunking_invariant = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, *, v_dtype=None,
                  group_size=None, rope_theta=None, lock=None):
@@ -225,6 +238,11 @@ class KVCache:
     def positions(self) -> np.ndarray:
         """Absolute positions of the stored K/V, ascending: [length]."""
         return np.arange(self.length)
+
+    def layer_positions(self, layer: int) -> np.ndarray:
+        """The positions `layer` holds (what read(layer) returns), ascending: a suffix of positions();
+        all of them but in the hybrid layout, whose window layers keep only their last ones."""
+        return self.positions()
 
     def stats(self) -> dict:
         """Every accounting number of this cache in one dict (what `kvref memory` and benchmarks print)."""

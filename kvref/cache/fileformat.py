@@ -10,6 +10,12 @@
                                positions    int64 [n]                 stored positions, ascending
                                k, v         [L, n, Hkv, D]            stored form (float, uint16 bfloat16, int8)
                                k_scales ..  float32 [L, n, Hkv, D/g]  int8 scales (only for int8)
+                               layer_rows   int64 [L]                 only when layers hold different
+                                                                      numbers of positions (hybrid): layer
+                                                                      l holds the last layer_rows[l] of
+                                                                      `positions`, and k, v, scales are
+                                                                      the layers' rows one after another,
+                                                                      [sum of layer_rows, Hkv, D]
                                token_ids    int64 [next_position]     when known
                                last_logits  float [V]                 so generation resumes exactly
     last 32     sha256 of every byte before it
@@ -46,11 +52,16 @@ def save_cache(cache, path) -> None:
     if sequence.model is None:
         raise CacheError("this cache was not made by model.new_cache(), so it cannot name its model; "
                          "only such caches can be saved")
-    arrays = [("positions", cache.positions().astype(np.int64))]
+    positions = cache.positions().astype(np.int64)
+    arrays = [("positions", positions)]
     raw = [cache.read_raw(layer) for layer in range(cache.n_layers)]
+    rows = np.array([len(r[0]) for r in raw], dtype=np.int64)
+    uniform = bool(np.all(rows == len(positions)))
+    if not uniform:
+        arrays.append(("layer_rows", rows))
     for i, name in enumerate(("k", "k_scales", "v", "v_scales")):
         if raw[0][i] is not None:  # scales only for int8
-            arrays.append((name, np.stack([r[i] for r in raw])))
+            arrays.append((name, (np.stack if uniform else np.concatenate)([r[i] for r in raw])))
     if sequence.token_ids is not None:
         arrays.append(("token_ids", np.asarray(sequence.token_ids, dtype=np.int64)))
     if sequence.last_logits is not None:
@@ -158,8 +169,11 @@ def load_cache(model, path, pool=None):
         raise CacheError(f"{where}: keys were rotated with rope_theta={theta}; this model uses "
                          f"{model.kv_rope_theta}")
     c = model.config
-    shape = (c.n_layers, n, c.n_kv_heads, c.head_dim)
-    need = {"positions": (n,), "k": shape, "v": shape}
+    rows = arrays.get("layer_rows")
+    if rows is not None and (rows.shape != (c.n_layers,) or np.any(rows < 0) or np.any(rows > n)):
+        raise CacheError(f"{where}: layer_rows must give each of {c.n_layers} layers 0..{n} rows")
+    shape = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)
+    need = {"positions": (n,), "k": shape, "v": shape, **({} if rows is None else {"layer_rows": (c.n_layers,)})}
     if "int8" in (dtypes["k_dtype"], dtypes["v_dtype"]):
         groups = c.head_dim // group_size if isinstance(group_size, int) and group_size > 0 else -1
         for name in ("k", "v"):
@@ -181,16 +195,18 @@ def load_cache(model, path, pool=None):
         raise CacheError(f"{where}: last_logits has shape {arrays['last_logits'].shape}; expected ({c.vocab_size},)")
     if layout != "window" and (next_position != n or not np.array_equal(positions, np.arange(n))):
         raise CacheError(f"{where}: a {layout} cache holds positions 0..length-1 and next_position == length")
-    known = {"contiguous": ("capacity",), "paged": ("block_size", "num_blocks", "prefix_reuse"),
-             "window": ("window", "sinks")}
+    known = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
+             "paged": ("block_size", "num_blocks", "prefix_reuse"), "window": ("window", "sinks")}
     if layout not in known:
         raise CacheError(f"{where}: unknown layout {layout!r}; expected one of {sorted(known)}")
+    if rows is not None and layout != "hybrid":
+        raise CacheError(f"{where}: only a hybrid cache holds different positions per layer; this is {layout!r}")
     options = {name: options.get(name) for name in known[layout]}
     if pool is not None:
         if layout != "paged":
             raise CacheError(f"pool= applies to paged caches; {where} holds a {layout!r} cache")
         options = {"pool": pool}
-    if layout == "contiguous" and options["capacity"] is not None and n <= c.max_seq_len:
+    if layout in ("contiguous", "hybrid") and options["capacity"] is not None and n <= c.max_seq_len:
         options["capacity"] = min(int(options["capacity"]), c.max_seq_len)
     group = {"group_size": group_size} if group_size is not None else {}
     cache = model.new_cache(layout=layout, **dtypes, **group, **options)
@@ -206,7 +222,9 @@ def load_cache(model, path, pool=None):
         if f"{name}_scales" in arrays and arrays[f"{name}_scales"].dtype != np.float32:
             cache.free()
             raise CacheError(f"{where}: array {name}_scales is {arrays[f'{name}_scales'].dtype}, not float32")
-    raw_layers = [tuple(arrays[name][layer] if name in arrays else None
+    bounds = np.cumsum([0, *rows]) if rows is not None else None
+    raw_layers = [tuple(None if name not in arrays else arrays[name][layer] if rows is None
+                        else arrays[name][bounds[layer]:bounds[layer + 1]]
                         for name in ("k", "k_scales", "v", "v_scales")) for layer in range(c.n_layers)]
     try:
         if n > cache.capacity and layout != "paged":  # a pool says CacheFullError itself, with its numbers

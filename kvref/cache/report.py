@@ -10,6 +10,7 @@ positions whatever the length.
 
 from __future__ import annotations
 
+from .hybrid import DEFAULT_SPARE, positions_held
 from .paged import DEFAULT_BLOCK_SIZE, blocks_for
 from .quant import ELEMENT_BYTES, SCALE_DTYPE, Codec, default_group_size
 
@@ -61,6 +62,39 @@ def layout_report(config, tokens: int | None = None, batch: int = 1, **options) 
                      f"{r['formula']:<34} {r['positions_held']:>14,} {_human(r['bytes_per_sequence']):>12} "
                      f"{_human(r['bytes_total']):>12}")
     return "\n".join(lines)
+
+
+def window_summary(config) -> str:
+    """Which layers attend over a sliding window and which over everything, in one line."""
+    windows = config.layer_windows or (None,) * config.n_layers
+    groups = {}
+    for layer, w in enumerate(windows):
+        groups.setdefault(w, []).append(layer)
+    parts = [f"{'global' if w is None else f'window {w}'} on {_ranges(layers)}" for w, layers in groups.items()]
+    return f"{config.n_layers} layers: " + "; ".join(parts)
+
+
+def hybrid_report(config, tokens: int, dtype: str, batch: int = 1, spare: int = DEFAULT_SPARE) -> str:
+    """What the hybrid cache (the default for a model with window layers) holds at `tokens` positions."""
+    held = positions_held(config.layer_windows, tokens, spare)
+    per_row = config.n_kv_heads * 2 * Codec(dtype, config.head_dim).bytes_per_vector()
+    hybrid, full = sum(held) * per_row * batch, config.n_layers * tokens * per_row * batch
+    rings = sorted({h for h, w in zip(held, config.layer_windows) if w is not None and h < tokens})
+    return (f"hybrid cache (the default for this model): {window_summary(config)}\n"
+            f"  window layers keep rings of {', '.join(map(str, rings)) or 'all'} positions (window + spare "
+            f"{spare}), global layers all {tokens:,}: {sum(held):,} layer-positions instead of "
+            f"{config.n_layers * tokens:,}\n"
+            f"= {hybrid:,} bytes ({_human(hybrid)}), {full / hybrid:.2f}x less than a full cache ({_human(full)})")
+
+
+def _ranges(layers) -> str:
+    # [0, 1, 2, 4] -> "0-2, 4"
+    runs, start = [], layers[0]
+    for prev, layer in zip(layers, layers[1:] + [None]):
+        if layer != prev + 1:
+            runs.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = layer
+    return ", ".join(runs)
 
 
 def _vector(codec) -> str:

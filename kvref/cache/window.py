@@ -33,6 +33,7 @@ from .quant import SlotStore
 
 class WindowCache(KVCache):
     layout = "window"
+    chunking_invariant = False  # a long execution sees more than the ring keeps between executions
 
     def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
