@@ -50,7 +50,7 @@ class Conversation:
             raise
         self.cache.truncate(reused)
         self.last_turn = TurnStats(reused=reused, computed=len(ids) - reused)
-        stop = {self.model.tokenizer.eos_id}
+        stop = self.model.tokenizer.eos_ids
         reply = []
         for token in generate(self.model, ids[reused:], max_new_tokens, stop_ids=stop, cache=self.cache, **sampling):
             reply.append(token)

