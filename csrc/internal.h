@@ -355,7 +355,8 @@ void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, 
                     const float *k, const float *v);
 
 /* per-thread scratch bytes (H query heads, G per kv head), and shared floats for segment partials,
- * of kvref_attention_run */
+ * of kvref_attention_run; the partials of T queries suffice for any run of up to T of them over up to
+ * S keys (the fused forward's sub-chunks of a ring layer) */
 size_t kvref_attention_scratch_bytes(int64_t H, int64_t G);
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S);
 /* the work of kvref_attention for checked arguments (S > 0); partial holds
