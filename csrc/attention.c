@@ -43,15 +43,22 @@ static void state_init(int64_t G, int64_t D, float *m, float *l, float *acc) {
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
 }
 
-/* How many of the keys kp [n] a query at qpos sees (kp[s] <= qpos). SSE2, all that baseline x86-64
- * has, cannot compare int64 lanes, so the test is spelled as uint64 arithmetic it can vectorize:
- * the sign bit of qpos - kp[s], corrected for overflow (Hacker's Delight 2-12), is qpos < kp[s]. */
-static int64_t visible_keys(const int64_t *kp, int64_t n, int64_t qpos) {
-    const uint64_t a = (uint64_t)qpos;
+/* The first position a query at qpos sees: qpos - window + 1, or INT64_MIN without a window (and
+ * where that start would lie below INT64_MIN) */
+static int64_t window_start(int64_t qpos, int64_t window) {
+    return window == 0 || qpos < INT64_MIN + window ? INT64_MIN : qpos - (window - 1);
+}
+
+/* How many of the keys kp [n] a query sees (klo <= kp[s] <= qpos). As kvref_attn_hidden, key s is
+ * hidden iff its offset kp[s] - klo exceeds qpos - klo as unsigned numbers; SSE2, all that baseline
+ * x86-64 has, cannot compare uint64 lanes, so the comparison is spelled as the borrow of a
+ * subtraction (Hacker's Delight 2-13), which it can vectorize. */
+static int64_t visible_keys(const int64_t *kp, int64_t n, int64_t qpos, int64_t klo) {
+    const uint64_t span = (uint64_t)qpos - (uint64_t)klo;
     uint64_t hidden = 0;
     for (int64_t s = 0; s < n; s++) {
-        const uint64_t b = (uint64_t)kp[s], d = a - b;
-        hidden += (d ^ ((a ^ b) & (d ^ a))) >> 63;
+        const uint64_t off = (uint64_t)kp[s] - (uint64_t)klo;
+        hidden += ((~span & off) | (~(span ^ off) & (span - off))) >> 63; /* span < off */
     }
     return n - (int64_t)hidden;
 }
@@ -82,6 +89,7 @@ static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, flo
     u->c.row = u->row;
     u->c.srow = u->srow;
     u->c.qpos = a->q_positions[t];
+    u->c.klo = window_start(u->c.qpos, a->window);
 }
 
 /* Moves the cursor to the chunk of keys [c0, c0 + n): which are visible, and the rows of its keys
@@ -90,7 +98,7 @@ static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, flo
 static int cursor_seek(attn_cursor *u, const kvref_attn_args *a, int64_t c0, int64_t n) {
     kvref_attn_chunk *c = &u->c;
     const int64_t *kp = a->k_positions + c0;
-    const int64_t nvis = visible_keys(kp, n, c->qpos);
+    const int64_t nvis = visible_keys(kp, n, c->qpos, c->klo);
     if (nvis == 0) return 0;
     c->n = n;
     c->kp = kp;
@@ -119,7 +127,7 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
     ak->score(a, c, p);
     if (!c->all) /* masked keys get probability exp(-inf) = 0 */
         for (int64_t s = 0; s < c->n; s++)
-            if (c->kp[s] > c->qpos)
+            if (kvref_attn_hidden(c, s))
                 for (int64_t g = 0; g < G; g++) p[g * C + s] = -INFINITY;
     ak->exp(G, c->n, m, p, u->mnew, u->sum);
     for (int64_t g = 0; g < G; g++) {
@@ -137,9 +145,12 @@ typedef struct {
     kvref_pool *pool;
     const kvref_attn_kernels *kernels;
     int64_t nseg;              /* key segments of KVREF_ATTN_SEGMENT keys (1: all S keys in one) */
+    int64_t k_begin, k_end;    /* the keys any query can see lie in [k_begin, k_end); k_begin is a
+                                  multiple of KVREF_ATTN_CHUNK */
+    int64_t seg_lo, nlive;     /* the segments holding those keys: seg_lo .. seg_lo + nlive - 1 */
     int64_t heads;             /* kv heads per unit: 1 or Hkv */
     int64_t span, runs;        /* consecutive segments per unit; units per query and block of heads */
-    float *partial;            /* nseg > 1: [T, Hkv, nseg, G * (D + 2)] (m[G], l[G], acc[G, D]) */
+    float *partial;            /* nseg > 1: [T, Hkv, nlive, G * (D + 2)] (m[G], l[G], acc[G, D]) */
     float *out;                /* [T, H, D] */
 } attn_ctx;
 
@@ -150,7 +161,7 @@ static void state_of(const attn_ctx *c, int64_t t, int64_t hk, int64_t seg, floa
                      float **l, float **acc) {
     const int64_t G = c->a.G, D = c->a.D;
     if (c->nseg > 1) {
-        *m = c->partial + ((t * c->a.Hkv + hk) * c->nseg + seg) * G * (D + 2);
+        *m = c->partial + ((t * c->a.Hkv + hk) * c->nlive + seg - c->seg_lo) * G * (D + 2);
         *acc = *m + 2 * G;
     } else {
         *m = ml + (hk - hk0) * 2 * G;
@@ -177,14 +188,14 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
     const kvref_attn_args *a = &c->a;
     const int64_t G = a->G, D = a->D, nseg = c->nseg, blocks = a->Hkv / c->heads;
     const int64_t run = unit % c->runs, hk0 = unit / c->runs % blocks * c->heads, t = unit / (c->runs * blocks);
-    const int64_t hk1 = hk0 + c->heads, seg0 = run * c->span;
-    const int64_t seg1 = seg0 + c->span < nseg ? seg0 + c->span : nseg;
+    const int64_t hk1 = hk0 + c->heads, seg0 = c->seg_lo + run * c->span;
+    const int64_t seg1 = seg0 + c->span < c->seg_lo + c->nlive ? seg0 + c->span : c->seg_lo + c->nlive;
     float *scratch = kvref_pool_scratch(c->pool, thread), *ml = scratch + unit_scratch_floats(G), *m, *l, *acc;
     attn_cursor u;
     cursor_init(&u, a, t, scratch);
     for (int64_t seg = seg0; seg < seg1; seg++) {
-        const int64_t s0 = seg * KVREF_ATTN_SEGMENT;
-        const int64_t s1 = nseg == 1 || s0 + KVREF_ATTN_SEGMENT > a->S ? a->S : s0 + KVREF_ATTN_SEGMENT;
+        const int64_t s0 = seg * KVREF_ATTN_SEGMENT < c->k_begin ? c->k_begin : seg * KVREF_ATTN_SEGMENT;
+        const int64_t s1 = nseg == 1 || (seg + 1) * KVREF_ATTN_SEGMENT > c->k_end ? c->k_end : (seg + 1) * KVREF_ATTN_SEGMENT;
         for (int64_t hk = hk0; hk < hk1; hk++) {
             state_of(c, t, hk, seg, ml, hk0, &m, &l, &acc);
             state_init(G, D, m, l, acc);
@@ -212,7 +223,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
 static void merge_task(void *vctx, int64_t unit, int thread) {
     const attn_ctx *c = vctx;
     const kvref_attn_args *a = &c->a;
-    const int64_t G = a->G, D = a->D, nseg = c->nseg;
+    const int64_t G = a->G, D = a->D, nseg = c->nlive;
     const int64_t hk = unit % a->Hkv, t = unit / a->Hkv;
     (void)thread;
     const float *base = c->partial + unit * nseg * G * (D + 2);
@@ -244,13 +255,36 @@ static int64_t n_segments(int64_t T, int64_t S) {
     return T <= KVREF_ATTN_SPLIT_MAX_T ? (S + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT : 1;
 }
 
+/* The keys [k_begin, k_end) of chunks holding a position some query sees (some key in
+ * [min window start, max query position]); a chunk outside it would leave every state as it was,
+ * so skipping it changes no result. Reads the positions only, never K/V. 0 when no key is visible. */
+static int live_keys(const kvref_attn_args *a, int64_t *k_begin, int64_t *k_end) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t t = 0; t < a->T; t++) {
+        const int64_t p = a->q_positions[t], start = window_start(p, a->window);
+        lo = start < lo ? start : lo;
+        hi = p > hi ? p : hi;
+    }
+    int64_t first = -1, last = -1;
+    for (int64_t c0 = 0; c0 < a->S; c0 += KVREF_ATTN_CHUNK) {
+        const int64_t n = a->S - c0 < KVREF_ATTN_CHUNK ? a->S - c0 : KVREF_ATTN_CHUNK;
+        if (visible_keys(a->k_positions + c0, n, hi, lo) == 0) continue;
+        first = first < 0 ? c0 : first;
+        last = c0 + n;
+    }
+    *k_begin = first;
+    *k_end = last;
+    return first >= 0;
+}
+
 size_t kvref_attention_scratch_bytes(int64_t H, int64_t G) {
     return (size_t)(unit_scratch_floats(G) + 2 * H) * sizeof(float);
 }
 
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S) {
-    const int64_t nseg = n_segments(T, S);
-    return nseg > 1 ? T * Hkv * nseg * G * (D + 2) : 0;
+    const int64_t split = T < KVREF_ATTN_SPLIT_MAX_T ? T : KVREF_ATTN_SPLIT_MAX_T; /* the most queries split */
+    const int64_t nseg = n_segments(split, S);
+    return nseg > 1 ? split * Hkv * nseg * G * (D + 2) : 0;
 }
 
 void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *partial, float *out) {
@@ -259,6 +293,12 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     c.pool = pool;
     c.out = out;
     c.nseg = n_segments(a->T, a->S);
+    if (!live_keys(a, &c.k_begin, &c.k_end)) { /* no query sees any key */
+        for (int64_t i = 0; i < a->T * a->H * a->D; i++) out[i] = 0.0f;
+        return;
+    }
+    c.seg_lo = c.nseg > 1 ? c.k_begin / KVREF_ATTN_SEGMENT : 0;
+    c.nlive = c.nseg > 1 ? (c.k_end + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT - c.seg_lo : 1;
     c.partial = partial;
     c.kernels = &kvref_pool_kernels(pool)->attn;
     const int i8 = a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8;
@@ -266,11 +306,11 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     const int64_t threads = kvref_pool_threads(pool);
     c.heads = 1; /* a unit per (query, kv head, segment) */
     c.span = 1;
-    c.runs = c.nseg;
-    if (a->Hkv > 1 && c.nseg >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
+    c.runs = c.nlive;
+    if (a->Hkv > 1 && c.nlive >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
         c.heads = a->Hkv;
-        c.span = (c.nseg + 2 * threads - 1) / (2 * threads);
-        c.runs = (c.nseg + c.span - 1) / c.span;
+        c.span = (c.nlive + 2 * threads - 1) / (2 * threads);
+        c.runs = (c.nlive + c.span - 1) / c.span;
     } else if (a->Hkv > 1 && c.nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
         c.heads = a->Hkv; /* a unit per query */
     kvref_pool_run(pool, attn_task, &c, a->T * (a->Hkv / c.heads) * c.runs);
@@ -279,11 +319,15 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
 
 int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const kvref_kv *kv,
                     int64_t layer, int64_t S, const int64_t *q_positions, const int64_t *k_positions,
-                    float *out) {
+                    int64_t window, float scale, float *out) {
     if (pool == NULL || kv == NULL) return KVREF_ERR_NULL;
     if (T < 0 || H < 0 || D < 0 || S < 0 || layer < 0 || layer >= kv->n_layers) return KVREF_ERR_DIM;
+    if (window < 0 || !isfinite(scale)) return KVREF_ERR_VALUE;
     const int64_t Hkv = kv->n_kv_heads;
-    int status = kvref_kv_check(kv, kv->n_layers, Hkv, D, S);
+    int status = kvref_kv_check(kv, kv->n_layers, Hkv, D, 0);
+    const int64_t ring = status == KVREF_OK ? kvref_kv_ring(kv, layer) : 0;
+    if (status == KVREF_OK && ring == 0) status = kvref_kv_check(kv, kv->n_layers, Hkv, D, S); /* S positions */
+    if (status == KVREF_OK && S > ring && ring > 0) status = KVREF_ERR_DIM; /* key s is the ring's slot s */
     if (status != KVREF_OK) return status;
     if (H % Hkv != 0) return KVREF_ERR_SHAPE;
     if (mul_overflows(T, H) || mul_overflows(T * H, D)) return KVREF_ERR_DIM;
@@ -297,7 +341,7 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
 
     const int64_t G = H / Hkv;
     kvref_attn_args a = {.q = q, .q_positions = q_positions, .k_positions = k_positions, .T = T, .H = H, .S = S,
-                         .G = G, .scale = (float)(1.0 / sqrt((double)D))};
+                         .G = G, .window = window, .scale = scale};
     kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
     status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G));

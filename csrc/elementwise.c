@@ -1,4 +1,4 @@
-/* elementwise.c: RMSNorm, RoPE and SwiGLU.
+/* elementwise.c: RMSNorm, RoPE, SwiGLU and GeGLU.
  *
  * Each output element depends only on its own row (RMSNorm, RoPE) or its own index (SwiGLU), so
  * large calls are split over rows/ranges and every element is computed identically whichever
@@ -9,7 +9,7 @@
 #include "internal.h"
 
 #define KVREF_NORM_UNIT_ROWS 16
-#define KVREF_SWIGLU_UNIT 16384
+#define KVREF_GLU_UNIT 16384
 
 /* ---- RMSNorm ------------------------------------------------------------------------------ */
 
@@ -55,14 +55,10 @@ typedef struct {
     kvref_pool *pool;
     const float *x;            /* [T, nh, D] */
     const int64_t *positions;  /* [T] */
-    const double *inv_freq;    /* [D/2]: theta ** (-2i / D) */
+    const double *inv_freq;    /* [D/2]: pair i turns by position * inv_freq[i] */
     int64_t T, nh, D;
     float *out;                /* [T, nh, D] */
 } rope_ctx;
-
-void kvref_rope_inv_freq(int64_t D, double theta, double *inv_freq) {
-    for (int64_t i = 0; i < D / 2; i++) inv_freq[i] = pow(theta, -(double)(2 * i) / (double)D);
-}
 
 void kvref_rope_cos_sin(int64_t D, const double *inv_freq, int64_t position, double *cs) {
     const int64_t half = D / 2;
@@ -95,19 +91,17 @@ static void rope_task(void *vctx, int64_t t, int thread) {
 }
 
 int kvref_rope(kvref_pool *pool, const float *x, int64_t T, int64_t nh, int64_t D,
-               const int64_t *positions, double theta, float *out) {
+               const int64_t *positions, const double *inv_freq, float *out) {
     if (pool == NULL) return KVREF_ERR_NULL;
     if (T < 0 || nh < 0 || D < 0) return KVREF_ERR_DIM;
     if (D % 2 != 0) return KVREF_ERR_SHAPE;
-    if (!(theta > 0.0) || isinf(theta)) return KVREF_ERR_VALUE;
     if (T == 0 || nh == 0 || D == 0) return KVREF_OK;
-    if (x == NULL || positions == NULL || out == NULL) return KVREF_ERR_NULL;
+    if (x == NULL || positions == NULL || inv_freq == NULL || out == NULL) return KVREF_ERR_NULL;
+    for (int64_t i = 0; i < D / 2; i++)
+        if (!isfinite(inv_freq[i])) return KVREF_ERR_VALUE;
     kvref_pool_lock(pool);
-    int status = kvref_pool_reserve(pool, (size_t)D * sizeof(double));
-    double *inv_freq = status == KVREF_OK ? kvref_pool_shared(pool, (size_t)(D / 2) * sizeof(double)) : NULL;
-    if (status == KVREF_OK && inv_freq == NULL) status = KVREF_ERR_NOMEM;
+    const int status = kvref_pool_reserve(pool, (size_t)D * sizeof(double));
     if (status == KVREF_OK) {
-        kvref_rope_inv_freq(D, theta, inv_freq);
         rope_ctx c = {pool, x, positions, inv_freq, T, nh, D, out};
         kvref_pool_run(pool, rope_task, &c, T);
     }
@@ -115,31 +109,40 @@ int kvref_rope(kvref_pool *pool, const float *x, int64_t T, int64_t nh, int64_t 
     return status;
 }
 
-/* ---- SwiGLU ------------------------------------------------------------------------------- */
+/* ---- SwiGLU and GeGLU ---------------------------------------------------------------------- */
 
 typedef struct {
-    const kvref_kernels *kk;
+    kvref_glu_fn glu;          /* the kernel table's swiglu or geglu */
     const float *gate, *up;    /* [n] */
     int64_t n;
     float *out;                /* [n] */
-} swiglu_ctx;
+} glu_ctx;
 
-static void swiglu_task(void *vctx, int64_t unit, int thread) {
-    const swiglu_ctx *c = vctx;
+static void glu_task(void *vctx, int64_t unit, int thread) {
+    const glu_ctx *c = vctx;
     (void)thread;
-    const int64_t i0 = unit * KVREF_SWIGLU_UNIT;
-    const int64_t n = i0 + KVREF_SWIGLU_UNIT < c->n ? KVREF_SWIGLU_UNIT : c->n - i0;
-    c->kk->swiglu(n, c->gate + i0, c->up + i0, c->out + i0);
+    const int64_t i0 = unit * KVREF_GLU_UNIT;
+    const int64_t n = i0 + KVREF_GLU_UNIT < c->n ? KVREF_GLU_UNIT : c->n - i0;
+    c->glu(n, c->gate + i0, c->up + i0, c->out + i0);
 }
 
-int kvref_swiglu(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
+static int glu(kvref_pool *pool, int gelu, const float *gate, const float *up, int64_t n, float *out) {
     if (pool == NULL) return KVREF_ERR_NULL;
     if (n < 0) return KVREF_ERR_DIM;
     if (n == 0) return KVREF_OK;
     if (gate == NULL || up == NULL || out == NULL) return KVREF_ERR_NULL;
     kvref_pool_lock(pool);
-    swiglu_ctx c = {kvref_pool_kernels(pool), gate, up, n, out};
-    kvref_pool_run(pool, swiglu_task, &c, (n + KVREF_SWIGLU_UNIT - 1) / KVREF_SWIGLU_UNIT);
+    const kvref_kernels *kk = kvref_pool_kernels(pool);
+    glu_ctx c = {gelu ? kk->geglu : kk->swiglu, gate, up, n, out};
+    kvref_pool_run(pool, glu_task, &c, (n + KVREF_GLU_UNIT - 1) / KVREF_GLU_UNIT);
     kvref_pool_unlock(pool);
     return KVREF_OK;
+}
+
+int kvref_swiglu(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
+    return glu(pool, 0, gate, up, n, out);
+}
+
+int kvref_geglu(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
+    return glu(pool, 1, gate, up, n, out);
 }

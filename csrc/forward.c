@@ -8,9 +8,11 @@
  *   - decode: the Q, K and V projections are one dispatch, gate and up (with SwiGLU on each
  *     unit's rows) another, and the output and down projections add into the residual stream as
  *     they produce it; every output element is still the one dot product kvref_matmul computes;
- *   - RoPE's cos/sin are computed once per new position per call, not once per layer;
+ *   - RoPE's cos/sin are computed once per new position and distinct frequency table per call, not
+ *     once per layer (Gemma 3 has two tables: its local and global layers' bases);
  *   - K and V go straight into the cache slots of the new positions, encoded as the Python cache
- *     layouts encode them (kvcache.c), and attention reads them there, paged or not.
+ *     layouts encode them (kvcache.c), and attention reads them there, paged, in per-layer rings
+ *     or contiguous.
  *
  * Work is split only by the pool (units of rows, heads, key segments), never by thread identity,
  * so results are the same for every thread count. Shape legend as in kvref.h; x is the residual
@@ -31,6 +33,8 @@ struct kvref_model {
     kvref_model_desc desc;     /* config and pointers; desc.layers points at `layers` */
     kvref_layer_desc *layers;  /* [n_layers] */
     int64_t max_k;             /* widest matmul input: max(E, H*D, F) */
+    int64_t n_tables;          /* distinct RoPE frequency tables among the layers' */
+    int64_t *table_of;         /* [n_layers] the index of each layer's table among those */
 };
 
 enum { FAM_PROJ = 0, FAM_ATTN = 1, FAM_OTHER = 2 };
@@ -45,15 +49,16 @@ struct kvref_state {
     float *att;                /* [rows, H*D]   attention output */
     float *gate, *up;          /* [rows, F]     MLP hidden; gate becomes silu(gate) * up */
     float *tmp;                /* [rows, E]     a block's output before the residual add (prefill) */
-    double *cs;                /* [rows, D]     RoPE cos | sin of each new position */
+    double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
     int64_t *q_positions;      /* [rows] */
     int8_t *xqs;               /* [KVREF_GEMM_MIN_T - 1, max_k]        8-bit copy of a matmul input: */
     float *xds;                /* [KVREF_GEMM_MIN_T - 1, max_k / 32, 2] values, block (d, s) */
     int64_t keys;              /* k_positions holds 0 .. keys-1 */
     int64_t *k_positions;      /* [keys] */
+    int64_t ring_keys;
+    int64_t *slot_positions;   /* [ring_keys] the position each slot of a ring layer holds */
     int64_t partial_floats;
     float *partial;            /* attention's per-segment softmax states */
-    double *inv_freq;          /* [D/2] theta ** (-2i / D) */
     int64_t ns[3], calls;      /* kvref_state_timings */
     int64_t fail_layer;        /* kvref_state_fail_at_layer: the layer the next forward stops at, or -1 */
 };
@@ -73,6 +78,9 @@ typedef struct {
     int64_t layer;             /* the layer being computed */
     const kvref_layer_desc *lw;
     const float *gain;         /* the RMSNorm gain of the current norm step */
+    float *norm_rows;          /* ... and the rows it normalises in place (NULL: x into xb) */
+    kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu or geglu) */
+    const kvref_model *model;
 } fw;
 
 static int64_t now_ns(void) {
@@ -109,24 +117,45 @@ static void for_each_row(const fw *f, row_fn fn) {
 static void embed_row(const fw *f, int64_t t) {
     const kvref_tensor *e = &f->c->tok_embeddings;
     const int64_t rb = kvref_row_nbytes(e->type, e->cols);
-    kvref_dequant_row(e->type, e->cols, (const uint8_t *)e->data + f->token_ids[t] * rb, f->s->x + t * f->c->d_model);
+    float *x = f->s->x + t * f->c->d_model;
+    kvref_dequant_row(e->type, e->cols, (const uint8_t *)e->data + f->token_ids[t] * rb, x);
+    const float scale = f->c->embedding_scale;
+    if (scale != 1.0f) /* as the decoder, which multiplies only then */
+        for (int64_t i = 0; i < e->cols; i++) x[i] = x[i] * scale;
 }
 
-/* xb[t] = rms_norm(x[t]) * gain */
+/* xb[t] = rms_norm(x[t]) * gain, or norm_rows[t] normalised in place */
 static void norm_row(const fw *f, int64_t t) {
     const int64_t E = f->c->d_model;
-    kvref_rms_norm_row(f->s->x + t * E, E, f->gain, f->c->norm_eps, f->s->xb + t * E);
+    const float *in = f->norm_rows != NULL ? f->norm_rows + t * E : f->s->x + t * E;
+    kvref_rms_norm_row(in, E, f->gain, f->c->norm_eps, f->norm_rows != NULL ? f->norm_rows + t * E : f->s->xb + t * E);
 }
 
-/* rotate q[t] and k[t] for position length + t; k[t] and v[t] -> that position's cache slot */
-static void rope_store_row(const fw *f, int64_t t) {
+/* q[t], k[t] (and v[t]) as the decoder makes them from the projections: biases added, each head's
+ * q and k RMS-normalised, then rotated for position length + t with the layer's frequencies */
+static void qk_row(const fw *f, int64_t t) {
     const kvref_model_desc *c = f->c;
-    const int64_t D = c->head_dim, Hkv = c->n_kv_heads, kvd = Hkv * D;
-    const double *cs = f->s->cs + t * D;
-    float *q = f->s->q + t * c->n_heads * D, *k = f->s->k + t * kvd, *v = f->s->v + t * kvd;
-    kvref_rope_row(q, c->n_heads, D, cs, q);
+    const kvref_layer_desc *lw = f->lw;
+    const int64_t H = c->n_heads, Hkv = c->n_kv_heads, D = c->head_dim;
+    const double *cs = f->s->cs + (f->model->table_of[f->layer] * f->s->rows + t) * D;
+    float *q = f->s->q + t * H * D, *k = f->s->k + t * Hkv * D, *v = f->s->v + t * Hkv * D;
+    if (lw->bq != NULL) {
+        for (int64_t i = 0; i < H * D; i++) q[i] = q[i] + lw->bq[i];
+        for (int64_t i = 0; i < Hkv * D; i++) k[i] = k[i] + lw->bk[i];
+        for (int64_t i = 0; i < Hkv * D; i++) v[i] = v[i] + lw->bv[i];
+    }
+    if (lw->q_norm != NULL) {
+        for (int64_t h = 0; h < H; h++) kvref_rms_norm_row(q + h * D, D, lw->q_norm, c->norm_eps, q + h * D);
+        for (int64_t h = 0; h < Hkv; h++) kvref_rms_norm_row(k + h * D, D, lw->k_norm, c->norm_eps, k + h * D);
+    }
+    kvref_rope_row(q, H, D, cs, q);
     kvref_rope_row(k, Hkv, D, cs, k);
-    kvref_kv_store(f->kv, f->kk, f->layer, f->length + t, k, v);
+}
+
+/* k[t] and v[t] -> the cache slot of position length + t */
+static void store_row(const fw *f, int64_t t) {
+    const int64_t kvd = f->c->n_kv_heads * f->c->head_dim;
+    kvref_kv_store(f->kv, f->kk, f->layer, f->length + t, f->s->k + t * kvd, f->s->v + t * kvd);
 }
 
 /* x[t] += tmp[t] */
@@ -137,10 +166,10 @@ static void residual_row(const fw *f, int64_t t) {
     for (int64_t i = 0; i < E; i++) x[i] = x[i] + y[i];
 }
 
-/* gate[t] = silu(gate[t]) * up[t] */
-static void swiglu_row(const fw *f, int64_t t) {
+/* gate[t] = act(gate[t]) * up[t] */
+static void glu_row(const fw *f, int64_t t) {
     const int64_t F = f->c->d_ff;
-    f->kk->swiglu(F, f->s->gate + t * F, f->s->up + t * F, f->s->gate + t * F);
+    f->glu(F, f->s->gate + t * F, f->s->up + t * F, f->s->gate + t * F);
 }
 
 /* ---- projections ------------------------------------------------------------------------- */
@@ -149,7 +178,7 @@ static void swiglu_row(const fw *f, int64_t t) {
  * one of the weights has an 8-bit kernel, x is rounded to 8-bit blocks first (the state's xqs/xds). */
 static kvref_mv matvec(const fw *f, const float *x, int64_t T, int64_t K, const kvref_tensor *w0,
                        const kvref_tensor *w1, const kvref_tensor *w2) {
-    kvref_mv mv = {x, NULL, f->s->xds, T, K, 0, {{0}}, 0, 0};
+    kvref_mv mv = {x, NULL, f->s->xds, T, K, 0, {{0}}, 0, NULL};
     const kvref_tensor *ws[3] = {w0, w1, w2};
     int any = 0;
     for (int i = 0; i < 3; i++) any |= ws[i] != NULL && f->kk->vec_dot_q8[ws[i]->type] != NULL;
@@ -191,24 +220,34 @@ static void qkv_projections(fw *f) {
 }
 
 /* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
- * Wd after the MLP) */
-static void residual_projection(fw *f, const float *in, const kvref_tensor *w) {
-    const int64_t t0 = now_ns();
+ * Wd after the MLP); with a sandwich norm gain, x += rms_norm(in @ W.T) * gain */
+static void residual_projection(fw *f, const float *in, const kvref_tensor *w, const float *post_norm) {
+    int64_t t0 = now_ns();
     kvref_state *s = f->s;
     if (f->T < KVREF_GEMM_MIN_T) {
         kvref_mv mv = matvec(f, in, f->T, w->cols, w, NULL, NULL);
         mv.nparts = 1;
-        mv.part[0] = part(w, s->x, w->rows);
-        mv.accumulate = 1;
+        mv.part[0] = part(w, post_norm != NULL ? s->tmp : s->x, w->rows);
+        mv.accumulate = post_norm == NULL;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, in, w, s->tmp);
-        for_each_row(f, residual_row);
     }
+    if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
+        s->ns[FAM_PROJ] += now_ns() - t0;
+        t0 = now_ns();
+        f->gain = post_norm;
+        f->norm_rows = s->tmp;
+        for_each_row(f, norm_row);
+        f->norm_rows = NULL;
+        s->ns[FAM_OTHER] += now_ns() - t0;
+        t0 = now_ns();
+    }
+    if (post_norm != NULL || f->T >= KVREF_GEMM_MIN_T) for_each_row(f, residual_row);
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
-/* gate = silu(xb @ Wg.T) * (xb @ Wu.T) */
+/* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
 static void gate_up_projections(fw *f) {
     const int64_t t0 = now_ns();
     const kvref_layer_desc *lw = f->lw;
@@ -219,12 +258,12 @@ static void gate_up_projections(fw *f) {
         mv.nparts = 2;
         mv.part[0] = part(&lw->w_gate, s->gate, F);
         mv.part[1] = part(&lw->w_up, s->up, F);
-        mv.swiglu = 1;
+        mv.glu = f->glu;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->xb, &lw->w_gate, s->gate);
         matmul(f, s->xb, &lw->w_up, s->up);
-        for_each_row(f, swiglu_row);
+        for_each_row(f, glu_row);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
@@ -242,28 +281,56 @@ static void embed_tokens(fw *f) {
 static void rms_norm(fw *f, const float *gain) {
     const int64_t t0 = now_ns();
     f->gain = gain;
+    f->norm_rows = NULL;
     for_each_row(f, norm_row);
     f->s->ns[FAM_OTHER] += now_ns() - t0;
 }
 
-/* q, k rotated for their positions; k, v stored in the cache at positions [length, length + T) */
-static void rope_and_store(fw *f) {
+/* q, k as the decoder makes them (biases, QK-norm, RoPE for their positions) */
+static void prepare_qk(fw *f) {
     const int64_t t0 = now_ns();
-    for_each_row(f, rope_store_row);
+    for_each_row(f, qk_row);
     f->s->ns[FAM_OTHER] += now_ns() - t0;
 }
 
-/* att = attention of the new queries over cache positions [0, S), each query seeing keys at
- * positions <= its own */
-static void attend(fw *f) {
-    const int64_t t0 = now_ns();
+/* att[t0 .. t0+n) = attention of new queries t0 .. t0+n-1 over the layer's first S keys, at the
+ * positions k_positions gives */
+static void attend(fw *f, int64_t t0, int64_t n, int64_t S, const int64_t *k_positions) {
+    const int64_t start = now_ns();
     const kvref_model_desc *c = f->c;
-    kvref_attn_args a = {.q = f->s->q, .q_positions = f->s->q_positions, .k_positions = f->s->k_positions,
-                         .T = f->T, .H = c->n_heads, .S = f->length + f->T, .G = c->n_heads / c->n_kv_heads,
-                         .scale = (float)(1.0 / sqrt((double)c->head_dim))};
+    const int64_t HD = c->n_heads * c->head_dim;
+    kvref_attn_args a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
+                         .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads, .window = f->lw->window,
+                         .scale = c->attention_scale};
     kvref_kv_layer(f->kv, f->layer, &a);
-    kvref_attention_run(f->pool, &a, f->s->partial, f->s->att);
-    f->s->ns[FAM_ATTN] += now_ns() - t0;
+    kvref_attention_run(f->pool, &a, f->s->partial, f->s->att + t0 * HD);
+    f->s->ns[FAM_ATTN] += now_ns() - start;
+}
+
+/* k, v -> the cache at positions [length, length + T); att = attention of the new queries over
+ * cache positions [0, S), each seeing the keys its window and position allow. A ring layer of R
+ * slots (window W <= R) takes its new positions in sub-chunks of R - W + 1: each is written, then
+ * its queries attend to the ring's slots, whose positions follow from the slot index and the
+ * positions written so far. A later sub-chunk overwrites only positions no earlier query sees. */
+static void store_and_attend(fw *f) {
+    int64_t t0 = now_ns();
+    const int64_t ring = kvref_kv_ring(f->kv, f->layer);
+    if (ring == 0) {
+        for_each_row(f, store_row);
+        f->s->ns[FAM_OTHER] += now_ns() - t0;
+        attend(f, 0, f->T, f->length + f->T, f->s->k_positions);
+        return;
+    }
+    const int64_t step = ring - f->lw->window + 1;
+    for (int64_t a = 0; a < f->T; a += step) {
+        const int64_t b = a + step < f->T ? a + step : f->T, written = f->length + b;
+        const int64_t S = written < ring ? written : ring;
+        t0 = now_ns();
+        for (int64_t t = a; t < b; t++) store_row(f, t);
+        for (int64_t j = 0; j < S; j++) f->s->slot_positions[j] = j + ring * ((written - 1 - j) / ring);
+        f->s->ns[FAM_OTHER] += now_ns() - t0;
+        attend(f, a, b - a, S, f->s->slot_positions);
+    }
 }
 
 /* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or the last one */
@@ -311,14 +378,23 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i] < 1 || dims[i] > KVREF_MAX_DIM) return KVREF_ERR_DIM;
     if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0) return KVREF_ERR_SHAPE;
-    if (!(c->rope_theta > 0.0) || isinf(c->rope_theta) || !(c->norm_eps >= 0.0) || isinf(c->norm_eps))
+    if (!(c->norm_eps >= 0.0) || isinf(c->norm_eps) || !(c->embedding_scale > 0.0f) || isinf(c->embedding_scale)
+        || !(c->attention_scale > 0.0f) || isinf(c->attention_scale)
+        || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH))
         return KVREF_ERR_VALUE;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
     int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
     if (status == KVREF_OK) status = check_tensor(&c->output, c->vocab_size, E);
     for (int64_t l = 0; status == KVREF_OK && l < c->n_layers; l++) {
         const kvref_layer_desc *lw = &c->layers[l];
-        if (lw->attn_norm == NULL || lw->ffn_norm == NULL) return KVREF_ERR_NULL;
+        if (lw->attn_norm == NULL || lw->ffn_norm == NULL || lw->rope_freqs == NULL) return KVREF_ERR_NULL;
+        /* the optional fields come in their groups: all three biases, both QK-norms, both sandwich norms */
+        if ((lw->bq == NULL) != (lw->bk == NULL) || (lw->bq == NULL) != (lw->bv == NULL)
+            || (lw->q_norm == NULL) != (lw->k_norm == NULL) || (lw->post_attn_norm == NULL) != (lw->post_ffn_norm == NULL))
+            return KVREF_ERR_NULL;
+        if (lw->window < 0) return KVREF_ERR_VALUE;
+        for (int64_t i = 0; i < c->head_dim / 2; i++)
+            if (!isfinite(lw->rope_freqs[i])) return KVREF_ERR_VALUE;
         const struct { const kvref_tensor *t; int64_t rows, cols; } expect[] = {
             {&lw->wq, QD, E}, {&lw->wk, KVD, E}, {&lw->wv, KVD, E}, {&lw->wo, E, QD},
             {&lw->w_gate, F, E}, {&lw->w_up, F, E}, {&lw->w_down, E, F}};
@@ -334,7 +410,19 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
         free(m);
         return KVREF_ERR_NOMEM;
     }
+    m->table_of = malloc((size_t)c->n_layers * sizeof *m->table_of);
+    if (m->table_of == NULL) {
+        kvref_model_destroy(m);
+        return KVREF_ERR_NOMEM;
+    }
     memcpy(m->layers, c->layers, (size_t)c->n_layers * sizeof *m->layers);
+    for (int64_t l = 0; l < c->n_layers; l++) { /* layers with equal frequencies share their cos/sin */
+        int64_t first = 0;
+        while (first < l && memcmp(c->layers[first].rope_freqs, c->layers[l].rope_freqs,
+                                   (size_t)(c->head_dim / 2) * sizeof(double)) != 0)
+            first++;
+        m->table_of[l] = first < l ? m->table_of[first] : m->n_tables++;
+    }
     m->desc = *c;
     m->desc.layers = m->layers;
     m->max_k = E > QD ? E : QD;
@@ -346,6 +434,7 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
 void kvref_model_destroy(kvref_model *model) {
     if (model == NULL) return;
     free(model->layers);
+    free(model->table_of);
     free(model);
 }
 
@@ -368,15 +457,12 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
     if (s == NULL) return KVREF_ERR_NOMEM;
     s->model = model;
     s->fail_layer = -1;
-    const int64_t D = model->desc.head_dim;
-    s->inv_freq = malloc((size_t)(D / 2 + 1) * sizeof(double));
     s->xqs = aligned_alloc(64, ((size_t)(KVREF_GEMM_MIN_T - 1) * (size_t)model->max_k + 63) & ~(size_t)63);
     s->xds = alloc_floats((KVREF_GEMM_MIN_T - 1) * (model->max_k / 32 + 1) * 2);
-    if (s->inv_freq == NULL || s->xqs == NULL || s->xds == NULL) {
+    if (s->xqs == NULL || s->xds == NULL) {
         kvref_state_destroy(s);
         return KVREF_ERR_NOMEM;
     }
-    kvref_rope_inv_freq(D, model->desc.rope_theta, s->inv_freq);
     *out = s;
     return KVREF_OK;
 }
@@ -387,8 +473,8 @@ void kvref_state_destroy(kvref_state *state) {
     free(state->xqs);
     free(state->xds);
     free(state->k_positions);
+    free(state->slot_positions);
     free(state->partial);
-    free(state->inv_freq);
     free(state);
 }
 
@@ -409,7 +495,7 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
         s->gate = alloc_floats(rows * c->d_ff);
         s->up = alloc_floats(rows * c->d_ff);
         s->tmp = alloc_floats(rows * E);
-        s->cs = malloc((size_t)(rows * c->head_dim) * sizeof(double));
+        s->cs = malloc((size_t)(s->model->n_tables * rows * c->head_dim) * sizeof(double));
         s->q_positions = malloc((size_t)rows * sizeof(int64_t));
         if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->tmp || !s->cs || !s->q_positions) {
             free_rows(s);
@@ -417,13 +503,19 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
         }
         s->rows = rows;
     }
-    if (S > s->keys) {
+    if (S > s->keys) { /* a ring layer's keys are at most its written positions, so S bounds them too */
         const int64_t keys = S > 2 * s->keys ? S : 2 * s->keys;
-        int64_t *kp = malloc((size_t)keys * sizeof(int64_t));
-        if (kp == NULL) return KVREF_ERR_NOMEM;
+        int64_t *kp = malloc((size_t)keys * sizeof(int64_t)), *sp = malloc((size_t)keys * sizeof(int64_t));
+        if (kp == NULL || sp == NULL) {
+            free(kp);
+            free(sp);
+            return KVREF_ERR_NOMEM;
+        }
         for (int64_t i = 0; i < keys; i++) kp[i] = i;
         free(s->k_positions);
+        free(s->slot_positions);
         s->k_positions = kp;
+        s->slot_positions = sp;
         s->keys = keys;
     }
     const int64_t np = kvref_attention_partial_floats(T, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim, S);
@@ -474,6 +566,10 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
     if (token_ids == NULL || logits == NULL) return KVREF_ERR_NULL;
     for (int64_t t = 0; t < T; t++)
         if (token_ids[t] < 0 || token_ids[t] >= c->vocab_size) return KVREF_ERR_VALUE;
+    for (int64_t l = 0; l < c->n_layers; l++) { /* a ring keeps a window's positions, or it loses keys */
+        const int64_t ring = kvref_kv_ring(cache, l), window = c->layers[l].window;
+        if (ring > 0 && (window == 0 || window > ring)) return KVREF_ERR_VALUE;
+    }
 
     kvref_pool_lock(pool);
     const int64_t t_start = now_ns();
@@ -487,12 +583,18 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
         kvref_pool_unlock(pool);
         return status;
     }
-    fw f = {pool, kvref_pool_kernels(pool), c, state, token_ids, T, length, cache,
-            activations == KVREF_ACT_INT8, all_logits, logits, 0, NULL, NULL};
-    for (int64_t t = 0; t < T; t++) { /* the new positions and their RoPE angles, once per call */
-        state->q_positions[t] = length + t;
-        kvref_rope_cos_sin(c->head_dim, state->inv_freq, length + t, state->cs + t * c->head_dim);
+    const kvref_kernels *kk = kvref_pool_kernels(pool);
+    fw f = {pool, kk, c, state, token_ids, T, length, cache, activations == KVREF_ACT_INT8, all_logits, logits,
+            0, NULL, NULL, NULL, c->gate == KVREF_GATE_GELU_TANH ? kk->geglu : kk->swiglu, model};
+    for (int64_t l = 0, seen = 0; l < c->n_layers; l++) { /* RoPE angles once per position and distinct table */
+        const int64_t table = model->table_of[l];
+        if (table < seen) continue; /* tables are numbered as layers first use them */
+        seen++;
+        for (int64_t t = 0; t < T; t++)
+            kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, length + t,
+                               state->cs + (table * state->rows + t) * c->head_dim);
     }
+    for (int64_t t = 0; t < T; t++) state->q_positions[t] = length + t;
     state->ns[FAM_OTHER] += now_ns() - t_start;
 
     embed_tokens(&f);                                     /* x = tok_embeddings[token_ids] */
@@ -506,13 +608,13 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
         /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
         rms_norm(&f, f.lw->attn_norm);                    /* xb = rms_norm(x) * attn_norm */
         qkv_projections(&f);                              /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
-        rope_and_store(&f);                               /* rotate q, k; k, v -> cache positions length.. */
-        attend(&f);                                       /* att = softmax(q . K / sqrt(D)) V, causal by position */
-        residual_projection(&f, state->att, &f.lw->wo);   /* x += att @ Wo.T */
-        /* MLP block: x += swiglu(...) @ Wd.T, position by position */
+        prepare_qk(&f);                                   /* + biases; q, k: QK-norm, rotated for their positions */
+        store_and_attend(&f);                             /* k, v -> cache; att = softmax(q . K * scale) V, by position */
+        residual_projection(&f, state->att, &f.lw->wo, f.lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
+        /* MLP block: x += act(...) @ Wd.T, position by position */
         rms_norm(&f, f.lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
-        gate_up_projections(&f);                          /* gate = silu(xb @ Wg.T) * (xb @ Wu.T) */
-        residual_projection(&f, state->gate, &f.lw->w_down); /* x += gate @ Wd.T */
+        gate_up_projections(&f);                          /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
+        residual_projection(&f, state->gate, &f.lw->w_down, f.lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
     }
     final_logits(&f);                                     /* logits = rms_norm(x) @ output.T */
     state->calls++;

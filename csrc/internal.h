@@ -28,6 +28,7 @@
 #define QK_K 256
 
 #define BYTES_Q4_0 18   /* f16 d; u8 qs[16]: value j = d * ((qs[j % 16] >> 4*(j / 16)) & 15) - 8) */
+#define BYTES_Q5_0 22   /* f16 d; u32 qh; u8 qs[16]: value j = d * ((low nibble j as Q4_0 | (qh >> j & 1) << 4) - 16) */
 #define BYTES_Q4_1 20   /* f16 d, m; u8 qs[16]: value j = d * nibble(j) + m */
 #define BYTES_Q8_0 34   /* f16 d; i8 qs[32]: value j = d * qs[j] */
 #define BYTES_Q4_K 144  /* f16 d, dmin; u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min); u8 qs[128] */
@@ -81,6 +82,13 @@ static inline uint16_t kvref_fp32_to_fp16(float f) {
 static inline uint16_t kvref_load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline float kvref_load_fp16(const uint8_t *p) { return kvref_fp16_to_fp32(kvref_load_u16(p)); }
 
+/* The high bits of a Q5_0 block (its bytes 2..5, little-endian): bit j is value j's fifth bit. */
+static inline uint32_t kvref_q5_high_bits(const uint8_t *block) {
+    uint32_t qh;
+    memcpy(&qh, block + 2, 4);
+    return qh;
+}
+
 /* The 6-bit scale and min of sub-block j (0..7) of a Q4_K super-block (llama.cpp get_scale_min_k4). */
 static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
@@ -123,7 +131,8 @@ typedef struct kvref_attn_args {
     int64_t block_size;        /* ... or in slot s when block_table is NULL */
     const int64_t *q_positions, *k_positions; /* [T], [S] */
     int64_t T, H, D, S, Hkv, G;
-    float scale;               /* 1 / sqrt(D) */
+    int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
+    float scale;               /* what scores are multiplied by */
 } kvref_attn_args;
 
 /* Keys the skeleton hands the kernels per step; how far ahead of the keys it scores a kernel
@@ -141,10 +150,16 @@ typedef struct kvref_attn_chunk {
     const float *k_scales, *v_scales; /* kv head hk's I8 scales in slot 0, or NULL */
     const int64_t *row, *srow; /* [nrows] from kvref_attn_rows: the chunk's n keys, then keys ahead */
     int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD */
-    const int64_t *kp;         /* [n]: the keys' positions; key s is visible iff kp[s] <= qpos */
-    int64_t qpos;
+    const int64_t *kp;         /* [n]: the keys' positions; key s is visible iff klo <= kp[s] <= qpos */
+    int64_t qpos, klo;         /* klo: the query's window start (INT64_MIN without a window) */
     int all;                   /* every key of the chunk is visible (none visible: never handed over) */
 } kvref_attn_chunk;
+
+/* Whether key s of a chunk is masked for its query: kp[s] outside [klo, qpos], tested as one unsigned
+ * comparison of offsets from klo (klo <= qpos always; the offsets wrap instead of overflowing). */
+static inline int kvref_attn_hidden(const kvref_attn_chunk *c, int64_t s) {
+    return (uint64_t)c->kp[s] - (uint64_t)c->klo > (uint64_t)c->qpos - (uint64_t)c->klo;
+}
 
 /* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G; p [G, C].
  * A masked key's entry may hold anything (the skeleton overwrites it with -inf). Keys from n to
@@ -236,14 +251,22 @@ typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, floa
 typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
                               float *y, int64_t ldy);
 
+/* GELU's tanh form, 0.5 g (1 + tanh(C (g + K g^3))): its constants rounded to float32 as
+ * kvref.spec.ops.gelu_tanh rounds them (C = sqrt(2 / pi)) */
+#define KVREF_GELU_C ((float)0.7978845608028654)
+#define KVREF_GELU_K 0.044715f
+
+/* out[i] = act(gate[i]) * up[i] for i < n (out may be gate or up): SwiGLU or GeGLU */
+typedef void (*kvref_glu_fn)(int64_t n, const float *gate, const float *up, float *out);
+
 typedef struct kvref_kernels {
     int32_t isa;
     kvref_vec_dot_fn vec_dot[KVREF_TYPE_SLOTS];
     kvref_dequant_fn dequant[KVREF_TYPE_SLOTS];
     kvref_gemm_fn gemm_f32;
     kvref_attn_kernels attn;
-    /* out[i] = silu(gate[i]) * up[i] */
-    void (*swiglu)(int64_t n, const float *gate, const float *up, float *out);
+    kvref_glu_fn swiglu;       /* silu(g) * u */
+    kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
     /* 8-bit activations: a dot kernel for the weight types that have one (NULL: use vec_dot) */
     kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
     kvref_quantize_q8_fn quantize_q8;
@@ -260,6 +283,7 @@ extern const kvref_kernels kvref_kernels_avx512_vnni; /* avx512 plus VNNI 8-bit 
 float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+float kvref_avx2_vec_dot_q8_q5_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 #endif
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
@@ -271,8 +295,6 @@ void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out);
 
 /* out = x / sqrt(mean(x**2) + eps) * weight for one row of E values (mean square in double) */
 void kvref_rms_norm_row(const float *x, int64_t E, const float *weight, double eps, float *out);
-/* inv_freq[i] = theta ** (-2i / D), i < D/2 */
-void kvref_rope_inv_freq(int64_t D, double theta, double *inv_freq);
 /* cs[0..D/2) = cos(p * inv_freq), cs[D/2..D) = sin(p * inv_freq), in double */
 void kvref_rope_cos_sin(int64_t D, const double *inv_freq, int64_t position, double *cs);
 /* rotate the nh heads of one position: x, out [nh, D] (out may be x), cs from kvref_rope_cos_sin */
@@ -293,8 +315,8 @@ void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
  * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
  * the residual add). With xqs/xds (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2]), weights that
  * have an 8-bit kernel read those instead of x. With
- * swiglu, parts 0 and 1 are gate and up of equal N, and each unit finishes its rows with
- * y_0 = silu(y_0) * y_1. Every element is one dot product whatever the split. */
+ * glu, parts 0 and 1 are gate and up of equal N, and each unit finishes its rows with
+ * y_0 = glu(y_0, y_1). Every element is one dot product whatever the split. */
 typedef struct kvref_mv_part {
     const uint8_t *w;          /* [N, kvref_row_nbytes(type, K)] */
     int32_t type;
@@ -311,24 +333,30 @@ typedef struct kvref_mv {
     int nparts;
     kvref_mv_part part[3];
     int accumulate;
-    int swiglu;
+    kvref_glu_fn glu;          /* NULL, or the gate activation applied to parts 0 and 1 */
 } kvref_mv;
 
 void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv);
 
 /* ---- the cache's storage (kvcache.c) ------------------------------------------------------- */
 
-/* KVREF_OK if `kv` is a well-formed cache of n_layers x Hkv x D that holds `positions` positions
- * (every block-table entry they use in range), else the status naming what is wrong */
+/* KVREF_OK if `kv` is a well-formed cache of n_layers x Hkv x D whose layers without a ring hold
+ * `positions` positions (every block-table entry they use in range), else the status naming what is
+ * wrong */
 int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D, int64_t positions);
-/* the attention arguments' view of layer `layer` of a checked cache (q, positions, T, H, S unset) */
+/* the ring size of `layer` of a checked cache: 0 for a layer whose position p is in its slot for p */
+int64_t kvref_kv_ring(const kvref_kv *kv, int64_t layer);
+/* the attention arguments' view of layer `layer` of a checked cache (q, positions, T, H, S unset):
+ * key s is the slot of position s, or slot s of a ring layer */
 void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a);
-/* encode the K and V vectors of one position, k and v [Hkv, D] float32, into its slot in `layer` */
+/* encode the K and V vectors of one position, k and v [Hkv, D] float32, into its slot in `layer`
+ * (slot position % R of a ring layer) */
 void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t position,
                     const float *k, const float *v);
 
 /* per-thread scratch bytes (H query heads, G per kv head), and shared floats for segment partials,
- * of kvref_attention_run */
+ * of kvref_attention_run; the partials of T queries suffice for any run of up to T of them over up to
+ * S keys (the fused forward's sub-chunks of a ring layer) */
 size_t kvref_attention_scratch_bytes(int64_t H, int64_t G);
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S);
 /* the work of kvref_attention for checked arguments (S > 0); partial holds

@@ -116,6 +116,27 @@ TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
     return hsum8(_mm256_add_ps(a0, a1));
 }
 
+/* Q5_0: the Q4_0 nibbles, each with its fifth bit from qh (a variable shift per lane) */
+TARGET static float vec_dot_q5_0(int64_t K, const uint8_t *w, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(0xF), one = _mm256_set1_epi32(1), sixteen = _mm256_set1_epi32(16);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, x += 32) {
+        const __m256 d = _mm256_set1_ps(fp16_load(w));
+        const __m256i qh = _mm256_set1_epi32((int)kvref_q5_high_bits(w));
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = bytes8_u(w + 6 + 8 * h);
+            const __m256i hlo = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h))), one), 4);
+            const __m256i hhi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(16 + 8 * h))), one), 4);
+            const __m256i qlo = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(q, low4), hlo), sixteen);
+            const __m256i qhi = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(q, 4), hhi), sixteen);
+            a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qlo), d), _mm256_loadu_ps(x + 8 * h), a0);
+            a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qhi), d), _mm256_loadu_ps(x + 16 + 8 * h), a1);
+        }
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
 TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
@@ -192,6 +213,7 @@ GENERIC_DEQUANT(dequant_f32, KVREF_TYPE_F32)
 GENERIC_DEQUANT(dequant_bf16, KVREF_TYPE_BF16)
 GENERIC_DEQUANT(dequant_q4_0, KVREF_TYPE_Q4_0)
 GENERIC_DEQUANT(dequant_q4_1, KVREF_TYPE_Q4_1)
+GENERIC_DEQUANT(dequant_q5_0, KVREF_TYPE_Q5_0)
 GENERIC_DEQUANT(dequant_q8_0, KVREF_TYPE_Q8_0)
 GENERIC_DEQUANT(dequant_q4_k, KVREF_TYPE_Q4_K)
 GENERIC_DEQUANT(dequant_q6_k, KVREF_TYPE_Q6_K)
@@ -241,7 +263,7 @@ TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w
         for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
 }
 
-/* ---- exp (Cephes expf, as in kernels_avx512.c) ----------------------------------------------- */
+/* ---- exp (Cephes expf, as in kernels_avx512.c), SwiGLU and GeGLU ----------------------------------------------- */
 
 TARGET static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
@@ -265,20 +287,36 @@ TARGET static inline __m256 swiglu8(__m256 g, __m256 u) {
     return _mm256_mul_ps(sig, u);
 }
 
+/* gelu_tanh(g) * u as g / (1 + exp(-2y)) * u, y rounded as the spec rounds it (kernels_avx512.c) */
+TARGET static inline __m256 geglu8(__m256 g, __m256 u) {
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(KVREF_GELU_K), g), g), g);
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(KVREF_GELU_C), _mm256_add_ps(g, cube));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
 /* The tail goes through the same vector code (via a padded copy), so each element's value does not
  * depend on where it sits: the fused forward applies SwiGLU to row ranges, the single kernel to a
  * whole [T, F] array, and both must agree bit for bit. */
-TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) {
+TARGET __attribute__((always_inline)) static inline void glu8(int64_t n, const float *gate, const float *up, float *out,
+                                                               const int gelu) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, swiglu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+        _mm256_storeu_ps(out + i, gelu ? geglu8(g, u) : swiglu8(g, u));
+    }
     if (i < n) {
         float g[8] = {0}, u[8] = {0}, o[8];
         memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
         memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
-        _mm256_storeu_ps(o, swiglu8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+        const __m256 gv = _mm256_loadu_ps(g), uv = _mm256_loadu_ps(u);
+        _mm256_storeu_ps(o, gelu ? geglu8(gv, uv) : swiglu8(gv, uv));
         memcpy(out + i, o, (size_t)(n - i) * sizeof(float));
     }
 }
+
+TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 0); }
+TARGET static void geglu(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 1); }
 
 /* ---- attention chunk kernels (the skeleton that runs them: csrc/attention.c) -------------- */
 
@@ -389,8 +427,8 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
 #define load_v(s) load_kv8(vb, v_type, row[s] + i, v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg] : 0.0f)
     const uint8_t *vb = c->v;
     const float *vs = c->v_scales;
-    const int64_t *row = c->row, *srow = c->srow, *kp = c->kp;
-    const int64_t n = c->n, qpos = c->qpos;
+    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t n = c->n;
     const int all = c->all;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
     const int keys = gb == 1 ? 4 : 2;
@@ -407,7 +445,7 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
                     for (int g = 0; g < gb; g++) ac[k][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * C + s + k]), v, ac[k][g]);
                 }
         for (; s < n; s++) {
-            if (!all && kp[s] > qpos) continue;
+            if (!all && kvref_attn_hidden(c, s)) continue;
             const __m256 v = load_v(s);
             for (int g = 0; g < gb; g++) ac[0][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * C + s]), v, ac[0][g]);
         }
@@ -421,7 +459,7 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
         for (int g = 0; g < gb; g++) {
             float av = acc[g * D + i];
             for (int64_t s = 0; s < n; s++) {
-                if (!all && kp[s] > qpos) continue;
+                if (!all && kvref_attn_hidden(c, s)) continue;
                 av += p[g * C + s] * load_kv1(vb, v_type, row[s] + i);
             }
             acc[g * D + i] = av;
@@ -557,6 +595,33 @@ TARGET float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_
     return hsum8(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
 }
 
+/* a Q5_0 block's 32 bit qh -> 32 bytes, byte j 16 where bit j is set, else 0 (llama.cpp's
+ * bytes_from_bits_32: each byte of qh copied to 8 lanes, then one bit tested per lane) */
+TARGET static inline __m256i high_bits32(uint32_t qh) {
+    const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+}
+
+/* a Q5_0 block's 32 values q - 16 as signed bytes, in value order */
+TARGET static inline __m256i q5_0_values(const uint8_t *w) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), high_bits32(kvref_q5_high_bits(w))), _mm256_set1_epi8(16));
+}
+
+TARGET float kvref_avx2_vec_dot_q8_q5_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const int64_t nb = K / 32;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q5_0, qs += 64, ds += 4) {
+        a0 = _mm256_fmadd_ps(idot_signed_ps(q5_0_values(w), load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
+        a1 = _mm256_fmadd_ps(idot_signed_ps(q5_0_values(w + BYTES_Q5_0), load_qs(qs + 32)),
+                             _mm256_set1_ps(fp16_load(w + BYTES_Q5_0) * ds[2]), a1);
+    }
+    if (b < nb) a0 = _mm256_fmadd_ps(idot_signed_ps(q5_0_values(w), load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
 TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     const int64_t nb = K / QK8_0;
@@ -611,21 +676,22 @@ const kvref_kernels kvref_kernels_avx2 = {
     .vec_dot = {
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
         [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
         [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
     },
     .dequant = {
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0,
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8},
     .swiglu = swiglu,
+    .geglu = geglu,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
-        [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
+        [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
     },
     .quantize_q8 = quantize_q8,
     .to_fp16 = to_fp16,

@@ -150,6 +150,33 @@ TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
+/* Q5_0 has 32 possible values per block: d * (q - 16) for q < 16 in one table, q >= 16 in the other,
+ * and each value's index is its nibble with the fifth bit set from qh (a mask op), so a two-table
+ * permute selects it */
+TARGET static inline void q5_0_block(const uint8_t *w, const __m512 iota, __m512 *lo, __m512 *hi) {
+    const __m512 d = bcast_fp16(w);
+    const __m512 t0 = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.0f)), d), t1 = _mm512_mul_ps(iota, d); /* exact */
+    const uint32_t qh = kvref_q5_high_bits(w);
+    const __m512i q = load_nibble_bytes(w + 6), sixteen = _mm512_set1_epi32(16);
+    const __m512i i0 = _mm512_mask_or_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xF)), (__mmask16)(qh & 0xFFFFu),
+                                            q, sixteen);
+    const __m512i i1 = _mm512_mask_or_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), _mm512_srli_epi32(q, 4), sixteen);
+    *lo = _mm512_permutex2var_ps(t0, i0, t1);
+    *hi = _mm512_permutex2var_ps(t0, i1, t1);
+}
+
+TARGET static float vec_dot_q5_0(int64_t K, const uint8_t *w, const float *x) {
+    const __m512 iota = iota16();
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, x += 32) {
+        __m512 lo, hi;
+        q5_0_block(w, iota, &lo, &hi);
+        a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), a0);
+        a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
 TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
@@ -239,6 +266,16 @@ TARGET static void dequant_q4_0(int64_t K, const uint8_t *w, float *out) {
     }
 }
 
+TARGET static void dequant_q5_0(int64_t K, const uint8_t *w, float *out) {
+    const __m512 iota = iota16();
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, out += 32) {
+        __m512 lo, hi;
+        q5_0_block(w, iota, &lo, &hi);
+        _mm512_storeu_ps(out, lo);
+        _mm512_storeu_ps(out + 16, hi);
+    }
+}
+
 TARGET static void dequant_q8_0(int64_t K, const uint8_t *w, float *out) {
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, out += QK8_0) {
         const __m512 d = bcast_fp16(w);
@@ -318,7 +355,7 @@ TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w
         for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
 }
 
-/* ---- exp, for softmax and SiLU ---------------------------------------------------------------- */
+/* ---- exp, for softmax, SiLU and GELU ---------------------------------------------------------------- */
 
 /* Cephes expf: exp(x) = 2**n * e**r, |r| <= ln2/2, degree-7 polynomial; within 2 ulp of expf on
  * [-87, 88]; exp(-inf) and anything below -88.37 give 0, above 88.37 give +inf; NaN stays NaN. */
@@ -346,6 +383,22 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
         const __m512 g = _mm512_maskz_loadu_ps(mk, gate + i);
         const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(mk, up + i)));
+    }
+}
+
+/* gelu_tanh(g) * u with 0.5 g (1 + tanh(y)) written as g / (1 + exp(-2y)), the same function;
+ * y = c (g + 0.044715 g^3) is rounded step by step exactly as kvref.spec.ops.gelu_tanh rounds it
+ * (no FMA), so only the exponential differs from the spec's tanh */
+TARGET static void geglu(int64_t n, const float *gate, const float *up, float *out) {
+    const __m512 one = _mm512_set1_ps(1.0f), c = _mm512_set1_ps(KVREF_GELU_C), k = _mm512_set1_ps(KVREF_GELU_K);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+        const __m512 g = _mm512_maskz_loadu_ps(mk, gate + i);
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(k, g), g), g);
+        const __m512 y = _mm512_mul_ps(c, _mm512_add_ps(g, cube));
+        const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y));
+        const __m512 gelu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(gelu, _mm512_maskz_loadu_ps(mk, up + i)));
     }
 }
 
@@ -509,14 +562,14 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
 #undef load_v
 }
 
-/* acc += p V over the chunk's n keys; masked keys (kp[s] > qpos) never touch acc */
+/* acc += p V over the chunk's n keys; masked keys never touch acc */
 TARGET __attribute__((always_inline)) static inline void pv_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type,
     const int full) {
     const uint8_t *vb = c->v;
     const float *vs = c->v_scales;
-    const int64_t *row = c->row, *srow = c->srow, *kp = c->kp;
-    const int64_t n = c->n, nrows = c->nrows, qpos = c->qpos;
+    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t n = c->n, nrows = c->nrows;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
@@ -549,7 +602,7 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
             __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
             for (int64_t s = 0; s < n; s++) {
                 if (ahead && (s & 7) == 0) kvref_attn_prefetch(vb, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-                if (kp[s] > qpos) continue;
+                if (kvref_attn_hidden(c, s)) continue;
                 const float sc = v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg] : 0.0f;
                 av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(vb, v_type, row[s] + 16 * j, mk, full, sc), av);
             }
@@ -735,6 +788,18 @@ TARGET_VNNI static inline float lanes13(__m128 v) {
         sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds)); /* lanes 1, 3: 0 * s */               \
     } while (0)
 
+/* Q5_0: values q - 16, q = nibble | fifth bit (one bit of qh_a, qh_b per byte): sum q x - sum 16 x */
+#define PAIR_Q5_0(wa, wb, qs, ds, isum, sc)                                                         \
+    do {                                                                                            \
+        const __m512i xv = _mm512_loadu_si512(qs);                                                  \
+        const __mmask64 hb = (__mmask64)kvref_q5_high_bits(wa) | (__mmask64)kvref_q5_high_bits(wb) << 32; \
+        const __m512i nib = nibbles64((wa) + 6, (wb) + 6);                                          \
+        isum = _mm512_sub_epi32(                                                                    \
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_mask_add_epi8(nib, hb, nib, _mm512_set1_epi8(16)), xv), \
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));                 \
+        sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds)); /* lanes 1, 3: 0 * s */               \
+    } while (0)
+
 /* Q8_0: signed values */
 #define PAIR_Q8_0(wa, wb, qs, ds, isum, sc)                                                         \
     isum = idot_signed(load2x32((wa) + 2, (wb) + 2), _mm512_loadu_si512(qs));                       \
@@ -752,6 +817,12 @@ TARGET_VNNI static float vec_dot_q8_q4_1_vnni(int64_t K, const uint8_t *w, const
     return acc;
 }
 
+TARGET_VNNI static float vec_dot_q8_q5_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    Q8_PAIRS(BYTES_Q5_0, PAIR_Q5_0);
+    if (b < nb) acc += kvref_avx2_vec_dot_q8_q5_0(32, w, qs, ds);
+    return acc;
+}
+
 TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     Q8_PAIRS(BYTES_Q8_0, PAIR_Q8_0);
     if (b < nb) acc += kvref_avx2_vec_dot_q8_q8_0(32, w, qs, ds);
@@ -762,18 +833,21 @@ TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const
     .vec_dot = {                                                                                 \
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                          \
         [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,                      \
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,                      \
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0,                      \
+        [KVREF_TYPE_Q8_0] = vec_dot_q8_0,                                                        \
         [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,                      \
     },                                                                                           \
     .dequant = {                                                                                 \
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,                          \
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,                      \
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,                      \
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0,                      \
+        [KVREF_TYPE_Q8_0] = dequant_q8_0,                                                        \
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
     .swiglu = swiglu,                                                                            \
+    .geglu = geglu,                                                                              \
     .quantize_q8 = quantize_q8,                                                                  \
     .to_fp16 = to_fp16
 
@@ -783,7 +857,7 @@ const kvref_kernels kvref_kernels_avx512 = {
     AVX512_TABLE_COMMON,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
-        [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
+        [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
     },
 };
 
@@ -792,7 +866,7 @@ const kvref_kernels kvref_kernels_avx512_vnni = {
     AVX512_TABLE_COMMON,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
-        [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
+        [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
     },
 };
 

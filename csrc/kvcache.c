@@ -15,14 +15,26 @@ int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D,
     if (kv->n_layers < 0 || kv->n_slots < 0 || kv->n_kv_heads < 1 || kv->head_dim < 1 || positions < 0)
         return KVREF_ERR_DIM;
     if (kv->n_layers != n_layers || kv->n_kv_heads != Hkv || kv->head_dim != D) return KVREF_ERR_SHAPE;
-    if (mul_overflows(kv->n_layers, kv->n_slots) || mul_overflows(kv->n_layers * kv->n_slots, Hkv)
-        || mul_overflows(kv->n_layers * kv->n_slots * Hkv, D * 4))
-        return KVREF_ERR_DIM;
+    int64_t slots = 0, plain = kv->n_layers; /* slots in all layers; layers without a ring */
+    if (kv->layer_ring != NULL) {
+        if (kv->block_table != NULL) return KVREF_ERR_SHAPE; /* a ring layout has no blocks */
+        for (int64_t l = 0; l < kv->n_layers; l++) {
+            const int64_t ring = kv->layer_ring[l], extent = ring > 0 ? ring : kv->n_slots;
+            if (ring < 0) return KVREF_ERR_VALUE;
+            if (extent > INT64_MAX - slots) return KVREF_ERR_DIM;
+            slots += extent;
+            plain -= ring > 0;
+        }
+    } else {
+        if (mul_overflows(kv->n_layers, kv->n_slots)) return KVREF_ERR_DIM;
+        slots = kv->n_layers * kv->n_slots;
+    }
+    if (mul_overflows(slots, Hkv) || mul_overflows(slots * Hkv, D * 4)) return KVREF_ERR_DIM;
     const int int8 = kv->k_type == KVREF_TYPE_I8 || kv->v_type == KVREF_TYPE_I8;
     if (int8 && (kv->group_size < 1 || D % kv->group_size != 0)) return KVREF_ERR_SHAPE;
     if ((kv->k_type == KVREF_TYPE_I8 && kv->k_scales == NULL) || (kv->v_type == KVREF_TYPE_I8 && kv->v_scales == NULL))
         return KVREF_ERR_NULL;
-    if (kv->block_table == NULL) return positions <= kv->n_slots ? KVREF_OK : KVREF_ERR_DIM;
+    if (kv->block_table == NULL) return positions <= kv->n_slots || plain == 0 ? KVREF_OK : KVREF_ERR_DIM;
     const int64_t bs = kv->block_size;
     if (bs < 1 || kv->n_blocks < 0 || kv->n_slots % bs != 0) return KVREF_ERR_SHAPE;
     const int64_t used = positions / bs + (positions % bs != 0);
@@ -32,13 +44,17 @@ int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D,
     return KVREF_OK;
 }
 
+int64_t kvref_kv_ring(const kvref_kv *kv, int64_t layer) { return kv->layer_ring != NULL ? kv->layer_ring[layer] : 0; }
+
 void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a) {
-    const int64_t vectors = kv->n_slots * kv->n_kv_heads; /* per layer */
+    int64_t first = 0; /* the layer's first slot: the extents of the layers before it */
+    for (int64_t l = 0; l < layer; l++) first += kvref_kv_ring(kv, l) > 0 ? kvref_kv_ring(kv, l) : kv->n_slots;
+    const int64_t vectors = first * kv->n_kv_heads; /* before the layer's */
     const int64_t ng = kv->group_size > 0 ? kv->head_dim / kv->group_size : 0;
-    a->k = (const uint8_t *)kv->k + layer * vectors * kv->head_dim * kvref_kv_element_bytes(kv->k_type);
-    a->v = (const uint8_t *)kv->v + layer * vectors * kv->head_dim * kvref_kv_element_bytes(kv->v_type);
-    a->k_scales = kv->k_type == KVREF_TYPE_I8 ? kv->k_scales + layer * vectors * ng : NULL;
-    a->v_scales = kv->v_type == KVREF_TYPE_I8 ? kv->v_scales + layer * vectors * ng : NULL;
+    a->k = (const uint8_t *)kv->k + vectors * kv->head_dim * kvref_kv_element_bytes(kv->k_type);
+    a->v = (const uint8_t *)kv->v + vectors * kv->head_dim * kvref_kv_element_bytes(kv->v_type);
+    a->k_scales = kv->k_type == KVREF_TYPE_I8 ? kv->k_scales + vectors * ng : NULL;
+    a->v_scales = kv->v_type == KVREF_TYPE_I8 ? kv->v_scales + vectors * ng : NULL;
     a->k_type = kv->k_type;
     a->v_type = kv->v_type;
     a->group_size = kv->group_size;
@@ -89,7 +105,8 @@ void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, 
     kvref_attn_args a;
     kvref_kv_layer(kv, layer, &a);
     int64_t row, srow;
-    kvref_attn_rows(&a, position, 1, &row, &srow);
+    const int64_t ring = kvref_kv_ring(kv, layer);
+    kvref_attn_rows(&a, ring > 0 ? position % ring : position, 1, &row, &srow); /* a ring's slot p % R */
     const int64_t n = kv->n_kv_heads * kv->head_dim;
     encode(kv->k_type, n, kv->group_size, k, kk, (uint8_t *)a.k + row * kvref_kv_element_bytes(kv->k_type),
            a.k_scales != NULL ? (float *)a.k_scales + srow : NULL);

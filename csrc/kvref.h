@@ -59,6 +59,7 @@ enum kvref_type {
     KVREF_TYPE_F16 = 1,
     KVREF_TYPE_Q4_0 = 2,
     KVREF_TYPE_Q4_1 = 3,
+    KVREF_TYPE_Q5_0 = 6,
     KVREF_TYPE_Q8_0 = 8,
     KVREF_TYPE_Q4_K = 12,
     KVREF_TYPE_Q6_K = 14,
@@ -104,7 +105,7 @@ int kvref_matmul(kvref_pool *pool,
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block. For
  * Q4_1 the block offset m multiplies the exact float32 sum of x over the block. Weight types
- * without an 8-bit kernel (anything but Q4_0, Q4_1, Q8_0) give exactly kvref_matmul's result.
+ * without an 8-bit kernel (anything but Q4_0, Q4_1, Q5_0, Q8_0) give exactly kvref_matmul's result.
  * Arguments as kvref_matmul; the fused forward uses this for executions of fewer than 4 rows. */
 int kvref_matmul_int8(kvref_pool *pool,
                       const float *x, int64_t T, int64_t K,
@@ -130,13 +131,16 @@ int kvref_rms_norm(kvref_pool *pool,
                    float *out);
 
 /* Rotary embedding on adjacent pairs: (x[2i], x[2i+1]) of each head at position p turns by
- * p * theta**(-2i/D), computed in double and rounded once.
+ * p * inv_freq[i], computed in double and rounded once. inv_freq is the frequency table of
+ * kvref.spec.ops.rope_frequencies (theta ** (-2i/D), stretched by any RoPE scaling), so a plain
+ * base, linear and Llama 3 scaling, and each layer's own base are one mechanism.
  *   x:         float32 [T, nh, D], D even
  *   positions: int64   [T] (any values: the angle is position * frequency, in double)
+ *   inv_freq:  float64 [D/2], finite
  *   out:       float32 [T, nh, D] (may be x itself) */
 int kvref_rope(kvref_pool *pool,
                const float *x, int64_t T, int64_t nh, int64_t D,
-               const int64_t *positions, double theta,
+               const int64_t *positions, const double *inv_freq,
                float *out);
 
 /* out = silu(gate) * up, silu(g) = g * sigmoid(g).
@@ -144,6 +148,14 @@ int kvref_rope(kvref_pool *pool,
 int kvref_swiglu(kvref_pool *pool,
                  const float *gate, const float *up, int64_t n,
                  float *out);
+
+/* out = gelu_tanh(gate) * up, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as
+ * kvref.spec.ops.gelu_tanh computes it (Gemma's GeGLU). The SIMD kernels compute the same function
+ * as g / (1 + exp(-2y)); tests/test_native.py states the bound against the spec.
+ *   gate, up, out: float32 [n] (out may be gate or up) */
+int kvref_geglu(kvref_pool *pool,
+                const float *gate, const float *up, int64_t n,
+                float *out);
 
 /* A KV cache's storage, read and written in place (kvref/cache/quant.py's SlotStore). K and V of
  * every layer live in a grid of slots, one head_dim vector per (layer, slot, kv head):
@@ -155,7 +167,11 @@ int kvref_swiglu(kvref_pool *pool,
  * neither K nor V is I8). K and V may have different types.
  * Position p of the sequence lives in slot p when block_table is NULL (a contiguous cache), else in
  * slot block_table[p / block_size] * block_size + p % block_size (a paged cache: n_slots is a
- * multiple of block_size and every entry used names a block in [0, n_slots / block_size)). */
+ * multiple of block_size and every entry used names a block in [0, n_slots / block_size)).
+ * Per-layer rings (a hybrid cache): with layer_ring, layer l with layer_ring[l] = R > 0 is a ring of
+ * R slots, position p in its slot p % R, and a layer with 0 keeps position p in its slot p, n_slots
+ * of them. Layer l's slots then follow layer l-1's: the arrays hold the sum of the layers' extents
+ * (R, or n_slots) slots, [sum, n_kv_heads, head_dim] (scales likewise), and block_table is NULL. */
 typedef struct kvref_kv {
     void *k, *v;
     float *k_scales, *v_scales;
@@ -163,22 +179,30 @@ typedef struct kvref_kv {
     int64_t n_layers, n_slots, n_kv_heads, head_dim, group_size;
     const int64_t *block_table;  /* [n_blocks] or NULL */
     int64_t n_blocks, block_size;
+    const int64_t *layer_ring;   /* [n_layers], each >= 0, or NULL (every layer as above) */
 } kvref_kv;
 
 /* Causal grouped-query attention by position with a single-pass (online) softmax, reading layer
  * `layer` of a cache in place (int8 and bfloat16 elements decoded in registers).
- * Key s (s < S) is position s of the cache, at the slot the block table gives; query t, head h
- * attends to every key with k_positions[s] <= q_positions[t], through kv head h / (H / Hkv);
- * scores are (q . k) / sqrt(D). A query that sees no key gets a zero output.
+ * Key s (s < S) is position s of the cache, at the slot the block table gives (slot s of a ring
+ * layer, whose caller says in k_positions which position each slot holds, in any order); query t,
+ * head h attends to every key with k_positions[s] <= q_positions[t], and with a window W > 0 only to
+ * those with q_positions[t] - W < k_positions[s], through kv head h / (H / Hkv); scores are
+ * (q . k) * scale. A query that sees no key gets a zero output. Chunks of keys no query can see are
+ * skipped without reading their K/V (a windowed decode step reads about W keys of a long cache).
  *   q:           float32 [T, H, D], D == kv->head_dim, Hkv == kv->n_kv_heads
  *   q_positions: int64   [T]
  *   k_positions: int64   [S]
+ *   window:      >= 0 (0: none)
+ *   scale:       finite (kvref.spec.ops.attention's scale; 1 / sqrt(D) is its default)
  *   out:         float32 [T, H, D] (must not overlap the inputs)
- * H must be a multiple of Hkv; the cache must hold S positions (n_slots, or the table's blocks). */
+ * H must be a multiple of Hkv; the layer must hold S positions (n_slots, or the table's blocks, or
+ * the ring's R slots). */
 int kvref_attention(kvref_pool *pool,
                     const float *q, int64_t T, int64_t H, int64_t D,
                     const kvref_kv *kv, int64_t layer, int64_t S,
                     const int64_t *q_positions, const int64_t *k_positions,
+                    int64_t window, float scale,
                     float *out);
 
 /* ---- the fused forward: one whole execution (a prefill or a decode step) per call ------------ */
@@ -191,7 +215,9 @@ typedef struct kvref_tensor {
     int64_t rows, cols;
 } kvref_tensor;
 
-/* One transformer block's weights (shapes in the legend above; F = d_ff). */
+/* One transformer block's weights (shapes in the legend above; F = d_ff) and its attention's
+ * per-layer settings. The optional fields are those of the families besides Llama (ModelConfig's
+ * qkv_bias, qk_norm, sandwich_norms, layer_windows, per-layer RoPE). */
 typedef struct kvref_layer_desc {
     const float *attn_norm;    /* float32 [E]   RMSNorm gain before attention */
     kvref_tensor wq;           /* [H*D, E]      query projection */
@@ -199,10 +225,23 @@ typedef struct kvref_layer_desc {
     kvref_tensor wv;           /* [Hkv*D, E]    value projection */
     kvref_tensor wo;           /* [E, H*D]      attention output projection */
     const float *ffn_norm;     /* float32 [E]   RMSNorm gain before the MLP */
-    kvref_tensor w_gate;       /* [F, E]        SwiGLU gate projection */
-    kvref_tensor w_up;         /* [F, E]        SwiGLU up projection */
-    kvref_tensor w_down;       /* [E, F]        SwiGLU down projection */
+    kvref_tensor w_gate;       /* [F, E]        gate projection */
+    kvref_tensor w_up;         /* [F, E]        up projection */
+    kvref_tensor w_down;       /* [E, F]        down projection */
+    const float *bq, *bk, *bv; /* float32 [H*D], [Hkv*D], [Hkv*D] biases added to the projections, or NULL */
+    const float *q_norm, *k_norm; /* float32 [D] RMSNorm gains of every query / key head before RoPE, or NULL
+                                  (both or neither) */
+    const float *post_attn_norm, *post_ffn_norm; /* float32 [E] RMSNorm gains of the attention and MLP
+                                  outputs before their residual adds, or NULL (both or neither) */
+    const double *rope_freqs;  /* float64 [D/2] the layer's RoPE frequencies, as kvref_rope takes them */
+    int64_t window;            /* the layer's attention window W (a query at p sees p-W+1 .. p), 0: none */
 } kvref_layer_desc;
+
+/* How the MLP gates: out = act(x @ Wg.T) * (x @ Wu.T). */
+enum kvref_gate {
+    KVREF_GATE_SILU = 0,       /* SwiGLU (Llama, Qwen, Mistral): kvref_swiglu */
+    KVREF_GATE_GELU_TANH = 1   /* GeGLU (Gemma): kvref_geglu */
+};
 
 /* Everything a forward reads besides the tokens and the cache. kvref_model_create copies it (and
  * the layer array); the memory the pointers point into must outlive the model. */
@@ -214,8 +253,10 @@ typedef struct kvref_model_desc {
     int64_t head_dim;          /* D, even (RoPE rotates pairs) */
     int64_t d_ff;              /* F */
     int64_t vocab_size;        /* V */
-    double rope_theta;         /* > 0 */
     double norm_eps;           /* >= 0 */
+    float embedding_scale;     /* > 0, finite: embeddings are multiplied by it (Gemma: sqrt(E)), 1: as stored */
+    float attention_scale;     /* > 0, finite: what scores are multiplied by (1 / sqrt(D) unless a family says) */
+    int32_t gate;              /* a kvref_gate */
     kvref_tensor tok_embeddings; /* [V, E] */
     const kvref_layer_desc *layers; /* [n_layers] */
     const float *output_norm;  /* float32 [E] */
@@ -239,21 +280,27 @@ enum kvref_activations {
     KVREF_ACT_F32 = 0,         /* exact: the float32 kernels of kvref_matmul, every execution */
     KVREF_ACT_INT8 = 1         /* every projection of fewer than 4 rows (all of a decode step's,
                                   and the last-position LM head of a prefill) is kvref_matmul_int8:
-                                  its input rounded to 8-bit blocks of 32 for Q4_0, Q4_1 and Q8_0
-                                  weights; other weights and longer projections stay exact */
+                                  its input rounded to 8-bit blocks of 32 for Q4_0, Q4_1, Q5_0 and
+                                  Q8_0 weights; other weights and longer projections stay exact */
 };
 
 /* Run T new tokens at positions length .. length+T-1 of a cache.
  *   token_ids:  int64 [T], each in [0, V)
- *   cache:      its n_layers, n_kv_heads and head_dim those of the model; it must have room for
- *               length + T positions. The new positions' K (after RoPE) and V are written, encoded
- *               exactly as kvref/cache/quant.py encodes them, into their slots in every layer;
- *               nothing else in the cache is written.
+ *   cache:      its n_layers, n_kv_heads and head_dim those of the model; its layers without a
+ *               ring must have room for length + T positions. The new positions' K (after RoPE)
+ *               and V are written, encoded exactly as kvref/cache/quant.py encodes them, into their
+ *               slots in every layer; nothing else in the cache is written. A ring layer (R slots)
+ *               must have a window W <= R: it keeps positions max(0, n - R) .. n - 1 of the n written
+ *               so far, so its new positions are run in sub-chunks of at most R - W + 1, each written
+ *               and then attended to, and no query misses a key of its window to a later write.
+ *               (A ring layer's overwritten slots are the caller's to restore if it aborts.)
  *   logits:     float32 [T, V] with all_logits, else [V] for the last position
  * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
- * kvref_attention, kvref_rms_norm, kvref_rope and kvref_swiglu in the same order: with
- * KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by one
- * on the same pool. The caller commits the cache length (length + T) only after KVREF_OK. */
+ * kvref_attention, kvref_rms_norm, kvref_rope and kvref_swiglu / kvref_geglu in the same order:
+ * with KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by
+ * one on the same pool (a ring layer's keys are in slot order, so its results are the decoder's
+ * over a contiguous cache to float32 rounding). The caller commits the cache length (length + T)
+ * only after KVREF_OK. */
 int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state,
                   const int64_t *token_ids, int64_t T, const kvref_kv *cache, int64_t length,
                   int32_t activations, int32_t all_logits, float *logits);

@@ -141,7 +141,7 @@ int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
         for (int64_t t = 0; status == KVREF_OK && t < T; t++) kk->quantize_q8(K, x + t * K, xqs + t * K, xds + t * (K / 16));
     }
     if (status == KVREF_OK) {
-        const kvref_mv mv = {x, xqs, xds, T, K, 1, {{(const uint8_t *)w, w_type, N, y, N}}, 0, 0};
+        const kvref_mv mv = {x, xqs, xds, T, K, 1, {{(const uint8_t *)w, w_type, N, y, N}}, 0, NULL};
         kvref_mv_run(pool, &mv);
     }
     kvref_pool_unlock(pool);
@@ -179,14 +179,14 @@ static void mv_unit(void *vctx, int64_t unit, int thread) {
     const mv_ctx *c = vctx;
     const kvref_mv *mv = c->mv;
     (void)thread;
-    if (mv->swiglu) {
+    if (mv->glu != NULL) {
         const kvref_mv_part *g = &mv->part[0], *u = &mv->part[1];
         const int64_t n0 = unit * c->unit_rows;
         const int64_t n1 = n0 + c->unit_rows < g->N ? n0 + c->unit_rows : g->N;
         mv_rows(c, g, n0, n1);
         mv_rows(c, u, n0, n1);
         for (int64_t t = 0; t < mv->T; t++)
-            c->kk->swiglu(n1 - n0, g->y + t * g->ldy + n0, u->y + t * u->ldy + n0, g->y + t * g->ldy + n0);
+            mv->glu(n1 - n0, g->y + t * g->ldy + n0, u->y + t * u->ldy + n0, g->y + t * g->ldy + n0);
         return;
     }
     int p = 0;
@@ -198,7 +198,7 @@ static void mv_unit(void *vctx, int64_t unit, int thread) {
 
 void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv) {
     mv_ctx c = {mv, kvref_pool_kernels(pool), 0, {0, 0, 0, 0}};
-    if (mv->swiglu) {
+    if (mv->glu != NULL) {
         c.unit_rows = vec_unit_rows(pool, mv->part[0].N);
         kvref_pool_run(pool, mv_unit, &c, (mv->part[0].N + c.unit_rows - 1) / c.unit_rows);
         return;

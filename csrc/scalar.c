@@ -44,6 +44,18 @@ static void dequant_q4_1(int64_t K, const uint8_t *w, float *out) {
     }
 }
 
+static void dequant_q5_0(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, out += 32) {
+        const float d = kvref_load_fp16(w);
+        const uint32_t qh = kvref_q5_high_bits(w);
+        const uint8_t *qs = w + 6;
+        for (int j = 0; j < 16; j++) { /* d * (q - 16) is exact (11 x 5 bits), as in NumPy */
+            out[j] = d * (float)((int)((qs[j] & 0xF) | ((qh >> j & 1u) << 4)) - 16);
+            out[j + 16] = d * (float)((int)((qs[j] >> 4) | ((qh >> (j + 16) & 1u) << 4)) - 16);
+        }
+    }
+}
+
 static void dequant_q8_0(int64_t K, const uint8_t *w, float *out) {
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, out += QK8_0) {
         float d = kvref_load_fp16(w);
@@ -98,6 +110,7 @@ void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out
     case KVREF_TYPE_BF16: dequant_bf16(K, w_row, out); break;
     case KVREF_TYPE_Q4_0: dequant_q4_0(K, w_row, out); break;
     case KVREF_TYPE_Q4_1: dequant_q4_1(K, w_row, out); break;
+    case KVREF_TYPE_Q5_0: dequant_q5_0(K, w_row, out); break;
     case KVREF_TYPE_Q8_0: dequant_q8_0(K, w_row, out); break;
     case KVREF_TYPE_Q4_K: dequant_q4_k(K, w_row, out); break;
     case KVREF_TYPE_Q6_K: dequant_q6_k(K, w_row, out); break;
@@ -139,6 +152,7 @@ BLOCKWISE_DOT(vec_dot_f16, KVREF_TYPE_F16, 32, 64)
 BLOCKWISE_DOT(vec_dot_bf16, KVREF_TYPE_BF16, 32, 64)
 BLOCKWISE_DOT(vec_dot_q4_0, KVREF_TYPE_Q4_0, QK4_0, BYTES_Q4_0)
 BLOCKWISE_DOT(vec_dot_q4_1, KVREF_TYPE_Q4_1, QK4_1, BYTES_Q4_1)
+BLOCKWISE_DOT(vec_dot_q5_0, KVREF_TYPE_Q5_0, 32, BYTES_Q5_0)
 BLOCKWISE_DOT(vec_dot_q8_0, KVREF_TYPE_Q8_0, QK8_0, BYTES_Q8_0)
 BLOCKWISE_DOT(vec_dot_q4_k, KVREF_TYPE_Q4_K, QK_K, BYTES_Q4_K)
 BLOCKWISE_DOT(vec_dot_q6_k, KVREF_TYPE_Q6_K, QK_K, BYTES_Q6_K)
@@ -184,13 +198,13 @@ static inline float kv_value(const uint8_t *base, const float *scales, int32_t t
 
 /* p[g * C + s] = (q_g . k_s) * scale, the visible keys only, each dot summed in element order */
 static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t type) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n, qpos = c->qpos;
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n;
     const float *q = c->q, *scales = c->k_scales;
     const uint8_t *k = c->k;
-    const int64_t *row = c->row, *kp = c->kp;
+    const int64_t *row = c->row;
     const int all = c->all;
     for (int64_t s = 0; s < n; s++) {
-        if (!all && kp[s] > qpos) continue;
+        if (!all && kvref_attn_hidden(c, s)) continue;
         for (int64_t g = 0; g < G; g++) {
             float dot = 0.0f;
             for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(k, scales, type, gs, row[s] + i);
@@ -202,13 +216,13 @@ static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c
 /* acc += p V: key by key, each value loaded once for the G heads */
 static inline void values_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc,
                               const int32_t type) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n, qpos = c->qpos;
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n;
     const float *scales = c->v_scales;
     const uint8_t *v = c->v;
-    const int64_t *row = c->row, *kp = c->kp;
+    const int64_t *row = c->row;
     const int all = c->all;
     for (int64_t s = 0; s < n; s++) {
-        if (!all && kp[s] > qpos) continue;
+        if (!all && kvref_attn_hidden(c, s)) continue;
         for (int64_t i = 0; i < D; i++) {
             const float vi = kv_value(v, scales, type, gs, row[s] + i);
             for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
@@ -311,6 +325,21 @@ static float vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_t *qs, cons
     return acc;
 }
 
+/* sum_b d_w d_x sum_j (q_j - 16) qx_j, q_j the 5-bit values */
+static float vec_dot_q8_q5_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, qs += 32, ds += 2) {
+        const uint32_t qh = kvref_q5_high_bits(w);
+        int8_t q[32];
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(((w[6 + j] & 0xF) | ((qh >> j & 1u) << 4)) - 16);
+            q[j + 16] = (int8_t)(((w[6 + j] >> 4) | ((qh >> (j + 16) & 1u) << 4)) - 16);
+        }
+        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32(q, qs);
+    }
+    return acc;
+}
+
 static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     float acc = 0.0f;
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, qs += 32, ds += 2)
@@ -322,9 +351,19 @@ void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
 }
 
-/* ---- SwiGLU ------------------------------------------------------------------------------- */
+/* ---- SwiGLU and GeGLU ---------------------------------------------------------------------- */
 
 float kvref_silu_ref(float g) { return g / (1.0f + expf(-g)); }
+
+/* kvref.spec.ops.gelu_tanh, operation for operation in float32 */
+static float gelu_tanh(float g) {
+    const float cube = KVREF_GELU_K * g * g * g;
+    return 0.5f * g * (1.0f + tanhf(KVREF_GELU_C * (g + cube)));
+}
+
+static void geglu_scalar(int64_t n, const float *gate, const float *up, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = gelu_tanh(gate[i]) * up[i];
+}
 
 static void swiglu_scalar(int64_t n, const float *gate, const float *up, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = kvref_silu_ref(gate[i]) * up[i];
@@ -335,21 +374,22 @@ const kvref_kernels kvref_kernels_scalar = {
     .vec_dot = {
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16_any,
         [KVREF_TYPE_BF16] = vec_dot_bf16_any, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
+        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
         [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
     },
     .dequant = {
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q8_0] = dequant_q8_0,
+        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0,
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
     .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1},
     .swiglu = swiglu_scalar,
+    .geglu = geglu_scalar,
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1,
-        [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0,
+        [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0,
     },
     .quantize_q8 = quantize_q8_scalar,
     .to_fp16 = kvref_to_fp16_ref,

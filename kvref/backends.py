@@ -1,6 +1,6 @@
 """Which kernel set runs the decoder: the NumPy spec, or the native C module.
 
-Both provide the same names (embed, matmul, rms_norm, rope, attention, swiglu) with the same meaning;
+Both provide the same names (embed, matmul, rms_norm, rope, attention, swiglu, geglu) with the same meaning;
 the decoder is shared. "auto" takes the native kernels when they are built and the model is float32
 (they compute in float32), and says once when it has to fall back to the spec.
 
@@ -18,9 +18,13 @@ import warnings
 from . import native
 from .errors import BackendError, DTypeError
 from .errors import KVRefError
+from .config import FAMILY_FIELDS
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
+# the ModelConfig family fields the native kernels and the fused C forward compute (every one so far);
+# a field added for a new family stays on the spec until its native side exists
+NATIVE_FAMILY_FIELDS = FAMILY_FIELDS
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
 # bfloat16 and int8 to float32 for it; the C forward reads all of its types in place (any layout it
@@ -31,12 +35,12 @@ _fallback_reported = []
 
 
 def native_problem(config) -> str | None:
-    """Why the native kernels cannot run `config` (None when they can): they compute the Llama
-    family, and the config sets fields of another (ModelConfig.family_fields)."""
-    fields = {} if config is None else config.family_fields()
+    """Why the native kernels cannot run `config` (None when they can): it sets a family field
+    (ModelConfig.family_fields) they do not compute."""
+    fields = [] if config is None else [f for f in config.family_fields() if f not in NATIVE_FAMILY_FIELDS]
     if not fields:
         return None
-    return f"the native kernels compute the Llama family; this model sets {', '.join(fields)}"
+    return f"the native kernels do not compute {', '.join(fields)}, which this model sets"
 
 
 def resolve(backend: str, dtype: str = "float32", config=None) -> str:

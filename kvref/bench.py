@@ -64,7 +64,7 @@ from .sampling import greedy
 FAMILIES = ("projections", "attention", "other")
 #: which family each kernel of the kernel set belongs to
 KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "other", "rms_norm": "other",
-                 "rope": "other", "swiglu": "other"}
+                 "rope": "other", "swiglu": "other", "geglu": "other"}
 READ_TRIES = 7  # reads of the cache's K/V whose median rate times one read (kv_read)
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
 BUDGET_SLACK = 100 * 10**6  # memory budget: peak RSS <= file + KV cache + 100 MB (interpreter, NumPy, scratch)

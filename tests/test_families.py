@@ -146,8 +146,25 @@ def test_unsupported_checkpoints_are_refused_by_name():
         weights_from_hf(hf.config.to_dict(), tensors)
 
 
-def test_the_native_backend_says_which_fields_it_does_not_compute_yet():
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_call(family):
+    if not kvref.native.available():
+        pytest.skip("the native module is not built")
+    hf = hf_model(family)
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in hf.state_dict().items()}
+    config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
+    model = kvref.Model(config, weights, dtype="float32", backend="auto")
+    assert model.backend == "c" and model.fused_problem(model.new_cache()) is None
+    model.fused.reset_timings()
+    assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
+                 "float32", f"{family} native vs transformers")
+    assert model.fused.timings()["calls"] == 1
+
+
+def test_the_native_backend_says_which_fields_it_does_not_compute(monkeypatch):
+    # every family field runs natively today; one added later stays on the spec until it does
     config = config_from_hf(hf_model("qwen3").config.to_dict())
+    monkeypatch.setattr(kvref.backends, "NATIVE_FAMILY_FIELDS", ("layer_windows",))
     if kvref.native.available():
         with pytest.raises(BackendError, match="qk_norm"):
             kvref.Model.random(config, backend="c")
@@ -278,6 +295,8 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
         return {**config.family_fields(), "attention_scale": config.attention_scale or config.head_dim ** -0.5}
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
-    assert model.backend == ("c" if family in ("llama", "mistral") and kvref.native.available() else "numpy")
+    assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
+    if model.backend == "c":
+        assert model.fused is not None and model.fused_problem(model.new_cache()) is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")

@@ -13,6 +13,8 @@ The module is skipped only when the extension is not built; set KVREF_REQUIRE_NA
 that an error instead (CI does).
 """
 
+import ctypes
+import mmap
 import os
 import threading
 
@@ -89,7 +91,7 @@ def random_weight(gtype, N, K, rng):
         block_values, block_bytes = BLOCK_LAYOUT[gtype]
         nb = N * (K // block_values)
         blocks = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
-        scale_offsets = {GGMLType.Q8_0: [0], GGMLType.Q4_0: [0], GGMLType.Q4_1: [0, 2],
+        scale_offsets = {GGMLType.Q8_0: [0], GGMLType.Q4_0: [0], GGMLType.Q4_1: [0, 2], GGMLType.Q5_0: [0],
                          GGMLType.Q4_K: [0, 2], GGMLType.Q6_K: [208]}[gtype]
         for off in scale_offsets:
             blocks[:, off:off + 2] = f16_fields(rng, nb)
@@ -240,10 +242,20 @@ def attention_cases(draw):
     q = (scale * rng.standard_normal((T, Hkv * G, D))).astype(np.float32)
     k = (scale * rng.standard_normal((S, Hkv, D))).astype(kv_dtype)
     v = rng.standard_normal((S, Hkv, D)).astype(kv_dtype)
-    return q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64)
+    return q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64), draw(WINDOWS), draw(SCORE_SCALES)
 
 
-def attention_bound(q, k, v, q_pos, k_pos):
+WINDOWS = st.one_of(st.none(), st.integers(1, 300))  # a layer window, or none
+SCORE_SCALES = st.sampled_from([None, 0.0625, 0.3])  # None: the spec's 1/sqrt(D)
+
+
+def visible(q_pos, k_pos, window=None):
+    """[T, S]: which keys each query sees (the spec's mask)"""
+    vis = k_pos[None, :] <= q_pos[:, None]
+    return vis if window is None else vis & (k_pos[None, :] > q_pos[:, None] - window)
+
+
+def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None):
     """Elementwise bound on |native - spec| for attention (first order, times 2 for safety).
 
     With a_s the exact score of key s and m the row max: each side computes a_s within
@@ -253,7 +265,8 @@ def attention_bound(q, k, v, q_pos, k_pos):
     u|a_s - m|, exp rounds within 4u on either side, and normalising and accumulating the
     S-term sums (with the online rescalings, one per 64-key chunk) cost gamma(S + 1) per side:
         |out_i - out'_i| <= sum_s p_s |v_si| (2 delta + 2u|a_s - m| + 8u + 4 gamma(S + 1)).
-    A fully masked row is zero on both sides, and its bound is 0.
+    A fully masked row is zero on both sides, and its bound is 0. With an explicit scale c in place
+    of 1/sqrt(D), every 1/sqrt(D) above becomes c (the scaling's rounding is the same 2u).
     """
     T, H, D = q.shape
     S, Hkv, _ = k.shape
@@ -263,9 +276,12 @@ def attention_bound(q, k, v, q_pos, k_pos):
     q64 = q.astype(np.float64)
     kh = k.astype(np.float64)[:, heads, :]  # [S, H, D]
     vh = np.abs(v.astype(np.float64)[:, heads, :])
-    a = np.einsum("thd,shd->ths", q64, kh) / np.sqrt(D)
-    mag = np.einsum("thd,shd->ths", np.abs(q64), np.abs(kh)) / np.sqrt(D)
+    c = 1 / np.sqrt(D) if scale is None else scale
+    a = np.einsum("thd,shd->ths", q64, kh) * c
+    mag = np.einsum("thd,shd->ths", np.abs(q64), np.abs(kh)) * c
     visible = (k_pos[None, :] <= q_pos[:, None])[:, None, :]  # [T, 1, S]
+    if window is not None:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)[:, None, :]
     a = np.where(visible, a, -np.inf)
     m = a.max(axis=-1, keepdims=True)
     m = np.where(np.isneginf(m), 0.0, m)
@@ -281,21 +297,21 @@ def attention_bound(q, k, v, q_pos, k_pos):
 
 @given(attention_cases(), ISAS, THREADS)
 def test_attention_equals_spec_within_the_derived_softmax_bound(case, isa, threads):
-    q, k, v, q_pos, k_pos = case
-    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos)
+    q, k, v, q_pos, k_pos, window, scale = case
+    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale, window=window)
     assert out.dtype == np.float32 and out.shape == q.shape
     # with no keys at all every row is fully masked: zeros (the spec's max over an empty axis raises)
-    ref = spec.attention(q, k, v, q_pos, k_pos) if k.shape[0] else np.zeros(q.shape)
-    assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos),
+    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window) if k.shape[0] else np.zeros(q.shape)
+    assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos, window, scale),
                   what=f"T={q.shape[0]} H={q.shape[1]} Hkv={k.shape[1]} D={q.shape[2]} S={k.shape[0]} "
-                       f"{k.dtype} {isa}")
+                       f"window={window} scale={scale} {k.dtype} {isa}")
 
 
 @given(attention_cases(), ISAS)
 def test_attention_is_bit_identical_for_1_and_2_threads(case, isa):
-    q, k, v, q_pos, k_pos = case
-    np.testing.assert_array_equal(ks(1, isa).attention(q, k, v, q_pos, k_pos),
-                                  ks(2, isa).attention(q, k, v, q_pos, k_pos))
+    q, k, v, q_pos, k_pos, window, scale = case
+    np.testing.assert_array_equal(ks(1, isa).attention(q, k, v, q_pos, k_pos, scale, window),
+                                  ks(2, isa).attention(q, k, v, q_pos, k_pos, scale, window))
 
 
 @st.composite
@@ -305,6 +321,7 @@ def long_cache_attention_cases(draw):
     T, Hkv, G = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     D = draw(st.sampled_from([3, 16, 24, 64, 80, 128]))
     S = draw(st.integers(769, 1400))
+    window = draw(st.one_of(st.none(), st.integers(1, 900)))  # live segments from the middle on
     kv_dtype = draw(st.sampled_from([np.float32, np.float16]))
     rng = np.random.default_rng(draw(SEEDS))
     if draw(st.booleans()):
@@ -315,18 +332,19 @@ def long_cache_attention_cases(draw):
     q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
     k = rng.standard_normal((S, Hkv, D)).astype(kv_dtype)
     v = rng.standard_normal((S, Hkv, D)).astype(kv_dtype)
-    return q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64)
+    return q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64), window
 
 
 @settings(max_examples=40)
 @given(long_cache_attention_cases(), ISAS)
 def test_attention_over_a_long_cache_equals_spec_and_does_not_depend_on_threads(case, isa):
-    q, k, v, q_pos, k_pos = case
-    one = ks(1, isa).attention(q, k, v, q_pos, k_pos)
+    q, k, v, q_pos, k_pos, window = case
+    one = ks(1, isa).attention(q, k, v, q_pos, k_pos, window=window)
     for threads in (2, 3):  # each count cuts the segments into units of its own length
-        np.testing.assert_array_equal(ks(threads, isa).attention(q, k, v, q_pos, k_pos), one)
-    ref = spec.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), q_pos, k_pos)
-    assert_within(one, ref, attention_bound(q, k, v, q_pos, k_pos), what="long cache")
+        np.testing.assert_array_equal(ks(threads, isa).attention(q, k, v, q_pos, k_pos, window=window), one)
+    ref = spec.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), q_pos, k_pos,
+                         window=window)
+    assert_within(one, ref, attention_bound(q, k, v, q_pos, k_pos, window), what="long cache")
 
 
 @st.composite
@@ -408,11 +426,46 @@ def test_cache_attention_refuses_layouts_and_layers_it_cannot_read():
 
 @given(attention_cases(), ISAS)
 def test_attention_rows_that_see_no_key_are_exactly_zero_and_never_nan(case, isa):
-    q, k, v, q_pos, k_pos = case
-    out = ks(1, isa).attention(q, k, v, q_pos, k_pos)
+    q, k, v, q_pos, k_pos, window, scale = case
+    out = ks(1, isa).attention(q, k, v, q_pos, k_pos, scale, window)
     assert np.all(np.isfinite(out))
-    blind = ~(k_pos[None, :] <= q_pos[:, None]).any(axis=1)  # [T]
+    blind = ~visible(q_pos, k_pos, window).any(axis=1)  # [T]
     assert np.all(out[blind] == 0.0)
+
+
+def front_guarded(a, n_bytes):
+    """A copy of `a` whose first n_bytes (a whole number of pages) cannot be read: a kernel that
+    touches them crashes instead of reading them."""
+    page = mmap.PAGESIZE
+    assert n_bytes % page == 0
+    buf = mmap.mmap(-1, -(-a.nbytes // page) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size).reshape(a.shape)
+    out[...] = a
+    assert ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(base), n_bytes, 0) == 0  # PROT_NONE
+    return out
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+@pytest.mark.parametrize("T", [1, 3, 40])
+def test_windowed_attention_reads_only_the_key_chunks_inside_the_windows(isa, T):
+    # a decode step (and a short prefill) at 4,096 cached positions of a window-300 layer: the keys
+    # before the first 64-key chunk any window reaches lie in unreadable pages, so reading one of
+    # them would crash; the result is the spec's, and equal to attention over the visible keys alone
+    S, W, D = 4096, 300, 64  # a key is 256 bytes: 16 keys a page
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((T, 4, D)).astype(np.float32)
+    k = rng.standard_normal((S, 1, D)).astype(np.float32)
+    v = rng.standard_normal((S, 1, D)).astype(np.float32)
+    q_pos, k_pos = np.arange(S - T, S), np.arange(S)
+    first = (S - T - W + 1) // 64 * 64  # the first live chunk
+    kg, vg = front_guarded(k, first * D * 4), front_guarded(v, first * D * 4)
+    out = ks(2, isa).attention(q, kg, vg, q_pos, k_pos, window=W)
+    ref = spec.attention(q, k, v, q_pos, k_pos, window=W)
+    assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos, W), what=f"windowed {isa}")
+    start = first // 256 * 256  # from a segment start the chunks and segments are the same ones
+    alone = ks(2, isa).attention(q, k[start:].copy(), v[start:].copy(), q_pos, k_pos[start:], window=W)
+    np.testing.assert_array_equal(out, alone)
 
 
 def test_attention_ignores_masked_keys_even_when_their_values_are_nan():
@@ -442,9 +495,12 @@ def test_rms_norm_equals_spec_within_the_mean_square_bound(T, E, eps, isa, threa
     assert_within(out, spec.rms_norm(x, weight, eps), UNDERFLOW_SLACK, gamma(E) + 8 * U)
 
 
+ROPE_SCALINGS = st.sampled_from([None, ("linear", 4.0), ("llama3", 8.0, 1.0, 4.0, 64)])
+
+
 @given(st.integers(1, 20), st.integers(1, 5), st.integers(1, 40), st.sampled_from([500.0, 10000.0, 500000.0]),
-       ISAS, THREADS, SEEDS, st.sampled_from([100, 10**5]))
-def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threads, seed, max_pos):
+       ISAS, THREADS, SEEDS, st.sampled_from([100, 10**5]), ROPE_SCALINGS)
+def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threads, seed, max_pos, scaling):
     # both sides compute in float64 and round once; float64 cos/sin of different libraries differ
     # by a few 2**-53, which can flip that final rounding: one float32 ulp (<= 2**-23 |ref|) plus
     # 2**-48 (|x_even| + |x_odd|) for the float64 differences themselves
@@ -452,10 +508,10 @@ def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threa
     D = 2 * half
     x = rng.standard_normal((T, nh, D)).astype(np.float32)
     positions = rng.integers(0, max_pos, T)
-    out = ks(threads, isa).rope(x, positions, theta)
+    out = ks(threads, isa).rope(x, positions, theta, scaling)
     pair = np.abs(x[..., 0::2].astype(np.float64)) + np.abs(x[..., 1::2])
     atol = np.repeat(ROPE_FLOAT64_TRIG_ATOL * pair, 2, axis=-1) + UNDERFLOW_SLACK
-    assert_within(out, spec.rope(x, positions, theta), atol, ROPE_FLOAT32_RTOL)
+    assert_within(out, spec.rope(x, positions, theta, scaling), atol, ROPE_FLOAT32_RTOL)
 
 
 @given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 10.0, 100.0]))
@@ -471,6 +527,23 @@ def test_swiglu_equals_spec_within_the_sigmoid_bound(n, isa, threads, seed, scal
     assert_within(out, spec.swiglu(gate, up), atol, 16 * U)
 
 
+# GeGLU: the scalar kernel is the spec's expression in float32 with libm's tanhf; the SIMD kernels
+# compute the same function as g / (1 + exp(-2y)) from the same y (rounded step by step as the spec
+# rounds it). Either side's tanh (or exp, within 2 ulp) carries a few u relative to itself; where
+# 1 + tanh(y) cancels (g << 0) that is an absolute error of ~2u in 1 + tanh, so ~u |g| in
+# gelu_tanh(g); elsewhere ~6u relative (exp, the division, 1 + e, the product with up). So
+# atol = 4u |g| |up| and rtol = 16u, a factor ~2 above the sum of both sides, as for SwiGLU.
+
+@given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 3.0, 10.0, 100.0]))
+def test_geglu_equals_spec_within_the_tanh_bound(n, isa, threads, seed, scale):
+    rng = np.random.default_rng(seed)
+    gate = (scale * rng.standard_normal(n)).astype(np.float32)
+    up = rng.standard_normal(n).astype(np.float32)
+    out = ks(threads, isa).geglu(gate, up)
+    atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + UNDERFLOW_SLACK
+    assert_within(out, spec.geglu(gate, up), atol, 16 * U)
+
+
 def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((100, 130)).astype(np.float32)
@@ -481,6 +554,7 @@ def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
         one, two = ks(1, isa), ks(2, isa)
         np.testing.assert_array_equal(one.rms_norm(x, w, 1e-5), two.rms_norm(x, w, 1e-5))
         np.testing.assert_array_equal(one.swiglu(g, g[::-1].copy()), two.swiglu(g, g[::-1].copy()))
+        np.testing.assert_array_equal(one.geglu(g, g[::-1].copy()), two.geglu(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.rope(r, np.arange(37), 1e4), two.rope(r, np.arange(37), 1e4))
 
 
@@ -531,6 +605,7 @@ W = _q()
     (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, (4, -64), W.data)), ShapeError),
     (lambda: nops.matmul(X, QuantizedTensor(W.ggml_type, (4.0, 64), W.data)), ShapeError),
     (lambda: nops.matmul(X, QuantizedTensor(GGMLType.Q5_K, (4, 256), np.zeros((4, 176), np.uint8))), DTypeError),
+    (lambda: nops.matmul(X, QuantizedTensor(GGMLType.Q5_1, (4, 64), np.zeros((4, 48), np.uint8))), DTypeError),
     (lambda: nops.matmul(X, QuantizedTensor(99, (4, 64), W.data)), DTypeError),
     (lambda: nops.matmul(np.ones((2, 48), np.float32), QuantizedTensor(GGMLType.Q4_1, (4, 48), np.zeros((4, 30), np.uint8))), ShapeError),  # K not whole blocks
     (lambda: nops.matmul(X, np.ones((4, 64, 1), np.float32)), ShapeError),
@@ -562,6 +637,9 @@ W = _q()
     (lambda: nops.swiglu(np.ones(5, np.float32), np.ones(6, np.float32)), ShapeError),
     (lambda: nops.swiglu(np.ones(5, np.float32), np.ones(5, np.float64)), DTypeError),
     (lambda: nops.swiglu(np.ones(10, np.float32)[::2], np.ones(5, np.float32)), ShapeError),
+    (lambda: nops.geglu(np.ones(5, np.float32), np.ones(5, np.float64)), DTypeError),
+    (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 1e4, ("yarn", 2.0)), ConfigError),
+    (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 1e4, ("linear",)), ConfigError),
 ])
 def test_wrong_calls_raise_the_named_kvref_error_before_c_runs(call, error):
     with pytest.raises(error) as info:
@@ -588,6 +666,10 @@ KV = np.ones((5, 3, 8), np.float32)
     ((Q, KV, KV, [[0, 1]], np.arange(5)), ShapeError),
     ((Q, np.ones((5, 6, 8), np.float32)[:, ::2], np.ones((5, 3, 8), np.float32), [0, 1], np.arange(5)), ShapeError),
     ((Q[0], KV, KV, [0, 1], np.arange(5)), ShapeError),
+    ((Q, KV, KV, [0, 1], np.arange(5), None, 0), ConfigError),  # a window is positive
+    ((Q, KV, KV, [0, 1], np.arange(5), None, 2.5), ConfigError),
+    ((Q, KV, KV, [0, 1], np.arange(5), -1.0), ConfigError),  # a score scale is positive and finite
+    ((Q, KV, KV, [0, 1], np.arange(5), float("inf")), ConfigError),
 ])
 def test_wrong_attention_calls_raise_the_named_kvref_error(args, error):
     if error is None:
@@ -642,11 +724,25 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     def attention(S=4, layer=0, H=6, **fields):  # one query, H heads of 8 over float32 K/V
         kv = ffi.new("kvref_kv *", dict(k=kvb, v=kvb, k_type=lib.KVREF_TYPE_F32, v_type=lib.KVREF_TYPE_F32,
                                         n_layers=2, n_slots=8, n_kv_heads=3, head_dim=8, block_size=1))
+        window, scale = fields.pop("window", 0), fields.pop("scale", 0.5)
         for name, value in fields.items():
             setattr(kv, name, value)
-        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, ob)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, scale, ob)
 
     assert attention() == lib.KVREF_OK
+    assert attention(window=-1) == lib.KVREF_ERR_VALUE
+    assert attention(scale=float("nan")) == lib.KVREF_ERR_VALUE
+    rings = np.array([3, 0], np.int64)
+    ringed = dict(layer_ring=ffi.from_buffer("int64_t[]", rings), n_slots=5)  # 3 + 5 slots of the 16 given
+    assert attention(S=3, **ringed) == lib.KVREF_OK
+    assert attention(S=4, **ringed) == lib.KVREF_ERR_DIM  # a ring of 3 slots holds 3 keys
+    assert attention(S=5, layer=1, **ringed) == lib.KVREF_OK
+    assert attention(S=6, layer=1, **ringed) == lib.KVREF_ERR_DIM
+    rings[0] = -1
+    assert attention(S=1, **ringed) == lib.KVREF_ERR_VALUE
+    rings[0] = 2**62
+    assert attention(S=1, **ringed) == lib.KVREF_ERR_DIM  # slots past int64 byte offsets
+    rings[0] = 3
     assert attention(H=4) == lib.KVREF_ERR_SHAPE  # 4 heads over 3 kv heads
     assert attention(head_dim=16) == lib.KVREF_ERR_SHAPE  # q's head_dim is 8
     assert attention(k_type=lib.KVREF_TYPE_Q4_0) == lib.KVREF_ERR_TYPE
@@ -660,7 +756,14 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     assert attention(S=5, **paged) == lib.KVREF_ERR_VALUE  # block 5 of 4
     assert attention(S=7, **paged) == lib.KVREF_ERR_DIM  # 3 blocks of 2 hold 6 positions
     assert attention(**{**paged, "block_size": 3}) == lib.KVREF_ERR_SHAPE  # 8 slots are not whole blocks of 3
-    assert lib.kvref_rope(pool, xb, 1, 1, 7, ffi.NULL, 1e4, yb) == lib.KVREF_ERR_SHAPE
+    assert attention(**paged, **ringed) == lib.KVREF_ERR_SHAPE  # rings have no block table
+    freqs = np.ones(4)
+    fb = ffi.from_buffer("double[]", freqs)
+    assert lib.kvref_rope(pool, xb, 1, 1, 7, pos, fb, yb) == lib.KVREF_ERR_SHAPE
+    assert lib.kvref_rope(pool, xb, 1, 1, 8, pos, ffi.NULL, yb) == lib.KVREF_ERR_NULL
+    freqs[2] = np.inf
+    assert lib.kvref_rope(pool, xb, 1, 1, 8, pos, fb, yb) == lib.KVREF_ERR_VALUE
+    assert lib.kvref_geglu(pool, xb, ffi.NULL, 4, yb) == lib.KVREF_ERR_NULL
     assert lib.kvref_rms_norm(pool, xb, 1, 8, xb, -1.0, yb) == lib.KVREF_ERR_VALUE
     assert lib.kvref_swiglu(pool, ffi.NULL, xb, 4, yb) == lib.KVREF_ERR_NULL
     out = ffi.new("kvref_pool **")

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 import kvref
 from kvref import backends, native
 from kvref.cache import BlockPool, ContiguousCache
+from kvref.cache.base import Storage
+from kvref.cache.quant import SlotStore
 from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, KVRefError, ShapeError, TokenError
 from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import decoder
@@ -48,7 +50,7 @@ from kvref.native._kvref import ffi, lib  # noqa: E402
 PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").read_text())["prompts"]
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
-INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
+INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)
 
 
 # ---- random models with weights in every format ------------------------------------------------
@@ -62,7 +64,7 @@ def sane_quantized(gtype, W, rng):
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.view(np.uint8)))
     if gtype == GGMLType.F16:
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.astype(np.float16).view(np.uint8)))
-    if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
+    if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0):
         gguf = require("gguf")
         data = gguf.quants.quantize(W, gguf.GGMLQuantizationType[gtype.name])
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(data.view(np.uint8).reshape(N, row_nbytes(gtype, K))))
@@ -78,17 +80,42 @@ def sane_quantized(gtype, W, rng):
 
 
 @st.composite
-def quantized_models(draw, max_layers=3):
+def family_fields(draw, n_layers):
+    """The fields of the other families (ModelConfig.FAMILY_FIELDS), each at its Llama default or drawn:
+    Qwen 2's biases, QK-norm, Gemma's sandwich norms, embedding scale, GeGLU and score scale, per-layer
+    windows (shorter than the executions below) and local RoPE bases, Llama 3 and linear RoPE scaling."""
+    windows = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n_layers,
+                                                 max_size=n_layers).map(tuple)))
+    return dict(
+        qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()), sandwich_norms=draw(st.booleans()),
+        embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])), activation=draw(st.sampled_from(["silu", "gelu_tanh"])),
+        attention_scale=draw(st.sampled_from([None, 0.0625, 0.4])), layer_windows=windows,
+        rope_local_theta=draw(st.sampled_from([None, 100.0])),
+        rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16)])))
+
+
+@st.composite
+def family_configs(draw, max_layers=4):
+    """conftest.configs (Llama: MHA, GQA, MQA) with random family fields."""
+    config = draw(configs(max_layers=max_layers))
+    return config.replace(**draw(family_fields(config.n_layers)))
+
+
+@st.composite
+def quantized_models(draw, max_layers=3, families=False):
     """(config, weights) whose matrices are in random formats: every weight type the native kernels
-    read, wherever the input width K is a whole number of that type's blocks."""
+    read, wherever the input width K is a whole number of that type's blocks; with `families`, random
+    family fields too (their biases and gains float32), and head_dim 256 with one kv head (Gemma 3)."""
     n_kv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([2, 6, 8, 16, 32, 64, 80, 128]))
+    head_dim = draw(st.sampled_from([2, 6, 8, 16, 32, 64, 80, 128] + ([256] if families else [])))
+    n_kv = 1 if head_dim == 256 else n_kv
+    n_layers = draw(st.integers(1, max_layers))
     config = kvref.ModelConfig(
-        n_layers=draw(st.integers(1, max_layers)), d_model=draw(st.sampled_from([32, 64, 256])),
+        n_layers=n_layers, d_model=draw(st.sampled_from([32, 64, 256])),
         n_heads=n_kv * group, n_kv_heads=n_kv, head_dim=head_dim, d_ff=draw(st.sampled_from([32, 96, 256])),
         vocab_size=draw(st.integers(8, 80)), max_seq_len=96, rope_theta=draw(st.sampled_from([10000.0, 500.0])),
-        tie_embeddings=draw(st.booleans()))
+        tie_embeddings=draw(st.booleans()), **(draw(family_fields(n_layers)) if families else {}))
     seed = draw(st.integers(0, 2**16))
     rng = np.random.default_rng(seed)
     base = random_weights(config, seed, "float32")
@@ -98,8 +125,8 @@ def quantized_models(draw, max_layers=3):
         fits = [t for t in types if W.shape[1] % BLOCK_LAYOUT[t][0] == 0]
         return sane_quantized(draw(st.sampled_from(fits)), np.ascontiguousarray(W, np.float32), rng)
 
-    layers = [LayerWeights(attn_norm=lw.attn_norm, wq=q(lw.wq), wk=q(lw.wk), wv=q(lw.wv), wo=q(lw.wo),
-                           ffn_norm=lw.ffn_norm, w_gate=q(lw.w_gate), w_up=q(lw.w_up), w_down=q(lw.w_down))
+    matrices = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    layers = [LayerWeights(**{name: q(w) if name in matrices else w for name, w in vars(lw).items()})
               for lw in base.layers]
     emb = q(base.tok_embeddings)
     output = emb if config.tie_embeddings else q(base.output)
@@ -170,11 +197,12 @@ def executions(draw, config):
 
 @given(st.data(), ISAS, THREADS)
 def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernels(data, isa, threads):
+    families = data.draw(st.booleans())  # Llama, or random fields of every family
     if data.draw(st.booleans()):
-        config = data.draw(configs(max_layers=4))
+        config = data.draw(family_configs() if families else configs(max_layers=4))
         weights = random_weights(config, data.draw(st.integers(0, 2**16)), "float32")
     else:
-        config, weights = data.draw(quantized_models())
+        config, weights = data.draw(quantized_models(families=families))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ops = nops.kernels(threads, isa)
     ff = fused.FusedForward(config, weights, "float32")
@@ -209,7 +237,7 @@ def test_fused_forward_touches_nothing_past_the_end_of_a_full_cache(kv_dtype, is
 
 @given(st.data())
 def test_fused_forward_equals_the_spec_decoder_within_the_float32_tolerance(data):
-    config, weights = data.draw(quantized_models())
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=40))
     ops = nops.kernels()
     ff = fused.FusedForward(config, weights, "float32")
@@ -221,7 +249,7 @@ def test_fused_forward_equals_the_spec_decoder_within_the_float32_tolerance(data
 
 @given(st.data())
 def test_fused_cached_logits_equal_full_recomputation(data):
-    config = data.draw(configs(max_layers=4))
+    config = data.draw(st.one_of(configs(max_layers=4), family_configs()))
     model = kvref.Model.random(config, seed=data.draw(st.integers(0, 2**16)), backend="c")
     assert isinstance(model.fused, fused.FusedForward)
     tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=48))
@@ -235,7 +263,7 @@ def test_fused_cached_logits_equal_full_recomputation(data):
 @settings(max_examples=40)
 @given(st.data(), ISAS, st.sampled_from(["float32", "int8"]))
 def test_fused_results_do_not_depend_on_the_thread_count(data, isa, activations):
-    config, weights = data.draw(quantized_models())
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ff = fused.FusedForward(config, weights, activations)
     one = run(ff.forward, nops.kernels(1, isa), config, weights, tokens, chunks, kv_dtype, steps)
@@ -348,7 +376,7 @@ class Int8Kernels:
 
 @given(st.data(), ISAS)
 def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projection(data, isa):
-    config, weights = data.draw(quantized_models())
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     # An int8 group narrower than a vector is read by the portable attention unit, which rounds its
     # sums differently from the SIMD unit the decoder's float K/V go to; 8-bit activations turn
@@ -484,7 +512,7 @@ def test_executions_the_c_forward_cannot_take_run_on_the_decoder(small):
 
 def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_when_asked_for():
     weights = random_weights(CFG, seed=1)
-    weights.layers[0].wv = QuantizedTensor(GGMLType.Q5_0, (16, 32), np.zeros((16, 22), np.uint8))
+    weights.layers[0].wv = QuantizedTensor(GGMLType.Q5_1, (16, 32), np.zeros((16, 24), np.uint8))
     with pytest.raises(DTypeError):
         fused.FusedForward(CFG, weights)
     assert backends.fused_forward("c", CFG, weights) is None
@@ -571,7 +599,8 @@ def test_the_model_descriptor_is_validated_in_c():
     gain = np.ones(CFG.d_model, np.float32)
     desc = ffi.new("kvref_model_desc *", {
         "n_layers": 1, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 64,
-        "vocab_size": CFG.vocab_size, "rope_theta": 1e4, "norm_eps": 1e-5, "layers": layers,
+        "vocab_size": CFG.vocab_size, "norm_eps": 1e-5, "embedding_scale": 1.0, "attention_scale": 0.35,
+        "gate": lib.KVREF_GATE_SILU, "layers": layers,
         "output_norm": ffi.cast("float *", ffi.from_buffer(gain))})
     for t in ("tok_embeddings", "output"):
         getattr(desc, t).data = ffi.from_buffer(w)
@@ -580,11 +609,36 @@ def test_the_model_descriptor_is_validated_in_c():
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_NULL  # the layer's pointers are NULL
     desc.n_heads = 3
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_SHAPE
-    desc.n_heads, desc.rope_theta = 4, -1.0
+    desc.n_heads, desc.attention_scale = 4, -1.0
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
-    desc.rope_theta, desc.output.nbytes = 1e4, w.nbytes - 4
+    desc.attention_scale, desc.embedding_scale = 0.35, float("inf")
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
+    desc.embedding_scale, desc.gate = 1.0, 2
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
+    desc.gate = lib.KVREF_GATE_GELU_TANH
+    # a whole layer: then each optional group half given, a negative window, a non-finite frequency
+    mats = {name: np.zeros(shape, np.float32) for name, shape in (("wq", (32, 32)), ("wk", (16, 32)), ("wv", (16, 32)),
+            ("wo", (32, 32)), ("w_gate", (64, 32)), ("w_up", (64, 32)), ("w_down", (32, 64)))}
+    for name, a in mats.items():
+        t = getattr(layers[0], name)
+        t.data, t.nbytes, t.type, (t.rows, t.cols) = ffi.from_buffer(a), a.nbytes, lib.KVREF_TYPE_F32, a.shape
+    freqs = np.ones(4)
+    layers[0].attn_norm = layers[0].ffn_norm = ffi.cast("float *", ffi.from_buffer(gain))
+    layers[0].rope_freqs = ffi.from_buffer("double[]", freqs)
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_OK
+    lib.kvref_model_destroy(out[0])
+    for name in ("bq", "q_norm", "post_ffn_norm"):
+        setattr(layers[0], name, ffi.cast("float *", ffi.from_buffer(gain)))
+        assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_NULL, name
+        setattr(layers[0], name, ffi.NULL)
+    layers[0].window = -1
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
+    layers[0].window, freqs[3] = 4, np.nan
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
+    freqs[3] = 1.0
+    desc.output.nbytes = w.nbytes - 4
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_SIZE
-    desc.output.nbytes, desc.output.type = w.nbytes, 6  # Q5_0: not read by the native kernels
+    desc.output.nbytes, desc.output.type = w.nbytes, 7  # Q5_1: not read by the native kernels
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_TYPE
     desc.output.type, desc.output.cols = lib.KVREF_TYPE_F32, 31
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_SHAPE
@@ -618,3 +672,97 @@ def test_the_descriptor_keeps_the_arrays_it_points_into_alive():
                                nops.cache_descriptor(cache).ptr, 0, lib.KVREF_ACT_F32, 1, ffi.from_buffer("float[]", got))
     assert status == lib.KVREF_OK and len(junk) == 50
     np.testing.assert_array_equal(got, want)
+
+
+# ---- per-layer rings (a hybrid cache's storage, built by hand) ------------------------------------
+
+class RingCache(ContiguousCache):
+    """A contiguous cache (it counts, reserves and commits positions as usual) whose K/V the C forward
+    reads and writes in a hand-built hybrid Storage instead: layer l a ring of rings[l] slots, or
+    `capacity` slots for a 0, all in one SlotStore [1, sum of extents, Hkv, D]."""
+
+    def __init__(self, config, rings, capacity, kv_dtype="float32"):
+        super().__init__(config.n_layers, config.n_kv_heads, config.head_dim, capacity, kv_dtype, group_size=8)
+        self.rings = tuple(rings)
+        total = sum(r or capacity for r in rings)
+        self.ring_store = SlotStore(1, (total,), config.n_kv_heads, config.head_dim, self.k_codec, self.v_codec)
+
+    def _storage(self):  # with no layer outside a ring there are no plain slots (C then checks no room)
+        plain = self.capacity if 0 in self.rings else 0
+        return Storage(self.ring_store, layer_rings=self.rings, layer_slots=plain)
+
+    def ring_layer(self, layer):
+        """(k, v) float32 [extent, Hkv, D]: layer's slots, decoded"""
+        first = sum(r or self.capacity for r in self.rings[:layer])
+        extent = self.rings[layer] or self.capacity
+        rows = slice(first, first + extent)
+        store = self.ring_store
+        k = self.k_codec.decode(store.k[0, rows], None if store.k_scales is None else store.k_scales[0, rows])
+        v = self.v_codec.decode(store.v[0, rows], None if store.v_scales is None else store.v_scales[0, rows])
+        return np.asarray(k, np.float32), np.asarray(v, np.float32)
+
+
+@st.composite
+def ring_cases(draw):
+    """A family config with windows on some layers, a ring of R >= W slots for some windowed layers,
+    and an execution long enough to wrap every ring, in chunks larger and smaller than R - W + 1."""
+    config = draw(family_configs(max_layers=3))
+    windows = tuple(draw(st.one_of(st.none(), st.integers(1, 6))) for _ in range(config.n_layers))
+    config = config.replace(layer_windows=windows if any(w for w in windows) else None)
+    every = draw(st.booleans())  # every windowed layer a ring (and possibly every layer)
+    rings = tuple(w + draw(st.integers(0, 4)) if w and (every or draw(st.booleans())) else 0 for w in windows)
+    tokens = draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=30))
+    return config, rings, tokens, draw(chunkings(len(tokens))), draw(st.integers(0, 5))
+
+
+@settings(max_examples=60)
+@given(ring_cases(), ISAS, THREADS)
+def test_fused_forward_on_per_layer_rings_equals_the_decoder_on_a_contiguous_cache(case, isa, threads):
+    config, rings, tokens, chunks, steps = case
+    weights = random_weights(config, len(tokens), "float32")
+    ops = nops.kernels(threads, isa)
+    ff = fused.FusedForward(config, weights, "float32")
+    ring = RingCache(config, rings, config.max_seq_len)
+    plain = ContiguousCache(config.n_layers, config.n_kv_heads, config.head_dim, config.max_seq_len, "float32")
+    got, want, start = [], [], 0
+    for n in chunks + [1] * steps:
+        ids = np.array(tokens[start:start + n] if start < len(tokens) else [int(np.argmax(want[-1][-1]))])
+        start += n
+        got.append(ff.forward(ops, config, weights, ids, ring, True))
+        want.append(decoder.forward(ops, config, weights, ids, plain, True))
+    # the ring's keys come in slot order, the contiguous cache's in position order: float32 rounding
+    assert_close(np.concatenate(got), np.concatenate(want), "float32", f"rings {rings}")
+    written = ring.next_position
+    for layer, R in enumerate(rings):
+        k, v = ring.ring_layer(layer)
+        held = nops.ring_positions(R, written) if R else np.arange(written)
+        k_want, v_want = (np.asarray(a, np.float32)[held] for a in plain.read(layer))
+        if layer == 0:  # the first layer's K/V depend on the embeddings only: the same bits
+            np.testing.assert_array_equal(k[:len(held)], k_want)
+            np.testing.assert_array_equal(v[:len(held)], v_want)
+        assert_close(k[:len(held)], k_want, "float32", f"layer {layer} K")
+        # the per-kernel attention reads the ring in place, each slot at the position it holds
+        q = np.random.default_rng(layer).standard_normal((2, config.n_heads, config.head_dim)).astype(np.float32)
+        q_pos = np.array([written - 1, written - 2])
+        window = config.window(layer)
+        out = ops.cache_attention(q, q_pos, ring, layer, config.attention_scale, window)
+        ref = kvref.spec.ops.attention(q, k[:len(held)], v[:len(held)], q_pos, held, config.attention_scale, window)
+        assert_close(out, ref, "float32", f"cache_attention on layer {layer} (ring {R})")
+
+
+def test_a_ring_layer_needs_a_window_that_fits_in_it(small):
+    model, ff = small  # CFG: no windows
+    cache = RingCache(CFG, (4, 0), CFG.max_seq_len)
+    with pytest.raises(KVRefError):
+        ff.forward(model.ops, model.config, model.weights, np.array([1, 2]), cache)
+    assert cache.length == 0 and not cache.ring_store.k.any()
+    config = CFG.replace(layer_windows=(5, None))
+    ff = fused.FusedForward(config, model.weights)
+    with pytest.raises(KVRefError):  # a window of 5 in a ring of 4
+        ff.forward(model.ops, config, model.weights, np.array([1, 2]), cache)
+    assert cache.length == 0
+    np.testing.assert_array_equal(
+        ff.forward(model.ops, config, model.weights, np.array([1, 2]), RingCache(CFG, (5, 0), 16)),
+        ff.forward(model.ops, config, model.weights, np.array([1, 2]), model.new_cache()))
+    with pytest.raises(CacheError, match="layer_rings"):
+        nops.cache_descriptor(RingCache(CFG, (4, -1), 16))

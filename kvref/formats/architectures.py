@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import GGUFError
+from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -129,7 +130,6 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
     reorder = architecture in HALF_SPLIT_PAIRS
 
     def rows(field, name, heads):
-        # the families whose rows are reordered run on the spec, which reads every weight dequantized
         t = tensor(name)
         return half_split_to_adjacent(t, heads, config.head_dim) if reorder and field in ROTATED else t
 
@@ -155,8 +155,12 @@ def half_split_to_adjacent(t, heads: int, head_dim: int):
     """Rows [heads * D, ...] whose RoPE pairs are (i, i + D/2) in each head -> pairs (2i, 2i + 1).
 
     Row 2i of a head takes row i, row 2i + 1 takes row i + D/2: the same rotations of the same numbers,
-    and q . k is unchanged when q and k are reordered alike.
+    and q . k is unchanged when q and k are reordered alike. Works on float arrays (what the spec
+    reads) and on the rows of a QuantizedTensor (what the native kernels read in place: a row is whole
+    blocks, so its bytes move as they are).
     """
     order = np.arange(head_dim).reshape(2, head_dim // 2).T.reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
     index = (np.arange(heads)[:, None] * head_dim + order).reshape(-1)
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.ggml_type, t.shape, np.ascontiguousarray(t.data[index]))
     return np.ascontiguousarray(np.asarray(t)[index])

@@ -9,11 +9,18 @@ all_logits, else [1, V] for the last position. It runs in C (csrc/forward.c) whe
 
   - `ops` is a native kernel set (kvref.native.ops.Kernels): its thread pool runs the forward;
   - `config` and `weights` are the ones this object was built from (every tensor, by identity);
-  - `cache` describes its storage (`cache.storage()`: contiguous and paged layouts) with K and V
-    stored as float32, float16, bfloat16 or int8 (K and V may differ): C writes the new positions'
-    K/V into their slots in the stored form (kvref/cache/quant.py's encoding, byte for byte) and
-    attention reads the stored form in place, through the block table of a paged cache
-    (kvref.native.ops.cache_descriptor).
+  - `cache` describes its storage (`cache.storage()`: contiguous and paged layouts, and per-layer
+    rings: `Storage.layer_rings`) with K and V stored as float32, float16, bfloat16 or int8 (K and V
+    may differ): C writes the new positions' K/V into their slots in the stored form
+    (kvref/cache/quant.py's encoding, byte for byte) and attention reads the stored form in place,
+    through the block table of a paged cache (kvref.native.ops.cache_descriptor). A ring layer of R
+    slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
+    then attend), so no query reads a slot a later position overwrote.
+
+Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
+sandwich norms, the embedding scale, SwiGLU or GeGLU, the score scale, per-layer windows, and each
+layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for its base and the config's
+scaling, computed once here, the same table kvref.native.ops.rope passes).
 
 Otherwise it calls the shared decoder with `ops`, which computes the same thing kernel by kernel on
 the K/V the cache decodes; `fallback_reason` says why (a window cache stages its writes, float64
@@ -22,10 +29,13 @@ K/V, another kernel set, ...).
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
 kernel set (any layout and K/V type: an int8 or bfloat16 element is decoded in registers to the
-float32 the cache's own decode gives); the bounds of tests/test_native.py carry over unchanged. With activations="int8",
+float32 the cache's own decode gives); the bounds of tests/test_native.py carry over unchanged. A
+ring layer's keys are in slot order rather than position order, so there the logits are the
+decoder's over a contiguous cache to float32 rounding (the online softmax sums in another order).
+With activations="int8",
 every projection of fewer than 4 rows (all of a decode step's, and a prefill's last-position LM
 head) is Kernels.matmul_int8: each input row is rounded to blocks of 32 int8 values with scale
-d = max|x| / 127 before Q4_0, Q4_1 and Q8_0 weights, and multiplied with integer dot products
+d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0 weights, and multiplied with integer dot products
 (llama.cpp does the same). Each such output moves by at most
 sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j - m_b| (m_b: the block's offset, Q4_1 only) beyond the
 float32 rounding of the exact mode; other weight types and longer projections stay exact. Exact
@@ -64,11 +74,17 @@ def default_activations() -> str:
     return name
 
 
+LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
+
+
 def _tensors(weights):
-    """Every tensor object of `weights`, in a fixed order (the identity check of `runs`)."""
+    """Every tensor object of `weights` (None for an absent optional one), in a fixed order (the
+    identity check of `fallback_reason`)."""
     out = [weights.tok_embeddings, weights.output_norm, weights.output]
     for lw in weights.layers:
-        out += [lw.attn_norm, lw.wq, lw.wk, lw.wv, lw.wo, lw.ffn_norm, lw.w_gate, lw.w_up, lw.w_down]
+        out += [getattr(lw, name) for name in LAYER_TENSORS]
     return out
 
 
@@ -91,20 +107,33 @@ class FusedForward:
         c = config
         if len(weights.layers) != c.n_layers:
             raise ShapeError(f"weights have {len(weights.layers)} layers, config says {c.n_layers}")
+        E, D = c.d_model, c.head_dim
         layers = ffi.new("kvref_layer_desc[]", c.n_layers)
         for i, lw in enumerate(weights.layers):
             d = layers[i]
-            d.attn_norm = self._gain(lw.attn_norm, f"layers[{i}].attn_norm")
-            d.ffn_norm = self._gain(lw.ffn_norm, f"layers[{i}].ffn_norm")
+            d.attn_norm = self._vector(lw.attn_norm, E, f"layers[{i}].attn_norm")
+            d.ffn_norm = self._vector(lw.ffn_norm, E, f"layers[{i}].ffn_norm")
             for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
                 self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}")
+            # the optional fields where the decoder reads them: biases whenever present, the norms by config
+            optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
+                        ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
+                        ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms)]
+            for name, n, present in optional:
+                if present:
+                    setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
+            d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, c.layer_rope_theta(i), c.rope_scaling), "double *")
+            d.window = native_ops.attention_window(c.window(i))
         desc = ffi.new("kvref_model_desc *")
         desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
-        desc.rope_theta, desc.norm_eps = float(c.rope_theta), float(c.norm_eps)
+        desc.norm_eps = float(c.norm_eps)
+        desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
+        desc.attention_scale = native_ops.attention_scale(c.attention_scale, D)
+        desc.gate = GATES[c.activation]
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         self._tensor(desc.output, weights.output, "output")
-        desc.output_norm = self._gain(weights.output_norm, "output_norm")
+        desc.output_norm = self._vector(weights.output_norm, E, "output_norm")
         desc.layers = layers
         out = ffi.new("kvref_model **")
         check_status(lib.kvref_model_create(desc, out), "model descriptor")
@@ -113,15 +142,17 @@ class FusedForward:
         check_status(lib.kvref_state_create(self._model, state), "run state")
         self._state = ffi.gc(state[0], lib.kvref_state_destroy)
 
-    def _gain(self, g, name):
-        # [E] float32 RMSNorm gain; float16/float64 gains are converted once, here
-        if not isinstance(g, np.ndarray) or g.ndim != 1 or g.shape[0] != self.config.d_model:
-            raise ShapeError(f"{name} must be a 1-D array of {self.config.d_model} values")
+    def _keep_buffer(self, a, ctype):
+        self._keep.append(a)
+        return ffi.cast(ctype, ffi.from_buffer(a))
+
+    def _vector(self, g, n, name):
+        # [n] float32 (a norm gain or a bias); float16/float64 ones are converted once, here
+        if not isinstance(g, np.ndarray) or g.ndim != 1 or g.shape[0] != n:
+            raise ShapeError(f"{name} must be a 1-D array of {n} values")
         if g.dtype.kind != "f":
             raise DTypeError(f"{name} has dtype {g.dtype}; expected a float array")
-        g = np.ascontiguousarray(g, dtype=np.float32)
-        self._keep.append(g)
-        return ffi.cast("const float *", ffi.from_buffer(g))
+        return self._keep_buffer(np.ascontiguousarray(g, dtype=np.float32), "const float *")
 
     def _tensor(self, dst, w, name):
         gtype, data, N, K = check_weight(w, name)  # validates type, shape, byte count, contiguity

@@ -3,24 +3,29 @@
     embed(table, token_ids)                          [V, E], [T] -> [T, E]
     matmul(x, w)                                     [T, K], [N, K] -> [T, N]      (y = x @ W.T)
     rms_norm(x, weight, eps)                         [T, E], [E] -> [T, E]
-    rope(x, positions, theta)                        [T, nh, D], [T] -> [T, nh, D]
-    attention(q, k, v, q_positions, k_positions)     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
+    rope(x, positions, theta, scaling=None)          [T, nh, D], [T] -> [T, nh, D]
+    attention(q, k, v, q_positions, k_positions,     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
+              scale=None, window=None)
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
+    geglu(gate, up)                                  [T, F], [T, F] -> [T, F]
     matmul_int8(x, w)                                [T, K], [N, K] -> [T, N]  (Kernels only: the
         int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
 Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
 float16) ndarray in file layout, or a kvref.spec.ggml.QuantizedTensor of type F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
 arrays; `Kernels.cache_attention` reads a cache's K/V in place instead (any layout whose
-`cache.storage()` describes them: contiguous and paged today), stored as float32, float16, bfloat16
-or int8 (decoded in registers: the same float32 values NumPy decodes).
+`cache.storage()` describes them: contiguous, paged, and per-layer rings), stored as float32,
+float16, bfloat16 or int8 (decoded in registers: the same float32 values NumPy decodes).
+
+RoPE takes the spec's frequency table (kvref.spec.ops.rope_frequencies, computed here and passed
+to C), so every base and scaling the spec knows runs natively, bit for bit the same table.
 
 Numerics: every weight value is decoded to exactly the float32 the spec dequantizer
 (kvref.spec.quants) produces, and dot products accumulate in float32, so matmul differs from the
 spec only by summation order: |native - spec| <= 2 gamma(K) (|x| @ |W|.T), gamma(K) = K u / (1 - K u),
-u = 2**-24. Attention, RMSNorm, RoPE and SwiGLU have similar derived bounds; tests/test_native.py
+u = 2**-24. Attention, RMSNorm, RoPE, SwiGLU and GeGLU have similar derived bounds; tests/test_native.py
 states and checks each one. Activations are rounded to 8 bits only by matmul_int8, which the fused
 forward uses in its opt-in int8 mode (bound in tests/test_native_fused.py).
 
@@ -48,6 +53,7 @@ import numpy as np
 
 from ..cache.quant import SCALE_DTYPE
 from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
+from ..spec import ops as spec_ops
 from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from . import available, unavailable_reason
 
@@ -60,7 +66,7 @@ MAX_THREADS = 1024
 
 #: GGML types the native matmul/embed read directly
 WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-                GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+                GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K)
 
 #: K/V storage types (kvref.cache codec names) the native kernels read, and write, in place
 KV_TYPES = {"float32": lib.KVREF_TYPE_F32, "float16": lib.KVREF_TYPE_F16, "bfloat16": lib.KVREF_TYPE_BF16,
@@ -145,6 +151,38 @@ def _real(value, name, minimum_exclusive=None, minimum=None):
     return v
 
 
+def rope_table(head_dim, theta, scaling=None) -> np.ndarray:
+    """The RoPE frequencies C rotates with: kvref.spec.ops.rope_frequencies(head_dim, theta, scaling),
+    float64 [head_dim / 2], checked (ConfigError for a base or scaling it cannot compute)."""
+    theta = _real(theta, "theta", minimum_exclusive=0.0)
+    try:
+        table = spec_ops.rope_frequencies(head_dim, theta, scaling)
+    except (TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
+        raise ConfigError(f"RoPE scaling {scaling!r} cannot be computed: {exc}") from None
+    table = np.ascontiguousarray(table, dtype=np.float64)
+    if table.shape != (head_dim // 2,) or not np.all(np.isfinite(table)):
+        raise ConfigError(f"RoPE scaling {scaling!r} with base {theta} gives no finite frequency table of "
+                          f"{head_dim // 2} entries")
+    return table
+
+
+def attention_scale(scale, head_dim) -> float:
+    """The float32 score scale C multiplies by: `scale`, or 1/sqrt(head_dim) for None (the spec's
+    default); ConfigError unless positive and finite."""
+    if scale is None:
+        return float(np.float32(1.0 / np.sqrt(head_dim)))
+    return float(np.float32(_real(scale, "scale", minimum_exclusive=0.0)))
+
+
+def attention_window(window) -> int:
+    """A layer window as C takes it: a positive int, or 0 for None (no window)."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
+        raise ConfigError(f"window={window!r} must be None or a positive integer")
+    return int(window)
+
+
 def check_weight(w, name):
     """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K], checked
     (type, shape, byte count, contiguity); DTypeError/ShapeError naming `name` otherwise."""
@@ -182,20 +220,25 @@ def check_weight(w, name):
 
 
 class _KV:
-    """A kvref_kv descriptor (csrc/kvref.h) and the arrays it points into, kept alive with it."""
+    """A kvref_kv descriptor (csrc/kvref.h) and the arrays it points into, kept alive with it.
+    Without rings the arrays are [L, *slots, Hkv, D]; with layer_ring (int64 [L]) they are
+    [1, sum of extents, Hkv, D] and n_slots is the extent of a layer without a ring."""
 
-    def __init__(self, k, v, k_scales, v_scales, k_type, v_type, group_size, block_table=None, block_size=1):
-        L, Hkv, D = k.shape[0], k.shape[-2], k.shape[-1]
+    def __init__(self, k, v, k_scales, v_scales, k_type, v_type, group_size, block_table=None, block_size=1,
+                 layer_ring=None, n_slots=None):
+        L, Hkv, D = k.shape[0] if layer_ring is None else layer_ring.shape[0], k.shape[-2], k.shape[-1]
         self._keep = [ffi.from_buffer(a, require_writable=a.flags.writeable) if a is not None else ffi.NULL
-                      for a in (k, v, k_scales, v_scales, block_table)]  # the buffers stay pinned with us
+                      for a in (k, v, k_scales, v_scales, block_table, layer_ring)]  # pinned with us
         d = self.ptr = ffi.new("kvref_kv *")
         d.k, d.v = self._keep[0], self._keep[1]
         d.k_scales, d.v_scales = ffi.cast("float *", self._keep[2]), ffi.cast("float *", self._keep[3])
         d.k_type, d.v_type, d.group_size = k_type, v_type, group_size or 0
-        d.n_layers, d.n_slots, d.n_kv_heads, d.head_dim = L, int(np.prod(k.shape[1:-2])), Hkv, D
+        d.n_layers, d.n_kv_heads, d.head_dim = L, Hkv, D
+        d.n_slots = int(np.prod(k.shape[1:-2])) if n_slots is None else n_slots
         d.block_table = ffi.cast("const int64_t *", self._keep[4])
         d.n_blocks = 0 if block_table is None else block_table.shape[0]
         d.block_size = block_size
+        d.layer_ring = ffi.cast("const int64_t *", self._keep[5])
 
 
 def in_place_problem(cache) -> str | None:
@@ -216,11 +259,15 @@ def cache_descriptor(cache, storage=None) -> _KV:
     storage = cache.storage() if storage is None else storage
     store = storage.store
     L, Hkv, D, slots = cache.n_layers, cache.n_kv_heads, cache.head_dim, store.k.shape[1:-2]
+    rings = _layer_rings(storage, L)
+    layers = L if rings is None else 1
+    if rings is not None:
+        slots = (int(sum(r if r > 0 else storage.layer_slots for r in rings.tolist())),)
     expected = {"k": (store.k_codec.storage_dtype, D), "v": (store.v_codec.storage_dtype, D),
                 "k_scales": (SCALE_DTYPE, store.k_codec.n_groups), "v_scales": (SCALE_DTYPE, store.v_codec.n_groups)}
     for name, a in store.arrays():
         dtype, last = expected[name]
-        shape = (L, *slots, Hkv, last)
+        shape = (layers, *slots, Hkv, last)
         if (a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned
                 or not a.flags.writeable):
             raise CacheError(f"cache {name} must be a writeable C-contiguous {dtype} array of shape {shape}; got "
@@ -234,7 +281,29 @@ def cache_descriptor(cache, storage=None) -> _KV:
         table = np.ascontiguousarray(table)
     group = store.k_codec.group_size or store.v_codec.group_size
     return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
-               KV_TYPES[store.v_codec.name], group, table, storage.block_size)
+               KV_TYPES[store.v_codec.name], group, table, storage.block_size, rings,
+               None if rings is None else storage.layer_slots)
+
+
+def _layer_rings(storage, n_layers):
+    """Storage.layer_rings as int64 [n_layers] (None without rings), checked; CacheError otherwise."""
+    rings = storage.layer_rings
+    if rings is None:
+        return None
+    slots = storage.layer_slots
+    if (storage.block_table is not None or len(rings) != n_layers
+            or any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0 for r in rings)
+            or isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0):
+        raise CacheError(f"layer_rings={rings!r} must be {n_layers} ints >= 0 (without a block table) and "
+                         f"layer_slots={slots!r} an int >= 0")
+    return np.array(rings, dtype=_I64)
+
+
+def ring_positions(ring, written) -> np.ndarray:
+    """The position each slot of a ring of `ring` slots holds after positions 0 .. written-1 were
+    written (slot j: the last p < written with p % ring == j): int64 [min(ring, written)]."""
+    j = np.arange(min(ring, written), dtype=_I64)
+    return j + ring * ((written - 1 - j) // ring)
 
 
 def _threads(threads):
@@ -347,7 +416,7 @@ def reset_default():
 # ---- the kernel set -----------------------------------------------------------------------
 
 class Kernels:
-    """embed, matmul, rms_norm, rope, attention, swiglu on one pool of `threads` threads."""
+    """embed, matmul, rms_norm, rope, attention, swiglu, geglu on one pool of `threads` threads."""
 
     def __init__(self, threads=None, isa=None):
         self.threads = _threads(threads)
@@ -385,7 +454,7 @@ class Kernels:
 
     def matmul_int8(self, x, w):
         # [T, K], [N, K] -> [T, N]: the int8 activation mode's projection (see csrc/kvref.h):
-        # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q8_0 weights, exact otherwise
+        # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, exact otherwise
         return self._projection(lib.kvref_matmul_int8, "matmul_int8", x, w)
 
     def _projection(self, c_function, name, x, w):
@@ -420,30 +489,22 @@ class Kernels:
         return out
 
     def rope(self, x, positions, theta, scaling=None):
-        # [T, nh, D], [T] -> [T, nh, D]; the C kernel has no frequency scaling (backends.native_problem
-        # keeps models with one on the spec path)
-        if scaling is not None:
-            raise BackendError(f"the native RoPE has no frequency scaling; asked for {scaling!r}")
+        # [T, nh, D], [T] -> [T, nh, D]; the spec's frequency table for (theta, scaling)
         _array(x, "x", (_F32,), 3)
         T, nh, D = x.shape
         if D % 2:
             raise ShapeError(f"x has head_dim {D}; RoPE rotates pairs, so it must be even")
         pos = _positions(positions, "positions", T)
-        theta = _real(theta, "theta", minimum_exclusive=0.0)
+        table = rope_table(D, theta, scaling)
         out = np.empty_like(x)
         status = lib.kvref_rope(self._pool.ptr, ffi.from_buffer("float[]", x), T, nh, D,
-                                ffi.from_buffer("int64_t[]", pos), theta,
+                                ffi.from_buffer("int64_t[]", pos), ffi.from_buffer("double[]", table),
                                 ffi.from_buffer("float[]", out))
         check_status(status, "rope")
         return out
 
     def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None):
         # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
-        # scale 1/sqrt(D) and no layer window: the C kernels cover those (backends.native_problem
-        # keeps models with other values on the spec path)
-        if scale is not None or window is not None:
-            raise BackendError(f"the native attention computes scale 1/sqrt(D) with no layer window; asked for "
-                               f"scale={scale!r}, window={window!r}")
         _array(k, "k", (_F32, _F16), 3)
         _array(v, "v", (_F32, _F16), 3)
         if v.shape != k.shape or v.dtype != k.dtype:
@@ -452,22 +513,26 @@ class Kernels:
             raise ShapeError(f"{q.shape[1]} query heads cannot be grouped over 0 kv heads")
         kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
         kv = _KV(k[None], v[None], None, None, kv_type, kv_type, None)  # one layer, key s in slot s
-        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions)
+        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window)
 
-    def cache_attention(self, q, q_positions, cache, layer):
+    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None):
         # [T, H, D], [T], a cache of `length` positions -> [T, H, D]
         """Attention of q over every stored position of `layer`, reading the cache in place (its
-        cache.storage(): a slot store, with a block table for a paged cache), K/V in float32,
-        float16, bfloat16 or int8."""
+        cache.storage(): a slot store, with a block table for a paged cache, or per-layer rings),
+        K/V in float32, float16, bfloat16 or int8. A ring layer's keys are its slots, holding the
+        last of the cache.next_position positions written."""
         kv = cache_descriptor(cache)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < cache.n_layers:
             raise ShapeError(f"layer {layer!r} out of range: the cache has {cache.n_layers} layers")
-        S = cache.length
-        return self._attention(q, kv, S, cache.n_kv_heads, q_positions, np.arange(S), layer)
+        ring = int(kv.ptr.layer_ring[layer]) if kv.ptr.layer_ring != ffi.NULL else 0
+        k_positions = ring_positions(ring, cache.next_position) if ring else np.arange(cache.length)
+        return self._attention(q, kv, k_positions.shape[0], cache.n_kv_heads, q_positions, k_positions, layer,
+                               scale, window)
 
-    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0):
+    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None):
         _array(q, "q", (_F32,), 3)
         T, H, D = q.shape
+        c_scale, c_window = attention_scale(scale, D), attention_window(window)
         if D != kv.ptr.head_dim:
             raise ShapeError(f"q has head_dim {D}, the keys have {kv.ptr.head_dim}")
         if H % Hkv:
@@ -477,20 +542,27 @@ class Kernels:
         out = np.empty((T, H, D), dtype=_F32)
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
-                                     ffi.from_buffer("float[]", out))
+                                     c_window, c_scale, ffi.from_buffer("float[]", out))
         check_status(status, "attention")
         return out
 
     def swiglu(self, gate, up):
         # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
+        return self._glu(lib.kvref_swiglu, "swiglu", gate, up)
+
+    def geglu(self, gate, up):
+        # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
+        return self._glu(lib.kvref_geglu, "geglu", gate, up)
+
+    def _glu(self, c_function, name, gate, up):
         _array(gate, "gate", (_F32,), None)
         _array(up, "up", (_F32,), None)
         if gate.shape != up.shape:
             raise ShapeError(f"gate {gate.shape} and up {up.shape} must have the same shape")
         out = np.empty_like(gate)
-        status = lib.kvref_swiglu(self._pool.ptr, ffi.from_buffer("float[]", gate),
-                                  ffi.from_buffer("float[]", up), gate.size, ffi.from_buffer("float[]", out))
-        check_status(status, "swiglu")
+        status = c_function(self._pool.ptr, ffi.from_buffer("float[]", gate), ffi.from_buffer("float[]", up),
+                            gate.size, ffi.from_buffer("float[]", out))
+        check_status(status, name)
         return out
 
 
@@ -526,5 +598,10 @@ def swiglu(gate, up, *, threads=None):
     return kernels(threads).swiglu(gate, up)
 
 
-__all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "kernels",
+def geglu(gate, up, *, threads=None):
+    # [T, F], [T, F] -> [T, F]
+    return kernels(threads).geglu(gate, up)
+
+
+__all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
            "matmul", "reset_default", "rms_norm", "rope", "supported_isas", "swiglu"]
