@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from . import trace
 from .bench import add_bench
@@ -59,13 +60,27 @@ def load_model(args):
     return load(args.model, backend=args.backend, progress=progress if show else None)
 
 
-def load_text_model(args):
-    """load_model for the commands that read and write text: the model must have a tokenizer."""
+def load_text_model(args, chat=False):
+    """load_model for the commands that read and write text: the model must have a tokenizer, and
+    for a chat a template (its own, or --chat-template FILE, which replaces it)."""
     model = load_model(args)
     if model.tokenizer is None:
-        raise TokenizerError(f"{args.model} loaded without a tokenizer (reading a Hugging Face directory's "
-                             "tokenizer.json is not done yet), and this command needs one to read text")
+        raise TokenizerError(f"{args.model} loaded without a tokenizer (a Hugging Face directory needs its "
+                             "tokenizer.json), and this command needs one to read text")
+    if args.chat_template is not None:
+        try:
+            model.chat_template = Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"cannot read the chat template {args.chat_template}: {exc}") from None
+    if chat and not model.chat_template:
+        raise TokenizerError(f"{args.model or 'the model'} has no chat template (a pretrained model such as "
+                             "gemma3-270m carries none); give one with --chat-template FILE")
     return model
+
+
+def add_chat_template_argument(p):
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template to use instead of the model's own (or where it has none)")
 
 
 def add_run(commands):
@@ -73,19 +88,20 @@ def add_run(commands):
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_chat_template_argument(p)
     p.add_argument("prompt")
     p.set_defaults(run=run_run)
 
 
 def run_run(args) -> int:
-    model = load_text_model(args)
+    model = load_text_model(args, chat=args.chat)
     tok = model.tokenizer
     if args.chat:
         prompt_ids = model.chat_ids([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt, add_special=True)
     cache = model.new_cache()
-    stop = {tok.eos_id} if args.chat else set()
+    stop = tok.eos_ids if args.chat else set()
     tokens = generate(model, prompt_ids, args.max_tokens, stop_ids=stop, cache=cache, **sampling_options(args))
     timing = stream_text(tok, tokens, show_stop=not args.chat)
     n_prompt = len(prompt_ids)
@@ -123,7 +139,7 @@ def stream_text(tokenizer, tokens, show_stop=True) -> Timing:
     decoder = StreamDecoder(tokenizer)
     for token in tokens:
         timing.tick()
-        if show_stop or token != tokenizer.eos_id:
+        if show_stop or token not in tokenizer.eos_ids:
             print(decoder.push(token), end="", flush=True)
     print(decoder.flush(), end="", flush=True)
     return timing
@@ -134,13 +150,14 @@ def add_chat(commands):
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--system", default=None, help="system message")
+    add_chat_template_argument(p)
     p.set_defaults(run=run_chat)
 
 
 def run_chat(args) -> int:
     from .conversation import Conversation
 
-    model = load_text_model(args)
+    model = load_text_model(args, chat=True)
     chat = Conversation(model, system=args.system)
     print("kvref chat: one KV cache for the whole conversation; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:

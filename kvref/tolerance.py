@@ -81,6 +81,11 @@ FLOAT32_SAME_POSITION = Tolerance(atol=1e-6, rtol=1e-7)
 # 2 layers (tests/test_model.py): the FLOAT32 situation on a history too short to accumulate much.
 # Measured worst 7.2e-7; 1e-5 leaves ~14x.
 FLOAT32_SHORT_HISTORY = Tolerance(atol=1e-5, rtol=1e-7)
+# Two float32 runs of a real model that sum in different orders (decode steps against a one-shot
+# prefill, a ring's attention against a full cache's, the C ring pass against the spec's): single
+# roundings carried through every layer and grown by the activations' scale (Gemma 3's residual
+# stream is large): measured up to 7e-4 on logits of ~25 on Gemma 3 270M; 2e-3 is ~3x that.
+FLOAT32_REORDERED = Tolerance(atol=2e-3, rtol=1e-4)
 # float16 K/V (11 significant bits: 2**-11 relative per element) against recomputation with float32
 # K/V, last position, on any configuration of tests.conftest.configs, including degenerate shapes
 # (d_model 4 feeding head_dim 64) that amplify K/V error and that QUANTIZED_LOGIT_BOUNDS leaves out.

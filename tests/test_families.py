@@ -300,3 +300,24 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
         assert model.fused is not None and model.fused_problem(model.new_cache()) is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
+
+
+def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equals_recomputation(tmp_path):
+    from kvref.conversation import Conversation
+    from tests.test_tokenizer_hf import qwen_style
+
+    tok, _, _, directory = qwen_style()
+    hf_model("gemma3", vocab_size=tok.vocab_size, max_position_embeddings=256).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    model = kvref.load(tmp_path, dtype="float64")  # windows of 4: every turn runs past them
+    chat = Conversation(model)
+    cache = chat.cache
+    for turn, text in enumerate(["Hello there", "and what next?", "one more"]):
+        reply = list(chat.say(text, 6))
+        assert chat.cache is cache and cache.layout == "hybrid"
+        assert (chat.last_turn.reused > 0) == (turn > 0)  # later turns prefill only their new tokens
+        history = cache.sequence.token_ids  # this turn's prompt, then the reply but its last token
+        prompt = history[:len(history) - len(reply) + 1]
+        expected = list(kvref.generate(model, prompt, len(reply), cache=model.new_cache(layout="contiguous")))
+        assert reply == expected  # the same greedy reply as recomputing the whole conversation
