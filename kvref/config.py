@@ -40,8 +40,10 @@ class ModelConfig:
     layer_windows: tuple | None = None  # per layer: None (attends to every position) or W (the last W
     #                                     positions, itself included); Gemma 3: 512 on 5 layers of 6, Mistral v0.1: 4096
     rope_local_theta: float | None = None  # RoPE base on windowed layers (Gemma 3: 10,000 there, rope_theta elsewhere)
-    rope_scaling: tuple | None = None  # RoPE frequency scaling (spec.ops.rope_frequencies): ("linear", factor)
-    #                                   or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions)
+    rope_scaling: tuple | None = None  # RoPE frequency scaling (spec.ops.rope_frequencies): ("linear", factor),
+    #   ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions) from HF configs, or
+    #   ("factors", (f_0 .. f_{D/2-1})): one divisor per frequency, as Llama 3.1+ GGUF files store them
+    #   (rope_freqs.weight, what llama3 scaling computes)
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -77,7 +79,7 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation={self.activation!r} is unknown; expected one of {ACTIVATIONS}")
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling)
+            _check_rope_scaling(self.rope_scaling, self.head_dim)
         if self.layer_windows is not None:
             windows = self.layer_windows
             if (not isinstance(windows, tuple) or len(windows) != self.n_layers
@@ -117,16 +119,20 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_rope_scaling(scaling):
-    shapes = {"linear": 2, "llama3": 5}
+def _check_rope_scaling(scaling, head_dim):
+    shapes = {"linear": 2, "llama3": 5, "factors": 2}
     kind = scaling[0] if isinstance(scaling, tuple) and scaling else None
     numbers = scaling[1:] if kind in shapes else ()
+    if kind == "factors":
+        numbers = scaling[1] if len(scaling) == 2 and isinstance(scaling[1], tuple) else (0,)
+        if len(numbers) != head_dim // 2:
+            numbers = (0,)
     if (kind not in shapes or len(scaling) != shapes[kind]
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in numbers)
             or (kind == "llama3" and not scaling[2] < scaling[3])):
-        raise ConfigError(f"rope_scaling={scaling!r} must be ('linear', factor) or ('llama3', factor, "
-                          "low_freq_factor, high_freq_factor, original_max_positions), positive numbers with "
-                          "low_freq_factor < high_freq_factor")
+        raise ConfigError(f"rope_scaling={scaling!r} must be ('linear', factor), ('llama3', factor, "
+                          "low_freq_factor, high_freq_factor, original_max_positions) or ('factors', (one per "
+                          f"frequency: {head_dim // 2})), positive numbers with low_freq_factor < high_freq_factor")
 
 
 def _require_positive_int(name, value):

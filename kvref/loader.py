@@ -98,7 +98,7 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         return load_hf(path, backend, dtype, threads)
     dtype = model_dtype(dtype)
     with GGUFFile(model_path(path)) as gguf:
-        config = architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+        config = gguf_config(gguf)
         architectures.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
         backend = backends.resolve(backend, dtype, config)
         in_place = native_weight_types() if backend == "c" else ()
@@ -127,7 +127,13 @@ def load_config(path=None):
     if path is not None and Path(path).is_dir():
         return hf.config_from_hf(read_config_json(Path(path)))
     with GGUFFile(model_path(path)) as gguf:
-        return architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys())
+        return gguf_config(gguf)
+
+
+def gguf_config(gguf):
+    """An open GGUF file's ModelConfig, with the RoPE divisors of its rope_freqs.weight if it has one."""
+    factors = gguf.dequantize("rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+    return architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys(), factors)
 
 
 def read_config_json(directory: Path) -> dict:

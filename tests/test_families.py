@@ -219,7 +219,7 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
 
 
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
-GGUF_ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
+GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
                       "qwen3": ("qwen3", False), "gemma3": ("gemma3", False)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
@@ -253,6 +253,11 @@ def write_gguf(hf, family, path):
     writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else c.rope_parameters["rope_theta"])
     if gemma:
         writer.add_sliding_window(c.sliding_window)
+    if c.rope_parameters.get("rope_type") == "llama3":  # Llama 3.1+: one divisor per frequency, as a tensor
+        plain = c.rope_parameters["rope_theta"] ** (-np.arange(0, head_dim, 2) / head_dim)
+        scaled = kvref.spec.ops.rope_frequencies(head_dim, c.rope_parameters["rope_theta"],
+                                                 config_from_hf(c.to_dict()).rope_scaling)
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).astype(np.float32))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
     writer.add_token_merges(["a b"])
@@ -291,8 +296,10 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
     hf = hf_model(family, seed=4, **GGUF_EXPRESSIBLE.get(family, {}))
     write_gguf(hf, family, tmp_path / "model.gguf")
     model = kvref.load(tmp_path / "model.gguf", backend="auto")
-    def fields(config):  # the family fields, with the score scale as the number it stands for
-        return {**config.family_fields(), "attention_scale": config.attention_scale or config.head_dim ** -0.5}
+    def fields(config):  # the family fields, with the score scale and RoPE scaling as the numbers they stand for
+        frequencies = kvref.spec.ops.rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        return {**config.family_fields(), "attention_scale": config.attention_scale or config.head_dim ** -0.5,
+                "rope_scaling": tuple(float(f"{f:.6g}") for f in frequencies)}  # a file stores float32 divisors
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively

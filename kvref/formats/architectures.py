@@ -42,15 +42,16 @@ SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "p
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
 
 
-def config_from_metadata(metadata: dict, tensor_names) -> ModelConfig:
-    """ModelConfig from the `<architecture>.*` keys; anything the spec does not implement is refused by name."""
+def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> ModelConfig:
+    """ModelConfig from the `<architecture>.*` keys; anything the spec does not implement is refused by name.
+
+    rope_factors: the values of the file's rope_freqs.weight tensor (Llama 3.1+: one divisor per
+    RoPE frequency), which a file with that tensor needs.
+    """
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"architecture {arch!r} is not supported; expected one of {ARCHITECTURES}")
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise GGUFError(f"RoPE scaling ({arch}.rope.scaling.type={scaling!r}, or a rope_freqs.weight tensor) is "
-                        "not read from GGUF files yet")
+    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors)
 
     def key(name, default=None):
         value = metadata.get(f"{arch}.{name}", default)
@@ -90,7 +91,23 @@ def config_from_metadata(metadata: dict, tensor_names) -> ModelConfig:
         activation="gelu_tanh" if gemma else "silu",
         layer_windows=windows,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+        rope_scaling=rope_scaling,
     )
+
+
+def _rope_scaling(metadata, arch, tensor_names, rope_factors):
+    # llama.cpp's two ways: rope.scaling.type linear (+ factor), or a rope_freqs.weight tensor of divisors
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensor_names:
+        if kind not in ("none", None) or rope_factors is None:
+            raise GGUFError(f"a rope_freqs.weight tensor with {arch}.rope.scaling.type={kind!r} is not supported")
+        return ("factors", tuple(float(f) for f in np.asarray(rope_factors).reshape(-1)))
+    if kind in ("none", None):
+        return None
+    if kind == "linear":
+        return ("linear", float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)))
+    raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear' "
+                    "and Llama 3.1's rope_freqs.weight")
 
 
 def expected_shapes(config: ModelConfig) -> dict:

@@ -39,11 +39,14 @@ def rope_frequencies(head_dim, theta, scaling=None):
     #   ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions)
     #       wavelengths longer than original / low_freq_factor are divided by factor, those shorter
     #       than original / high_freq_factor kept, and the band between blended linearly (Llama 3.1+)
+    #   ("factors", (f_0, ...))                  frequency i / f_i (the llama3 blend, as GGUF files store it)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq
     if scaling[0] == "linear":
         return inv_freq / scaling[1]
+    if scaling[0] == "factors":
+        return inv_freq / np.asarray(scaling[1], dtype=np.float64)
     _, factor, low, high, original = scaling
     wavelen = 2 * np.pi / inv_freq
     smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
