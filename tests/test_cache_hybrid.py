@@ -19,6 +19,7 @@ from kvref.cache.hybrid import DEFAULT_SPARE
 from kvref.errors import CacheError, CacheFullError
 from kvref.tolerance import assert_close
 from tests.conftest import chunkings, configs, token_lists
+from tests.test_cache_layouts import run_chunks
 
 
 @st.composite
@@ -28,14 +29,6 @@ def window_models(draw):
     windows = tuple(draw(st.one_of(st.none(), st.integers(1, 6))) for _ in range(cfg.n_layers))
     cfg = dataclasses.replace(cfg, layer_windows=windows)
     return kvref.Model.random(cfg, seed=draw(st.integers(0, 2**16)), dtype="float64", backend="numpy")
-
-
-def run_chunks(model, cache, tokens, sizes):
-    out, start = [], 0
-    for n in sizes:
-        out.append(model.forward(tokens[start:start + n], cache, all_logits=True))
-        start += n
-    return np.concatenate(out)
 
 
 def held(cache, layer):

@@ -514,34 +514,24 @@ def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threa
     assert_within(out, spec.rope(x, positions, theta, scaling), atol, ROPE_FLOAT32_RTOL)
 
 
-@given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 10.0, 100.0]))
-def test_swiglu_equals_spec_within_the_sigmoid_bound(n, isa, threads, seed, scale):
-    # spec: g * 0.5 * (1 + tanh(g/2)); for g << 0, 1 + tanh cancels and carries an absolute error
-    # of ~2u, i.e. |g| * u in silu. native: g / (1 + exp(-g)), exp within 2 ulp: ~5u relative.
-    # So atol = 4u |g| |up| and rtol = 16u, each a factor 2 above the sum of both sides.
-    rng = np.random.default_rng(seed)
-    gate = (scale * rng.standard_normal(n)).astype(np.float32)
-    up = rng.standard_normal(n).astype(np.float32)
-    out = ks(threads, isa).swiglu(gate, up)
-    atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + UNDERFLOW_SLACK
-    assert_within(out, spec.swiglu(gate, up), atol, 16 * U)
-
-
+# SwiGLU: spec g * 0.5 * (1 + tanh(g/2)); for g << 0, 1 + tanh cancels and carries an absolute error
+# of ~2u, i.e. |g| * u in silu. native: g / (1 + exp(-g)), exp within 2 ulp: ~5u relative.
 # GeGLU: the scalar kernel is the spec's expression in float32 with libm's tanhf; the SIMD kernels
 # compute the same function as g / (1 + exp(-2y)) from the same y (rounded step by step as the spec
 # rounds it). Either side's tanh (or exp, within 2 ulp) carries a few u relative to itself; where
 # 1 + tanh(y) cancels (g << 0) that is an absolute error of ~2u in 1 + tanh, so ~u |g| in
-# gelu_tanh(g); elsewhere ~6u relative (exp, the division, 1 + e, the product with up). So
-# atol = 4u |g| |up| and rtol = 16u, a factor ~2 above the sum of both sides, as for SwiGLU.
+# gelu_tanh(g); elsewhere ~6u relative (exp, the division, 1 + e, the product with up).
+# For both: atol = 4u |g| |up| and rtol = 16u, each a factor ~2 above the sum of both sides.
 
-@given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 3.0, 10.0, 100.0]))
-def test_geglu_equals_spec_within_the_tanh_bound(n, isa, threads, seed, scale):
+@given(st.sampled_from(["swiglu", "geglu"]), st.integers(1, 40000), ISAS, THREADS, SEEDS,
+       st.sampled_from([1.0, 3.0, 10.0, 100.0]))
+def test_gated_activations_equal_spec_within_the_tanh_and_sigmoid_bound(name, n, isa, threads, seed, scale):
     rng = np.random.default_rng(seed)
     gate = (scale * rng.standard_normal(n)).astype(np.float32)
     up = rng.standard_normal(n).astype(np.float32)
-    out = ks(threads, isa).geglu(gate, up)
+    out = getattr(ks(threads, isa), name)(gate, up)
     atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + UNDERFLOW_SLACK
-    assert_within(out, spec.geglu(gate, up), atol, 16 * U)
+    assert_within(out, getattr(spec, name)(gate, up), atol, 16 * U)
 
 
 def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
