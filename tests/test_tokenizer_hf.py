@@ -3,10 +3,12 @@ the byte-level pipeline (Qwen's Split regex and NFC) and the SentencePiece-style
 legacy normalizers, Metaspace, Gemma's); the GGUF `qwen2` pre-tokenizer against the same vocabulary
 without NFC, as llama.cpp reads it; kvref.load(directory) gets the tokenizer, chat template and EOS ids."""
 
+import atexit
 import functools
 import json
-from pathlib import Path
+import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,6 +37,7 @@ texts = st.lists(st.one_of(st.text(st.characters(exclude_categories=("Cs", "Cn")
 
 def save(hf, config=None, generation=None) -> Path:
     directory = Path(tempfile.mkdtemp(prefix="kvref-tok-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # the functions caching these outlive any fixture
     hf.save(str(directory / "tokenizer.json"))
     for name, value in (("tokenizer_config.json", config), ("generation_config.json", generation)):
         if value is not None:
