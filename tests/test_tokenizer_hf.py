@@ -204,6 +204,7 @@ def edited(change) -> Path:
     spec = json.loads(hf.to_str())
     change(spec)
     target = Path(tempfile.mkdtemp(prefix="kvref-tok-"))
+    atexit.register(shutil.rmtree, target, ignore_errors=True)
     (target / "tokenizer.json").write_text(json.dumps(spec))
     return target
 
@@ -220,6 +221,10 @@ def edited(change) -> Path:
     (lambda s: s["model"].update(dropout=0.1), "dropout"),
     (lambda s: s.update(decoder={"type": "WordPiece"}), "decoder .*WordPiece"),
     (lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True), "add_prefix_space"),
+    (lambda s: s.update(post_processor="abc"), "post_processor should be an object"),
+    (lambda s: s.update(post_processor={"type": "TemplateProcessing", "single": [1]}), "must be a list of"),
+    (lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(pattern="abc"), "pre-tokenizer .* is not supported"),
+    (lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(pattern={"Regex": "(("}), "not a valid regex"),
 ])
 def test_unsupported_or_malformed_tokenizer_json_raises_naming_it(change, words):
     with pytest.raises(TokenizerError, match=words):

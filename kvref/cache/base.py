@@ -540,6 +540,8 @@ class Execution:
         """
         self._check_open()
         self.cache._check_kv(layer, k, v, self.n_new)
+        if int(layer) in self._written:  # a second write would read what the first one put in a ring
+            raise CacheError(f"layer {layer}'s K/V were already written in this execution")
         out = self.cache._write(self.reservation, int(layer), k, v)
         self._written.add(int(layer))
         return out

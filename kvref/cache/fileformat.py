@@ -170,6 +170,9 @@ def load_cache(model, path, pool=None):
                          f"{model.kv_rope_theta}")
     c = model.config
     rows = arrays.get("layer_rows")
+    for name in ("positions", "layer_rows", "token_ids"):
+        if name in arrays and arrays[name].dtype != np.int64:
+            raise CacheError(f"{where}: array {name!r} is {arrays[name].dtype}; expected int64")
     if rows is not None and (rows.shape != (c.n_layers,) or np.any(rows < 0) or np.any(rows > n)):
         raise CacheError(f"{where}: layer_rows must give each of {c.n_layers} layers 0..{n} rows")
     shape = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)

@@ -173,9 +173,9 @@ class HybridCache(KVCache):
         return None
 
     def _truncate(self, n):
-        for layer in range(self.n_layers):
-            if self.rings[layer]:
-                self._start[layer] = int(self.layer_positions(layer)[0]) if n else 0
+        for layer, ring in enumerate(self.rings):
+            if ring:  # what the ring holds below n stays; a layer may hold nothing (window 1)
+                self._start[layer] = min(n, max(self._start[layer], self._next - ring)) if n else 0
         self._next = n
 
     def _shift_problem(self, n, keep):

@@ -51,7 +51,6 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"architecture {arch!r} is not supported; expected one of {ARCHITECTURES}")
-    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors)
 
     def key(name, default=None):
         value = metadata.get(f"{arch}.{name}", default)
@@ -65,6 +64,7 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
     rotary = int(key("rope.dimension_count", head_dim))
     if rotary != head_dim:
         raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
+    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim)
     n_layers = int(key("block_count"))
     vocab = metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
     gemma = arch == "gemma3"
@@ -95,17 +95,24 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
     )
 
 
-def _rope_scaling(metadata, arch, tensor_names, rope_factors):
+def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
     # llama.cpp's two ways: rope.scaling.type linear (+ factor), or a rope_freqs.weight tensor of divisors
     kind = metadata.get(f"{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in tensor_names:
         if kind not in ("none", None) or rope_factors is None:
             raise GGUFError(f"a rope_freqs.weight tensor with {arch}.rope.scaling.type={kind!r} is not supported")
-        return ("factors", tuple(float(f) for f in np.asarray(rope_factors).reshape(-1)))
+        factors = np.asarray(rope_factors, dtype=np.float64)
+        if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors) & (factors > 0)):
+            raise GGUFError(f"rope_freqs.weight must hold one positive finite divisor per RoPE frequency, "
+                            f"shape ({head_dim // 2},); it has shape {factors.shape}")
+        return ("factors", tuple(float(f) for f in factors))
     if kind in ("none", None):
         return None
     if kind == "linear":
-        return ("linear", float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)))
+        factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise GGUFError(f"{arch}.rope.scaling.factor={factor!r} must be a positive number")
+        return ("linear", float(factor))
     raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear' "
                     "and Llama 3.1's rope_freqs.weight")
 

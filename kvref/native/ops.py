@@ -520,12 +520,17 @@ class Kernels:
         """Attention of q over every stored position of `layer`, reading the cache in place (its
         cache.storage(): a slot store, with a block table for a paged cache, or per-layer rings),
         K/V in float32, float16, bfloat16 or int8. A ring layer's keys are its slots, holding the
-        last of the cache.next_position positions written."""
+        last of the cache.next_position positions written; a slot whose position the layer no
+        longer holds (after a truncate, or a load of fewer rows) is never attended."""
         kv = cache_descriptor(cache)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < cache.n_layers:
             raise ShapeError(f"layer {layer!r} out of range: the cache has {cache.n_layers} layers")
         ring = int(kv.ptr.layer_ring[layer]) if kv.ptr.layer_ring != ffi.NULL else 0
         k_positions = ring_positions(ring, cache.next_position) if ring else np.arange(cache.length)
+        if ring:  # a later position than any query's: masked
+            held = cache.layer_positions(layer)
+            stale = k_positions < (held[0] if len(held) else cache.next_position)
+            k_positions[stale] = np.iinfo(np.int64).max
         return self._attention(q, kv, k_positions.shape[0], cache.n_kv_heads, q_positions, k_positions, layer,
                                scale, window)
 

@@ -77,7 +77,7 @@ class ByteLevelBPE:
         self.ids = token_ids(tokens)
         self.pre = pre
         self._ranks = merge_ranks(merges, self.ids)
-        self._patterns = tuple(regex.compile(p) for p in split_patterns)
+        self._patterns = tuple(_compile(p) for p in split_patterns)
         self._nfc = nfc
         self._ignore_merges = ignore_merges
         self._word_ids = functools.lru_cache(maxsize=BPE_CACHE_WORDS)(self._bpe_word)
@@ -118,3 +118,10 @@ class ByteLevelBPE:
             byte = CHAR_TO_BYTE[e.args[0]]
             raise TokenizerError(f"cannot encode {word!r}: byte {byte:#04x} has no token in this "
                                  "vocabulary") from None
+
+
+def _compile(pattern: str):
+    try:
+        return regex.compile(pattern)
+    except regex.error as exc:
+        raise TokenizerError(f"the pre-tokenizer's split pattern {pattern!r} is not a valid regex: {exc}") from None

@@ -181,7 +181,7 @@ def _pre_tokenizer(pre) -> list[tuple[str, object]]:
     if kind == "Sequence":
         return [step for p in _list(pre, "pretokenizers") for step in _pre_tokenizer(p)]
     if kind == "Split" and pre.get("behavior") == "Isolated" and not pre.get("invert"):
-        pattern = pre.get("pattern") or {}
+        pattern = pre.get("pattern") if isinstance(pre.get("pattern"), dict) else {}
         if isinstance(pattern.get("Regex"), str):
             return [("Split", pattern["Regex"])]
         if isinstance(pattern.get("String"), str):
@@ -251,6 +251,8 @@ def _merge_pair(merge, rank: int) -> tuple[str, str]:
 
 def _post_processor(post, ids: dict[str, int]) -> tuple[bool, bool, dict[str, int]]:
     """(adds BOS, adds EOS, {"bos"/"eos": id}) from a TemplateProcessing's single-sequence template."""
+    if post is not None and not isinstance(post, dict):
+        raise TokenizerError(f"tokenizer.json post_processor should be an object, got {type(post).__name__}")
     if post is None or post.get("type") in ("ByteLevel",):
         return False, False, {}
     if post.get("type") == "Sequence":
@@ -260,6 +262,9 @@ def _post_processor(post, ids: dict[str, int]) -> tuple[bool, bool, dict[str, in
         raise TokenizerError(f"post_processor {post.get('type')!r} is not supported; expected TemplateProcessing "
                              "or ByteLevel")
     single = _list(post, "single")
+    if not all(isinstance(item, dict) and isinstance(item.get("SpecialToken", {}), dict) for item in single):
+        raise TokenizerError("post_processor.single must be a list of {\"Sequence\": ...} and "
+                             "{\"SpecialToken\": {\"id\": ...}} objects")
     at = next((k for k, item in enumerate(single) if "Sequence" in item), None)
     if at is None:
         raise TokenizerError("post_processor.single has no Sequence")
