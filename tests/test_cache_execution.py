@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvref
-from kvref import backends, native
+from kvref import native
 from kvref.batch import forward_batch
 from kvref.cache import begin_all, reorder
 from kvref.errors import BackendError, CacheError, CacheFullError, ShapeError
@@ -440,8 +440,7 @@ SMALL = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_
 # the hybrid layout needs sliding-window layers: the same model with a window of 3 on its first layer
 WINDOWED = dataclasses.replace(SMALL, layer_windows=(3, None))
 MODELS = {backend: kvref.Model.random(SMALL, seed=13, backend=backend) for backend in BACKENDS}
-WINDOWED_MODELS = {backend: kvref.Model.random(WINDOWED, seed=13, backend=backend) for backend in BACKENDS
-                   if backend == "numpy" or backends.native_problem(WINDOWED) is None}
+WINDOWED_MODELS = {backend: kvref.Model.random(WINDOWED, seed=13, backend=backend) for backend in BACKENDS}
 LAYOUT_OPTIONS = {"contiguous": {"capacity": 24}, "paged": {"layout": "paged", "block_size": 4, "num_blocks": 9},
                   "window": {"layout": "window", "window": 5, "sinks": 1},
                   "hybrid": {"layout": "hybrid", "capacity": 24, "spare": 1}}
@@ -461,7 +460,7 @@ class InterruptMachine(RuleBasedStateMachine):
     def setup(self, backend, kv_dtype):
         layout = self.layout
         models = WINDOWED_MODELS if layout == "hybrid" else MODELS
-        self.model = models.get(backend, models["numpy"])
+        self.model = models[backend]
         self.options = dict(LAYOUT_OPTIONS[layout], kv_dtype=kv_dtype)
         self.caches, self.twins = [self.model.new_cache(**self.options)], [self.model.new_cache(**self.options)]
         event(f"{layout} {kv_dtype} {backend}")
