@@ -1,0 +1,115 @@
+"""The figures of docs/: regenerated from kvref's own formulas and from measured JSON.
+
+    pip install matplotlib==3.11.2        # benchmarks only; kvref itself never imports it
+    python benchmarks/plots.py [--out docs/figures] [--measured benchmarks/data]
+
+  cost-per-execution.png   FLOPs of each execution of a generation with and without the KV cache
+                           (kvref.trace's count, SmolLM2-135M's architecture): the recomputation
+                           grows with the history, the cached decode step stays flat
+  cache-bytes.png          KV cache bytes against context length for each layout and K/V type
+                           (kvref.cache.report's formulas), SmolLM2-135M and Gemma 3 270M
+  decode-vs-context.png    decode tok/s against cached positions, kvref beside llama.cpp, from the
+                           JSON files benchmarks/compare.py --json wrote into --measured (one per
+                           context length); left out when there are none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvref import trace  # noqa: E402
+from kvref.cache import bytes_per_position, cache_bytes  # noqa: E402
+from kvref.cache.hybrid import positions_held  # noqa: E402
+from kvref.loader import load_config  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+
+
+def cost_per_execution(out: Path, prompt: int = 32, steps: int = 96):
+    config = load_config("smollm2")
+    rows = {"without a cache (recompute the history)": [], "with the KV cache (new position only)": []}
+    for step in range(steps):
+        end = prompt + step + 1
+        first_new = end - 1 if step else 0
+        rows["without a cache (recompute the history)"].append(trace.execution(config, first_new, end, 0))
+        rows["with the KV cache (new position only)"].append(trace.execution(config, first_new, end, end - 1 if step else 0))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, executions in rows.items():
+        ax.plot(range(steps), [(e.projection_flops + e.attention_flops) / 1e9 for e in executions], label=label)
+    ax.set(xlabel=f"execution (0: the {prompt}-token prompt, then one per generated token)", ylabel="GFLOPs",
+           title="SmolLM2-135M: work per execution")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "cost-per-execution.png", dpi=110)
+    plt.close(fig)
+
+
+def cache_bytes_by_layout(out: Path):
+    lengths = [2**k for k in range(8, 16)]  # 256 .. 32K positions
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, name in zip(axes, ("smollm2", "gemma3-270m")):
+        c = load_config(name)
+        for dtype in ("float32", "float16"):
+            ax.plot(lengths, [cache_bytes(c.n_layers, n, c.n_kv_heads, c.head_dim, dtype) / MiB for n in lengths],
+                    label=f"contiguous {dtype}")
+        int8 = bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, "int8")
+        ax.plot(lengths, [n * int8 / MiB for n in lengths], label="contiguous int8 (scales included)")
+        if c.layer_windows is not None:
+            per_row = bytes_per_position(1, c.n_kv_heads, c.head_dim, "float16")  # one layer's K and V
+            ax.plot(lengths, [sum(positions_held(c.layer_windows, n)) * per_row / MiB for n in lengths],
+                    label="hybrid float16 (window layers keep 576)", linewidth=2.5)
+        ax.set(xscale="log", yscale="log", xlabel="positions", ylabel="MiB per sequence",
+               title=f"{name}: {c.n_layers} layers x {c.n_kv_heads} kv heads x {c.head_dim}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "cache-bytes.png", dpi=110)
+    plt.close(fig)
+
+
+def decode_vs_context(out: Path, measured: Path) -> bool:
+    points = {}
+    for path in sorted(measured.glob("decode_vs_context_*.json")):
+        data = json.loads(path.read_text())
+        context = data["settings"]["context"]
+        for engine, value in data["medians"]["context"].items():
+            points.setdefault(engine, []).append((context, value))
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for engine, values in sorted(points.items()):
+        values.sort()
+        ax.plot([c for c, _ in values], [v for _, v in values], marker="o", label=engine)
+    ax.set(xscale="log", xlabel="cached positions", ylabel="decode tok/s (2 threads)",
+           title=data.get("title", "decode speed against context"))
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "decode-vs-context.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "figures")
+    parser.add_argument("--measured", type=Path, default=HERE / "data")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cost_per_execution(args.out)
+    cache_bytes_by_layout(args.out)
+    made = decode_vs_context(args.out, args.measured)
+    print(f"wrote figures to {args.out}" + ("" if made else f" (no measured JSON in {args.measured})"))
+
+
+if __name__ == "__main__":
+    main()
