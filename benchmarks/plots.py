@@ -1,6 +1,6 @@
 """The figures of docs/: regenerated from kvref's own formulas and from measured JSON.
 
-    pip install matplotlib==3.11.2        # benchmarks only; kvref itself never imports it
+    pip install -e ".[bench]"             # matplotlib, for benchmarks only; kvref never imports it
     python benchmarks/plots.py [--out docs/figures] [--measured benchmarks/data]
 
   cost-per-execution.png   FLOPs of each execution of a generation with and without the KV cache
