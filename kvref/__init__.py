@@ -3,19 +3,22 @@
 from .cache import ContiguousCache, KVCache, cache_bytes
 from .config import ModelConfig
 from .errors import (BackendError, CacheError, CacheFullError, ConfigError, ContextOverflowError,
-                     DTypeError, GenerationError, GGUFError, KVRefError, ModelNotFoundError,
-                     SafetensorsError, SamplingError, ShapeError, TokenError, TokenizerError)
+                     DTypeError, GenerationError, GGUFError, InputFileError, KVRefError, ModelNotFoundError,
+                     SafetensorsError, SamplingError, ScoringError, ShapeError, TokenError, TokenizerError)
 from .conversation import Conversation
 from .generate import generate, resume
+from .generation_config import GenerationConfig
 from .loader import load
 from .model import Model
+from .stream import TextStream
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
-    "ContiguousCache", "Conversation", "DTypeError", "GenerationError", "GGUFError", "KVCache", "KVRefError", "Model",
-    "ModelConfig", "ModelNotFoundError", "SafetensorsError", "SamplingError", "ShapeError", "TokenError", "TokenizerError",
-    "Tokenizer", "cache_bytes", "generate", "load", "resume",
+    "ContiguousCache", "Conversation", "DTypeError", "GenerationConfig", "GenerationError", "GGUFError",
+    "InputFileError", "KVCache", "KVRefError", "Model", "ModelConfig", "ModelNotFoundError", "SafetensorsError",
+    "SamplingError", "ScoringError", "ShapeError", "TextStream", "TokenError", "TokenizerError", "Tokenizer",
+    "cache_bytes", "generate", "load", "resume",
 ]

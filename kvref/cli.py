@@ -16,7 +16,11 @@ from .cli_common import add_model_arguments, count, human_bytes
 from .config import ModelConfig
 from .errors import ConfigError, KVRefError, TokenizerError
 from .generate import generate
+from .generation_config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
 from .model import Model
+from .perplexity import add_perplexity
+from .sampling import check_penalties, check_sampling
+from .stream import TextStream
 
 
 def main(argv=None) -> int:
@@ -28,6 +32,7 @@ def main(argv=None) -> int:
     add_trace(commands)
     add_memory(commands)
     add_bench(commands)
+    add_perplexity(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -36,17 +41,79 @@ def main(argv=None) -> int:
         return 2
 
 
+GENERATION_HELP = """Decoding is greedy, hence deterministic, unless --temperature is given (or the model file
+recommends sampling: generation_config.json's do_sample, GGUF general.sampling.temp); --top-k,
+--top-p and --min-p apply only when sampling. Generation stops at the model's end ids (EOS, end of
+turn: --ignore-eos goes on) and at the first --stop string, whose text is never printed. Penalties
+count the last --repeat-last-n tokens (prompt included): repeat as transformers and llama.cpp
+(logit > 0 divided by it, else multiplied), frequency and presence as OpenAI and llama.cpp
+(logit -= count x frequency + presence)."""
+
+
 def add_sampling_arguments(p):
-    p.add_argument("--max-tokens", type=count, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    g = p.add_argument_group("generation", GENERATION_HELP)
+    g.add_argument("--max-tokens", type=count, default=None, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=_checked(float, lambda v: check_sampling(temperature=v)),
+                   help="> 0 samples; 0 = greedy (default, unless the model file recommends sampling)")
+    g.add_argument("--top-k", type=_checked(int, lambda v: check_sampling(top_k=v)),
+                   help="sample among the K most likely tokens")
+    g.add_argument("--top-p", type=_checked(float, lambda v: check_sampling(top_p=v)),
+                   help="sample among the most likely tokens whose probabilities reach P")
+    g.add_argument("--min-p", type=_checked(float, lambda v: check_sampling(min_p=v)),
+                   help="sample among tokens at least P x as likely as the most likely one")
+    g.add_argument("--seed", type=count, default=None, help="the sampler's seed (no effect when greedy)")
+    g.add_argument("--repeat-penalty", type=_checked(float, lambda v: check_penalties(repetition_penalty=v)),
+                   help="> 0; 1 = off (default)")
+    g.add_argument("--frequency-penalty", type=_checked(float, lambda v: check_penalties(frequency_penalty=v)),
+                   help="subtracted once per occurrence (default 0)")
+    g.add_argument("--presence-penalty", type=_checked(float, lambda v: check_penalties(presence_penalty=v)),
+                   help="subtracted once from every token that occurred (default 0)")
+    g.add_argument("--repeat-last-n", type=_checked(int, _check_last_n),
+                   help=f"previous tokens the penalties count (default {DEFAULT_PENALTY_LAST_N}; -1 = all, 0 = none)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   type=_checked(str, lambda v: check_stop_strings([v])),
+                   help="stop before this text (repeatable; \\n in TEXT is a newline)")
+    g.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="go on past the model's end-of-sequence and end-of-turn ids")
 
 
-def sampling_options(args) -> dict:
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+def _checked(parse, check):
+    """argparse type: `parse` the text, then `check` the value; a KVRefError becomes the flag's error."""
+    def convert(text):
+        value = parse(text)
+        try:
+            check(value)
+        except KVRefError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
+
+    convert.__name__ = parse.__name__  # argparse names the type in "invalid float value"
+    return convert
+
+
+def _check_last_n(value):
+    check_penalties(penalty_last_n=None if value == -1 else value)
+
+
+# flag -> GenerationConfig field (and how to read the flag's value)
+GENERATION_FLAGS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_k": "top_k",
+                    "top_p": "top_p", "min_p": "min_p", "seed": "seed", "repeat_penalty": "repetition_penalty",
+                    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+                    "repeat_last_n": "penalty_last_n", "stop": "stop", "ignore_eos": "ignore_eos"}
+
+
+def generation_config(args, model) -> GenerationConfig:
+    """The model's generation defaults with the flags given on the command line in their place."""
+    settings = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items() if getattr(args, flag) is not None}
+    if settings.get("penalty_last_n") == -1:
+        settings["penalty_last_n"] = None
+    if "stop" in settings:
+        settings["stop"] = [text.replace("\\n", "\n") for text in settings["stop"]]
+    config = model.generation_config.updated(**settings)
+    if args.seed is not None and config.greedy:
+        print(f"kvref {args.command}: --seed has no effect: decoding is greedy (give --temperature to sample)",
+              file=sys.stderr)
+    return config
 
 
 def load_model(args):
@@ -100,10 +167,9 @@ def run_run(args) -> int:
         prompt_ids = model.chat_ids([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt, add_special=True)
+    config = generation_config(args, model)
     cache = model.new_cache()
-    stop = tok.eos_ids if args.chat else set()
-    tokens = generate(model, prompt_ids, args.max_tokens, stop_ids=stop, cache=cache, **sampling_options(args))
-    timing = stream_text(tok, tokens, show_stop=not args.chat)
+    timing = stream_text(tok, generate(model, prompt_ids, config=config, cache=cache), config)
     n_prompt = len(prompt_ids)
     print(f"\n[{n_prompt} prompt tokens, prefill {timing.prefill_rate(n_prompt):.1f} tok/s, "
           f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
@@ -131,17 +197,15 @@ class Timing:
         return (self.n_tokens - 1) / (self.last - self.first) if self.n_tokens > 1 else 0.0
 
 
-def stream_text(tokenizer, tokens, show_stop=True) -> Timing:
-    """Print token ids as text as soon as they form whole characters; return the timing."""
-    from .tokenizer import StreamDecoder
-
+def stream_text(tokenizer, tokens, config: GenerationConfig) -> Timing:
+    """Print token ids as text as soon as it is final (kvref.stream.TextStream: whole characters, never
+    a stop string or an end id's text); return the timing."""
     timing = Timing()
-    decoder = StreamDecoder(tokenizer)
+    text = TextStream(tokenizer, config.stop, config.end_ids(tokenizer))
     for token in tokens:
         timing.tick()
-        if show_stop or token not in tokenizer.eos_ids:
-            print(decoder.push(token), end="", flush=True)
-    print(decoder.flush(), end="", flush=True)
+        print(text.push(token), end="", flush=True)
+    print(text.flush(), end="", flush=True)
     return timing
 
 
@@ -159,6 +223,7 @@ def run_chat(args) -> int:
 
     model = load_text_model(args, chat=True)
     chat = Conversation(model, system=args.system)
+    config = generation_config(args, model)
     print("kvref chat: one KV cache for the whole conversation; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:
         try:
@@ -168,7 +233,7 @@ def run_chat(args) -> int:
         if not text.strip():
             break
         try:
-            timing = stream_text(model.tokenizer, chat.say(text, args.max_tokens, **sampling_options(args)), False)
+            timing = stream_text(model.tokenizer, chat.say(text, config=config), config)
         except KVRefError as error:
             print(f"{type(error).__name__}: {error}", file=sys.stderr)
             continue

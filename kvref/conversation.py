@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import TokenizerError
-from .generate import generate
+from .generate import generate, resolve_config
+from .stream import TextStream
 
 
 @dataclass(frozen=True)
@@ -36,27 +37,32 @@ class Conversation:
         """The conversation so far, rendered with the template and ending in the assistant's cue."""
         return self.model.chat_ids(self.messages)
 
-    def say(self, text: str, max_new_tokens: int, **sampling):
-        """Add a user message; yield the reply's token ids as they are selected."""
+    def say(self, text: str, max_new_tokens: int | None = None, config=None, **settings):
+        """Add a user message; yield the reply's token ids as they are selected.
+
+        config / settings: as kvref.generate's (the model's generation_config by default). The reply
+        ends at an end id (EOS, end of turn) or a stop string; the message keeps the text before them.
+        """
         self.messages.append({"role": "user", "content": text})
         try:
+            config = resolve_config(self.model, config, max_new_tokens, settings)
             ids = self.prompt_ids()
             reused = min(shared_prefix(ids, self.cache.sequence.token_ids or []), len(ids) - 1)
             if not self.cache.can_truncate(reused):
                 reused = 0  # a hybrid cache's rings have moved past the shared prefix: prefill it all again
-            self.model.check_context(reused, len(ids) - reused + max(max_new_tokens - 1, 0))
+            self.model.check_context(reused, len(ids) - reused + max(config.max_new_tokens - 1, 0))
         except Exception:
             self.messages.pop()  # a refused turn leaves the conversation as it was
             raise
         self.cache.truncate(reused)
         self.last_turn = TurnStats(reused=reused, computed=len(ids) - reused)
-        stop = self.model.tokenizer.eos_ids
         reply = []
-        for token in generate(self.model, ids[reused:], max_new_tokens, stop_ids=stop, cache=self.cache, **sampling):
+        for token in generate(self.model, ids[reused:], config=config, cache=self.cache):
             reply.append(token)
             yield token
-        content = reply[:-1] if reply and reply[-1] in stop else reply
-        self.messages.append({"role": "assistant", "content": self.model.tokenizer.decode(content)})
+        tokenizer = self.model.tokenizer
+        content = TextStream(tokenizer, config.stop, config.end_ids(tokenizer)).text(reply)
+        self.messages.append({"role": "assistant", "content": content})
 
 
 def shared_prefix(a, b) -> int:

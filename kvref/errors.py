@@ -39,7 +39,8 @@ class CacheError(KVRefError, ValueError):
 
 
 class SamplingError(KVRefError, ValueError):
-    """Sampling parameters out of range (temperature, top_k, top_p, min_p)."""
+    """Sampling or penalty parameters out of range (temperature, top_k, top_p, min_p, seed, penalties),
+    or a sampling filter given with greedy decoding, where it would do nothing."""
 
 
 class GGUFError(KVRefError, ValueError):
@@ -63,4 +64,15 @@ class BackendError(KVRefError, RuntimeError):
 
 
 class GenerationError(KVRefError, ValueError):
-    """Generation arguments that cannot work together (a negative token budget, a cache with use_cache=False)."""
+    """Generation arguments that cannot work together (a negative token budget, a cache with use_cache=False,
+    an empty stop string, an unknown setting)."""
+
+
+class ScoringError(KVRefError, ValueError):
+    """Scoring that cannot be done as asked: a first token with nothing before it, windows that do not
+    fit the text, a saved base run of another text, model or windows."""
+
+
+class InputFileError(KVRefError, ValueError):
+    """An input file cannot be read as what it should be (a text that is not UTF-8, a file of saved
+    log-probabilities that is not one)."""

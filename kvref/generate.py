@@ -3,6 +3,13 @@
 With the cache, each execution computes only the new positions and reads the rest from the cache.
 Without it (use_cache=False), every execution recomputes the whole token history from position 0:
 the baseline the cache exists to avoid. Both select the same tokens.
+
+What to select and when to stop is a kvref.GenerationConfig: the model's defaults
+(model.generation_config: greedy unless its file recommends sampling), with any field replaced by
+keyword (temperature=0.7, stop=["\n\n"], ...). Generation ends after max_new_tokens, after one of
+the model's end ids (EOS, end of turn; not with ignore_eos) or a stop id, or after the token that
+completes a stop string; that last token is yielded (kvref.stream.TextStream shows the text before
+the stop string).
 """
 
 from __future__ import annotations
@@ -12,23 +19,26 @@ import numpy as np
 from . import trace
 from .cache import KVCache
 from .errors import CacheFullError, GenerationError
-from .sampling import Sampler, check_sampling
+from .generation_config import GenerationConfig
+from .sampling import Sampler
+from .stream import TextStream
 
 
-def generate(model, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,
-             min_p=None, seed=None, stop_ids=(), use_cache=True, cache: KVCache | None = None,
-             executions: list | None = None):
-    """Yield up to max_new_tokens selected token ids, one at a time, stopping after a stop id.
+def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig | None = None, use_cache=True,
+             cache: KVCache | None = None, executions: list | None = None, **settings):
+    """Yield up to max_new_tokens selected token ids, one at a time, ending after an end id or stop string.
 
+    config: the settings (default model.generation_config); max_new_tokens and `settings` (any
+    GenerationConfig field by name: temperature, top_k, top_p, min_p, seed, repetition_penalty,
+    frequency_penalty, presence_penalty, penalty_last_n, stop, stop_ids, ignore_eos) replace its own.
     cache: continue a cache that already holds earlier positions (a chat); prompt_ids are then the
     new positions after them. Without one, a fresh cache is made (if use_cache).
     executions: a list that receives one trace.Execution per forward pass.
-    Everything is checked before the first token: the context must fit max_seq_len and the cache.
+    Everything is checked before the first token: the settings, and that the context fits
+    max_seq_len and the cache.
     """
+    config = resolve_config(model, config, max_new_tokens, settings)
     prompt = model.check_tokens(prompt_ids)
-    check_sampling(temperature, top_k, top_p, min_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if cache is not None and not use_cache:
         raise GenerationError("a cache was given with use_cache=False; pass one or the other")
     if use_cache and cache is None:
@@ -37,79 +47,111 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None
     if cache is not None:
         model.check_cache(cache)
     # the last selected token is never run through the model, so it needs no position
-    n_positions = len(prompt) + max(max_new_tokens - 1, 0)
+    n_positions = len(prompt) + max(config.max_new_tokens - 1, 0)
     model.check_context(start, n_positions)
     if cache is not None and not cache.can_append(n_positions):
         raise CacheFullError(
-            f"prompt ({len(prompt)}) + {max_new_tokens} new tokens need {n_positions} positions; "
+            f"prompt ({len(prompt)}) + {config.max_new_tokens} new tokens need {n_positions} positions; "
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
-    select = Sampler(temperature, top_k, top_p, min_p, seed)
+    history = _earlier_ids(cache) + [int(t) for t in prompt]
     loop = _cached_loop if use_cache else _uncached_loop
-    return loop(model, prompt, max_new_tokens, select, frozenset(stop_ids), cache, executions)
+    return loop(model, prompt, config.max_new_tokens, Sampler.from_config(config), end_condition(model, config),
+                history, cache, executions)
 
 
-def resume(model, cache: KVCache, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
-           seed=None, stop_ids=(), executions: list | None = None):
+def resume(model, cache: KVCache, max_new_tokens=None, *, config: GenerationConfig | None = None,
+           executions: list | None = None, **settings):
     """Continue a generation from a cache alone: the first token comes from cache.sequence.last_logits.
 
     Every execution commits the logits of its last position with the cache's sequence, and they
     survive save/load, so `resume(model, model.load_cache(path), n)` selects exactly the tokens the
-    interrupted generation would have selected next (with the same sampling arguments and seed).
+    interrupted generation would have selected next (with the same settings and seed).
     """
-    check_sampling(temperature, top_k, top_p, min_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    config = resolve_config(model, config, max_new_tokens, settings)
     model.check_cache(cache)
     last_logits = cache.sequence.last_logits
     if last_logits is None:
         raise GenerationError("the cache holds no last logits to select a token from (no execution has run "
                               "since its positions last changed)")
-    n_positions = max(max_new_tokens - 1, 0)  # the first token needs no execution, the last needs none either
+    n_positions = max(config.max_new_tokens - 1, 0)  # the first token needs no execution, the last needs none either
     model.check_context(cache.next_position, n_positions)
     if not cache.can_append(n_positions):
-        raise CacheFullError(f"{max_new_tokens} new tokens need {n_positions} positions; the cache has "
+        raise CacheFullError(f"{config.max_new_tokens} new tokens need {n_positions} positions; the cache has "
                              f"{cache.capacity - cache.length} free of {cache.capacity}")
-    select = Sampler(temperature, top_k, top_p, min_p, seed)
-    return _resumed_loop(model, np.array(last_logits), max_new_tokens, select, frozenset(stop_ids), cache,
-                         executions)
+    return _resumed_loop(model, np.array(last_logits), config.max_new_tokens, Sampler.from_config(config),
+                         end_condition(model, config), _earlier_ids(cache), cache, executions)
 
 
-def _resumed_loop(model, logits, max_new_tokens, select, stop_ids, cache, executions):
+def resolve_config(model, config, max_new_tokens, settings) -> GenerationConfig:
+    """The settings of one call: `config` (default: the model's), with max_new_tokens and settings replaced."""
+    config = model.generation_config if config is None else config
+    if not isinstance(config, GenerationConfig):
+        raise GenerationError(f"config= takes a GenerationConfig; got {type(config).__name__}")
+    if max_new_tokens is not None:
+        settings = {**settings, "max_new_tokens": max_new_tokens}
+    return config.updated(**settings) if settings else config
+
+
+def end_condition(model, config: GenerationConfig):
+    """token id -> whether generation ends after it: an end id, or the token completing a stop string."""
+    end_ids = config.end_ids(model.tokenizer)
+    if not config.stop:
+        return end_ids.__contains__
+    if model.tokenizer is None:
+        raise GenerationError("stop strings need a tokenizer to read the text; this model has none "
+                              "(give stop_ids instead)")
+    text = TextStream(model.tokenizer, config.stop, end_ids)
+
+    def ends_after(token):
+        text.push(token)
+        return text.stopped
+
+    return ends_after
+
+
+def _earlier_ids(cache) -> list[int]:
+    """The ids of the positions a cache already holds, where it knows them: the start of the token
+    history the penalties count (a cache that lost them, e.g. a window, starts it afresh)."""
+    return [] if cache is None else cache.sequence.token_ids or []
+
+
+def _resumed_loop(model, logits, max_new_tokens, select, ends_after, history, cache, executions):
     for step in range(max_new_tokens):
         if step:  # a decode step for the token just selected
             first = cache.next_position
             logits = model.forward([token], cache)
             _record(executions, model, first, first + 1, first)
-        token = select(logits)
+        token = select(logits, history)
         yield token
-        if token in stop_ids:
+        if ends_after(token):
             return
+        history.append(token)
 
 
-def _cached_loop(model, prompt, max_new_tokens, select, stop_ids, cache, executions):
+def _cached_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions):
     new_tokens = prompt
     for step in range(max_new_tokens):
         # Prefill on the first step (the whole prompt), a decode step after (the token just selected)
         first = cache.next_position
         logits = model.forward(new_tokens, cache)
         _record(executions, model, first, first + len(new_tokens), first)
-        token = select(logits)
+        token = select(logits, history)
         yield token  # token history is now cache.length + 1 long: this token has no K/V yet
-        if token in stop_ids:
+        if ends_after(token):
             return
+        history.append(token)
         new_tokens = [token]
 
 
-def _uncached_loop(model, prompt, max_new_tokens, select, stop_ids, cache, executions):
-    history = list(prompt)
+def _uncached_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions):
     computed_before = 0
     for step in range(max_new_tokens):
         logits = model.forward(history)  # every position from 0, every time
         _record(executions, model, computed_before, len(history), 0)
         computed_before = len(history)
-        token = select(logits)
+        token = select(logits, history)
         yield token
-        if token in stop_ids:
+        if ends_after(token):
             return
         history.append(token)
 

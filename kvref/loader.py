@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from . import backends
+from . import backends, generation_config
 from .errors import ConfigError, ModelNotFoundError
 from .formats import architectures, hf
 from .formats.gguf import GGUFFile
@@ -117,8 +117,9 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         weights = architectures.build_weights(config, tensor, gguf.metadata["general.architecture"])
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         chat_template = gguf.metadata.get("tokenizer.chat_template")
+        defaults = generation_config.from_gguf_metadata(gguf.metadata)
     return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
-                 threads=threads)
+                 threads=threads, generation_config=defaults)
 
 
 def load_config(path=None):
@@ -154,14 +155,16 @@ def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
     shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
     kvref.formats.hf. The weights are converted to `dtype` once. The tokenizer, chat template and
     end-of-generation ids come from tokenizer.json, tokenizer_config.json and generation_config.json
-    (kvref.tokenizer.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out)."""
+    (kvref.tokenizer.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out).
+    generation_config.json also gives the generation defaults (kvref.generation_config)."""
     directory = Path(directory)
     dtype = model_dtype(dtype)
     config_json = read_config_json(directory)
     config, weights = hf.weights_from_hf(config_json, Checkpoint(directory), dtype)
     tokenizer = Tokenizer.from_hf_directory(directory)
     return Model(config, weights, dtype, backend, tokenizer=tokenizer,
-                 chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads)
+                 chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads,
+                 generation_config=generation_config.from_hf_directory(directory))
 
 
 def native_weight_types():

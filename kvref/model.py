@@ -15,6 +15,8 @@ from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
+from .generation_config import GenerationConfig
+from .scoring import SCORE_CHUNK, score
 from .spec import decoder
 from .weights import Weights, random_weights
 
@@ -28,7 +30,8 @@ class Model:
     """A decoder-only transformer ready to run: `forward` is prefill and decode alike."""
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype="float32", backend="auto",
-                 tokenizer=None, chat_template: str | None = None, threads: int | None = None):
+                 tokenizer=None, chat_template: str | None = None, threads: int | None = None,
+                 generation_config: GenerationConfig | None = None):
         self.config = config
         self.weights = weights
         self.dtype = model_dtype(dtype)
@@ -39,6 +42,8 @@ class Model:
         self.fused = backends.fused_forward(self.backend, config, weights)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # what kvref.generate does unless told otherwise: the model file's recommendations, else greedy
+        self.generation_config = GenerationConfig() if generation_config is None else generation_config
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto",
@@ -201,6 +206,13 @@ class Model:
         run = decoder.forward if self.fused is None else self.fused.forward
         logits = run(self.ops, self.config, self.weights, ids, cache, all_logits)
         return logits if all_logits else logits[0]
+
+    def score(self, token_ids, context=(), cache: KVCache | None = None, chunk_size: int = SCORE_CHUNK):
+        """Per-token log-probabilities of a continuation: [len(token_ids)] float64, element i being
+        log p(token_ids[i] | context, token_ids[:i]). The context (a prompt) is run, not scored; with
+        an empty one, the first token is scored with the last logits of `cache`. Positions run in
+        executions of at most chunk_size with every position's logits (kvref.scoring)."""
+        return score(self, token_ids, context, cache, chunk_size)
 
     def fused_problem(self, cache: KVCache) -> str | None:
         """Why an execution on `cache` runs the shared decoder kernel by kernel instead of the fused C

@@ -1,9 +1,22 @@
-"""Choosing the next token from logits: greedy, or seeded sampling with truncation filters.
+"""Choosing the next token from logits: penalties, then greedy, or seeded sampling with truncation filters.
 
-Order of operations (as in transformers): divide by temperature, softmax, then keep the top_k most
-likely, then the smallest set whose probability reaches top_p, then those with at least
-min_p x the top probability; renormalise and draw with a numpy.random.Generator. Temperature 0 is
-greedy: the argmax, first index on ties. Ranking ties break by token id, so results are exact.
+Order of operations (as in transformers and llama.cpp): penalize tokens seen in the last
+penalty_last_n tokens of the token history (apply_penalties), divide by temperature, softmax, then
+keep the top_k most likely, then the smallest set whose probability reaches top_p, then those with
+at least min_p x the top probability; renormalise and draw with a numpy.random.Generator.
+Temperature 0 is greedy: the argmax, first index on ties. Ranking ties break by token id, so
+results are exact.
+
+Penalties, for each token t that occurs c(t) > 0 times among the previous tokens counted:
+
+    repetition   logit / r if logit > 0, else logit * r        transformers' RepetitionPenaltyLogitsProcessor,
+                                                               llama.cpp's repeat_penalty (r > 0; 1 = off)
+    frequency    logit - c(t) * f                              OpenAI's and llama.cpp's frequency_penalty
+    presence     logit - p                                     OpenAI's and llama.cpp's presence_penalty
+
+applied in that order (llama.cpp's penalties sampler does both in one pass, repetition first).
+Which previous tokens count is the caller's choice (kvref.generate: the last penalty_last_n = 64 of
+the token history, prompt included, as llama.cpp's repeat_last_n; None = all of it, as transformers).
 
 A Sampler holds one request's settings and its own seeded generator, and is called on logits:
 
@@ -30,6 +43,30 @@ def check_sampling(temperature=0.0, top_k=None, top_p=None, min_p=None) -> None:
         raise SamplingError(f"top_p={top_p!r} must be None or in (0, 1]")
     if min_p is not None and not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
         raise SamplingError(f"min_p={min_p!r} must be None or in [0, 1]")
+
+
+def check_penalties(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                    penalty_last_n=None) -> None:
+    for name, value in (("repetition_penalty", repetition_penalty), ("frequency_penalty", frequency_penalty),
+                        ("presence_penalty", presence_penalty)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise SamplingError(f"{name}={value!r} must be a finite number")
+    if not repetition_penalty > 0:
+        raise SamplingError(f"repetition_penalty={repetition_penalty!r} must be > 0 (1 = off; it divides "
+                            "positive logits and multiplies negative ones)")
+    if penalty_last_n is not None and (isinstance(penalty_last_n, bool) or not isinstance(
+            penalty_last_n, (int, np.integer)) or penalty_last_n < 0):
+        raise SamplingError(f"penalty_last_n={penalty_last_n!r} must be None (every previous token) or an integer >= 0")
+
+
+def apply_penalties(logits, previous, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0):
+    """Logits with the penalties applied to every token in `previous` (see the module docstring)."""
+    # [V], [N] token ids -> [V] float64
+    counts = np.bincount(np.asarray(previous, dtype=np.int64), minlength=len(logits))
+    seen = counts > 0
+    z = np.array(logits, dtype=np.float64)
+    z[seen] = np.where(z[seen] > 0, z[seen] / repetition_penalty, z[seen] * repetition_penalty)
+    return z - (counts * frequency_penalty + seen * presence_penalty)
 
 
 def greedy(logits) -> int:
@@ -72,19 +109,36 @@ def sample(logits, rng: np.random.Generator, temperature=0.0, top_k=None, top_p=
 class Sampler:
     """Selects token ids from logits with fixed settings and its own generator, seeded once.
 
-    Sampler(temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None); calling it on [V]
-    logits returns a token id (see the module docstring). Settings are checked on construction.
+    Sampler(temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None, repetition_penalty=1.0,
+    frequency_penalty=0.0, presence_penalty=0.0, penalty_last_n=64); calling it on [V] logits and the
+    token history so far returns a token id (see the module docstring). Settings are checked on
+    construction.
     """
 
-    def __init__(self, temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None):
+    def __init__(self, temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None, *,
+                 repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, penalty_last_n=64):
         check_sampling(temperature, top_k, top_p, min_p)
+        check_penalties(repetition_penalty, frequency_penalty, presence_penalty, penalty_last_n)
         self.temperature, self.top_k, self.top_p, self.min_p, self.seed = temperature, top_k, top_p, min_p, seed
+        self.penalties = (repetition_penalty, frequency_penalty, presence_penalty)
+        self.penalty_last_n = penalty_last_n
         self.rng = np.random.default_rng(seed)
 
-    def __call__(self, logits) -> int:
-        # [V] -> token id
+    @classmethod
+    def from_config(cls, config) -> "Sampler":
+        """The sampler of a kvref.GenerationConfig."""
+        return cls(config.temperature, config.top_k, config.top_p, config.min_p, config.seed,
+                   repetition_penalty=config.repetition_penalty, frequency_penalty=config.frequency_penalty,
+                   presence_penalty=config.presence_penalty, penalty_last_n=config.penalty_last_n)
+
+    def __call__(self, logits, history=()) -> int:
+        # [V], token history -> token id
+        if self.penalties != (1.0, 0.0, 0.0) and self.penalty_last_n != 0:
+            previous = history if self.penalty_last_n is None else history[-self.penalty_last_n:]
+            logits = apply_penalties(logits, previous, *self.penalties)
         return sample(logits, self.rng, self.temperature, self.top_k, self.top_p, self.min_p)
 
     def __repr__(self):
         return (f"Sampler(temperature={self.temperature!r}, top_k={self.top_k!r}, top_p={self.top_p!r}, "
-                f"min_p={self.min_p!r}, seed={self.seed!r})")
+                f"min_p={self.min_p!r}, seed={self.seed!r}, penalties={self.penalties!r}, "
+                f"penalty_last_n={self.penalty_last_n!r})")

@@ -7,7 +7,10 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref.errors import CacheFullError, ContextOverflowError, GenerationError, TokenError
+from kvref.sampling import apply_penalties, greedy
+from kvref.stream import TextStream
 from tests.conftest import configs, token_lists
+from tests.test_stream import ByteTokens
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=40)
 
@@ -96,3 +99,70 @@ def test_executions_record_new_recomputed_and_cached_positions():
     # the same new positions either way; the cache turns recomputation into reads
     assert sum(e.computed for e in with_cache) == 6 and sum(e.computed for e in without) == 3 + 4 + 5 + 6
     assert np.sum([e.projection_flops for e in without]) > np.sum([e.projection_flops for e in with_cache])
+
+
+def with_letters(model):
+    """The model with a stand-in tokenizer: token i is one letter (i % 26), token 0 is EOS."""
+    tokenizer = ByteTokens(bytes([ord("a") + i % 26]) for i in range(model.config.vocab_size))
+    tokenizer.eos_ids = frozenset({0})
+    model.tokenizer = tokenizer
+    return model
+
+
+def test_generation_stops_at_the_models_end_ids_unless_told_to_ignore_them():
+    model = with_letters(kvref.Model.random(CFG, seed=0, dtype="float64"))
+    free = list(kvref.generate(model, [1, 2], 20, ignore_eos=True))
+    model.tokenizer.eos_ids = frozenset({free[4]})
+    assert list(kvref.generate(model, [1, 2], 20)) == free[:free.index(free[4]) + 1]
+    assert list(kvref.generate(model, [1, 2], 20, ignore_eos=True)) == free
+    assert list(kvref.generate(model, [1, 2], 20, ignore_eos=True, stop_ids=[free[4]])) == free[:free.index(free[4]) + 1]
+
+
+@given(st.integers(0, 2**16), st.integers(1, 3))
+def test_generation_ends_with_the_token_that_completes_a_stop_string(seed, length):
+    model = with_letters(kvref.Model.random(CFG, seed=seed % 7, dtype="float64"))
+    free = list(kvref.generate(model, [1, 2], 16, temperature=1.0, seed=seed, ignore_eos=True))
+    text = "".join(chr(ord("a") + t % 26) for t in free)
+    stop = text[6:6 + length]
+    stopped = list(kvref.generate(model, [1, 2], 16, temperature=1.0, seed=seed, ignore_eos=True, stop=[stop]))
+    assert stopped == free[:text.index(stop) + length]
+    assert TextStream(model.tokenizer, [stop]).text(stopped) == text[:text.index(stop)]
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(GenerationError, match="stop strings need a tokenizer"):
+        kvref.generate(kvref.Model.random(CFG), [1], 4, stop=["x"])
+
+
+@given(st.integers(0, 2**16), st.floats(0.5, 2.0), st.floats(-1, 1), st.floats(-1, 1), st.sampled_from([None, 0, 3]))
+def test_penalized_generation_selects_the_argmax_of_penalized_logits_with_and_without_the_cache(
+        seed, repetition, frequency, presence, last_n):
+    model = kvref.Model.random(CFG, seed=seed % 5, dtype="float64")
+    kw = dict(repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence,
+              penalty_last_n=last_n)
+    cached = list(kvref.generate(model, [1, 2, 3], 10, **kw))
+    assert cached == list(kvref.generate(model, [1, 2, 3], 10, use_cache=False, **kw))
+    history = [1, 2, 3]
+    for token in cached:  # the direct computation: full logits, the penalties over the window, argmax
+        counted = history if last_n is None else history[len(history) - last_n:] if last_n else []
+        assert token == greedy(apply_penalties(model.forward(history), counted, repetition, frequency, presence))
+        history.append(token)
+
+
+def test_penalties_count_the_positions_a_continued_cache_holds():
+    model = kvref.Model.random(CFG, seed=2, dtype="float64")
+    cache = model.new_cache()
+    turn1 = list(kvref.generate(model, [1, 2, 3], 4, cache=cache))
+    kw = dict(frequency_penalty=1.5, penalty_last_n=None)
+    turn2 = list(kvref.generate(model, [turn1[-1], 9], 6, cache=cache, **kw))
+    assert turn2 == list(kvref.generate(model, [1, 2, 3] + turn1 + [9], 6, use_cache=False, **kw))
+
+
+def test_generate_takes_settings_by_keyword_only_and_names_unknown_ones():
+    model = kvref.Model.random(CFG)
+    with pytest.raises(GenerationError, match="unknown generation setting top_n"):
+        kvref.generate(model, [1], 4, top_n=3)
+    with pytest.raises(TypeError):
+        kvref.generate(model, [1], 4, 0.5)
+    with pytest.raises(GenerationError, match="config= takes a GenerationConfig"):
+        kvref.generate(model, [1], 4, config={"temperature": 0.5})

@@ -5,8 +5,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvref.errors import SamplingError
-from kvref.sampling import Sampler, check_sampling, greedy, sample, sampling_probs
+from kvref.sampling import Sampler, apply_penalties, check_penalties, check_sampling, greedy, sample, sampling_probs
 from kvref.tolerance import FLOAT64_KERNEL, SAMPLING_FREQUENCY_ATOL
+from tests.conftest import require
 
 logit_arrays = arrays(np.float64, st.integers(2, 40), elements=st.floats(-20, 20, allow_nan=False))
 
@@ -86,4 +87,64 @@ def test_bad_sampling_parameters_raise_sampling_error(kwargs, message):
     with pytest.raises(SamplingError, match=message):
         check_sampling(**kwargs)
     with pytest.raises(SamplingError, match=message):  # a Sampler checks its settings when made
+        Sampler(**kwargs)
+
+
+# ---- penalties -------------------------------------------------------------------------------------
+
+penalty_cases = st.tuples(logit_arrays, st.lists(st.integers(0, 39), max_size=30), st.floats(0.1, 3.0),
+                          st.floats(-2, 2), st.floats(-2, 2))
+
+
+def direct_penalties(logits, previous, repetition, frequency, presence):
+    """The definitions token by token: transformers' / llama.cpp's repetition penalty, then OpenAI's /
+    llama.cpp's frequency and presence penalties."""
+    out = [float(x) for x in logits]
+    for token in set(t for t in previous if t < len(out)):
+        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+        out[token] -= previous.count(token) * frequency + presence
+    return out
+
+
+@given(penalty_cases)
+def test_penalties_equal_their_definitions_computed_token_by_token(case):
+    logits, previous, repetition, frequency, presence = case
+    previous = [t for t in previous if t < logits.size]
+    got = apply_penalties(logits, previous, repetition, frequency, presence)
+    np.testing.assert_allclose(got, direct_penalties(logits, previous, repetition, frequency, presence),
+                               rtol=FLOAT64_KERNEL.rtol, atol=FLOAT64_KERNEL.atol)
+
+
+@given(penalty_cases)
+def test_repetition_penalty_equals_transformers_logits_processor(case):
+    transformers, torch = require("transformers"), require("torch")
+    logits, previous, repetition, _, _ = case
+    previous = [t for t in previous if t < logits.size] or [0]
+    theirs = transformers.RepetitionPenaltyLogitsProcessor(repetition)(
+        torch.tensor([previous]), torch.tensor(logits[None], dtype=torch.float64))
+    np.testing.assert_allclose(apply_penalties(logits, previous, repetition), theirs[0].numpy(),
+                               rtol=FLOAT64_KERNEL.rtol, atol=FLOAT64_KERNEL.atol)
+
+
+@given(logit_arrays, st.lists(st.integers(0, 1), min_size=1, max_size=20), st.integers(0, 8))
+def test_a_sampler_penalizes_only_the_last_penalty_last_n_tokens_of_the_history(logits, history, last_n):
+    history = [t * (logits.size - 1) for t in history]  # tokens 0 and V-1
+    select = Sampler(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=0.3, penalty_last_n=last_n)
+    counted = history[len(history) - last_n:] if last_n else []
+    assert select(logits, history) == greedy(apply_penalties(logits, counted, 1.7, 0.4, 0.3))
+    every = Sampler(frequency_penalty=0.4, penalty_last_n=None)  # None: the whole history
+    assert every(logits, history) == greedy(apply_penalties(logits, history, 1.0, 0.4))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(repetition_penalty=0.0), "repetition_penalty=0.0 must be > 0"),
+    (dict(repetition_penalty=-1.1), "repetition_penalty=-1.1"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty=nan must be a finite number"),
+    (dict(presence_penalty="1"), "presence_penalty='1'"),
+    (dict(penalty_last_n=-1), "penalty_last_n=-1"),
+])
+def test_bad_penalties_raise_sampling_error(kwargs, message):
+    with pytest.raises(SamplingError, match=message):
+        check_penalties(**kwargs)
+    with pytest.raises(SamplingError, match=message):
         Sampler(**kwargs)
