@@ -31,7 +31,7 @@ NATIVE_DTYPES = ("float32",)
 # does not take in place, such as the window, is decoded for the native attention kernel the same way)
 KV_DTYPES = {"numpy": ("float64", "float32", "float16", "bfloat16", "int8"),
              "c": ("float32", "float16", "bfloat16", "int8")}
-_fallback_reported = []
+_fallback_reported = []  # which of the reasons to run the spec were said already
 
 
 def native_problem(config) -> str | None:
@@ -51,6 +51,9 @@ def resolve(backend: str, dtype: str = "float32", config=None) -> str:
         backend = os.environ.get("KVREF_BACKEND", "auto")
         if backend not in BACKENDS:
             raise BackendError(f"KVREF_BACKEND={backend!r} is unknown; expected one of {BACKENDS}")
+        if backend == "numpy" and "KVREF_BACKEND" not in _fallback_reported:
+            _fallback_reported.append("KVREF_BACKEND")  # the spec is far slower: say once why it runs
+            warnings.warn("KVREF_BACKEND=numpy: kvref runs on the NumPy spec path", RuntimeWarning, stacklevel=3)
     if backend == "auto":
         if dtype not in NATIVE_DTYPES:
             return "numpy"  # the exactness path: float64 runs only in the spec
@@ -58,8 +61,8 @@ def resolve(backend: str, dtype: str = "float32", config=None) -> str:
             return "numpy"  # a family whose fields only the spec computes so far (Model.backend says which)
         if native.available():
             return "c"
-        if not _fallback_reported:
-            _fallback_reported.append(True)
+        if "unavailable" not in _fallback_reported:
+            _fallback_reported.append("unavailable")
             warnings.warn(f"kvref runs on the NumPy spec path: {native.unavailable_reason()}", RuntimeWarning,
                           stacklevel=3)
         return "numpy"

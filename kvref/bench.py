@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_common import add_model_arguments, count, human_bytes
+from .cli_common import Progress, add_model_arguments, count, human_bytes
 from .errors import ConfigError
 from .sampling import greedy
 
@@ -177,33 +177,6 @@ def kernel_clock(model, source: str = "auto"):
 
 
 # ---- measurements ----------------------------------------------------------------------------------
-
-class Progress:
-    """One self-overwriting status line on stderr, only when stderr is a terminal."""
-
-    def __init__(self, enabled=None, stream=None):
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self._last = 0.0
-        self._width = 0
-
-    def __call__(self, text, force=False):
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if force or now - self._last >= 0.1:
-            self._last = now
-            line = f"kvref bench: {text}"
-            self.stream.write("\r" + line.ljust(self._width))
-            self.stream.flush()
-            self._width = len(line)
-
-    def done(self):
-        if self.enabled and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self.stream.flush()
-            self._width = 0
-
 
 QUIET = Progress(enabled=False)
 
@@ -540,7 +513,7 @@ def add_bench(commands):
 def run_bench(args) -> int:
     from .loader import load, model_path
 
-    progress = Progress()
+    progress = Progress(label="kvref bench")
     path = model_path(args.model)
     progress(f"loading {path.name}", force=True)
     model = load(path, backend=args.backend, threads=args.threads)
@@ -579,15 +552,21 @@ def command_line(args) -> str:
     return " ".join(parts + (["--json"] if args.json else []))
 
 
+def plural(n, word) -> str:
+    """'1 thread', '2 threads'; an unknown count (None) says so."""
+    return f"{word}s: unknown" if n is None else f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def report(r: dict) -> str:
     """The human-readable table of a run() result."""
     m = r["model"]
     name = Path(m["path"]).name if m["path"] else "model"
     size = f" ({human_bytes(m['file_bytes'])})" if m["file_bytes"] else ""
     load = r["machine"]["load_avg_start"]
-    lines = [f"kvref bench: {name}{size}, backend {r['backend']} ({r['threads']} threads"
+    repeat = r["settings"]["repeat"]
+    lines = [f"kvref bench: {name}{size}, backend {r['backend']} ({plural(r['threads'], 'thread')}"
              + (f", {r['isa']}" if r["isa"] else "") + f"), K/V {r['kv_dtype']}, "
-             f"medians of {r['settings']['repeat']} runs; load average {load[0]:.2f} at start"]
+             + (f"medians of {repeat} runs" if repeat != 1 else "1 run") + f"; load average {load[0]:.2f} at start"]
     if r["prefill"]:
         p = r["prefill"]
         lines.append(f"  prefill  {p['tokens']:>5} tokens                  {p['tok_s']:9.1f} tok/s"
@@ -614,7 +593,7 @@ def report(r: dict) -> str:
         lines.append(f"attention at {r['settings']['context']} cached: {read['attention_ms']:.2f} ms per token = "
                      f"{read['ratio']:.2f}x the time to read its K/V once ({human_bytes(read['kv_bytes'])} at "
                      f"{read['bandwidth_gb_s']:.1f} GB/s, the median of {READ_TRIES} reads of the cache with "
-                     f"{read['threads']} thread(s): {read['bandwidth_range_gb_s'][0]:.1f}-"
+                     f"{plural(read['threads'], 'thread')}: {read['bandwidth_range_gb_s'][0]:.1f}-"
                      f"{read['bandwidth_range_gb_s'][1]:.1f} GB/s)")
     mem = r["memory"]
     line = f"peak RSS {human_bytes(mem['peak_rss_bytes'])}"

@@ -4,20 +4,23 @@ and size what it costs."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from . import trace
-from .bench import add_bench
-from .cache import ELEMENT_BYTES, cache_bytes
+from . import __version__, trace
+from .bench import add_bench, blas_threads
+from .cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
 from .cache.report import window_summary
-from .cli_common import add_model_arguments, count, human_bytes
+from .cli_common import Progress, add_model_arguments, available_memory, count, count_in, human_bytes
 from .config import ModelConfig
-from .errors import ConfigError, KVRefError, TokenizerError
-from .generate import generate
+from .errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
+from .generate import generate, prefill_in_chunks
 from .generation_config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
 from .model import Model
+from .native import MAX_THREADS
 from .perplexity import add_perplexity
 from .sampling import check_penalties, check_sampling
 from .stream import TextStream
@@ -25,6 +28,7 @@ from .stream import TextStream
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvref", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvref {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_run(commands)
     add_chat(commands)
@@ -35,10 +39,26 @@ def main(argv=None) -> int:
     add_perplexity(commands)
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = lambda message, *_: notice(args, str(message))
+            return args.run(args)
     except KVRefError as error:
         print(f"kvref {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nkvref {args.command}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
+    except BrokenPipeError:
+        # the reader went away (`kvref inspect | head`): stop quietly, as a process SIGPIPE ended would;
+        # stdout goes to /dev/null so the interpreter's last flush finds nowhere to fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+
+
+def notice(args, text: str) -> None:
+    """A one-line message about what kvref did (a notice, a warning) on stderr; --quiet drops it."""
+    if not getattr(args, "quiet", False):
+        print(f"kvref {args.command}: {text}", file=sys.stderr, flush=True)
 
 
 GENERATION_HELP = """Decoding is greedy, hence deterministic, unless --temperature is given (or the model file
@@ -117,14 +137,18 @@ def generation_config(args, model) -> GenerationConfig:
 
 
 def load_model(args):
+    """The model of -m/--backend/--threads, with a progress line on a terminal (not with --quiet)."""
     from .loader import load
 
-    show = sys.stderr.isatty()
-
-    def progress(done, total):
-        print(f"\rloading weights {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
-
-    return load(args.model, backend=args.backend, progress=progress if show else None)
+    progress = Progress(enabled=sys.stderr.isatty() and not getattr(args, "quiet", False),
+                        label=f"kvref {args.command}")
+    threads = getattr(args, "threads", None)
+    model = load(args.model, backend=args.backend, threads=threads,
+                 progress=lambda done, total: progress(f"loading weights {done}/{total}"))
+    progress.done()
+    if model.backend == "numpy" and threads is not None and blas_threads(threads) is None:
+        notice(args, "--threads cannot set NumPy's BLAS threads here; set OPENBLAS_NUM_THREADS before starting")
+    return model
 
 
 def load_text_model(args, chat=False):
@@ -150,31 +174,194 @@ def add_chat_template_argument(p):
                    help="a Jinja chat template to use instead of the model's own (or where it has none)")
 
 
+KV_DTYPES = ("float16", "bfloat16", "float32", "int8")
+OVERFLOW = ("error", "truncate", "shift")
+
+
+def add_runtime_arguments(p, chat=False):
+    """The knobs of the commands that run a model on text: threads, the cache, context overflow, output."""
+    p.add_argument("--threads", type=count_in(1, MAX_THREADS), default=None,
+                   help="threads of the native pool, or NumPy's BLAS threads on the numpy backend "
+                        "(default: KVREF_THREADS, else every usable core)")
+    p.add_argument("--kv-dtype", default="float16", choices=KV_DTYPES,
+                   help="element type of the cached K/V (default float16, as llama.cpp)")
+    p.add_argument("-c", "--ctx-size", type=count_in(1), default=None,
+                   help="positions the cache holds (default: the model's context length, lowered to what "
+                        "fits in available memory, with a notice)")
+    what = "the oldest turns" if chat else "the prompt's first tokens (a leading BOS stays)"
+    p.add_argument("--context-overflow", default="error", choices=OVERFLOW[:2] if chat else OVERFLOW,
+                   help=f"when the prompt and --max-tokens do not fit --ctx-size: error (default), truncate "
+                        f"(drop {what}, with a notice) or shift (as llama.cpp: when the cache is full, drop "
+                        "the older half after the first position and re-rotate the kept keys; needs float32 "
+                        "K (--kv-dtype float32) because kvref never rounds stored keys twice, and is refused "
+                        "by a hybrid cache such as gemma3-270m's)" if not chat else
+                        f"when the conversation and --max-tokens do not fit --ctx-size: error (default) or "
+                        f"truncate (drop {what}, with a notice); shift is run's only (a chat re-renders its "
+                        "turns, which a shifted cache no longer matches)")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the figures: prompt, prefill and decode tokens/s, cache size" +
+                             (", positions reused per turn" if chat else ""))
+    output.add_argument("-q", "--quiet", action="store_true",
+                        help="print only the generated text (errors still go to stderr); the default adds "
+                             "notices and, on a terminal, progress lines")
+
+
+def new_cli_cache(model, args):
+    """The cache of --ctx-size positions and --kv-dtype K/V. Without --ctx-size, the model's context
+    length, lowered (with a notice) to what fits in half the available memory."""
+    c = model.config
+    per_position = bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, args.kv_dtype)
+    available = available_memory()
+    if args.ctx_size is not None:
+        if args.ctx_size > c.max_seq_len:
+            raise ContextOverflowError(f"--ctx-size {args.ctx_size} exceeds the model's context length "
+                                       f"{c.max_seq_len}")
+        if available is not None and args.ctx_size * per_position > available:
+            raise CacheError(f"--ctx-size {args.ctx_size} needs up to {human_bytes(args.ctx_size * per_position)} "
+                             f"of {args.kv_dtype} K/V; {human_bytes(available)} is available")
+        return model.new_cache(kv_dtype=args.kv_dtype, capacity=args.ctx_size)
+    capacity = c.max_seq_len
+    if available is not None and capacity * per_position > available // 2:
+        capacity = max(available // 2 // per_position, 1)
+        notice(args, f"the model's context of {c.max_seq_len:,} positions would take "
+                     f"{human_bytes(c.max_seq_len * per_position)} of {args.kv_dtype} K/V, more than half the "
+                     f"{human_bytes(available)} available; the cache holds {capacity:,} (set --ctx-size)")
+    return model.new_cache(kv_dtype=args.kv_dtype, capacity=capacity)
+
+
 def add_run(commands):
-    p = commands.add_parser("run", help="generate text from a prompt, streamed as it is generated")
+    p = commands.add_parser("run", help="generate text from a prompt, streamed as it is generated",
+                            description="Generate text from a prompt, streamed to stdout as it is generated. "
+                                        "Greedy (deterministic) unless --temperature is given.")
     add_model_arguments(p)
     add_sampling_arguments(p)
+    add_runtime_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_chat_template_argument(p)
-    p.add_argument("prompt")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': standard input)")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-': read it from standard input)")
     p.set_defaults(run=run_run)
 
 
+def read_prompt(args) -> str:
+    """The prompt of `run`: the argument, or --file FILE, or standard input for '-' (either way)."""
+    if (args.prompt is None) == (args.file is None):
+        raise GenerationError("give the prompt either as an argument or with -f FILE ('-' reads standard input)")
+    source = args.file if args.file is not None else args.prompt
+    if args.file is None and source != "-":
+        text = source
+    elif source == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(source).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GenerationError(f"cannot read the prompt from {source}: {exc}") from None
+    if not text:
+        raise GenerationError("the prompt is empty")
+    return text
+
+
+def fit_prompt(args, model, prompt_ids, capacity, max_new_tokens) -> list:
+    """The prompt ids that fit `capacity` positions with max_new_tokens after them, by --context-overflow."""
+    needed = len(prompt_ids) + max(max_new_tokens - 1, 0)  # the last token selected needs no position
+    if needed <= capacity:
+        return prompt_ids
+    if args.context_overflow == "shift" and len(prompt_ids) <= capacity:
+        return prompt_ids  # generation shifts the cache when it fills
+    if args.context_overflow != "truncate":
+        raise ContextOverflowError(
+            f"the prompt's {len(prompt_ids)} tokens and --max-tokens {max_new_tokens} need {needed} positions; "
+            f"the cache holds {capacity} (--ctx-size); choose --context-overflow truncate"
+            + ("" if args.context_overflow == "shift" else " or shift") + ", a larger --ctx-size or fewer --max-tokens")
+    keep = 1 if prompt_ids[0] == model.tokenizer.bos_id else 0
+    drop = needed - capacity
+    if len(prompt_ids) - keep - drop < 1:
+        raise ContextOverflowError(f"--max-tokens {max_new_tokens} leaves no room for the prompt in a cache of "
+                                   f"{capacity} positions (--ctx-size)")
+    notice(args, f"the prompt's first {drop} tokens were dropped to fit --ctx-size {capacity} "
+                 "(--context-overflow truncate)")
+    return prompt_ids[:keep] + prompt_ids[keep + drop:]
+
+
+def prefill_progress(args, n_cached=0):
+    """progress(done, total) for prefill_in_chunks: a line on a terminal once a prefill passes a second."""
+    progress = Progress(enabled=sys.stderr.isatty() and not args.quiet, label=f"kvref {args.command}", after=1.0)
+    start = time.perf_counter()
+
+    def report(done, total):
+        rate = done / (time.perf_counter() - start)
+        progress(f"prefill {n_cached + done:,}/{n_cached + total:,} positions ({rate:.0f} tok/s)")
+
+    report.done = progress.done
+    return report
+
+
 def run_run(args) -> int:
+    text = read_prompt(args)
     model = load_text_model(args, chat=args.chat)
     tok = model.tokenizer
     if args.chat:
-        prompt_ids = model.chat_ids([{"role": "user", "content": args.prompt}])
+        prompt_ids = model.chat_ids([{"role": "user", "content": text}])
     else:
-        prompt_ids = tok.encode(args.prompt, add_special=True)
+        prompt_ids = tok.encode(text, add_special=True)
     config = generation_config(args, model)
-    cache = model.new_cache()
-    timing = stream_text(tok, generate(model, prompt_ids, config=config, cache=cache), config)
-    n_prompt = len(prompt_ids)
-    print(f"\n[{n_prompt} prompt tokens, prefill {timing.prefill_rate(n_prompt):.1f} tok/s, "
-          f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
-          f"cache {human_bytes(cache.nbytes)} ({cache.length} positions), backend {model.backend}]", file=sys.stderr)
+    cache = new_cli_cache(model, args)
+    if args.context_overflow == "shift":
+        check_shift(cache)
+    prompt_ids = fit_prompt(args, model, prompt_ids, cache.capacity, config.max_new_tokens)
+    start = time.perf_counter()
+    progress = prefill_progress(args)
+    rest = prefill_in_chunks(model, prompt_ids, cache, progress)
+    progress.done()
+    if args.context_overflow == "shift":
+        tokens = generate_shifting(model, rest, cache, config)
+    else:
+        tokens = generate(model, rest, config=config, cache=cache)
+    timing = stream_text(tok, tokens, config)
+    print()
+    if args.verbose:
+        n_prompt = len(prompt_ids)
+        prefill_rate = n_prompt / (timing.first - start) if timing.first else 0.0
+        print(f"[{n_prompt} prompt tokens, prefill {prefill_rate:.1f} tok/s, "
+              f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
+              f"cache {human_bytes(cache.nbytes)} ({cache.length} positions, {cache.dtype_name} K/V), "
+              f"backend {model.backend}]", file=sys.stderr)
     return 0
+
+
+def generate_shifting(model, prompt_ids, cache, config):
+    """generate(), shifting the cache when it is full as llama.cpp's context shift does: the first
+    position stays (n_keep = 1: the BOS or the prompt's first token), the older half of the rest is
+    dropped, and the kept keys are re-rotated to their new positions (cache.shift). The model then
+    reads a context with a gap, which is the point: generation goes on past --ctx-size.
+
+    A seeded sampler starts again from its seed after each shift (every segment is one generate call).
+    """
+    keep, new, left = 1, list(prompt_ids), config.max_new_tokens
+    while True:
+        n = min(left, cache.capacity - cache.length - len(new) + 1)  # fills the cache exactly
+        selected = []
+        for token in generate(model, new, n, config=config, cache=cache):
+            selected.append(token)
+            yield token
+        left -= len(selected)
+        if left == 0 or len(selected) < n:
+            return  # done, or stopped at an end id or a stop string
+        discard = (cache.length - keep) // 2
+        if discard < 1:
+            raise ContextOverflowError(f"a cache of {cache.capacity} positions is too small to shift (--ctx-size)")
+        cache.shift(discard, keep)
+        new = selected[-1:]
+
+
+def check_shift(cache):
+    """CacheError unless --context-overflow shift can work on this cache, saying why."""
+    problem = cache.shift_problem()
+    if problem is not None:
+        raise CacheError(f"--context-overflow shift cannot work on this {cache.layout} cache: {problem}; "
+                         "use --context-overflow truncate or a larger --ctx-size")
 
 
 class Timing:
@@ -210,9 +397,14 @@ def stream_text(tokenizer, tokens, config: GenerationConfig) -> Timing:
 
 
 def add_chat(commands):
-    p = commands.add_parser("chat", help="interactive chat that keeps one KV cache across turns")
+    p = commands.add_parser("chat", help="interactive chat that keeps one KV cache across turns",
+                            description="An interactive chat over one KV cache: each turn prefills only what the "
+                                        "cache does not hold. Ctrl-C stops a reply (the chat goes on); an empty "
+                                        "line, Ctrl-D or Ctrl-C at the prompt ends the chat. Greedy "
+                                        "(deterministic) unless --temperature is given.")
     add_model_arguments(p)
     add_sampling_arguments(p)
+    add_runtime_arguments(p, chat=True)
     p.add_argument("--system", default=None, help="system message")
     add_chat_template_argument(p)
     p.set_defaults(run=run_chat)
@@ -222,26 +414,55 @@ def run_chat(args) -> int:
     from .conversation import Conversation
 
     model = load_text_model(args, chat=True)
-    chat = Conversation(model, system=args.system)
+    chat = Conversation(model, system=args.system, cache=new_cli_cache(model, args),
+                        drop_oldest=args.context_overflow == "truncate")
     config = generation_config(args, model)
-    print("kvref chat: one KV cache for the whole conversation; an empty line or Ctrl-D ends it", file=sys.stderr)
+    notice(args, "one KV cache for the whole conversation; Ctrl-C stops a reply; an empty line, Ctrl-D or "
+                 "Ctrl-C here ends the chat")
     while True:
         try:
             text = input("> ")
-        except EOFError:
-            break
+        except EOFError:  # Ctrl-D
+            print()
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt
+            print()
+            return 130
         if not text.strip():
-            break
+            return 0
+        progress = prefill_progress(args, n_cached=chat.cache.length)
+        reply = chat.say(text, config=config, progress=progress)
         try:
-            timing = stream_text(model.tokenizer, chat.say(text, config=config), config)
+            timing = stream_text(model.tokenizer, after_first(reply, progress.done), config)
+        except KeyboardInterrupt:
+            reply.close()  # the turn ends here: the conversation keeps the reply so far
+            progress.done()
+            print()
+            turn = chat.messages[-1]
+            notice(args, f"reply interrupted after {len(turn.get('token_ids', ()))} tokens; the cache keeps its "
+                         f"{chat.cache.length} committed positions")
+            continue
         except KVRefError as error:
+            progress.done()
             print(f"{type(error).__name__}: {error}", file=sys.stderr)
             continue
+        print()
         turn = chat.last_turn
-        print(f"\n[reused {turn.reused} cached positions, prefilled {turn.computed} new; "
-              f"decode {timing.decode_rate():.1f} tok/s; cache {chat.cache.length} positions, "
-              f"{human_bytes(chat.cache.nbytes)}]", file=sys.stderr)
-    return 0
+        if turn.dropped:
+            notice(args, f"the oldest {turn.dropped} messages were dropped to fit --ctx-size "
+                         f"{chat.cache.capacity} (--context-overflow truncate)")
+        if args.verbose:
+            print(f"[reused {turn.reused} cached positions, prefilled {turn.computed} new; "
+                  f"decode {timing.decode_rate():.1f} tok/s; cache {chat.cache.length} positions, "
+                  f"{human_bytes(chat.cache.nbytes)}]", file=sys.stderr)
+
+
+def after_first(tokens, action):
+    """The tokens, with action() called as the first arrives (the progress line goes before the text)."""
+    for i, token in enumerate(tokens):
+        if i == 0:
+            action()
+        yield token
 
 
 def add_inspect(commands):
@@ -384,11 +605,14 @@ def run_memory(args) -> int:
     missing = [name for name in ("layers", "kv_heads", "head_dim", "tokens") if getattr(args, name) is None]
     if missing:
         raise ConfigError("kvref memory needs -m MODEL or " + ", ".join(f"--{m.replace('_', '-')}" for m in missing))
-    per_sequence = cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
+    # the formula's bytes, plus int8's float32 scales (what cache.nbytes and --layouts count)
+    per_sequence = bytes_per_position(args.layers, args.kv_heads, args.head_dim, args.dtype) * args.tokens
     total = per_sequence * args.batch
+    scales = per_sequence - cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
     print(f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "
-          f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype}) x {args.batch} "
-          f"sequence{'s' if args.batch != 1 else ''}")
+          f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype})"
+          + (f" + {scales:,} bytes of float32 scales" if scales else "")
+          + f" x {args.batch} sequence{'s' if args.batch != 1 else ''}")
     print(f"= {total:,} bytes ({human_bytes(total)})")
     if args.tokens:
         print(f"  {per_sequence // args.tokens:,} bytes per token per sequence")

@@ -159,3 +159,29 @@ def _uncached_loop(model, prompt, max_new_tokens, select, ends_after, history, c
 def _record(executions, model, first_new, end, n_cached):
     if executions is not None:
         executions.append(trace.execution(model.config, first_new, end, n_cached))
+
+
+# Positions per execution when a long prompt is prefilled ahead of generate: long enough that the
+# projections stay matrix-matrix products, short enough that progress shows and an interrupt
+# loses at most one chunk of work.
+PREFILL_CHUNK = 256
+
+
+def prefill_in_chunks(model, token_ids, cache: KVCache, progress=None, chunk: int = PREFILL_CHUNK) -> list:
+    """Prefill all but the last part of a long prompt in executions of `chunk` positions; return the
+    ids left for `generate` (1 to `chunk` of them, its prefill). progress(done, total) follows each.
+
+    Each chunk commits on its own, so an interrupted prefill keeps the chunks done (cache.sequence
+    says which). A prompt of at most `chunk` ids, or a cache whose attention depends on the chunking
+    (cache.chunking_invariant False), is returned whole: generate prefills it in one execution.
+    """
+    ids = [int(t) for t in model.check_tokens(token_ids)]
+    if not cache.chunking_invariant or len(ids) <= chunk:
+        return ids
+    ahead = (len(ids) - 1) // chunk * chunk  # whole chunks, leaving 1..chunk ids
+    model.check_context(cache.next_position, len(ids))
+    for start in range(0, ahead, chunk):
+        model.forward(ids[start:start + chunk], cache)
+        if progress is not None:
+            progress(start + chunk, len(ids))
+    return ids[ahead:]

@@ -243,12 +243,16 @@ class Model:
 
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (special tokens as ids)."""
+        text = self.chat_text(messages, add_generation_prompt)  # refuses a model without a tokenizer
+        return self.tokenizer.encode(text, special=True)
+
+    def chat_text(self, messages, add_generation_prompt=True) -> str:
+        """A conversation rendered with the model's chat template, before tokenization."""
         tok = self.tokenizer
         if tok is None or not self.chat_template:
             raise TokenizerError("this model has no tokenizer or chat template (tokenizer.chat_template)")
-        text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=_token_text(tok, tok.bos_id), eos_token=_token_text(tok, tok.eos_id))
-        return tok.encode(text, special=True)
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """Token ids as a non-empty 1-D int64 array, every id in [0, vocab_size)."""

@@ -115,7 +115,7 @@ def test_progress_writes_one_overwritten_line_and_clears_it():
     import io
 
     stream = io.StringIO()
-    progress = bench.Progress(enabled=True, stream=stream)
+    progress = bench.Progress(enabled=True, stream=stream, label="kvref bench")
     progress("decode step 1/3", force=True)
     progress("decode step 2/3", force=True)
     progress.done()
@@ -156,7 +156,7 @@ def test_cli_table_on_the_real_model_with_kernel_shims(capsys):
     assert main(["bench", *QUICK, "--backend", backend, "--threads", "1", "--profile", "shims"]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert f"backend {backend} (1 threads" in out and "tok/s" in out and "peak RSS" in out
+    assert f"backend {backend} (1 thread" in out and "tok/s" in out and "peak RSS" in out
     assert "kernel shims" in out and "projections" in out
     assert "kvref bench:" not in captured.err  # no progress line when stderr is not a terminal
 

@@ -464,13 +464,21 @@ class KVCache:
                 return f"{name}={value!r} must be an integer >= 0"
         if n == 0:
             return "n must be at least 1"
+        problem = self.shift_problem()
+        if problem is not None:
+            return problem
+        if keep + n > self.next_position:
+            return f"positions {keep}..{keep + n - 1} are not all before next_position {self.next_position}"
+        return None
+
+    def shift_problem(self) -> str | None:
+        """Why this cache can never shift, whatever positions it holds (its layout, its K type, the
+        RoPE it does not know); None when it can shift positions it holds (can_shift says which)."""
         if self.k_dtype not in SHIFTABLE_K_DTYPES:
             return (f"K is stored as {self.k_dtype}; rotating it again would round history a second time "
                     f"(shift needs K in {SHIFTABLE_K_DTYPES})")
         if self.rope_theta is None:
             return "the cache does not know the model's rope_theta (make it with model.new_cache)"
-        if keep + n > self.next_position:
-            return f"positions {keep}..{keep + n - 1} are not all before next_position {self.next_position}"
         return None
 
     def _check_live(self):

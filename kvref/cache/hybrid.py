@@ -178,7 +178,7 @@ class HybridCache(KVCache):
                 self._start[layer] = min(n, max(self._start[layer], self._next - ring)) if n else 0
         self._next = n
 
-    def _shift_problem(self, n, keep):
+    def shift_problem(self):
         return ("a hybrid cache does not shift: its window layers never run out of room, and its layers' "
                 "keys may be rotated with different RoPE bases")
 

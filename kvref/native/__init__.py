@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+# the most threads a native pool runs (csrc's KVREF_MAX_THREADS); known without the built module
+MAX_THREADS = 1024
+
 try:
     from . import _kvref  # noqa: F401  (the compiled extension)
 except ImportError as exc:  # not built, or built for another interpreter
@@ -27,4 +30,4 @@ def unavailable_reason() -> str | None:
     return _REASON
 
 
-__all__ = ["available", "unavailable_reason"]
+__all__ = ["MAX_THREADS", "available", "unavailable_reason"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -55,14 +56,13 @@ from ..cache.quant import SCALE_DTYPE
 from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
 from ..spec import ops as spec_ops
 from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
-from . import available, unavailable_reason
+from . import MAX_THREADS, available, unavailable_reason  # noqa: F401  (MAX_THREADS re-exported)
 
 if not available():
     raise BackendError(unavailable_reason())
 
 from ._kvref import ffi, lib  # noqa: E402
 
-MAX_THREADS = 1024
 
 #: GGML types the native matmul/embed read directly
 WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
@@ -307,24 +307,38 @@ def ring_positions(ring, written) -> np.ndarray:
 
 
 def _threads(threads):
+    source = "threads"
     if threads is None:
         env = os.environ.get("KVREF_THREADS", "").strip()
-        if env:
-            try:
-                threads = int(env)
-            except ValueError:
-                raise BackendError(f"KVREF_THREADS={env!r} is not an integer") from None
-        else:
-            try:
-                threads = len(os.sched_getaffinity(0))
-            except (AttributeError, OSError):
-                threads = os.cpu_count() or 1
-            return min(max(threads, 1), MAX_THREADS)
+        if not env:
+            return min(_usable_cores(), MAX_THREADS)
+        source = "KVREF_THREADS"
+        try:
+            threads = int(env)
+        except ValueError:
+            raise BackendError(f"KVREF_THREADS={env!r} is not an integer") from None
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
         raise BackendError(f"threads={threads!r} must be an integer")
     if not 1 <= threads <= MAX_THREADS:
-        raise BackendError(f"threads={threads} must be in [1, {MAX_THREADS}]")
+        raise BackendError(f"{source}={threads} must be in [1, {MAX_THREADS}]")
+    usable = _usable_cores()
+    if threads > usable and (source, threads) not in _oversubscribed:
+        # allowed (a test of the pool's scheduling may want it), but never faster: said once
+        _oversubscribed.add((source, threads))
+        warnings.warn(f"{source}={threads} is more than the {usable} cores this process may use; the pool's "
+                      "threads take turns on them, which is slower than one thread per core", RuntimeWarning,
+                      stacklevel=4)
     return int(threads)
+
+
+_oversubscribed = set()  # (source, threads) already warned about
+
+
+def _usable_cores() -> int:
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _isa(isa):
