@@ -13,8 +13,10 @@ import time
 
 
 def add_model_arguments(p):
-    p.add_argument("-m", "--model", help="GGUF file (default: $KVREF_MODEL, else SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default="auto", choices=["auto", "numpy", "c"])
+    p.add_argument("-m", "--model", help="GGUF file, Hugging Face checkpoint directory or short name (smollm2, "
+                                         "gemma3-270m); default: $KVREF_MODEL, else SmolLM2-135M-Instruct")
+    p.add_argument("--backend", default="auto", choices=["auto", "numpy", "c"],
+                   help="auto (default): the C kernels when built, else the NumPy spec")
 
 
 def count(text: str) -> int:
