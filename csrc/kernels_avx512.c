@@ -191,53 +191,70 @@ TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
 
 /* ---- 256-value super-blocks ------------------------------------------------------------------ */
 
+/* v[0..3] = the 64 values of sub-blocks 2c and 2c+1 of the Q4_K super-block w (d, dmin its scales),
+ * in order: the 32 bytes hold sub-block 2c in the low nibbles, 2c+1 in the high; each value is
+ * d * sc * q - dmin * m with both products exact, one rounding as NumPy's */
+TARGET static inline void q4_k_values(const uint8_t *w, float d, float dmin, int c, __m512 iota, __m512 v[4]) {
+    uint8_t sc0, m0, sc1, m1;
+    kvref_q4k_scale_min(2 * c, w + 4, &sc0, &m0);
+    kvref_q4k_scale_min(2 * c + 1, w + 4, &sc1, &m1);
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc0), _mm512_set1_ps(-(dmin * (float)m0)));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc1), _mm512_set1_ps(-(dmin * (float)m1)));
+    const __m512i q0 = load_nibble_bytes(w + 16 + 32 * c), q1 = load_nibble_bytes(w + 16 + 32 * c + 16);
+    v[0] = _mm512_permutexvar_ps(q0, t0);
+    v[1] = _mm512_permutexvar_ps(q1, t0);
+    v[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t1);
+    v[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1);
+}
+
 TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
     const __m512 iota = iota16();
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
         const float d = fp16_load(w), dmin = fp16_load(w + 2);
-        const uint8_t *scales = w + 4, *qs = w + 16;
-        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high */
-            uint8_t sc0, m0, sc1, m1;
-            kvref_q4k_scale_min(2 * c, scales, &sc0, &m0);
-            kvref_q4k_scale_min(2 * c + 1, scales, &sc1, &m1);
-            const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc0), _mm512_set1_ps(-(dmin * (float)m0)));
-            const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc1), _mm512_set1_ps(-(dmin * (float)m1)));
-            const __m512i q0 = load_nibble_bytes(qs + 32 * c), q1 = load_nibble_bytes(qs + 32 * c + 16);
+        for (int c = 0; c < 4; c++) {
+            __m512 v[4];
+            q4_k_values(w, d, dmin, c, iota, v);
             const float *xc = x + 64 * c;
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xc), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q1, t0), _mm512_loadu_ps(xc + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t1), _mm512_loadu_ps(xc + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1), _mm512_loadu_ps(xc + 48), a3);
+            a0 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xc), a0);
+            a1 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xc + 16), a1);
+            a2 = _mm512_fmadd_ps(v[2], _mm512_loadu_ps(xc + 32), a2);
+            a3 = _mm512_fmadd_ps(v[3], _mm512_loadu_ps(xc + 48), a3);
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
+/* v[r] = the 16 values at 128 * half + 32 * r + l0 of the Q6_K super-block w (d its scale), r < 4:
+ * (d * scale) * (q - 32), the first product exact, one rounding as NumPy's */
+TARGET static inline void q6_k_values(const uint8_t *w, float d, int half, int l0, __m512 v[4]) {
     const __m512i low4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+    const int8_t *scales = (const int8_t *)(w + 192);
+    const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+    const __m512i la = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l0)));
+    const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 + l0)));
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l0)));
+    __m512i q[4];
+    q[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
+    q[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
+    q[2] = _mm512_or_si512(_mm512_srli_epi32(la, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), two), 4));
+    q[3] = _mm512_or_si512(_mm512_srli_epi32(lb, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), two), 4));
+    for (int r = 0; r < 4; r++) {
+        const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16]; /* exact */
+        v[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[r], off)), _mm512_set1_ps(ds));
+    }
+}
+
+TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
-        const int8_t *scales = (const int8_t *)(w + 192);
         const float d = fp16_load(w + 208);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+        for (int half = 0; half < 2; half++)
             for (int l0 = 0; l0 < 32; l0 += 16) {
-                const __m512i la = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l0)));
-                const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 + l0)));
-                const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l0)));
-                __m512i q[4];
-                q[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
-                q[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
-                q[2] = _mm512_or_si512(_mm512_srli_epi32(la, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), two), 4));
-                q[3] = _mm512_or_si512(_mm512_srli_epi32(lb, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), two), 4));
-                for (int r = 0; r < 4; r++) {
-                    const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16]; /* exact */
-                    const __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[r], off)), _mm512_set1_ps(ds));
-                    acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
-                }
+                __m512 v[4];
+                q6_k_values(w, d, half, l0, v);
+                for (int r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(v[r], _mm512_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
             }
-        }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
@@ -296,63 +313,107 @@ TARGET static void dequant_bf16(int64_t K, const uint8_t *w, float *out) {
     for (; i < K; i++) out[i] = kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i));
 }
 
-TARGET static void dequant_generic(int32_t type, int64_t K, const uint8_t *w, float *out) { kvref_dequant_row(type, K, w, out); }
-TARGET static void dequant_f32(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_F32, K, w, out); }
-TARGET static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_Q4_K, K, w, out); }
-TARGET static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_Q6_K, K, w, out); }
+TARGET static void dequant_f32(int64_t K, const uint8_t *w, float *out) { kvref_dequant_row(KVREF_TYPE_F32, K, w, out); }
 
-/* ---- float32 GEMM on a dequantized tile (dot form: both operands are rows along K) --------- */
-
-/* One accumulator per output, 16 lanes, a masked last step, then a fixed reduction: the 4 x 4
- * block and the single dot below perform identical operations for each output element, so the
- * result for y[t, n] does not depend on where the blocking put it. */
-TARGET static float dot1(int64_t K, const float *a, const float *b) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-    if (k < K) {
-        const __mmask16 mk = tail_mask(K - k);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + k), _mm512_maskz_loadu_ps(mk, b + k), acc);
+TARGET static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) {
+    const __m512 iota = iota16();
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, out += QK_K) {
+        const float d = fp16_load(w), dmin = fp16_load(w + 2);
+        for (int c = 0; c < 4; c++) {
+            __m512 v[4];
+            q4_k_values(w, d, dmin, c, iota, v);
+            for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 64 * c + 16 * r, v[r]);
+        }
     }
-    return _mm512_reduce_add_ps(acc);
 }
 
-TARGET static void gemm_4x4(int64_t K, const float *x, const float *w, float *y, int64_t ldy) {
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+TARGET static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, out += QK_K) {
+        const float d = fp16_load(w + 208);
+        for (int half = 0; half < 2; half++)
+            for (int l0 = 0; l0 < 32; l0 += 16) {
+                __m512 v[4];
+                q6_k_values(w, d, half, l0, v);
+                for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 128 * half + 32 * r + l0, v[r]);
+            }
+    }
+}
+
+/* ---- float32 GEMM on a dequantized tile: outer products ------------------------------------ */
+
+_Static_assert(KVREF_TILE_N == 32, "a tile row is two AVX-512 vectors");
+/* Rows of x per block: 16 accumulators. 12 (24 accumulators) is as fast for K = 640 but 10 %
+ * slower for K = 1024 and 2048, whose x rows sit 4 or 8 KiB apart: the lines the broadcasts read
+ * then fall in one L1 set, and 12 of them overflow its 8 ways (Zen 4). */
+#define GEMM_ROWS 8
+
+/* y[i, n] for the R rows of x at x (row stride K) and n below the masks' lanes: one x value
+ * broadcast against a tile row per step, so each output is one fused multiply-add per k in k
+ * order, the same operations for R = GEMM_ROWS as for the tails' 4 and 1. R is a constant once
+ * inlined, so the accumulators live in registers. */
+TARGET static inline __attribute__((always_inline)) void gemm_block(int64_t K, const float *x, const int R,
+                                                                    const float *tile, __mmask16 m0, __mmask16 m1,
+                                                                    float *y, int64_t ldy) {
+    __m512 acc[GEMM_ROWS][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_load_ps(tile + k * KVREF_TILE_N), w1 = _mm512_load_ps(tile + k * KVREF_TILE_N + 16);
+        for (int i = 0; i < R; i++) {
+            const __m512 xv = _mm512_set1_ps(x[i * K + k]);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(y + i * ldy, m0, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, acc[i][1]);
+    }
+}
+
+/* r[j] = column j of the 16 x 16 block whose rows are r[0..15]: pairs, quads, then 128-bit lanes
+ * twice (the usual unpack / shuffle / shuffle_f32x4 network) */
+TARGET static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+TARGET static void tile_columns(int64_t K, const float *rows, float *tile) {
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        __m512 wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
-        for (int i = 0; i < 4; i++) {
-            const __m512 xv = _mm512_loadu_ps(x + i * K + k);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows + i * K + k);
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_store_ps(tile + (k + j) * KVREF_TILE_N, r[j]);
     }
-    if (k < K) {
-        const __mmask16 mk = tail_mask(K - k);
-        __m512 wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * K + k);
-        for (int i = 0; i < 4; i++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mk, x + i * K + k);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (; k < K; k++)
+        for (int64_t i = 0; i < 16; i++) tile[k * KVREF_TILE_N + i] = rows[i * K + k];
 }
 
-TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y, int64_t ldy) {
+TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *tile, int64_t nw, float *y, int64_t ldy) {
+    const __mmask16 m0 = tail_mask(nw < 16 ? nw : 16), m1 = tail_mask(nw > 16 ? nw - 16 : 0);
     int64_t t = 0;
-    for (; t + 4 <= T; t += 4) {
-        int64_t n = 0;
-        for (; n + 4 <= nw; n += 4) gemm_4x4(K, x + t * K, w + n * K, y + t * ldy + n, ldy);
-        for (; n < nw; n++)
-            for (int64_t i = 0; i < 4; i++) y[(t + i) * ldy + n] = dot1(K, x + (t + i) * K, w + n * K);
-    }
-    for (; t < T; t++)
-        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
+    for (; t + GEMM_ROWS <= T; t += GEMM_ROWS) gemm_block(K, x + t * K, GEMM_ROWS, tile, m0, m1, y + t * ldy, ldy);
+    for (; t + 4 <= T; t += 4) gemm_block(K, x + t * K, 4, tile, m0, m1, y + t * ldy, ldy);
+    for (; t < T; t++) gemm_block(K, x + t * K, 1, tile, m0, m1, y + t * ldy, ldy);
 }
 
 /* ---- exp, for softmax, SiLU and GELU ---------------------------------------------------------------- */
@@ -845,6 +906,7 @@ TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
+    .tile_columns = tile_columns,                                                                \
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
