@@ -623,51 +623,55 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
 #undef load_v
 }
 
-/* acc += p V over the chunk's n keys; masked keys never touch acc */
+/* acc += p V over the chunk's n keys; masked keys never touch acc. A chunk with masked keys (the
+ * diagonal chunk of every prefill query, a window's edge) is first narrowed to its visible keys:
+ * their rows (then the rows ahead, for the prefetches) and each group's probabilities, in key
+ * order, so it runs the all-visible kernel too; a key at a time per 16-lane slice, as a masked
+ * chunk once ran, waits on the FMA latency at every key and made that one chunk cost as much as
+ * four. For groups of 2 or 3 heads the sums are the same operations as that loop's. */
 TARGET __attribute__((always_inline)) static inline void pv_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type,
     const int full) {
-    const uint8_t *vb = c->v;
-    const float *vs = c->v_scales;
-    const int64_t *row = c->row, *srow = c->srow;
-    const int64_t n = c->n, nrows = c->nrows;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    if (c->all) { /* every key visible: the head dim in slices of 4 vectors, each for up to 3 heads */
-        for (int64_t g0 = 0; g0 < a->G; g0 += 3)
-            for (int64_t j0 = 0; j0 < nvec; j0 += 4) {
-                const float *pg = p + g0 * C;
-                float *ag = acc + g0 * D;
-                const int64_t gb = a->G - g0;
-                const int ahead = g0 == 0 && j0 == 0;
-                if (full && nvec % 4 == 0) {
-                    if (gb == 1) pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
-                    else if (gb == 2) pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
-                    else pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
-                } else {
-                    if (gb == 1) pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 1);
-                    else if (gb == 2) pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 2);
-                    else pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 3);
-                }
-            }
-        return;
+    kvref_attn_chunk vis = *c;
+    int64_t keep[KVREF_ATTN_CHUNK], row[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD], srow[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD];
+    float pv[3 * KVREF_ATTN_CHUNK]; /* [3, C]: one group's probabilities of the visible keys */
+    if (!c->all) {
+        int64_t m = 0;
+        for (int64_t s = 0; s < c->n; s++)
+            if (!kvref_attn_hidden(c, s)) keep[m++] = s;
+        for (int64_t i = 0; i < c->nrows - c->n + m; i++) {
+            const int64_t s = i < m ? keep[i] : c->n + i - m;
+            row[i] = c->row[s];
+            srow[i] = v_type == KVREF_TYPE_I8 ? c->srow[s] : 0; /* srow is unwritten without I8 */
+        }
+        vis.row = row;
+        vis.srow = srow;
+        vis.nrows = c->nrows - c->n + m;
+        vis.n = m;
+        vis.all = 1;
     }
-    /* masked keys in the chunk: one 16-wide slice of every head at a time */
-    for (int64_t g = 0; g < a->G; g++) {
-        const float *pg = p + g * C;
-        for (int64_t j = 0; j < nvec; j++) {
-            const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-            const int64_t jg = j / vpg;
-            const int ahead = g == 0 && j == 0; /* the first pass over the keys asks for the next V */
-            __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
-            for (int64_t s = 0; s < n; s++) {
-                if (ahead && (s & 7) == 0) kvref_attn_prefetch(vb, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-                if (kvref_attn_hidden(c, s)) continue;
-                const float sc = v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg] : 0.0f;
-                av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(vb, v_type, row[s] + 16 * j, mk, full, sc), av);
+    for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
+        const int64_t gb = a->G - g0 < 3 ? a->G - g0 : 3;
+        const float *pg = p + g0 * C;
+        if (!c->all) {
+            for (int64_t g = 0; g < gb; g++)
+                for (int64_t i = 0; i < vis.n; i++) pv[g * C + i] = pg[g * C + keep[i]];
+            pg = pv;
+        }
+        float *ag = acc + g0 * D;
+        for (int64_t j0 = 0; j0 < nvec; j0 += 4) {
+            const int ahead = g0 == 0 && j0 == 0;
+            if (full && nvec % 4 == 0) {
+                if (gb == 1) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
+                else if (gb == 2) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
+                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
+            } else {
+                if (gb == 1) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 1);
+                else if (gb == 2) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 2);
+                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 3);
             }
-            _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
         }
     }
 }
