@@ -506,31 +506,35 @@ TARGET static inline __m256 reduce8(const __m512 *v) {
     return _mm512_castps512_ps256(_mm512_shuffle_f32x4(u, u, 0x08));
 }
 
-/* Scores of 8 keys (rows row[0..8)) for the gb <= 3 heads q[0..gb) of the group: 8 dot-product
- * vectors per head, each K vector loaded (and widened) once for all gb heads, then one transposing
- * reduction per head. The vectors of one I8 scale group are consecutive (vpg of them), so its
- * scale is read once. */
-TARGET __attribute__((always_inline)) static inline void score8(
+/* Scores of nk keys (rows row[0..nk)) for the gb heads q[0..gb) of the group, nk * gb <= 24 (8 x 3
+ * or 4 x 4): nk dot-product vectors per head, each K vector loaded (and widened) once for all gb
+ * heads, then one transposing reduction per head (of 8 vectors: zeros past nk). The vectors of
+ * one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+TARGET __attribute__((always_inline)) static inline void score_keys(
     const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
-    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb) {
+    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb, const int nk) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    __m512 d[3][8];
+    __m512 d[4][8];
     for (int g = 0; g < gb; g++)
         for (int r = 0; r < 8; r++) d[g][r] = _mm512_setzero_ps();
     for (int64_t j = 0, jg = 0; j < nvec; jg++)
         for (int64_t jj = 0; jj < vpg; jj++, j++) {
             const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-            __m512 qv[3];
+            __m512 qv[4];
             for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
-            for (int r = 0; r < 8; r++) {
+            for (int r = 0; r < nk; r++) {
                 const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
                 const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, sc);
                 for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
             }
         }
-    for (int g = 0; g < gb; g++) _mm256_storeu_ps(p + g * C, _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale)));
+    for (int g = 0; g < gb; g++) {
+        const __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
+        if (nk == 8) _mm256_storeu_ps(p + g * C, sg);
+        else _mm_storeu_ps(p + g * C, _mm256_castps256_ps128(sg));
+    }
 }
 
 /* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
@@ -548,15 +552,20 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
         kvref_attn_prefetch(kb, a->k_type, a->D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {
-            const float *qg = q + g0 * D;
-            float *pg = p + g0 * C + s;
-            switch (G - g0) {
-            case 1: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1); break;
-            case 2: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2); break;
-            default: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3);
+        if (G % 4 == 0) /* 4 heads x 4 keys: each K vector widened once per 4 heads, not 3 + 1 */
+            for (int64_t g0 = 0; g0 < G; g0 += 4)
+                for (int64_t s4 = s; s4 < s + 8; s4 += 4)
+                    score_keys(a, q + g0 * D, kb, ks, row + s4, srow + s4, p + g0 * C + s4, k_type, full, 4, 4);
+        else
+            for (int64_t g0 = 0; g0 < G; g0 += 3) {
+                const float *qg = q + g0 * D;
+                float *pg = p + g0 * C + s;
+                switch (G - g0) {
+                case 1: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1, 8); break;
+                case 2: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2, 8); break;
+                default: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3, 8);
+                }
             }
-        }
     }
     for (; s < n; s++)
         for (int64_t g = 0; g < G; g++) {
