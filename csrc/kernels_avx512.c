@@ -581,7 +581,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
         }
 }
 
-/* acc[g] += sum_s p[g, s] V[s] for the gb <= 3 heads p[0..gb), acc[0..gb) of the group, over the
+/* acc[g] += sum_s p[g, s] V[s] for the gb <= 4 heads p[0..gb), acc[0..gb) of the group, over the
  * slice of the head dim from vector j0 on (at most 4 vectors: 64 floats) and a chunk with every key
  * visible: each V vector is loaded (and widened) once for all gb heads. One head takes two keys per
  * step, so 8 independent FMA chains are in flight, not 4 that wait on the FMA latency at every key.
@@ -605,7 +605,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
         jg[j] = v_type == KVREF_TYPE_I8 && mk[j] ? 16 * (j0 + j) / a->group_size : 0;
     }
     float *as = acc + 16 * j0;
-    __m512 ac[2][3][4];
+    __m512 ac[2][4][4];
     for (int k = 0; k < keys; k++)
         for (int g = 0; g < gb; g++)
             for (int j = 0; j < 4; j++)
@@ -645,7 +645,10 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     kvref_attn_chunk vis = *c;
     int64_t keep[KVREF_ATTN_CHUNK], row[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD], srow[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD];
-    float pv[3 * KVREF_ATTN_CHUNK]; /* [3, C]: one group's probabilities of the visible keys */
+    float pv[4 * KVREF_ATTN_CHUNK]; /* [4, C]: one group's probabilities of the visible keys */
+    /* heads per group: 4 when they divide G (Gemma 3), so each V vector is widened once per 4
+     * heads, not per 3 + 1; else 3 (12 accumulators of 4 vectors) */
+    const int64_t step = a->G % 4 == 0 ? 4 : 3;
     if (!c->all) {
         int64_t m = 0;
         for (int64_t s = 0; s < c->n; s++)
@@ -661,8 +664,8 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
         vis.n = m;
         vis.all = 1;
     }
-    for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
-        const int64_t gb = a->G - g0 < 3 ? a->G - g0 : 3;
+    for (int64_t g0 = 0; g0 < a->G; g0 += step) {
+        const int64_t gb = a->G - g0 < step ? a->G - g0 : step;
         const float *pg = p + g0 * C;
         if (!c->all) {
             for (int64_t g = 0; g < gb; g++)
@@ -675,11 +678,13 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
             if (full && nvec % 4 == 0) {
                 if (gb == 1) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
                 else if (gb == 2) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
-                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
+                else if (gb == 3) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
+                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 4);
             } else {
                 if (gb == 1) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 1);
                 else if (gb == 2) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 2);
-                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 3);
+                else if (gb == 3) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 3);
+                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 4);
             }
         }
     }
