@@ -149,7 +149,8 @@ typedef struct kvref_attn_chunk {
     const uint8_t *k, *v;      /* kv head hk's vector in slot 0 of the layer's K and V */
     const float *k_scales, *v_scales; /* kv head hk's I8 scales in slot 0, or NULL */
     const int64_t *row, *srow; /* [nrows] from kvref_attn_rows: the chunk's n keys, then keys ahead */
-    int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD */
+    int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD; nrows = n (nothing to
+                                  prefetch) for runs of many queries (attention.c) */
     const int64_t *kp;         /* [n]: the keys' positions; key s is visible iff klo <= kp[s] <= qpos */
     int64_t qpos, klo;         /* klo: the query's window start (INT64_MIN without a window) */
     int all;                   /* every key of the chunk is visible (none visible: never handed over) */

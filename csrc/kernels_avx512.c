@@ -539,16 +539,21 @@ TARGET __attribute__((always_inline)) static inline void score_keys(
 
 /* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
  * keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
- * skeleton hides them). Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
+ * skeleton hides them), except the 8-key blocks after the last visible key (half the diagonal
+ * chunk of a causal query): the cut is a multiple of 8, so a scored key keeps its block and its
+ * score. Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type, const int full) {
     const float *q = c->q, *ks = c->k_scales;
     const uint8_t *kb = c->k;
     const int64_t *row = c->row, *srow = c->srow;
-    const int64_t n = c->n, nrows = c->nrows;
+    const int64_t nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
+    int64_t n = c->n, end = c->n;
+    while (!c->all && kvref_attn_hidden(c, end - 1)) end--; /* some key is visible */
+    if ((end + 7) / 8 * 8 < n) n = (end + 7) / 8 * 8;
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
         kvref_attn_prefetch(kb, a->k_type, a->D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
