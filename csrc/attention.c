@@ -72,6 +72,7 @@ typedef struct {
     int64_t s_head;            /* I8 scales from one kv head's to the next one's */
     float *p, *mnew, *sum;     /* [G, CHUNK], [G], [G] */
     int64_t *row, *srow;       /* [CHUNK + LOOKAHEAD] each: c.row, c.srow */
+    int64_t lookahead;         /* keys past a chunk whose rows the kernels get to prefetch */
 } attn_cursor;
 
 /* scratch: unit_scratch_floats(G) floats, 8-byte aligned */
@@ -90,6 +91,11 @@ static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, flo
     u->c.srow = u->srow;
     u->c.qpos = a->q_positions[t];
     u->c.klo = window_start(u->c.qpos, a->window);
+    /* Few queries (decode) read each K/V row once, from memory: the kernels prefetch a chunk ahead.
+     * Many queries (prefill) read a chunk's rows query after query, from cache after the first, and
+     * the prefetches only cost issue slots: Gemma 3's 512-query causal attention ran 5-9 % faster
+     * without them, over 512 and over 4,096 cached positions. */
+    u->lookahead = a->T <= KVREF_ATTN_SPLIT_MAX_T ? KVREF_ATTN_LOOKAHEAD : 0;
 }
 
 /* Moves the cursor to the chunk of keys [c0, c0 + n): which are visible, and the rows of its keys
@@ -103,7 +109,7 @@ static int cursor_seek(attn_cursor *u, const kvref_attn_args *a, int64_t c0, int
     c->n = n;
     c->kp = kp;
     c->all = nvis == n;
-    c->nrows = a->S - c0 < n + KVREF_ATTN_LOOKAHEAD ? a->S - c0 : n + KVREF_ATTN_LOOKAHEAD;
+    c->nrows = a->S - c0 < n + u->lookahead ? a->S - c0 : n + u->lookahead;
     kvref_attn_rows(a, c0, c->nrows, u->row, u->srow);
     return 1;
 }

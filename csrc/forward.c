@@ -574,8 +574,8 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
     kvref_pool_lock(pool);
     const int64_t t_start = now_ns();
     status = state_reserve(state, T, S);
-    if (status == KVREF_OK) { /* tiles of the prefill GEMM (any type, so a misaligned F32 weight too) */
-        size_t scratch = (size_t)KVREF_TILE_N * (size_t)model->max_k * sizeof(float);
+    if (status == KVREF_OK) { /* tiles of the prefill GEMM */
+        const size_t scratch = kvref_matmul_scratch_bytes(T, model->max_k);
         const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }

@@ -149,7 +149,8 @@ typedef struct kvref_attn_chunk {
     const uint8_t *k, *v;      /* kv head hk's vector in slot 0 of the layer's K and V */
     const float *k_scales, *v_scales; /* kv head hk's I8 scales in slot 0, or NULL */
     const int64_t *row, *srow; /* [nrows] from kvref_attn_rows: the chunk's n keys, then keys ahead */
-    int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD */
+    int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD; nrows = n (nothing to
+                                  prefetch) for runs of many queries (attention.c) */
     const int64_t *kp;         /* [n]: the keys' positions; key s is visible iff klo <= kp[s] <= qpos */
     int64_t qpos, klo;         /* klo: the query's window start (INT64_MIN without a window) */
     int all;                   /* every key of the chunk is visible (none visible: never handed over) */
@@ -243,13 +244,19 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
 typedef float (*kvref_vec_dot_fn)(int64_t K, const uint8_t *w_row, const float *x);
 /* one weight row (K values) -> float32 [K], each value rounded exactly as the NumPy dequantizer does */
 typedef void (*kvref_dequant_fn)(int64_t K, const uint8_t *w_row, float *out);
-/* y[t * ldy + n] = dot(x[t, :], w[n, :]) for t < T, n < nw; x [T, K], w [nw, K] float32 */
 /* dot of one weight row (K values in `type` blocks) with x [K] in 8-bit blocks (qs [K], ds [K/32, 2]) */
 typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 /* x [K] (K a multiple of 32) -> qs [K], ds [K/32, 2] */
 typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, float *ds);
-typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *w, int64_t nw,
+/* y[t * ldy + n] = sum over k of x[t, k] * tile[k, n] for t < T, n < nw, each a chain of
+ * multiply-adds in k order from 0 (fused on the SIMD tables): x [T, K]; tile [K, KVREF_TILE_N]
+ * float32, 64-byte aligned, the transposed weight rows, columns nw .. KVREF_TILE_N-1 zero. An
+ * element's operations do not depend on T, nw or where the kernel's blocking puts it. */
+typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *tile, int64_t nw,
                               float *y, int64_t ldy);
+/* tile[k * KVREF_TILE_N + i] = rows[i * K + k] for i < 16, k < K: sixteen dequantized weight rows
+ * [16, K] into sixteen columns of a tile (tile 64-byte aligned; the caller offsets it by 0 or 16) */
+typedef void (*kvref_tile_columns_fn)(int64_t K, const float *rows, float *tile);
 
 /* GELU's tanh form, 0.5 g (1 + tanh(C (g + K g^3))): its constants rounded to float32 as
  * kvref.spec.ops.gelu_tanh rounds them (C = sqrt(2 / pi)) */
@@ -264,6 +271,7 @@ typedef struct kvref_kernels {
     kvref_vec_dot_fn vec_dot[KVREF_TYPE_SLOTS];
     kvref_dequant_fn dequant[KVREF_TYPE_SLOTS];
     kvref_gemm_fn gemm_f32;
+    kvref_tile_columns_fn tile_columns;
     kvref_attn_kernels attn;
     kvref_glu_fn swiglu;       /* silu(g) * u */
     kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
@@ -303,10 +311,11 @@ void kvref_rope_row(const float *x, int64_t nh, int64_t D, const double *cs, flo
 /* ---- matmul and attention bodies (arguments checked, the pool lock held) -------------------- */
 
 #define KVREF_GEMM_MIN_T 4     /* from this many x rows on, matmul dequantizes tiles for a GEMM */
-#define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path */
+#define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path: two
+                                  AVX-512 vectors (four AVX2) of outputs per row of x */
 
-/* per-thread scratch bytes kvref_matmul_run needs for a weight of `type` with K columns */
-size_t kvref_matmul_scratch_bytes(int32_t type, int64_t T, int64_t K);
+/* per-thread scratch bytes kvref_matmul_run needs for T rows of x of K columns (any weight type) */
+size_t kvref_matmul_scratch_bytes(int64_t T, int64_t K);
 /* y [T, N] = x [T, K] @ W.T: the work of kvref_matmul (any T) */
 void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                       int32_t type, int64_t N, float *y);

@@ -218,49 +218,81 @@ GENERIC_DEQUANT(dequant_q8_0, KVREF_TYPE_Q8_0)
 GENERIC_DEQUANT(dequant_q4_k, KVREF_TYPE_Q4_K)
 GENERIC_DEQUANT(dequant_q6_k, KVREF_TYPE_Q6_K)
 
-/* ---- float32 GEMM, dot form; 4 x 3 blocks and single dots do identical work per output ---- */
+/* ---- float32 GEMM on a dequantized tile: outer products ------------------------------------ */
 
-TARGET static float dot1(int64_t K, const float *a, const float *b) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    float s = hsum8(acc);
-    for (; k < K; k++) s += a[k] * b[k];
-    return s;
-}
+_Static_assert(KVREF_TILE_N == 32, "a tile row is four AVX2 vectors, two per half");
+#define GEMM_ROWS 6 /* rows of x per block: 12 accumulators, 2 tile vectors and a broadcast of 16 */
 
-TARGET static void gemm_4x3(int64_t K, const float *x, const float *w, float *y, int64_t ldy) {
-    __m256 acc[4][3];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 3; j++) acc[i][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k), w2 = _mm256_loadu_ps(w + 2 * K + k);
-        for (int i = 0; i < 4; i++) {
-            const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+/* y[i, h + j] for the R rows of x at x (row stride K), half h (0 or 16) of the tile and j < the
+ * masks' lanes: as kernels_avx512.c's gemm_block, one fused multiply-add per k in k order for every
+ * output whatever R. */
+TARGET static inline __attribute__((always_inline)) void gemm_block(int64_t K, const float *x, const int R,
+                                                                    const float *tile, __m256i m0, __m256i m1,
+                                                                    float *y, int64_t ldy) {
+    __m256 acc[GEMM_ROWS][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_load_ps(tile + k * KVREF_TILE_N), w1 = _mm256_load_ps(tile + k * KVREF_TILE_N + 8);
+        for (int i = 0; i < R; i++) {
+            const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
             acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
-            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
         }
     }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 3; j++) {
-            float s = hsum8(acc[i][j]);
-            for (int64_t kk = k; kk < K; kk++) s += x[i * K + kk] * w[j * K + kk];
-            y[i * ldy + j] = s;
-        }
+    for (int i = 0; i < R; i++) {
+        _mm256_maskstore_ps(y + i * ldy, m0, acc[i][0]);
+        _mm256_maskstore_ps(y + i * ldy + 8, m1, acc[i][1]);
+    }
 }
 
-TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y, int64_t ldy) {
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) {
-        int64_t n = 0;
-        for (; n + 3 <= nw; n += 3) gemm_4x3(K, x + t * K, w + n * K, y + t * ldy + n, ldy);
-        for (; n < nw; n++)
-            for (int64_t i = 0; i < 4; i++) y[(t + i) * ldy + n] = dot1(K, x + (t + i) * K, w + n * K);
+/* lanes j of a maskstore mask are set for j < n */
+TARGET static inline __m256i lane_mask(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* r[j] = column j of the 8 x 8 block whose rows are r[0..7] */
+TARGET static inline void transpose8(__m256 r[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
-    for (; t < T; t++)
-        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = t[i];
+}
+
+TARGET static void tile_columns(int64_t K, const float *rows, float *tile) {
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int h = 0; h < 16; h += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows + (h + i) * K + k);
+            transpose8(r);
+            for (int j = 0; j < 8; j++) _mm256_store_ps(tile + (k + j) * KVREF_TILE_N + h, r[j]);
+        }
+    for (; k < K; k++)
+        for (int64_t i = 0; i < 16; i++) tile[k * KVREF_TILE_N + i] = rows[i * K + k];
+}
+
+TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *tile, int64_t nw, float *y, int64_t ldy) {
+    for (int64_t h = 0; h < nw; h += 16) {
+        const __m256i m0 = lane_mask(nw - h), m1 = lane_mask(nw - h - 8);
+        const float *half = tile + h;
+        float *yh = y + h;
+        int64_t t = 0;
+        for (; t + GEMM_ROWS <= T; t += GEMM_ROWS) gemm_block(K, x + t * K, GEMM_ROWS, half, m0, m1, yh + t * ldy, ldy);
+        for (; t + 2 <= T; t += 2) gemm_block(K, x + t * K, 2, half, m0, m1, yh + t * ldy, ldy);
+        for (; t < T; t++) gemm_block(K, x + t * K, 1, half, m0, m1, yh + t * ldy, ldy);
+    }
 }
 
 /* ---- exp (Cephes expf, as in kernels_avx512.c), SwiGLU and GeGLU ----------------------------------------------- */
@@ -686,6 +718,7 @@ const kvref_kernels kvref_kernels_avx2 = {
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
+    .tile_columns = tile_columns,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8},
     .swiglu = swiglu,
     .geglu = geglu,

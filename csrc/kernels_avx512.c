@@ -191,53 +191,70 @@ TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
 
 /* ---- 256-value super-blocks ------------------------------------------------------------------ */
 
+/* v[0..3] = the 64 values of sub-blocks 2c and 2c+1 of the Q4_K super-block w (d, dmin its scales),
+ * in order: the 32 bytes hold sub-block 2c in the low nibbles, 2c+1 in the high; each value is
+ * d * sc * q - dmin * m with both products exact, one rounding as NumPy's */
+TARGET static inline void q4_k_values(const uint8_t *w, float d, float dmin, int c, __m512 iota, __m512 v[4]) {
+    uint8_t sc0, m0, sc1, m1;
+    kvref_q4k_scale_min(2 * c, w + 4, &sc0, &m0);
+    kvref_q4k_scale_min(2 * c + 1, w + 4, &sc1, &m1);
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc0), _mm512_set1_ps(-(dmin * (float)m0)));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc1), _mm512_set1_ps(-(dmin * (float)m1)));
+    const __m512i q0 = load_nibble_bytes(w + 16 + 32 * c), q1 = load_nibble_bytes(w + 16 + 32 * c + 16);
+    v[0] = _mm512_permutexvar_ps(q0, t0);
+    v[1] = _mm512_permutexvar_ps(q1, t0);
+    v[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t1);
+    v[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1);
+}
+
 TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
     const __m512 iota = iota16();
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
         const float d = fp16_load(w), dmin = fp16_load(w + 2);
-        const uint8_t *scales = w + 4, *qs = w + 16;
-        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high */
-            uint8_t sc0, m0, sc1, m1;
-            kvref_q4k_scale_min(2 * c, scales, &sc0, &m0);
-            kvref_q4k_scale_min(2 * c + 1, scales, &sc1, &m1);
-            const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc0), _mm512_set1_ps(-(dmin * (float)m0)));
-            const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc1), _mm512_set1_ps(-(dmin * (float)m1)));
-            const __m512i q0 = load_nibble_bytes(qs + 32 * c), q1 = load_nibble_bytes(qs + 32 * c + 16);
+        for (int c = 0; c < 4; c++) {
+            __m512 v[4];
+            q4_k_values(w, d, dmin, c, iota, v);
             const float *xc = x + 64 * c;
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xc), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q1, t0), _mm512_loadu_ps(xc + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t1), _mm512_loadu_ps(xc + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1), _mm512_loadu_ps(xc + 48), a3);
+            a0 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xc), a0);
+            a1 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xc + 16), a1);
+            a2 = _mm512_fmadd_ps(v[2], _mm512_loadu_ps(xc + 32), a2);
+            a3 = _mm512_fmadd_ps(v[3], _mm512_loadu_ps(xc + 48), a3);
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
+/* v[r] = the 16 values at 128 * half + 32 * r + l0 of the Q6_K super-block w (d its scale), r < 4:
+ * (d * scale) * (q - 32), the first product exact, one rounding as NumPy's */
+TARGET static inline void q6_k_values(const uint8_t *w, float d, int half, int l0, __m512 v[4]) {
     const __m512i low4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+    const int8_t *scales = (const int8_t *)(w + 192);
+    const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+    const __m512i la = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l0)));
+    const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 + l0)));
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l0)));
+    __m512i q[4];
+    q[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
+    q[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
+    q[2] = _mm512_or_si512(_mm512_srli_epi32(la, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), two), 4));
+    q[3] = _mm512_or_si512(_mm512_srli_epi32(lb, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), two), 4));
+    for (int r = 0; r < 4; r++) {
+        const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16]; /* exact */
+        v[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[r], off)), _mm512_set1_ps(ds));
+    }
+}
+
+TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
-        const int8_t *scales = (const int8_t *)(w + 192);
         const float d = fp16_load(w + 208);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+        for (int half = 0; half < 2; half++)
             for (int l0 = 0; l0 < 32; l0 += 16) {
-                const __m512i la = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l0)));
-                const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 + l0)));
-                const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l0)));
-                __m512i q[4];
-                q[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
-                q[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
-                q[2] = _mm512_or_si512(_mm512_srli_epi32(la, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), two), 4));
-                q[3] = _mm512_or_si512(_mm512_srli_epi32(lb, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), two), 4));
-                for (int r = 0; r < 4; r++) {
-                    const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16]; /* exact */
-                    const __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[r], off)), _mm512_set1_ps(ds));
-                    acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
-                }
+                __m512 v[4];
+                q6_k_values(w, d, half, l0, v);
+                for (int r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(v[r], _mm512_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
             }
-        }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
@@ -296,63 +313,107 @@ TARGET static void dequant_bf16(int64_t K, const uint8_t *w, float *out) {
     for (; i < K; i++) out[i] = kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i));
 }
 
-TARGET static void dequant_generic(int32_t type, int64_t K, const uint8_t *w, float *out) { kvref_dequant_row(type, K, w, out); }
-TARGET static void dequant_f32(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_F32, K, w, out); }
-TARGET static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_Q4_K, K, w, out); }
-TARGET static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) { dequant_generic(KVREF_TYPE_Q6_K, K, w, out); }
+TARGET static void dequant_f32(int64_t K, const uint8_t *w, float *out) { kvref_dequant_row(KVREF_TYPE_F32, K, w, out); }
 
-/* ---- float32 GEMM on a dequantized tile (dot form: both operands are rows along K) --------- */
-
-/* One accumulator per output, 16 lanes, a masked last step, then a fixed reduction: the 4 x 4
- * block and the single dot below perform identical operations for each output element, so the
- * result for y[t, n] does not depend on where the blocking put it. */
-TARGET static float dot1(int64_t K, const float *a, const float *b) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-    if (k < K) {
-        const __mmask16 mk = tail_mask(K - k);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + k), _mm512_maskz_loadu_ps(mk, b + k), acc);
+TARGET static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) {
+    const __m512 iota = iota16();
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, out += QK_K) {
+        const float d = fp16_load(w), dmin = fp16_load(w + 2);
+        for (int c = 0; c < 4; c++) {
+            __m512 v[4];
+            q4_k_values(w, d, dmin, c, iota, v);
+            for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 64 * c + 16 * r, v[r]);
+        }
     }
-    return _mm512_reduce_add_ps(acc);
 }
 
-TARGET static void gemm_4x4(int64_t K, const float *x, const float *w, float *y, int64_t ldy) {
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+TARGET static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, out += QK_K) {
+        const float d = fp16_load(w + 208);
+        for (int half = 0; half < 2; half++)
+            for (int l0 = 0; l0 < 32; l0 += 16) {
+                __m512 v[4];
+                q6_k_values(w, d, half, l0, v);
+                for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 128 * half + 32 * r + l0, v[r]);
+            }
+    }
+}
+
+/* ---- float32 GEMM on a dequantized tile: outer products ------------------------------------ */
+
+_Static_assert(KVREF_TILE_N == 32, "a tile row is two AVX-512 vectors");
+/* Rows of x per block: 16 accumulators. 12 (24 accumulators) is as fast for K = 640 but 10 %
+ * slower for K = 1024 and 2048, whose x rows sit 4 or 8 KiB apart: the lines the broadcasts read
+ * then fall in one L1 set, and 12 of them overflow its 8 ways (Zen 4). */
+#define GEMM_ROWS 8
+
+/* y[i, n] for the R rows of x at x (row stride K) and n below the masks' lanes: one x value
+ * broadcast against a tile row per step, so each output is one fused multiply-add per k in k
+ * order, the same operations for R = GEMM_ROWS as for the tails' 4 and 1. R is a constant once
+ * inlined, so the accumulators live in registers. */
+TARGET static inline __attribute__((always_inline)) void gemm_block(int64_t K, const float *x, const int R,
+                                                                    const float *tile, __mmask16 m0, __mmask16 m1,
+                                                                    float *y, int64_t ldy) {
+    __m512 acc[GEMM_ROWS][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_load_ps(tile + k * KVREF_TILE_N), w1 = _mm512_load_ps(tile + k * KVREF_TILE_N + 16);
+        for (int i = 0; i < R; i++) {
+            const __m512 xv = _mm512_set1_ps(x[i * K + k]);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(y + i * ldy, m0, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, acc[i][1]);
+    }
+}
+
+/* r[j] = column j of the 16 x 16 block whose rows are r[0..15]: pairs, quads, then 128-bit lanes
+ * twice (the usual unpack / shuffle / shuffle_f32x4 network) */
+TARGET static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+TARGET static void tile_columns(int64_t K, const float *rows, float *tile) {
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        __m512 wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
-        for (int i = 0; i < 4; i++) {
-            const __m512 xv = _mm512_loadu_ps(x + i * K + k);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows + i * K + k);
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_store_ps(tile + (k + j) * KVREF_TILE_N, r[j]);
     }
-    if (k < K) {
-        const __mmask16 mk = tail_mask(K - k);
-        __m512 wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * K + k);
-        for (int i = 0; i < 4; i++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mk, x + i * K + k);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (; k < K; k++)
+        for (int64_t i = 0; i < 16; i++) tile[k * KVREF_TILE_N + i] = rows[i * K + k];
 }
 
-TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y, int64_t ldy) {
+TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *tile, int64_t nw, float *y, int64_t ldy) {
+    const __mmask16 m0 = tail_mask(nw < 16 ? nw : 16), m1 = tail_mask(nw > 16 ? nw - 16 : 0);
     int64_t t = 0;
-    for (; t + 4 <= T; t += 4) {
-        int64_t n = 0;
-        for (; n + 4 <= nw; n += 4) gemm_4x4(K, x + t * K, w + n * K, y + t * ldy + n, ldy);
-        for (; n < nw; n++)
-            for (int64_t i = 0; i < 4; i++) y[(t + i) * ldy + n] = dot1(K, x + (t + i) * K, w + n * K);
-    }
-    for (; t < T; t++)
-        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot1(K, x + t * K, w + n * K);
+    for (; t + GEMM_ROWS <= T; t += GEMM_ROWS) gemm_block(K, x + t * K, GEMM_ROWS, tile, m0, m1, y + t * ldy, ldy);
+    for (; t + 4 <= T; t += 4) gemm_block(K, x + t * K, 4, tile, m0, m1, y + t * ldy, ldy);
+    for (; t < T; t++) gemm_block(K, x + t * K, 1, tile, m0, m1, y + t * ldy, ldy);
 }
 
 /* ---- exp, for softmax, SiLU and GELU ---------------------------------------------------------------- */
@@ -445,57 +506,71 @@ TARGET static inline __m256 reduce8(const __m512 *v) {
     return _mm512_castps512_ps256(_mm512_shuffle_f32x4(u, u, 0x08));
 }
 
-/* Scores of 8 keys (rows row[0..8)) for the gb <= 3 heads q[0..gb) of the group: 8 dot-product
- * vectors per head, each K vector loaded (and widened) once for all gb heads, then one transposing
- * reduction per head. The vectors of one I8 scale group are consecutive (vpg of them), so its
- * scale is read once. */
-TARGET __attribute__((always_inline)) static inline void score8(
+/* Scores of nk keys (rows row[0..nk)) for the gb heads q[0..gb) of the group, nk * gb <= 24 (8 x 3
+ * or 4 x 4): nk dot-product vectors per head, each K vector loaded (and widened) once for all gb
+ * heads, then one transposing reduction per head (of 8 vectors: zeros past nk). The vectors of
+ * one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+TARGET __attribute__((always_inline)) static inline void score_keys(
     const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
-    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb) {
+    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb, const int nk) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    __m512 d[3][8];
+    __m512 d[4][8];
     for (int g = 0; g < gb; g++)
         for (int r = 0; r < 8; r++) d[g][r] = _mm512_setzero_ps();
     for (int64_t j = 0, jg = 0; j < nvec; jg++)
         for (int64_t jj = 0; jj < vpg; jj++, j++) {
             const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-            __m512 qv[3];
+            __m512 qv[4];
             for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
-            for (int r = 0; r < 8; r++) {
+            for (int r = 0; r < nk; r++) {
                 const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
                 const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, sc);
                 for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
             }
         }
-    for (int g = 0; g < gb; g++) _mm256_storeu_ps(p + g * C, _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale)));
+    for (int g = 0; g < gb; g++) {
+        const __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
+        if (nk == 8) _mm256_storeu_ps(p + g * C, sg);
+        else _mm_storeu_ps(p + g * C, _mm256_castps256_ps128(sg));
+    }
 }
 
 /* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
  * keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
- * skeleton hides them). Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
+ * skeleton hides them), except the 8-key blocks after the last visible key (half the diagonal
+ * chunk of a causal query): the cut is a multiple of 8, so a scored key keeps its block and its
+ * score. Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type, const int full) {
     const float *q = c->q, *ks = c->k_scales;
     const uint8_t *kb = c->k;
     const int64_t *row = c->row, *srow = c->srow;
-    const int64_t n = c->n, nrows = c->nrows;
+    const int64_t nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
     const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
+    int64_t n = c->n, end = c->n;
+    while (!c->all && kvref_attn_hidden(c, end - 1)) end--; /* some key is visible */
+    if ((end + 7) / 8 * 8 < n) n = (end + 7) / 8 * 8;
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
         kvref_attn_prefetch(kb, a->k_type, a->D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {
-            const float *qg = q + g0 * D;
-            float *pg = p + g0 * C + s;
-            switch (G - g0) {
-            case 1: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1); break;
-            case 2: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2); break;
-            default: score8(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3);
+        if (G % 4 == 0) /* 4 heads x 4 keys: each K vector widened once per 4 heads, not 3 + 1 */
+            for (int64_t g0 = 0; g0 < G; g0 += 4)
+                for (int64_t s4 = s; s4 < s + 8; s4 += 4)
+                    score_keys(a, q + g0 * D, kb, ks, row + s4, srow + s4, p + g0 * C + s4, k_type, full, 4, 4);
+        else
+            for (int64_t g0 = 0; g0 < G; g0 += 3) {
+                const float *qg = q + g0 * D;
+                float *pg = p + g0 * C + s;
+                switch (G - g0) {
+                case 1: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1, 8); break;
+                case 2: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2, 8); break;
+                default: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3, 8);
+                }
             }
-        }
     }
     for (; s < n; s++)
         for (int64_t g = 0; g < G; g++) {
@@ -511,7 +586,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
         }
 }
 
-/* acc[g] += sum_s p[g, s] V[s] for the gb <= 3 heads p[0..gb), acc[0..gb) of the group, over the
+/* acc[g] += sum_s p[g, s] V[s] for the gb <= 4 heads p[0..gb), acc[0..gb) of the group, over the
  * slice of the head dim from vector j0 on (at most 4 vectors: 64 floats) and a chunk with every key
  * visible: each V vector is loaded (and widened) once for all gb heads. One head takes two keys per
  * step, so 8 independent FMA chains are in flight, not 4 that wait on the FMA latency at every key.
@@ -535,7 +610,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
         jg[j] = v_type == KVREF_TYPE_I8 && mk[j] ? 16 * (j0 + j) / a->group_size : 0;
     }
     float *as = acc + 16 * j0;
-    __m512 ac[2][3][4];
+    __m512 ac[2][4][4];
     for (int k = 0; k < keys; k++)
         for (int g = 0; g < gb; g++)
             for (int j = 0; j < 4; j++)
@@ -562,51 +637,60 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
 #undef load_v
 }
 
-/* acc += p V over the chunk's n keys; masked keys never touch acc */
+/* acc += p V over the chunk's n keys; masked keys never touch acc. A chunk with masked keys (the
+ * diagonal chunk of every prefill query, a window's edge) is first narrowed to its visible keys:
+ * their rows (then the rows ahead, for the prefetches) and each group's probabilities, in key
+ * order, so it runs the all-visible kernel too; a key at a time per 16-lane slice, as a masked
+ * chunk once ran, waits on the FMA latency at every key and made that one chunk cost as much as
+ * four. For groups of 2 or 3 heads the sums are the same operations as that loop's. */
 TARGET __attribute__((always_inline)) static inline void pv_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type,
     const int full) {
-    const uint8_t *vb = c->v;
-    const float *vs = c->v_scales;
-    const int64_t *row = c->row, *srow = c->srow;
-    const int64_t n = c->n, nrows = c->nrows;
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const int64_t vpg = v_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
-    if (c->all) { /* every key visible: the head dim in slices of 4 vectors, each for up to 3 heads */
-        for (int64_t g0 = 0; g0 < a->G; g0 += 3)
-            for (int64_t j0 = 0; j0 < nvec; j0 += 4) {
-                const float *pg = p + g0 * C;
-                float *ag = acc + g0 * D;
-                const int64_t gb = a->G - g0;
-                const int ahead = g0 == 0 && j0 == 0;
-                if (full && nvec % 4 == 0) {
-                    if (gb == 1) pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
-                    else if (gb == 2) pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
-                    else pv_visible(a, c, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
-                } else {
-                    if (gb == 1) pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 1);
-                    else if (gb == 2) pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 2);
-                    else pv_visible(a, c, pg, ag, j0, ahead, v_type, 0, last, 3);
-                }
-            }
-        return;
+    kvref_attn_chunk vis = *c;
+    int64_t keep[KVREF_ATTN_CHUNK], row[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD], srow[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD];
+    float pv[4 * KVREF_ATTN_CHUNK]; /* [4, C]: one group's probabilities of the visible keys */
+    /* heads per group: 4 when they divide G (Gemma 3), so each V vector is widened once per 4
+     * heads, not per 3 + 1; else 3 (12 accumulators of 4 vectors) */
+    const int64_t step = a->G % 4 == 0 ? 4 : 3;
+    if (!c->all) {
+        int64_t m = 0;
+        for (int64_t s = 0; s < c->n; s++)
+            if (!kvref_attn_hidden(c, s)) keep[m++] = s;
+        for (int64_t i = 0; i < c->nrows - c->n + m; i++) {
+            const int64_t s = i < m ? keep[i] : c->n + i - m;
+            row[i] = c->row[s];
+            srow[i] = v_type == KVREF_TYPE_I8 ? c->srow[s] : 0; /* srow is unwritten without I8 */
+        }
+        vis.row = row;
+        vis.srow = srow;
+        vis.nrows = c->nrows - c->n + m;
+        vis.n = m;
+        vis.all = 1;
     }
-    /* masked keys in the chunk: one 16-wide slice of every head at a time */
-    for (int64_t g = 0; g < a->G; g++) {
-        const float *pg = p + g * C;
-        for (int64_t j = 0; j < nvec; j++) {
-            const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-            const int64_t jg = j / vpg;
-            const int ahead = g == 0 && j == 0; /* the first pass over the keys asks for the next V */
-            __m512 av = _mm512_maskz_loadu_ps(mk, acc + g * D + 16 * j);
-            for (int64_t s = 0; s < n; s++) {
-                if (ahead && (s & 7) == 0) kvref_attn_prefetch(vb, v_type, D, row, s + KVREF_ATTN_PREFETCH_KEYS, nrows);
-                if (kvref_attn_hidden(c, s)) continue;
-                const float sc = v_type == KVREF_TYPE_I8 ? vs[srow[s] + jg] : 0.0f;
-                av = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), load_kv_m(vb, v_type, row[s] + 16 * j, mk, full, sc), av);
+    for (int64_t g0 = 0; g0 < a->G; g0 += step) {
+        const int64_t gb = a->G - g0 < step ? a->G - g0 : step;
+        const float *pg = p + g0 * C;
+        if (!c->all) {
+            for (int64_t g = 0; g < gb; g++)
+                for (int64_t i = 0; i < vis.n; i++) pv[g * C + i] = pg[g * C + keep[i]];
+            pg = pv;
+        }
+        float *ag = acc + g0 * D;
+        for (int64_t j0 = 0; j0 < nvec; j0 += 4) {
+            const int ahead = g0 == 0 && j0 == 0;
+            if (full && nvec % 4 == 0) {
+                if (gb == 1) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 1);
+                else if (gb == 2) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 2);
+                else if (gb == 3) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 3);
+                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 1, (__mmask16)0xffff, 4);
+            } else {
+                if (gb == 1) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 1);
+                else if (gb == 2) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 2);
+                else if (gb == 3) pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 3);
+                else pv_visible(a, &vis, pg, ag, j0, ahead, v_type, 0, last, 4);
             }
-            _mm512_mask_storeu_ps(acc + g * D + 16 * j, mk, av);
         }
     }
 }
@@ -845,6 +929,7 @@ TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
+    .tile_columns = tile_columns,                                                                \
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \

@@ -4,8 +4,9 @@
  *   - few rows of x (decode): each weight row is read once per x row and dotted in registers,
  *     straight from its blocks (vec_dot);
  *   - many rows of x (prefill): a tile of KVREF_TILE_N weight rows is dequantized into the
- *     thread's scratch (bit-identical to the NumPy dequantizer) and multiplied against every row
- *     of x with a float32 GEMM kernel, so each weight block is decoded once per call.
+ *     thread's scratch (bit-identical to the NumPy dequantizer), stored transposed, and multiplied
+ *     against every row of x with a float32 GEMM kernel, so each weight block is decoded once per
+ *     call.
  * Both split the N output rows into fixed units, so each y[t, n] is computed by the same
  * operations whichever thread, and however many threads, run the unit.
  */
@@ -58,26 +59,30 @@ static void mm_vec_unit(void *vctx, int64_t unit, int thread) {
     }
 }
 
+/* The tile is k-major, tile[k, i] = W[n0 + i, k]: the GEMM kernels' inner step multiplies one x
+ * value by a contiguous row of KVREF_TILE_N weights (outer products, no horizontal sums). Sixteen
+ * rows at a time are dequantized into a staging buffer, then transposed into their columns in
+ * 16 x 16 blocks (a column at a time would touch a cache line per value). Rows past the last
+ * weight row are zero, so the kernels' full vectors stay finite. */
 static void mm_tile_unit(void *vctx, int64_t unit, int thread) {
     const mm_ctx *c = vctx;
-    const int64_t n0 = unit * KVREF_TILE_N;
+    const int64_t K = c->K, n0 = unit * KVREF_TILE_N;
     const int64_t nw = n0 + KVREF_TILE_N < c->N ? KVREF_TILE_N : c->N - n0;
-    const float *tile;
-    if (c->type == KVREF_TYPE_F32 && ((uintptr_t)c->w & 3) == 0) {
-        tile = (const float *)(const void *)(c->w + n0 * c->rb); /* already aligned float32 rows */
-    } else {
-        float *buf = kvref_pool_scratch(c->pool, thread); /* [KVREF_TILE_N, K] */
-        for (int64_t i = 0; i < nw; i++) c->kk->dequant[c->type](c->K, c->w + (n0 + i) * c->rb, buf + i * c->K);
-        tile = buf;
+    float *tile = kvref_pool_scratch(c->pool, thread); /* [K, KVREF_TILE_N] */
+    float *rows = tile + K * KVREF_TILE_N;             /* [16, K] */
+    for (int64_t h = 0; h < KVREF_TILE_N; h += 16) {
+        for (int64_t i = 0; i < 16; i++) {
+            if (h + i < nw) c->kk->dequant[c->type](K, c->w + (n0 + h + i) * c->rb, rows + i * K);
+            else memset(rows + i * K, 0, (size_t)K * sizeof(float));
+        }
+        c->kk->tile_columns(K, rows, tile + h);
     }
-    c->kk->gemm_f32(c->K, c->x, c->T, tile, nw, c->y + n0, c->N);
+    c->kk->gemm_f32(K, c->x, c->T, tile, nw, c->y + n0, c->N);
 }
 
-size_t kvref_matmul_scratch_bytes(int32_t type, int64_t T, int64_t K) {
-    if (T < KVREF_GEMM_MIN_T || type == KVREF_TYPE_F32) return 0; /* F32 tiles are read in place
-                                                                       (an unaligned F32 weight is
-                                                                       handled by the caller) */
-    return (size_t)KVREF_TILE_N * (size_t)K * sizeof(float);
+size_t kvref_matmul_scratch_bytes(int64_t T, int64_t K) {
+    if (T < KVREF_GEMM_MIN_T) return 0;
+    return (size_t)(KVREF_TILE_N + 16) * (size_t)K * sizeof(float); /* the tile, then the staging rows */
 }
 
 void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
@@ -113,10 +118,7 @@ int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const v
     const int checked = check_matmul(pool, x, T, K, w, w_type, w_nbytes, N, y);
     if (checked >= 0) return checked;
     kvref_pool_lock(pool);
-    size_t scratch = kvref_matmul_scratch_bytes(w_type, T, K);
-    if (T >= KVREF_GEMM_MIN_T && w_type == KVREF_TYPE_F32 && ((uintptr_t)w & 3) != 0)
-        scratch = (size_t)KVREF_TILE_N * (size_t)K * sizeof(float); /* misaligned F32: copied per tile */
-    int status = kvref_pool_reserve(pool, scratch);
+    int status = kvref_pool_reserve(pool, kvref_matmul_scratch_bytes(T, K));
     if (status == KVREF_OK) kvref_matmul_run(pool, x, T, K, (const uint8_t *)w, w_type, N, y);
     kvref_pool_unlock(pool);
     return status;

@@ -120,12 +120,6 @@ void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out
 
 /* ---- dot products: dequantize a block into a small buffer, then one float accumulator ------- */
 
-static float dot_f32(int64_t K, const float *a, const float *b) {
-    float acc = 0.0f;
-    for (int64_t i = 0; i < K; i++) acc += a[i] * b[i];
-    return acc;
-}
-
 /* w may sit at any byte offset (a view into a file): load through memcpy, never a float* */
 static float vec_dot_f32(int64_t K, const uint8_t *w, const float *x) {
     float acc = 0.0f;
@@ -172,10 +166,21 @@ static float vec_dot_bf16_any(int64_t K, const uint8_t *w, const float *x) {
     return acc;
 }
 
-static void gemm_f32(int64_t K, const float *x, int64_t T, const float *w, int64_t nw, float *y,
+static void tile_columns(int64_t K, const float *rows, float *tile) {
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t i = 0; i < 16; i++) tile[k * KVREF_TILE_N + i] = rows[i * K + k];
+}
+
+/* one x row at a time against the whole tile: the inner loop over a tile row vectorizes, and each
+ * output is still its own running sum in k order */
+static void gemm_f32(int64_t K, const float *x, int64_t T, const float *tile, int64_t nw, float *y,
                      int64_t ldy) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = dot_f32(K, x + t * K, w + n * K);
+    for (int64_t t = 0; t < T; t++) {
+        float acc[KVREF_TILE_N] = {0.0f};
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t n = 0; n < KVREF_TILE_N; n++) acc[n] += x[t * K + k] * tile[k * KVREF_TILE_N + n];
+        for (int64_t n = 0; n < nw; n++) y[t * ldy + n] = acc[n];
+    }
 }
 
 /* ---- attention chunk kernels ----------------------------------------------------------------- */
@@ -384,6 +389,7 @@ const kvref_kernels kvref_kernels_scalar = {
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
     },
     .gemm_f32 = gemm_f32,
+    .tile_columns = tile_columns,
     .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1},
     .swiglu = swiglu_scalar,
     .geglu = geglu_scalar,

@@ -112,7 +112,9 @@ def weight_shapes(draw, types=tuple(nops.WEIGHT_TYPES), max_T=9):
         K = draw(st.integers(1, 100))  # any K: not a multiple of 8 or 16 lanes
     else:
         K = block_values * draw(st.integers(1, 2 if block_values == 256 else 5))
-    # N crosses the 16-row vec_dot units and 32-row tiles; T crosses the GEMM switch (4) and its 4-row blocks
+    # N crosses the 16-row vec_dot units and 32-row tiles (and a tile's two 16-row halves); T crosses
+    # the GEMM switch (4) and, with a larger max_T, the kernels' blocks of x rows (8, 4, 1 on AVX-512;
+    # 6, 2, 1 on AVX2)
     return gtype, draw(st.integers(1, 70)), K, draw(st.integers(1, max_T))
 
 
@@ -159,13 +161,28 @@ def test_matmul_by_one_hot_rows_reproduces_every_dequantized_weight_bit_for_bit(
         np.testing.assert_array_equal(ks(threads, isa).matmul(x, w), W.T[rows])
 
 
-@given(weight_shapes(), ISAS, SEEDS)
+@given(weight_shapes(max_T=40), ISAS, SEEDS)
 def test_matmul_is_bit_identical_for_1_and_2_threads(shape, isa, seed):
     gtype, N, K, T = shape
     rng = np.random.default_rng(seed)
     w = random_weight(gtype, N, K, rng)
     x = rng.standard_normal((T, K)).astype(np.float32)
     np.testing.assert_array_equal(ks(1, isa).matmul(x, w), ks(2, isa).matmul(x, w))
+
+
+@given(weight_shapes(max_T=40), ISAS, THREADS, SEEDS, st.data())
+def test_matmul_gemm_rows_do_not_depend_on_the_other_rows(shape, isa, threads, seed, data):
+    # the GEMM path computes each y[t, n] with the same operations wherever its row falls in the
+    # kernel's blocks of x rows and its column in a tile: any T >= 4 rows of x, in any order, give
+    # their rows of the full product bit for bit (the property that makes results independent of
+    # the thread count and of how a prefill is batched)
+    gtype, N, K, T = shape
+    rng = np.random.default_rng(seed)
+    w = random_weight(gtype, N, K, rng)
+    x = rng.standard_normal((max(T, 4), K)).astype(np.float32)
+    rows = data.draw(st.lists(st.integers(0, len(x) - 1), min_size=4, max_size=len(x) + 3))
+    y = ks(threads, isa).matmul(x, w)
+    np.testing.assert_array_equal(ks(threads, isa).matmul(x[rows], w), y[rows])
 
 
 @given(st.sampled_from(FLOAT_TYPES + BLOCK_TYPES), ISAS, SEEDS, st.integers(1, 3))
