@@ -9,8 +9,9 @@
   cache-bytes.png          KV cache bytes against context length for each layout and K/V type
                            (kvref.cache.report's formulas), SmolLM2-135M and Gemma 3 270M
   decode-vs-context.png    decode tok/s against cached positions, kvref beside llama.cpp, from the
-                           JSON files benchmarks/compare.py --json wrote into --measured (one per
-                           context length); left out when there are none
+                           JSON files `benchmarks/compare.py --cases context --context N --json
+                           decode_vs_context_N.json` wrote into --measured (one per N); left out
+                           when there are none
 """
 
 from __future__ import annotations
@@ -81,16 +82,19 @@ def decode_vs_context(out: Path, measured: Path) -> bool:
     for path in sorted(measured.glob("decode_vs_context_*.json")):
         data = json.loads(path.read_text())
         context = data["settings"]["context"]
-        for engine, value in data["medians"]["context"].items():
-            points.setdefault(engine, []).append((context, value))
+        for row in data["medians"]:
+            if row["case"] == "context" and row["threads"] == 2:
+                points.setdefault(row["engine"], []).append((context, row["tok_s"]))
     if not points:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for engine, values in sorted(points.items()):
         values.sort()
         ax.plot([c for c, _ in values], [v for _, v in values], marker="o", label=engine)
-    ax.set(xscale="log", xlabel="cached positions", ylabel="decode tok/s (2 threads)",
-           title=data.get("title", "decode speed against context"))
+    model = Path(data["settings"]["model"] or "SmolLM2-135M-Instruct").name
+    ax.set(xscale="log", xlabel="cached positions", ylabel="decode tok/s (2 threads, median of 3 rounds)",
+           title=f"{model}: decode speed against context")
+    ax.set_ylim(bottom=0)
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
