@@ -24,6 +24,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from kvref import trace  # noqa: E402
 from kvref.cache import bytes_per_position, cache_bytes  # noqa: E402
@@ -89,12 +90,17 @@ def decode_vs_context(out: Path, measured: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for engine, values in sorted(points.items()):
+        if len(values) < 2:
+            continue  # an engine measured at one length only (compare.py's default run) draws no line
         values.sort()
         ax.plot([c for c, _ in values], [v for _, v in values], marker="o", label=engine)
     model = Path(data["settings"]["model"] or "SmolLM2-135M-Instruct").name
     ax.set(xscale="log", xlabel="cached positions", ylabel="decode tok/s (2 threads, median of 3 rounds)",
            title=f"{model}: decode speed against context")
     ax.set_ylim(bottom=0)
+    ax.set_xticks(sorted({c for values in points.values() for c, _ in values}))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
