@@ -17,6 +17,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
@@ -298,15 +299,26 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
         free_pool(pool);
         return KVREF_ERR_NOMEM;
     }
-    for (int i = 1; i < n_threads; i++) {
+    /* Workers block every signal (they inherit the mask they are created with): a Ctrl-C must reach
+     * the thread that runs Python, whose blocking read (input(), a pipe) it interrupts. Delivered
+     * to a worker, it would only set Python's flag while the main thread slept on. */
+    sigset_t all, caller;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &caller);
+    int status = KVREF_OK;
+    for (int i = 1; i < n_threads && status == KVREF_OK; i++) {
         pool->workers[i].pool = pool;
         pool->workers[i].index = i;
-        if (pthread_create(&pool->threads[pool->n_started], NULL, worker_main, &pool->workers[i]) != 0) {
-            stop_workers(pool);
-            free_pool(pool);
-            return KVREF_ERR_THREAD;
-        }
-        pool->n_started++;
+        if (pthread_create(&pool->threads[pool->n_started], NULL, worker_main, &pool->workers[i]) != 0)
+            status = KVREF_ERR_THREAD;
+        else
+            pool->n_started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &caller, NULL);
+    if (status != KVREF_OK) {
+        stop_workers(pool);
+        free_pool(pool);
+        return status;
     }
     *out = pool;
     return KVREF_OK;

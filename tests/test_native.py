@@ -16,7 +16,9 @@ that an error instead (CI does).
 import ctypes
 import mmap
 import os
+import signal
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -814,3 +816,26 @@ def test_one_pool_serves_concurrent_python_threads_correctly():
 def test_available_reports_the_built_module():
     assert native.available() and native.unavailable_reason() is None
     assert nops.best_isa() in nops.supported_isas()
+
+
+def test_pool_workers_block_signals_so_ctrl_c_reaches_the_python_thread():
+    # a signal delivered to a worker would only set Python's flag while the main thread slept on in a
+    # blocking read (input() at a chat prompt): every worker the pool starts blocks SIGINT
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        pytest.skip("reads thread signal masks from Linux's /proc")
+    before = set(os.listdir(tasks))
+    out = ffi.new("kvref_pool **")
+    assert lib.kvref_pool_create(3, lib.KVREF_ISA_SCALAR, out) == lib.KVREF_OK  # a pool of its own: 2 workers
+    try:
+        workers = set(os.listdir(tasks)) - before
+        masks = [next(line for line in (tasks / tid / "status").read_text().splitlines() if line.startswith("SigBlk"))
+                 for tid in workers]
+    finally:
+        lib.kvref_pool_destroy(out[0])
+    assert len(workers) == 2
+    for blocked in masks:
+        assert int(blocked.split()[1], 16) & (1 << (signal.SIGINT - 1)), blocked
+    main_mask = next(line for line in (tasks / str(os.getpid()) / "status").read_text().splitlines()
+                     if line.startswith("SigBlk"))
+    assert not int(main_mask.split()[1], 16) & (1 << (signal.SIGINT - 1))  # the caller's mask is restored
