@@ -193,9 +193,10 @@ static kvref_mv_part part(const kvref_tensor *w, float *y, int64_t ldy) {
     return (kvref_mv_part){(const uint8_t *)w->data, w->type, w->rows, y, ldy};
 }
 
-/* y [T, N] = x [T, K] @ W.T on the prefill path */
-static void matmul(const fw *f, const float *x, const kvref_tensor *w, float *y) {
-    kvref_matmul_run(f->pool, x, f->T, w->cols, (const uint8_t *)w->data, w->type, w->rows, y);
+/* y [T, N] = x [T, K] @ W.T on the prefill path (T >= KVREF_GEMM_MIN_T) */
+static void matmul(const fw *f, const float *x, int64_t T, const kvref_tensor *w, float *y) {
+    if (f->int8) kvref_matmul_int8_run(f->pool, x, T, w->cols, (const uint8_t *)w->data, w->type, w->rows, y);
+    else kvref_matmul_run(f->pool, x, T, w->cols, (const uint8_t *)w->data, w->type, w->rows, y);
 }
 
 /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
@@ -212,9 +213,9 @@ static void qkv_projections(fw *f) {
         mv.part[2] = part(&lw->wv, s->v, lw->wv.rows);
         kvref_mv_run(f->pool, &mv);
     } else {
-        matmul(f, s->xb, &lw->wq, s->q);
-        matmul(f, s->xb, &lw->wk, s->k);
-        matmul(f, s->xb, &lw->wv, s->v);
+        matmul(f, s->xb, f->T, &lw->wq, s->q);
+        matmul(f, s->xb, f->T, &lw->wk, s->k);
+        matmul(f, s->xb, f->T, &lw->wv, s->v);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
@@ -231,7 +232,7 @@ static void residual_projection(fw *f, const float *in, const kvref_tensor *w, c
         mv.accumulate = post_norm == NULL;
         kvref_mv_run(f->pool, &mv);
     } else {
-        matmul(f, in, w, s->tmp);
+        matmul(f, in, f->T, w, s->tmp);
     }
     if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
         s->ns[FAM_PROJ] += now_ns() - t0;
@@ -261,8 +262,8 @@ static void gate_up_projections(fw *f) {
         mv.glu = f->glu;
         kvref_mv_run(f->pool, &mv);
     } else {
-        matmul(f, s->xb, &lw->w_gate, s->gate);
-        matmul(f, s->xb, &lw->w_up, s->up);
+        matmul(f, s->xb, f->T, &lw->w_gate, s->gate);
+        matmul(f, s->xb, f->T, &lw->w_up, s->up);
         for_each_row(f, glu_row);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
@@ -349,7 +350,7 @@ static void final_logits(fw *f) {
         mv.part[0] = part(&c->output, f->logits, V);
         kvref_mv_run(f->pool, &mv);
     } else {
-        kvref_matmul_run(f->pool, s->xb, n, E, (const uint8_t *)c->output.data, c->output.type, V, f->logits);
+        matmul(f, s->xb, n, &c->output, f->logits);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
@@ -579,6 +580,9 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
         const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }
+    if (status == KVREF_OK && activations == KVREF_ACT_INT8 && T >= KVREF_GEMM_MIN_T && /* x in 8 bits */
+        kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, model->max_k)) == NULL)
+        status = KVREF_ERR_NOMEM;
     if (status != KVREF_OK) {
         kvref_pool_unlock(pool);
         return status;

@@ -118,6 +118,24 @@ static inline void kvref_q8_scale(float amax, float *d, float *id) {
     *id = *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
+/* ---- the 8-bit GEMM tile (int8 activations, many rows of x) ------------------------------------
+ *
+ * KVREF_TILE_N weight rows of a type kvref_q8_tile_type takes, decoded to their integers in blocks
+ * of bv = kvref_q8_tile_values(type) values that share a scale (32; Q6_K's sub-blocks are 16), one
+ * record of KVREF_Q8_TILE_RECORD(bv) bytes per block b (at b * KVREF_Q8_TILE_RECORD(bv)):
+ *   qs   [bv/4][KVREF_TILE_N][4] int8  value 4s + i of row n's block at qs[s][n][i]: four
+ *                                    consecutive values per 32-bit lane, the operand of a
+ *                                    four-byte dot product
+ *   zero [KVREF_TILE_N] int32       -128 * the sum of the row's bv values: x is read as unsigned
+ *                                    bytes q + 128, and this takes the 128s back out exactly
+ *   d    [KVREF_TILE_N] float32     the block's scale
+ *   m    [KVREF_TILE_N] float32     the block's offset (Q4_1's and Q4_K's; 0 for the symmetric types)
+ * so row n's value j is d * q_j + m. Rows from nw on are all zero. */
+#define KVREF_Q8_TILE_RECORD(bv) ((bv) * KVREF_TILE_N + 3 * 4 * KVREF_TILE_N)
+#define KVREF_Q8_TILE_ZERO(bv) ((bv) * KVREF_TILE_N)     /* byte offsets in a record */
+#define KVREF_Q8_TILE_D(bv) (KVREF_Q8_TILE_ZERO(bv) + 4 * KVREF_TILE_N)
+#define KVREF_Q8_TILE_M(bv) (KVREF_Q8_TILE_D(bv) + 4 * KVREF_TILE_N)
+
 /* ---- attention chunk kernels (the skeleton that drives them is csrc/attention.c) ------------ */
 
 /* What every attention kernel reads: the queries, one layer of the cache and the positions. */
@@ -254,6 +272,14 @@ typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, floa
  * element's operations do not depend on T, nw or where the kernel's blocking puts it. */
 typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float *tile, int64_t nw,
                               float *y, int64_t ldy);
+/* y[t * ldy + n] = sum over the tile's blocks b (bv values each), in order from 0, of
+ * fl(d_x d_w) I_b as one fused multiply-add into the float32 sum, then (with affine) m_w s_x as
+ * another, for t < T, n < nw: I_b the exact integer dot product of the block's x bytes with the
+ * weight row's values, d_x and s_x those of the 32-value x block it lies in. xu [T, K] are x's
+ * 8-bit values plus 128 (unsigned), xds [T, K/32, 2] their blocks' (d_x, s_x); tile as above,
+ * 64-byte aligned. An element's operations do not depend on T, nw or the kernel's blocking. */
+typedef void (*kvref_gemm_q8_fn)(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
+                                 int64_t bv, int64_t nw, int affine, float *y, int64_t ldy);
 /* tile[k * KVREF_TILE_N + i] = rows[i * K + k] for i < 16, k < K: sixteen dequantized weight rows
  * [16, K] into sixteen columns of a tile (tile 64-byte aligned; the caller offsets it by 0 or 16) */
 typedef void (*kvref_tile_columns_fn)(int64_t K, const float *rows, float *tile);
@@ -278,6 +304,7 @@ typedef struct kvref_kernels {
     /* 8-bit activations: a dot kernel for the weight types that have one (NULL: use vec_dot) */
     kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
     kvref_quantize_q8_fn quantize_q8;
+    kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
     /* out[i] = kvref_fp32_to_fp16(x[i]) */
     void (*to_fp16)(int64_t n, const float *x, uint16_t *out);
 } kvref_kernels;
@@ -296,6 +323,68 @@ float kvref_avx2_vec_dot_q8_q5_0(int64_t K, const uint8_t *w_row, const int8_t *
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
 void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out);
+/* Whether the 8-bit GEMM takes weights of this type: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K (whose 32-value
+ * sub-blocks have a scale and an offset each) and Q6_K (16-value sub-blocks with a scale each) */
+static inline int kvref_q8_tile_type(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 || type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q5_0 ||
+           type == KVREF_TYPE_Q8_0 || type == KVREF_TYPE_Q4_K || type == KVREF_TYPE_Q6_K;
+}
+/* values per block of one scale, for those types */
+static inline int64_t kvref_q8_tile_values(int32_t type) { return type == KVREF_TYPE_Q6_K ? 16 : 32; }
+/* block b (kvref_q8_tile_values(type) values) of a weight row of such a type -> its integers q,
+ * scale d and offset m (0 but for Q4_1 and Q4_K): value j is d * q[j] + m */
+static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
+    *m = 0.0f;
+    if (type == KVREF_TYPE_Q6_K) { /* sub-block b % 16 of a super-block (dequant_q6_k's order) */
+        const uint8_t *w = row + b / 16 * BYTES_Q6_K;
+        const int j = (int)(b % 16), half = j / 8, g = j % 8 / 2, l0 = 16 * (j % 2);
+        const uint8_t *ql = w + 64 * half + 32 * (g % 2), *qh = w + 128 + 32 * half;
+        *d = kvref_load_fp16(w + 208) * (float)(int8_t)w[192 + j]; /* exact: 11 x 8 bits */
+        for (int i = 0; i < 16; i++)
+            q[i] = (int8_t)((((ql[l0 + i] >> (4 * (g / 2))) & 0xF) | (((qh[l0 + i] >> (2 * g)) & 3) << 4)) - 32);
+        return;
+    }
+    if (type == KVREF_TYPE_Q4_K) { /* sub-block j of a super-block: d * sc_j * q - dmin * m_j */
+        const uint8_t *w = row + b / 8 * BYTES_Q4_K, *qs = w + 16 + 32 * (b % 8 / 2);
+        const int j = (int)(b % 8), shift = 4 * (j % 2);
+        uint8_t sc, mn;
+        kvref_q4k_scale_min(j, w + 4, &sc, &mn);
+        *d = kvref_load_fp16(w) * (float)sc;      /* both exact: an 11-bit by a 6-bit integer */
+        *m = -(kvref_load_fp16(w + 2) * (float)mn);
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)((qs[i] >> shift) & 0xF);
+        return;
+    }
+    const uint8_t *w = row + b * kvref_row_nbytes(type, 32);
+    switch (type) {
+    case KVREF_TYPE_Q4_0:
+        *d = kvref_load_fp16(w);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)((w[2 + j] & 0xF) - 8);
+            q[j + 16] = (int8_t)((w[2 + j] >> 4) - 8);
+        }
+        return;
+    case KVREF_TYPE_Q4_1:
+        *d = kvref_load_fp16(w);
+        *m = kvref_load_fp16(w + 2);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(w[4 + j] & 0xF);
+            q[j + 16] = (int8_t)(w[4 + j] >> 4);
+        }
+        return;
+    case KVREF_TYPE_Q5_0: {
+        const uint32_t qh = kvref_q5_high_bits(w);
+        *d = kvref_load_fp16(w);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(((w[6 + j] & 0xF) | ((qh >> j & 1u) << 4)) - 16);
+            q[j + 16] = (int8_t)(((w[6 + j] >> 4) | ((qh >> (j + 16) & 1u) << 4)) - 16);
+        }
+        return;
+    }
+    default: /* KVREF_TYPE_Q8_0 */
+        *d = kvref_load_fp16(w);
+        memcpy(q, w + 2, 32);
+    }
+}
 float kvref_silu_ref(float g);
 void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out);
 
@@ -320,6 +409,11 @@ size_t kvref_matmul_scratch_bytes(int64_t T, int64_t K);
 void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                       int32_t type, int64_t N, float *y);
 
+/* bytes of the pool's shared buffer kvref_matmul_int8_run needs (the caller reserves them) */
+size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K);
+/* y [T, N] = x [T, K] @ W.T with x rounded to 8-bit blocks: the work of kvref_matmul_int8 (any T) */
+void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
+                           int32_t type, int64_t N, float *y);
 /* Up to three weights that share one input, for T < KVREF_GEMM_MIN_T rows of x (decode): one
  * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
  * the residual add). With xqs/xds (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2]), weights that

@@ -913,6 +913,80 @@ TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const
     return acc;
 }
 
+/* ---- 8-bit GEMM on 8-bit tiles (internal.h) ---------------------------------------------- */
+
+_Static_assert(KVREF_Q8_TILE_RECORD(16) % 64 == 0 && KVREF_Q8_TILE_RECORD(32) % 64 == 0,
+               "tile records keep 64-byte alignment");
+/* Rows of x per block: 12 integer and 12 float accumulators, two weight vectors and a broadcast */
+#define GEMM_Q8_ROWS 6
+
+/* y[i, n] for the R rows of x at xu (row stride K bytes) and n below the masks' lanes: per block,
+ * integer sums start from the tile's zero correction and take eight four-byte dot products (one
+ * x lane broadcast against a vector of weight lanes), then one fused multiply-add by d_x d_w (and
+ * one by m_w s_x) into the float sums, in block order: the scalar kernel's operations. */
+TARGET_VNNI static inline __attribute__((always_inline)) void gemm_q8_block(
+    int64_t K, const uint8_t *xu, const float *xds, const int R, const uint8_t *tile, const int bv, int affine,
+    __mmask16 m0, __mmask16 m1, float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    __m512 acc[GEMM_Q8_ROWS][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < K / bv; r++) {
+        const uint8_t *rec = tile + r * KVREF_Q8_TILE_RECORD(bv);
+        const int64_t b = r * bv / 32, x0 = r * bv; /* x's block, and the record's first value */
+        const __m512i z0 = _mm512_load_si512(rec + KVREF_Q8_TILE_ZERO(bv));
+        const __m512i z1 = _mm512_load_si512(rec + KVREF_Q8_TILE_ZERO(bv) + 64);
+        __m512i isum[GEMM_Q8_ROWS][2];
+        for (int i = 0; i < R; i++) isum[i][0] = z0, isum[i][1] = z1;
+        for (int s = 0; s < bv / 4; s++) {
+            const __m512i w0 = _mm512_load_si512(rec + s * 4 * KVREF_TILE_N);
+            const __m512i w1 = _mm512_load_si512(rec + s * 4 * KVREF_TILE_N + 64);
+            for (int i = 0; i < R; i++) {
+                int32_t x4;
+                memcpy(&x4, xu + i * K + x0 + 4 * s, 4);
+                const __m512i xv = _mm512_set1_epi32(x4);
+                isum[i][0] = _mm512_dpbusd_epi32(isum[i][0], xv, w0);
+                isum[i][1] = _mm512_dpbusd_epi32(isum[i][1], xv, w1);
+            }
+        }
+        const __m512 d0 = _mm512_load_ps(rec + KVREF_Q8_TILE_D(bv)), d1 = _mm512_load_ps(rec + KVREF_Q8_TILE_D(bv) + 64);
+        for (int i = 0; i < R; i++) {
+            const __m512 dx = _mm512_set1_ps(xds[(i * nb + b) * 2]);
+            acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][0]), _mm512_mul_ps(dx, d0), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][1]), _mm512_mul_ps(dx, d1), acc[i][1]);
+        }
+        if (affine) {
+            const __m512 mw0 = _mm512_load_ps(rec + KVREF_Q8_TILE_M(bv)), mw1 = _mm512_load_ps(rec + KVREF_Q8_TILE_M(bv) + 64);
+            for (int i = 0; i < R; i++) {
+                const __m512 sx = _mm512_set1_ps(xds[(i * nb + b) * 2 + 1]);
+                acc[i][0] = _mm512_fmadd_ps(mw0, sx, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(mw1, sx, acc[i][1]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(y + i * ldy, m0, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, acc[i][1]);
+    }
+}
+
+/* the rows of x in blocks of GEMM_Q8_ROWS, then 2, then 1, for blocks of BV values */
+#define GEMM_Q8_ROWS_OF(BV)                                                                              \
+    do {                                                                                                 \
+        for (; t + GEMM_Q8_ROWS <= T; t += GEMM_Q8_ROWS)                                                 \
+            gemm_q8_block(K, xu + t * K, xds + t * nd, GEMM_Q8_ROWS, tile, BV, affine, m0, m1, y + t * ldy, ldy); \
+        for (; t + 2 <= T; t += 2) gemm_q8_block(K, xu + t * K, xds + t * nd, 2, tile, BV, affine, m0, m1, y + t * ldy, ldy); \
+        for (; t < T; t++) gemm_q8_block(K, xu + t * K, xds + t * nd, 1, tile, BV, affine, m0, m1, y + t * ldy, ldy); \
+    } while (0)
+
+TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
+                                     int64_t bv, int64_t nw, int affine, float *y, int64_t ldy) {
+    const __mmask16 m0 = tail_mask(nw < 16 ? nw : 16), m1 = tail_mask(nw > 16 ? nw - 16 : 0);
+    const int64_t nd = K / 32 * 2; /* floats of xds per row */
+    int64_t t = 0;
+    if (bv == 32) GEMM_Q8_ROWS_OF(32);
+    else GEMM_Q8_ROWS_OF(16);
+}
+
 #define AVX512_TABLE_COMMON                                                                      \
     .vec_dot = {                                                                                 \
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                          \
@@ -953,6 +1027,7 @@ const kvref_kernels kvref_kernels_avx512_vnni = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
     },
+    .gemm_q8 = gemm_q8_vnni,
 };
 
 #endif /* KVREF_X86 */

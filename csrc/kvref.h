@@ -104,9 +104,12 @@ int kvref_matmul(kvref_pool *pool,
 /* The projection of the int8 activation mode: y = x~ @ W.T, where each row of x is first rounded
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block. For
- * Q4_1 the block offset m multiplies the exact float32 sum of x over the block. Weight types
- * without an 8-bit kernel (anything but Q4_0, Q4_1, Q5_0, Q8_0) give exactly kvref_matmul's result.
- * Arguments as kvref_matmul; the fused forward uses this for executions of fewer than 4 rows. */
+ * Q4_1 the block offset m multiplies the exact float32 sum of x over the block. This holds for
+ * Q4_0, Q4_1, Q5_0 and Q8_0 weights always, and for Q4_K (its 32-value sub-blocks' offsets as Q4_1's)
+ * where the integer GEMM runs: from 4 rows of x on, with the scalar kernels or AVX-512 VNNI, the
+ * weights are decoded to 8-bit tiles and multiplied as an integer GEMM; elsewhere each row is a dot
+ * product per weight row. Every other case gives exactly kvref_matmul's result. Arguments as
+ * kvref_matmul. */
 int kvref_matmul_int8(kvref_pool *pool,
                       const float *x, int64_t T, int64_t K,
                       const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
@@ -278,10 +281,8 @@ void kvref_state_destroy(kvref_state *state);
 /* How projections treat their input rows. */
 enum kvref_activations {
     KVREF_ACT_F32 = 0,         /* exact: the float32 kernels of kvref_matmul, every execution */
-    KVREF_ACT_INT8 = 1         /* every projection of fewer than 4 rows (all of a decode step's,
-                                  and the last-position LM head of a prefill) is kvref_matmul_int8:
-                                  its input rounded to 8-bit blocks of 32 for Q4_0, Q4_1, Q5_0 and
-                                  Q8_0 weights; other weights and longer projections stay exact */
+    KVREF_ACT_INT8 = 1         /* every projection is kvref_matmul_int8: its input rounded to
+                                  8-bit blocks of 32 where the weight type has 8-bit kernels */
 };
 
 /* Run T new tokens at positions length .. length+T-1 of a cache.

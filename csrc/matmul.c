@@ -124,28 +124,104 @@ int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const v
     return status;
 }
 
+/* ---- 8-bit activations ------------------------------------------------------------------- */
+
+typedef struct {
+    const kvref_kernels *kk;
+    kvref_pool *pool;
+    const uint8_t *xu;         /* [T, K]: x's 8-bit values + 128 */
+    const float *xds;          /* [T, K/32, 2] */
+    const uint8_t *w;          /* [N, rb] */
+    int32_t type;
+    int64_t T, K, N, rb;
+    float *y;                  /* [T, N] */
+} q8_ctx;
+
+/* nw <= KVREF_TILE_N rows of w (rb bytes each) -> an 8-bit tile (internal.h), rows nw.. zero */
+static void q8_tile(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
+    const int64_t bv = kvref_q8_tile_values(type);
+    for (int64_t n = 0; n < KVREF_TILE_N; n++)
+        for (int64_t b = 0; b < K / bv; b++) {
+            uint8_t *rec = tile + b * KVREF_Q8_TILE_RECORD(bv);
+            int8_t q[32] = {0};
+            float d = 0.0f, m = 0.0f;
+            if (n < nw) kvref_q8_weight_block(type, w + n * rb, b, q, &d, &m);
+            int32_t sum = 0;
+            for (int j = 0; j < bv; j++) sum += q[j];
+            const int32_t zero = -128 * sum;
+            for (int s = 0; s < bv / 4; s++) memcpy(rec + s * 4 * KVREF_TILE_N + 4 * n, q + 4 * s, 4);
+            memcpy(rec + KVREF_Q8_TILE_ZERO(bv) + 4 * n, &zero, 4);
+            memcpy(rec + KVREF_Q8_TILE_D(bv) + 4 * n, &d, 4);
+            memcpy(rec + KVREF_Q8_TILE_M(bv) + 4 * n, &m, 4);
+        }
+}
+
+static void mm_q8_tile_unit(void *vctx, int64_t unit, int thread) {
+    const q8_ctx *c = vctx;
+    const int64_t n0 = unit * KVREF_TILE_N;
+    const int64_t nw = n0 + KVREF_TILE_N < c->N ? KVREF_TILE_N : c->N - n0;
+    uint8_t *tile = kvref_pool_scratch(c->pool, thread); /* at most 56 K bytes: less than a float tile */
+    q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    const int affine = c->type == KVREF_TYPE_Q4_1 || c->type == KVREF_TYPE_Q4_K;
+    c->kk->gemm_q8(c->K, c->xu, c->xds, c->T, tile, kvref_q8_tile_values(c->type), nw, affine, c->y + n0, c->N);
+}
+
+#define Q8_ROWS_PER_UNIT 16     /* rows of x a thread rounds to 8 bits at a time */
+
+typedef struct {
+    const kvref_kernels *kk;
+    const float *x;            /* [T, K] */
+    int64_t T, K;
+    int8_t *qs;                /* [T, K] */
+    float *ds;                 /* [T, K/32, 2] */
+} quantize_ctx;
+
+/* rows of x -> 8-bit blocks, stored + 128 as the GEMM reads them */
+static void quantize_unit(void *vctx, int64_t unit, int thread) {
+    const quantize_ctx *c = vctx;
+    (void)thread;
+    const int64_t t0 = unit * Q8_ROWS_PER_UNIT, t1 = t0 + Q8_ROWS_PER_UNIT < c->T ? t0 + Q8_ROWS_PER_UNIT : c->T;
+    for (int64_t t = t0; t < t1; t++) c->kk->quantize_q8(c->K, c->x + t * c->K, c->qs + t * c->K, c->ds + t * (c->K / 16));
+    uint8_t *xu = (uint8_t *)c->qs;
+    for (int64_t i = t0 * c->K; i < t1 * c->K; i++) xu[i] ^= 0x80; /* q + 128 in two's complement */
+}
+
+size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K) {
+    return (size_t)T * (size_t)K * 2; /* qs [T, K] int8, then ds [T, K/32, 2] float32 (8 bytes per 32 values) */
+}
+
+void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
+                           int32_t type, int64_t N, float *y) {
+    const kvref_kernels *kk = kvref_pool_kernels(pool);
+    const int gemm = T >= KVREF_GEMM_MIN_T && kk->gemm_q8 != NULL && kvref_q8_tile_type(type);
+    if (T == 0 || N == 0 || K == 0 || (!gemm && kk->vec_dot_q8[type] == NULL)) {
+        kvref_matmul_run(pool, x, T, K, w, type, N, y);
+        return;
+    }
+    int8_t *xqs = kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)); /* reserved: no allocation */
+    float *xds = (float *)(void *)(xqs + T * K);
+    if (gemm) {
+        quantize_ctx qc = {kk, x, T, K, xqs, xds};
+        kvref_pool_run(pool, quantize_unit, &qc, (T + Q8_ROWS_PER_UNIT - 1) / Q8_ROWS_PER_UNIT);
+        q8_ctx c = {kk, pool, (const uint8_t *)xqs, xds, w, type, T, K, N, kvref_row_nbytes(type, K), y};
+        kvref_pool_run(pool, mm_q8_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);
+        return;
+    }
+    for (int64_t t = 0; t < T; t++) kk->quantize_q8(K, x + t * K, xqs + t * K, xds + t * (K / 16));
+    const kvref_mv mv = {x, xqs, xds, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
+    kvref_mv_run(pool, &mv);
+}
+
 int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
                       int32_t w_type, int64_t w_nbytes, int64_t N, float *y) {
     const int checked = check_matmul(pool, x, T, K, w, w_type, w_nbytes, N, y);
     if (checked >= 0) return checked;
-    if (K == 0) return kvref_matmul(pool, x, T, K, w, w_type, w_nbytes, N, y);
+    if (K > 0 && T > INT64_MAX / 2 / K) return KVREF_ERR_DIM;
     kvref_pool_lock(pool);
-    const kvref_kernels *kk = kvref_pool_kernels(pool);
-    int status = KVREF_OK;
-    int8_t *xqs = NULL;
-    float *xds = NULL;
-    if (kk->vec_dot_q8[w_type] != NULL) { /* K is a whole number of 32-value blocks */
-        /* qs [T, K] int8 then ds [T, K/32, 2] float32 (K/32 * 8 bytes per row: ds stays aligned) */
-        if (T > INT64_MAX / 2 / K) status = KVREF_ERR_DIM;
-        else xqs = kvref_pool_shared(pool, (size_t)(T * K) * 2);
-        if (status == KVREF_OK && xqs == NULL) status = KVREF_ERR_NOMEM;
-        if (status == KVREF_OK) xds = (float *)(void *)(xqs + T * K);
-        for (int64_t t = 0; status == KVREF_OK && t < T; t++) kk->quantize_q8(K, x + t * K, xqs + t * K, xds + t * (K / 16));
-    }
-    if (status == KVREF_OK) {
-        const kvref_mv mv = {x, xqs, xds, T, K, 1, {{(const uint8_t *)w, w_type, N, y, N}}, 0, NULL};
-        kvref_mv_run(pool, &mv);
-    }
+    int status = kvref_pool_reserve(pool, kvref_matmul_scratch_bytes(T, K));
+    if (status == KVREF_OK && kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)) == NULL)
+        status = KVREF_ERR_NOMEM;
+    if (status == KVREF_OK) kvref_matmul_int8_run(pool, x, T, K, (const uint8_t *)w, w_type, N, y);
     kvref_pool_unlock(pool);
     return status;
 }

@@ -302,54 +302,54 @@ static int32_t idot32(const int8_t *wq, const int8_t *xq) {
     return sum;
 }
 
-/* sum_b d_w d_x sum_j (q_j - 8) qx_j */
+/* sum_b d_w d_x sum_j q_j qx_j (+ m_w s_x for Q4_1: the offset m meets the exact block sum s) */
+static float vec_dot_q8_blocks(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < K / 32; b++, qs += 32, ds += 2) {
+        int8_t q[32];
+        float d, m;
+        kvref_q8_weight_block(type, w, b, q, &d, &m);
+        const float r = (d * ds[0]) * (float)idot32(q, qs);
+        acc += type == KVREF_TYPE_Q4_1 ? r + m * ds[1] : r;
+    }
+    return acc;
+}
+
 static float vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, qs += 32, ds += 2) {
-        int8_t q[32];
-        for (int j = 0; j < 16; j++) {
-            q[j] = (int8_t)((w[2 + j] & 0xF) - 8);
-            q[j + 16] = (int8_t)((w[2 + j] >> 4) - 8);
-        }
-        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32(q, qs);
-    }
-    return acc;
+    return vec_dot_q8_blocks(KVREF_TYPE_Q4_0, K, w, qs, ds);
 }
-
-/* sum_b d_w d_x sum_j q_j qx_j + m_w s_x: the offset m meets the exact block sum s */
 static float vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, qs += 32, ds += 2) {
-        int8_t q[32];
-        for (int j = 0; j < 16; j++) {
-            q[j] = (int8_t)(w[4 + j] & 0xF);
-            q[j + 16] = (int8_t)(w[4 + j] >> 4);
-        }
-        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32(q, qs) + kvref_load_fp16(w + 2) * ds[1];
-    }
-    return acc;
+    return vec_dot_q8_blocks(KVREF_TYPE_Q4_1, K, w, qs, ds);
 }
-
-/* sum_b d_w d_x sum_j (q_j - 16) qx_j, q_j the 5-bit values */
 static float vec_dot_q8_q5_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, qs += 32, ds += 2) {
-        const uint32_t qh = kvref_q5_high_bits(w);
-        int8_t q[32];
-        for (int j = 0; j < 16; j++) {
-            q[j] = (int8_t)(((w[6 + j] & 0xF) | ((qh >> j & 1u) << 4)) - 16);
-            q[j + 16] = (int8_t)(((w[6 + j] >> 4) | ((qh >> (j + 16) & 1u) << 4)) - 16);
-        }
-        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32(q, qs);
-    }
-    return acc;
+    return vec_dot_q8_blocks(KVREF_TYPE_Q5_0, K, w, qs, ds);
+}
+static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
+    return vec_dot_q8_blocks(KVREF_TYPE_Q8_0, K, w, qs, ds);
 }
 
-static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, qs += 32, ds += 2)
-        acc += (kvref_load_fp16(w) * ds[0]) * (float)idot32((const int8_t *)(w + 2), qs);
-    return acc;
+/* the definition the SIMD 8-bit GEMMs reproduce bit for bit (internal.h) */
+static void gemm_q8(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile, int64_t bv,
+                    int64_t nw, int affine, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < nw; n++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < K / bv; b++) {
+                const uint8_t *rec = tile + b * KVREF_Q8_TILE_RECORD(bv), *x = xu + t * K + b * bv;
+                const float *xd = xds + (t * (K / 32) + b * bv / 32) * 2;
+                int32_t zero, isum;
+                float d, m;
+                memcpy(&zero, rec + KVREF_Q8_TILE_ZERO(bv) + 4 * n, 4);
+                memcpy(&d, rec + KVREF_Q8_TILE_D(bv) + 4 * n, 4);
+                memcpy(&m, rec + KVREF_Q8_TILE_M(bv) + 4 * n, 4);
+                isum = zero;
+                for (int j = 0; j < bv; j++)
+                    isum += (int32_t)x[j] * (int32_t)(int8_t)rec[(j / 4) * 4 * KVREF_TILE_N + 4 * n + j % 4];
+                acc = fmaf((float)isum, xd[0] * d, acc);
+                if (affine) acc = fmaf(m, xd[1], acc);
+            }
+            y[t * ldy + n] = acc;
+        }
 }
 
 void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out) {
@@ -398,5 +398,6 @@ const kvref_kernels kvref_kernels_scalar = {
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0,
     },
     .quantize_q8 = quantize_q8_scalar,
+    .gemm_q8 = gemm_q8,
     .to_fp16 = kvref_to_fp16_ref,
 };

@@ -90,7 +90,7 @@ def kernels(backend: str, threads: int | None = None):
 def fused_forward(backend: str, config, weights, activations: str | None = None):
     """The FusedForward a Model of this backend runs its executions with, or None (the shared decoder).
 
-    activations: "float32" (exact) or "int8" (decode rounds matmul inputs to 8-bit blocks; see
+    activations: "float32" (exact) or "int8" (projections round their inputs to 8-bit blocks; see
     kvref.native.fused); default KVREF_ACTIVATIONS, else "float32". Native only.
     """
     if backend != "c":

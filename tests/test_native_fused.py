@@ -13,7 +13,7 @@ Tolerances, and why:
     kernels already meet end to end (tests/test_backends.py): float32 sums in other orders.
   - int8 activations: per projection, the derived bound in test_int8_matmul_* below; end to end,
     the int8 fused forward equals, bit for bit, the decoder running a kernel set whose matmul is
-    kvref_matmul_int8 for executions of fewer than 4 positions (the mode's definition).
+    kvref_matmul_int8 (the mode's definition).
 """
 
 import json
@@ -50,7 +50,8 @@ from kvref.native._kvref import ffi, lib  # noqa: E402
 PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").read_text())["prompts"]
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
-INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)
+INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)  # 8-bit kernels at any T
+GEMM_TYPES = INT8_TYPES + (GGMLType.Q4_K, GGMLType.Q6_K)  # ... and in the 8-bit GEMM (4 rows of x or more)
 
 
 # ---- random models with weights in every format ------------------------------------------------
@@ -285,8 +286,12 @@ def q8_blocks(x):
 
 
 def block_offsets(w):
-    """Each weight block's offset m_b [N, K/32] (Q4_1's min; 0 for the symmetric formats)."""
+    """Each weight block's offset m_b [N, K/32] (Q4_1's min, Q4_K's -dmin m_j; 0 for the symmetric formats)."""
     N, K = w.shape
+    if w.ggml_type == GGMLType.Q4_K:  # the values of all-zero nibbles are the offsets
+        blocks = w.data.reshape(-1, 144).copy()
+        blocks[:, 16:] = 0
+        return quants.dequantize(w.ggml_type, blocks, w.shape)[:, ::32].astype(np.float64)
     if w.ggml_type != GGMLType.Q4_1:
         return np.zeros((N, K // 32))
     return w.data.reshape(N, K // 32, 20)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
@@ -294,9 +299,10 @@ def block_offsets(w):
 
 @st.composite
 def int8_cases(draw):
-    gtype = draw(st.sampled_from(INT8_TYPES))
-    K = 32 * draw(st.integers(1, 8))
-    N, T = draw(st.integers(1, 40)), draw(st.integers(1, 6))
+    gtype = draw(st.sampled_from(GEMM_TYPES))
+    K = 256 * draw(st.integers(1, 2)) if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32 * draw(st.integers(1, 8))
+    # T from 4 on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1); N past 32 spans tiles
+    N, T = draw(st.integers(1, 70)), draw(st.integers(1, 20))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     W = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
     x = (rng.standard_normal((T, K)) * 2.0 ** draw(st.integers(-20, 20))).astype(np.float32)
@@ -304,17 +310,32 @@ def int8_cases(draw):
     return sane_quantized(gtype, W, rng), x
 
 
-# The int8 projection computes, per block b of 32 values, d_w d_x I_b (+ m_b s_b for Q4_1) in
+def has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512_vnni" in f.read()
+    except OSError:
+        return False
+
+
+# The instruction sets whose int8 projection of 4 or more rows is the 8-bit GEMM (csrc/internal.h);
+# AVX2, and AVX-512 without VNNI, take a dot product per row and weight row there instead.
+GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and has_vnni() else [])
+
+
+# The int8 projection computes, per block b of 32 values, d_w d_x I_b (+ m_b s_b for Q4_1, Q4_K) in
 # float32, where I_b is the exact integer dot product of the weight's quantized values with q.
 # Against x~ @ W.T computed exactly (float64) from the same blocks, the only errors are float32
 # roundings: fl(d_w d_x) (1 u), its product with I_b (1 u), fl(m s) and the float32 sum s (32 u),
-# and the sum over K/32 blocks in any order (gamma(K/32 + 8) covers the 8-lane partial sums too). So
-# |C - ref| <= gamma(K/32 + 40) * sum_b (|d_w d_x| |I|_b + |m_b| sum_j |x_j|), |I|_b the dot of magnitudes.
+# and the sum over K/32 blocks in any order (gamma(K/32 + 8) covers the 8-lane partial sums too; Q6_K
+# has K/16 blocks of 16 values). So, with K/16 for both,
+# |C - ref| <= gamma(K/16 + 40) * sum_b (|d_w d_x| |I|_b + |m_b| sum_j |x_j|), |I|_b the dot of magnitudes.
 
 @given(int8_cases(), ISAS, THREADS)
 def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(case, isa, threads):
     w, x = case
     N, K = w.shape
+    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= 4 and isa in GEMM_ISAS))  # else the K-quants are exact
     y = nops.kernels(threads, isa).matmul_int8(x, w)
     d, q, s = q8_blocks(x)
     Wd = quants.dequantize(w.ggml_type, w.data, w.shape).astype(np.float64)  # [N, K]
@@ -323,7 +344,7 @@ def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(ca
     xt = (q.reshape(-1, K // 32, 32) * d[..., None]).reshape(q.shape)  # x~ [T, K]
     ref = xt @ wq.T + s @ m.T
     mag = (np.abs(xt) @ np.abs(wq).T) + np.abs(x.astype(np.float64)).reshape(-1, K // 32, 32).sum(-1) @ np.abs(m).T
-    bound = gamma(K // 32 + 40) * mag + UNDERFLOW_SLACK
+    bound = gamma(K // 16 + 40) * mag + UNDERFLOW_SLACK  # Q6_K's blocks are 16 values
     assert np.all(np.abs(y - ref) <= bound), (np.abs(y - ref).max(), bound.min())
 
 
@@ -350,8 +371,21 @@ def test_int8_matmul_is_within_the_derived_bound_of_the_exact_product(case, isa)
     assert np.all(np.abs(y - exact) <= rounding + float32 + UNDERFLOW_SLACK)
 
 
+@given(int8_cases(), st.sampled_from(GEMM_ISAS), THREADS)
+def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread_count(case, isa, threads):
+    # The GEMM computes the same integers and the same fused multiply-adds per block, in block
+    # order, on every instruction set; only the block sums s of x are summed in another order, so
+    # x here takes values whose sums are exact in any order (multiples of 1/8 below 2**10).
+    w, x = case
+    assume(x.shape[0] >= 4)
+    x = np.round(np.clip(x / (np.abs(x).max() + 1e-30), -1, 1) * 2**12).astype(np.float32) / 8
+    want = nops.kernels(1, "scalar").matmul_int8(x, w)
+    np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
+
+
 @given(st.sampled_from([t for t in nops.WEIGHT_TYPES if t not in INT8_TYPES]), ISAS, st.integers(0, 2**16))
 def test_int8_matmul_is_the_exact_matmul_for_weights_without_an_8bit_kernel(gtype, isa, seed):
+    # three rows of x: below the 8-bit GEMM, where Q4_K has no 8-bit kernel either
     rng = np.random.default_rng(seed)
     K = 256 * (1 + seed % 2)
     w = sane_quantized(gtype, (rng.standard_normal((19, K)) / 16).astype(np.float32), rng)
@@ -361,8 +395,7 @@ def test_int8_matmul_is_the_exact_matmul_for_weights_without_an_8bit_kernel(gtyp
 
 
 class Int8Kernels:
-    """A kernel set defining the int8 mode for the shared decoder: matmul is kvref_matmul_int8 for
-    executions of fewer than 4 positions (decode), the exact kvref_matmul otherwise."""
+    """A kernel set defining the int8 mode for the shared decoder: matmul is kvref_matmul_int8."""
 
     def __init__(self, ks):
         self.ks = ks
@@ -371,7 +404,7 @@ class Int8Kernels:
         return getattr(self.ks, name)
 
     def matmul(self, x, w):
-        return self.ks.matmul_int8(x, w) if x.shape[0] < 4 else self.ks.matmul(x, w)
+        return self.ks.matmul_int8(x, w)
 
 
 @given(st.data(), ISAS)

@@ -33,14 +33,14 @@ float32 the cache's own decode gives); the bounds of tests/test_native.py carry 
 ring layer's keys are in slot order rather than position order, so there the logits are the
 decoder's over a contiguous cache to float32 rounding (the online softmax sums in another order).
 With activations="int8",
-every projection of fewer than 4 rows (all of a decode step's, and a prefill's last-position LM
-head) is Kernels.matmul_int8: each input row is rounded to blocks of 32 int8 values with scale
-d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0 weights, and multiplied with integer dot products
-(llama.cpp does the same). Each such output moves by at most
+every projection, prefill and decode alike, is Kernels.matmul_int8: each input row is rounded to
+blocks of 32 int8 values with scale d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0 weights, and
+multiplied with integer dot products (llama.cpp does the same; a prefill's projections run as an
+integer GEMM on AVX-512 VNNI). Each such output moves by at most
 sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j - m_b| (m_b: the block's offset, Q4_1 only) beyond the
-float32 rounding of the exact mode; other weight types and longer projections stay exact. Exact
-is the default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 15-23
-tokens, as llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
+float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on
+SmolLM2 the int8 greedy continuation leaves the float32 reference after 15-23 tokens, as
+llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
 
 Argument checks happen here, before C runs: token ids (TokenError), room in the cache
 (CacheFullError, from cache.begin, which also reserves a paged cache's blocks), the cache arrays'
