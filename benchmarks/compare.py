@@ -6,7 +6,7 @@
 Engines (each one that is installed; a missing one is reported and left out):
   kvref-c       kvref.load(path, backend="c", threads=T)       the native path (fused C forward);
                 K/V cache float16 like llama.cpp's (--kv-dtype); exact float32 activations
-  kvref-c-int8  the same with KVREF_ACTIVATIONS=int8: decode steps round matmul inputs to 8-bit blocks
+  kvref-c-int8  the same with KVREF_ACTIVATIONS=int8: every projection rounds its input to 8-bit blocks
                 before the quantized weights, as llama.cpp does (kvref.native.fused)
   kvref-numpy   kvref.load(path, backend="numpy")               the NumPy spec, OpenBLAS with T threads;
                 K/V cache float32

@@ -50,7 +50,8 @@ struct kvref_state {
     float *gate, *up;          /* [rows, F]     MLP hidden; gate becomes silu(gate) * up */
     float *tmp;                /* [rows, E]     a block's output before the residual add (prefill) */
     double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
-    int64_t *q_positions;      /* [rows] */
+    int64_t *q_positions;      /* [rows] each new position's own position */
+    int64_t *row_seq;          /* [rows] the sequence each new position belongs to */
     int8_t *xqs;               /* [KVREF_GEMM_MIN_T - 1, max_k]        8-bit copy of a matmul input: */
     float *xds;                /* [KVREF_GEMM_MIN_T - 1, max_k / 32, 2] values, block (d, s) */
     int64_t keys;              /* k_positions holds 0 .. keys-1 */
@@ -69,9 +70,11 @@ typedef struct {
     const kvref_kernels *kk;
     const kvref_model_desc *c; /* config and weights */
     kvref_state *s;
-    const int64_t *token_ids;  /* [T] */
-    int64_t T, length;
-    const kvref_kv *kv;        /* the cache, written at positions [length, length + T) */
+    const int64_t *token_ids;  /* [T]: the new positions of every sequence, sequence after sequence */
+    int64_t T, B;              /* rows in all, sequences */
+    const int64_t *bounds;     /* [B + 1]: sequence b's rows are bounds[b] .. bounds[b+1]-1 */
+    const kvref_kv *caches;    /* [B]: sequence b's cache, written at positions [lengths[b], ...) */
+    const int64_t *lengths;    /* [B] */
     int int8;                  /* KVREF_ACT_INT8 */
     int all_logits;
     float *logits;
@@ -132,7 +135,7 @@ static void norm_row(const fw *f, int64_t t) {
 }
 
 /* q[t], k[t] (and v[t]) as the decoder makes them from the projections: biases added, each head's
- * q and k RMS-normalised, then rotated for position length + t with the layer's frequencies */
+ * q and k RMS-normalised, then rotated for row t's position with the layer's frequencies */
 static void qk_row(const fw *f, int64_t t) {
     const kvref_model_desc *c = f->c;
     const kvref_layer_desc *lw = f->lw;
@@ -152,10 +155,11 @@ static void qk_row(const fw *f, int64_t t) {
     kvref_rope_row(k, Hkv, D, cs, k);
 }
 
-/* k[t] and v[t] -> the cache slot of position length + t */
+/* k[t] and v[t] -> the slot of row t's position in its sequence's cache */
 static void store_row(const fw *f, int64_t t) {
     const int64_t kvd = f->c->n_kv_heads * f->c->head_dim;
-    kvref_kv_store(f->kv, f->kk, f->layer, f->length + t, f->s->k + t * kvd, f->s->v + t * kvd);
+    kvref_kv_store(&f->caches[f->s->row_seq[t]], f->kk, f->layer, f->s->q_positions[t], f->s->k + t * kvd,
+                   f->s->v + t * kvd);
 }
 
 /* x[t] += tmp[t] */
@@ -294,54 +298,65 @@ static void prepare_qk(fw *f) {
     f->s->ns[FAM_OTHER] += now_ns() - t0;
 }
 
-/* att[t0 .. t0+n) = attention of new queries t0 .. t0+n-1 over the layer's first S keys, at the
- * positions k_positions gives */
-static void attend(fw *f, int64_t t0, int64_t n, int64_t S, const int64_t *k_positions) {
+/* att[t0 .. t0+n) = attention of new queries t0 .. t0+n-1 over the first S keys of the layer in
+ * cache kv, at the positions k_positions gives */
+static void attend(fw *f, const kvref_kv *kv, int64_t t0, int64_t n, int64_t S, const int64_t *k_positions) {
     const int64_t start = now_ns();
     const kvref_model_desc *c = f->c;
     const int64_t HD = c->n_heads * c->head_dim;
     kvref_attn_args a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
                          .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads, .window = f->lw->window,
                          .scale = c->attention_scale};
-    kvref_kv_layer(f->kv, f->layer, &a);
+    kvref_kv_layer(kv, f->layer, &a);
     kvref_attention_run(f->pool, &a, f->s->partial, f->s->att + t0 * HD);
     f->s->ns[FAM_ATTN] += now_ns() - start;
 }
 
-/* k, v -> the cache at positions [length, length + T); att = attention of the new queries over
- * cache positions [0, S), each seeing the keys its window and position allow. A ring layer of R
- * slots (window W <= R) takes its new positions in sub-chunks of R - W + 1: each is written, then
- * its queries attend to the ring's slots, whose positions follow from the slot index and the
- * positions written so far. A later sub-chunk overwrites only positions no earlier query sees. */
-static void store_and_attend(fw *f) {
+/* Sequence b's new rows r0 .. r1-1: k, v -> its cache at positions [length, length + n); att =
+ * attention of its new queries over cache positions [0, length + n), each seeing the keys its
+ * window and position allow. A ring layer of R slots (window W <= R) takes the new positions in
+ * sub-chunks of R - W + 1: each is written, then its queries attend to the ring's slots, whose
+ * positions follow from the slot index and the positions written so far. A later sub-chunk
+ * overwrites only positions no earlier query sees. */
+static void store_and_attend_sequence(fw *f, int64_t b) {
+    const kvref_kv *kv = &f->caches[b];
+    const int64_t r0 = f->bounds[b], r1 = f->bounds[b + 1], length = f->lengths[b];
+    const int64_t ring = kvref_kv_ring(kv, f->layer);
     int64_t t0 = now_ns();
-    const int64_t ring = kvref_kv_ring(f->kv, f->layer);
     if (ring == 0) {
-        for_each_row(f, store_row);
+        if (f->B == 1) for_each_row(f, store_row);
+        else for (int64_t t = r0; t < r1; t++) store_row(f, t);
         f->s->ns[FAM_OTHER] += now_ns() - t0;
-        attend(f, 0, f->T, f->length + f->T, f->s->k_positions);
+        attend(f, kv, r0, r1 - r0, length + r1 - r0, f->s->k_positions);
         return;
     }
     const int64_t step = ring - f->lw->window + 1;
-    for (int64_t a = 0; a < f->T; a += step) {
-        const int64_t b = a + step < f->T ? a + step : f->T, written = f->length + b;
+    for (int64_t a = r0; a < r1; a += step) {
+        const int64_t e = a + step < r1 ? a + step : r1, written = length + e - r0;
         const int64_t S = written < ring ? written : ring;
         t0 = now_ns();
-        for (int64_t t = a; t < b; t++) store_row(f, t);
+        for (int64_t t = a; t < e; t++) store_row(f, t);
         for (int64_t j = 0; j < S; j++) f->s->slot_positions[j] = j + ring * ((written - 1 - j) / ring);
         f->s->ns[FAM_OTHER] += now_ns() - t0;
-        attend(f, a, b - a, S, f->s->slot_positions);
+        attend(f, kv, a, e - a, S, f->s->slot_positions);
     }
 }
 
-/* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or the last one */
+static void store_and_attend(fw *f) {
+    for (int64_t b = 0; b < f->B; b++) store_and_attend_sequence(f, b);
+}
+
+/* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or each sequence's last one */
 static void final_logits(fw *f) {
     int64_t t0 = now_ns();
     const kvref_model_desc *c = f->c;
     const int64_t E = c->d_model, V = c->vocab_size;
     kvref_state *s = f->s;
-    const int64_t first = f->all_logits ? 0 : f->T - 1, n = f->T - first;
-    for (int64_t t = first; t < f->T; t++) kvref_rms_norm_row(s->x + t * E, E, c->output_norm, c->norm_eps, s->xb + (t - first) * E);
+    const int64_t n = f->all_logits ? f->T : f->B;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = f->all_logits ? i : f->bounds[i + 1] - 1;
+        kvref_rms_norm_row(s->x + t * E, E, c->output_norm, c->norm_eps, s->xb + i * E);
+    }
     s->ns[FAM_OTHER] += now_ns() - t0;
     t0 = now_ns();
     if (n < KVREF_GEMM_MIN_T) {
@@ -442,11 +457,11 @@ void kvref_model_destroy(kvref_model *model) {
 static void *alloc_floats(int64_t n) { return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63); }
 
 static void free_rows(kvref_state *s) {
-    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->tmp, s->cs, s->q_positions};
+    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->tmp, s->cs, s->q_positions, s->row_seq};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->tmp = NULL;
     s->cs = NULL;
-    s->q_positions = NULL;
+    s->q_positions = s->row_seq = NULL;
     s->rows = 0;
 }
 
@@ -498,7 +513,9 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
         s->tmp = alloc_floats(rows * E);
         s->cs = malloc((size_t)(s->model->n_tables * rows * c->head_dim) * sizeof(double));
         s->q_positions = malloc((size_t)rows * sizeof(int64_t));
-        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->tmp || !s->cs || !s->q_positions) {
+        s->row_seq = malloc((size_t)rows * sizeof(int64_t));
+        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->tmp || !s->cs ||
+            !s->q_positions || !s->row_seq) {
             free_rows(s);
             return KVREF_ERR_NOMEM;
         }
@@ -555,22 +572,50 @@ int kvref_state_fail_at_layer(kvref_state *state, int64_t layer) {
 int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state, const int64_t *token_ids,
                   int64_t T, const kvref_kv *cache, int64_t length, int32_t activations, int32_t all_logits,
                   float *logits) {
-    if (pool == NULL || model == NULL || state == NULL || cache == NULL) return KVREF_ERR_NULL;
+    if (T < 1 || T > KVREF_MAX_DIM) return KVREF_ERR_DIM;
+    const int64_t bounds[2] = {0, T};
+    return kvref_forward_batch(pool, model, state, token_ids, bounds, 1, cache, &length, activations, all_logits,
+                               logits);
+}
+
+/* KVREF_OK when every sequence's rows, cache and length are a valid execution; *T and *S: rows in
+ * all, and the most positions any sequence attends to */
+static int check_batch(const kvref_model *model, const int64_t *bounds, int64_t B, const kvref_kv *caches,
+                       const int64_t *lengths, int64_t *T, int64_t *S) {
+    const kvref_model_desc *c = &model->desc;
+    if (B < 1 || B > KVREF_MAX_DIM) return KVREF_ERR_DIM;
+    if (bounds == NULL || caches == NULL || lengths == NULL) return KVREF_ERR_NULL;
+    if (bounds[0] != 0) return KVREF_ERR_VALUE;
+    *S = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = bounds[b + 1] - bounds[b], length = lengths[b];
+        if (n < 1 || bounds[b + 1] > KVREF_MAX_DIM || length < 0 || length > KVREF_MAX_DIM) return KVREF_ERR_DIM;
+        int status = kvref_kv_check(&caches[b], c->n_layers, c->n_kv_heads, c->head_dim, length + n); /* room */
+        if (status != KVREF_OK) return status;
+        for (int64_t l = 0; l < c->n_layers; l++) { /* a ring keeps a window's positions, or it loses keys */
+            const int64_t ring = kvref_kv_ring(&caches[b], l), window = c->layers[l].window;
+            if (ring > 0 && (window == 0 || window > ring)) return KVREF_ERR_VALUE;
+        }
+        *S = length + n > *S ? length + n : *S;
+    }
+    *T = bounds[B];
+    return KVREF_OK;
+}
+
+int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state *state, const int64_t *token_ids,
+                        const int64_t *bounds, int64_t B, const kvref_kv *caches, const int64_t *lengths,
+                        int32_t activations, int32_t all_logits, float *logits) {
+    if (pool == NULL || model == NULL || state == NULL) return KVREF_ERR_NULL;
     if (state->model != model) return KVREF_ERR_VALUE;
     const kvref_model_desc *c = &model->desc;
-    if (T < 1 || length < 0 || T > KVREF_MAX_DIM || length > KVREF_MAX_DIM) return KVREF_ERR_DIM;
-    const int64_t S = length + T;
-    int status = kvref_kv_check(cache, c->n_layers, c->n_kv_heads, c->head_dim, S); /* room for T more */
+    int64_t T = 0, S = 0;
+    int status = check_batch(model, bounds, B, caches, lengths, &T, &S);
     if (status != KVREF_OK) return status;
     if ((activations != KVREF_ACT_F32 && activations != KVREF_ACT_INT8) || (all_logits != 0 && all_logits != 1))
         return KVREF_ERR_VALUE;
     if (token_ids == NULL || logits == NULL) return KVREF_ERR_NULL;
     for (int64_t t = 0; t < T; t++)
         if (token_ids[t] < 0 || token_ids[t] >= c->vocab_size) return KVREF_ERR_VALUE;
-    for (int64_t l = 0; l < c->n_layers; l++) { /* a ring keeps a window's positions, or it loses keys */
-        const int64_t ring = kvref_kv_ring(cache, l), window = c->layers[l].window;
-        if (ring > 0 && (window == 0 || window > ring)) return KVREF_ERR_VALUE;
-    }
 
     kvref_pool_lock(pool);
     const int64_t t_start = now_ns();
@@ -588,17 +633,21 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
         return status;
     }
     const kvref_kernels *kk = kvref_pool_kernels(pool);
-    fw f = {pool, kk, c, state, token_ids, T, length, cache, activations == KVREF_ACT_INT8, all_logits, logits,
-            0, NULL, NULL, NULL, c->gate == KVREF_GATE_GELU_TANH ? kk->geglu : kk->swiglu, model};
+    fw f = {pool, kk, c, state, token_ids, T, B, bounds, caches, lengths, activations == KVREF_ACT_INT8, all_logits,
+            logits, 0, NULL, NULL, NULL, c->gate == KVREF_GATE_GELU_TANH ? kk->geglu : kk->swiglu, model};
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = bounds[b]; t < bounds[b + 1]; t++) {
+            state->q_positions[t] = lengths[b] + t - bounds[b];
+            state->row_seq[t] = b;
+        }
     for (int64_t l = 0, seen = 0; l < c->n_layers; l++) { /* RoPE angles once per position and distinct table */
         const int64_t table = model->table_of[l];
         if (table < seen) continue; /* tables are numbered as layers first use them */
         seen++;
         for (int64_t t = 0; t < T; t++)
-            kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, length + t,
+            kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, state->q_positions[t],
                                state->cs + (table * state->rows + t) * c->head_dim);
     }
-    for (int64_t t = 0; t < T; t++) state->q_positions[t] = length + t;
     state->ns[FAM_OTHER] += now_ns() - t_start;
 
     embed_tokens(&f);                                     /* x = tok_embeddings[token_ids] */

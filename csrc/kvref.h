@@ -306,6 +306,20 @@ int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state
                   const int64_t *token_ids, int64_t T, const kvref_kv *cache, int64_t length,
                   int32_t activations, int32_t all_logits, float *logits);
 
+/* Several sequences in one execution: B sequences, sequence b's new positions being the ids
+ * token_ids[bounds[b] .. bounds[b+1]) (bounds [B + 1], bounds[0] = 0, strictly increasing), at
+ * positions lengths[b] .. of caches[b] (each as kvref_forward's cache; no two the same storage).
+ * Every row-wise step (embedding, norms, projections, RoPE at each row's own position, the MLP, the
+ * LM head) runs once over all bounds[B] rows, as kvref_forward over one sequence of that many;
+ * attention runs per sequence against its own cache. logits: float32 [bounds[B], V] with
+ * all_logits, else [B, V], each sequence's last position. kvref_forward is the case B = 1. Every
+ * argument is checked before any cache is written; the caller commits every sequence's new
+ * length only after KVREF_OK. */
+int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state *state,
+                        const int64_t *token_ids, const int64_t *bounds, int64_t B,
+                        const kvref_kv *caches, const int64_t *lengths,
+                        int32_t activations, int32_t all_logits, float *logits);
+
 /* Time spent by kvref_forward on this state, in nanoseconds of the calling thread's wall clock,
  * by kernel family: out[0] projections (matmuls, their 8-bit input rounding, the fused SwiGLU and
  * residual adds), out[1] attention (scores, softmax, merge), out[2] everything else (embedding,

@@ -51,8 +51,9 @@ def forward_batch(model, token_lists, caches, all_logits=False):
     for cache, t in zip(caches, ids):
         model.check_cache(cache)
         model.check_context(cache.next_position, len(t))
+    run = decoder.forward_batch if model.fused is None else model.fused.forward_batch
     with begin_all(caches, ids) as executions:
-        logits = decoder.forward_batch(model.ops, model.config, model.weights, executions, all_logits)
+        logits = run(model.ops, model.config, model.weights, executions, all_logits)
     return logits if all_logits else [out[0] for out in logits]
 
 

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref import backends, native
-from kvref.cache import BlockPool, ContiguousCache
+from kvref.batch import forward_batch
+from kvref.cache import BlockPool, ContiguousCache, begin_all
 from kvref.cache.base import Storage
 from kvref.cache.quant import SlotStore
 from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, KVRefError, ShapeError, TokenError
@@ -212,6 +213,126 @@ def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernel
     assert got.dtype == np.float32 and got.shape == want.shape
     assert got_cache.length == want_cache.length == len(tokens) + steps
     assert_same_execution(isa, got, got_cache, want, want_cache)
+
+
+# ---- several sequences in one execution -------------------------------------------------------
+
+def batch_caches(config, kv_dtype, layout, n):
+    """n empty caches: contiguous ones, or n sequences of one shared block pool."""
+    if layout == "contiguous":
+        return [new_cache(config, kv_dtype) for _ in range(n)]
+    pool = BlockPool(config.n_layers, config.n_kv_heads, config.head_dim, num_blocks=n * -(-config.max_seq_len // 5),
+                     block_size=5, k_dtype=kv_dtype, max_positions=config.max_seq_len)
+    return [pool.new_cache() for _ in range(n)]
+
+
+def run_batch(forward_batch, ops, config, weights, prompts, steps, caches):
+    """Each prompt prefilled in one ragged batched execution, then `steps` batched greedy decode steps
+    (one new position per sequence): every logit row, sequence after sequence, execution by execution."""
+    out, new = [], prompts
+    for _ in range(steps + 1):
+        with begin_all(caches, [np.array(ids) for ids in new]) as executions:
+            logits = forward_batch(ops, config, weights, executions, True)
+        out.extend(logits)
+        new = [[int(np.argmax(rows[-1]))] for rows in logits]
+    return np.concatenate(out)
+
+
+@given(st.data(), ISAS, THREADS, st.sampled_from(["float32", "int8"]))
+def test_fused_batch_is_bit_identical_to_the_decoder_batch_on_the_same_native_kernels(data, isa, threads, activations):
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
+    n = data.draw(st.integers(1, 5))
+    prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=12)) for _ in range(n)]
+    kv_dtype, layout = data.draw(st.sampled_from(NATIVE_KV_DTYPES)), data.draw(st.sampled_from(["contiguous", "paged"]))
+    got_caches, want_caches = (batch_caches(config, kv_dtype, layout, n) for _ in range(2))
+    assume(all(reads_like_float_kv(isa, c) for c in got_caches) or activations == "float32")
+    ops = nops.kernels(threads, isa)
+    ff = fused.FusedForward(config, weights, activations)
+    reference = Int8Kernels(ops) if activations == "int8" else ops
+    steps = data.draw(st.integers(0, 3))
+    got = run_batch(ff.forward_batch, ops, config, weights, prompts, steps, got_caches)
+    want = run_batch(decoder.forward_batch, reference, config, weights, prompts, steps, want_caches)
+    assert ff.timings()["calls"] == steps + 1  # every execution ran in C
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        assert got_cache.length == want_cache.length
+    assert_same_execution(isa, got, got_caches[0], want, want_caches[0])
+    for got_cache, want_cache in zip(got_caches[1:], want_caches[1:]):  # a paged pool is compared whole above
+        if layout == "contiguous" and reads_like_float_kv(isa, got_cache):
+            for a, b in zip(stored(got_cache), stored(want_cache)):
+                np.testing.assert_array_equal(a, b)
+
+
+@given(st.data())
+def test_batched_decode_equals_each_sequence_alone_within_the_float32_tolerance(data):
+    # A batch's projections run over all its rows at once (another matmul path than one row's), so
+    # a sequence's logits in a batch are its logits alone up to float32 rounding, on every layout
+    # a model offers (hybrid rings for window models included).
+    config = data.draw(st.one_of(configs(max_layers=3), family_configs(max_layers=3)))
+    model = kvref.Model.random(config, seed=data.draw(st.integers(0, 2**16)), backend="c")
+    n = data.draw(st.integers(2, 5))
+    prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=20)) for _ in range(n)]
+    batched, alone = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
+    got = forward_batch(model, prompts, batched)
+    want = [model.forward(p, c) for p, c in zip(prompts, alone)]
+    for _ in range(data.draw(st.integers(1, 4))):
+        nxt = [[int(np.argmax(w))] for w in want]
+        got = forward_batch(model, nxt, batched)
+        want = [model.forward(t, c) for t, c in zip(nxt, alone)]
+        for g, w in zip(got, want):
+            assert_close(g, w, "float32", "batched vs alone")
+    assert [c.length for c in batched] == [c.length for c in alone]
+
+
+def test_a_batch_that_fails_in_c_leaves_every_cache_as_it_was(small):
+    model, ff = small
+    caches = [model.new_cache() for _ in range(3)]
+    forward_batch(model, [[1, 2], [3], [4, 5, 6]], caches)
+    def state(cache):  # what a reader of the cache sees: slots past the length are free to hold anything
+        raw = [a for layer in range(cache.n_layers) for a in cache.read_raw(layer) if a is not None]
+        return cache.length, list(cache.sequence.token_ids), cache.sequence.last_logits, raw
+
+    before = [state(c) for c in caches]
+    ff.fail_at_layer(1)
+    with pytest.raises(BackendError):
+        forward_batch(model, [[7], [8, 9], [10]], caches)
+    for cache, (length, ids, logits, raw) in zip(caches, before):
+        now = state(cache)
+        assert now[:2] == (length, ids)
+        np.testing.assert_array_equal(now[2], logits)
+        for a, b in zip(now[3], raw):
+            np.testing.assert_array_equal(a, b)
+    forward_batch(model, [[7], [8, 9], [10]], caches)  # and the caches still work
+    assert [c.length for c in caches] == [3, 3, 4]
+
+
+def test_the_c_batch_forward_returns_a_status_for_every_wrong_call(small):
+    model, ff = small
+    caches = [model.new_cache() for _ in range(2)]
+    kvs = [nops.cache_descriptor(c) for c in caches]  # capacity CFG.max_seq_len == 16 each
+    descriptors = ffi.new("kvref_kv[]", 2)
+    for b, kv in enumerate(kvs):
+        descriptors[b] = kv.ptr[0]
+    ids, bounds, lengths = np.array([1, 2, 3], np.int64), np.array([0, 2, 3], np.int64), np.zeros(2, np.int64)
+    logits = np.empty((3, CFG.vocab_size), np.float32)
+
+    def call(B=2, caches=descriptors, **arrays):
+        a = {"ids": ids, "bounds": bounds, "lengths": lengths, **arrays}
+        p = {k: ffi.NULL if v is None else ffi.from_buffer("int64_t[]", v) for k, v in a.items()}
+        return lib.kvref_forward_batch(model.ops.c_pool, ff._model, ff._state, p["ids"], p["bounds"], B, caches,
+                                       p["lengths"], lib.KVREF_ACT_F32, 1, ffi.from_buffer("float[]", logits))
+
+    assert call(B=0) == lib.KVREF_ERR_DIM
+    assert call(bounds=None) == lib.KVREF_ERR_NULL
+    assert call(lengths=None) == lib.KVREF_ERR_NULL
+    assert call(caches=ffi.NULL) == lib.KVREF_ERR_NULL
+    assert call(bounds=np.array([1, 2, 3], np.int64)) == lib.KVREF_ERR_VALUE  # must start at row 0
+    assert call(bounds=np.array([0, 2, 2], np.int64)) == lib.KVREF_ERR_DIM  # a sequence without rows
+    assert call(lengths=np.array([0, 16], np.int64)) == lib.KVREF_ERR_DIM  # no room in the second cache
+    assert call(lengths=np.array([-1, 0], np.int64)) == lib.KVREF_ERR_DIM
+    assert call(ids=np.array([1, 2, CFG.vocab_size], np.int64)) == lib.KVREF_ERR_VALUE
+    for cache in caches:
+        np.testing.assert_array_equal(cache.k, 0)  # nothing was written by any refused call
+    assert call() == lib.KVREF_OK
 
 
 @pytest.mark.parametrize("isa", nops.supported_isas())

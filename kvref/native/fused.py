@@ -195,6 +195,34 @@ class FusedForward:
             execution.last_logits = logits[-1]  # committed with the new positions as the block ends
         return logits
 
+    def forward_batch(self, ops, config, weights, executions, all_logits=False):
+        # B open executions (one per sequence, T_b new ids each, ragged) -> B logits arrays [T_b, V]
+        # or [1, V]; the caller commits them all or none (decoder.forward_batch's contract)
+        if any(self.fallback_reason(ops, config, weights, e.cache) is not None for e in executions):
+            return decoder.forward_batch(ops, config, weights, executions, all_logits)
+        if not isinstance(all_logits, (bool, np.bool_)):
+            raise ShapeError(f"all_logits={all_logits!r} must be True or False")
+        V, B = config.vocab_size, len(executions)
+        ids = np.concatenate([_token_ids(e.token_ids, V) for e in executions])  # [N]
+        bounds = np.cumsum([0, *(len(e.token_ids) for e in executions)]).astype(np.int64)  # [B + 1]
+        lengths = np.array([e.cache.length for e in executions], dtype=np.int64)  # [B]
+        kvs = [native_ops.cache_descriptor(e.cache, e.write_in_place()) for e in executions]  # reserved blocks included
+        descriptors = ffi.new("kvref_kv[]", B)
+        for b, kv in enumerate(kvs):
+            descriptors[b] = kv.ptr[0]
+        logits = np.empty((ids.shape[0] if all_logits else B, V), dtype=np.float32)
+        with self._lock:
+            status = lib.kvref_forward_batch(ops.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
+                                             ffi.from_buffer("int64_t[]", bounds), B, descriptors,
+                                             ffi.from_buffer("int64_t[]", lengths), ACTIVATIONS[self.activations],
+                                             int(bool(all_logits)), ffi.from_buffer("float[]", logits))
+        check_status(status, "forward_batch")
+        rows = bounds if all_logits else np.arange(B + 1)
+        out = [logits[rows[b]:rows[b + 1]] for b in range(B)]  # [T_b or 1, V] each
+        for execution, sequence_logits in zip(executions, out):
+            execution.last_logits = sequence_logits[-1]  # committed with the sequence's new positions
+        return out
+
     def fail_at_layer(self, layer: int) -> None:
         """Test hook: the next C forward fails (BackendError) on reaching `layer`, after writing the K/V
         of the layers before it; -1 disarms. Lets tests interrupt an execution mid-way in C."""
