@@ -305,6 +305,8 @@ typedef struct kvref_kernels {
     kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
     kvref_quantize_q8_fn quantize_q8;
     kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
+    /* the wrapping sum of the n / 8 64-bit words at p (n a multiple of 256, p 64-byte aligned) */
+    uint64_t (*read_sum)(const uint8_t *p, int64_t n);
     /* out[i] = kvref_fp32_to_fp16(x[i]) */
     void (*to_fp16)(int64_t n, const float *x, uint16_t *out);
 } kvref_kernels;

@@ -295,6 +295,19 @@ TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *t
     }
 }
 
+/* ---- the read-bandwidth probe: eight 32-byte loads per step, as in kernels_avx512.c ---------- */
+
+TARGET static uint64_t read_sum(const uint8_t *p, int64_t n) {
+    __m256i a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 256)
+        for (int j = 0; j < 8; j++) a[j] = _mm256_add_epi64(a[j], _mm256_load_si256((const __m256i *)(const void *)(p + i + 32 * j)));
+    for (int j = 1; j < 8; j++) a[0] = _mm256_add_epi64(a[0], a[j]);
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)(void *)lanes, a[0]);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
 /* ---- exp (Cephes expf, as in kernels_avx512.c), SwiGLU and GeGLU ----------------------------------------------- */
 
 TARGET static inline __m256 exp8(__m256 x) {
@@ -727,6 +740,7 @@ const kvref_kernels kvref_kernels_avx2 = {
         [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
     },
     .quantize_q8 = quantize_q8,
+    .read_sum = read_sum,
     .to_fp16 = to_fp16,
 };
 

@@ -416,6 +416,19 @@ TARGET static void gemm_f32(int64_t K, const float *x, int64_t T, const float *t
     for (; t < T; t++) gemm_block(K, x + t * K, 1, tile, m0, m1, y + t * ldy, ldy);
 }
 
+/* ---- the read-bandwidth probe: four 64-byte loads in flight per step, as the kernels stream -- */
+
+TARGET static uint64_t read_sum(const uint8_t *p, int64_t n) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_load_si512(p + i));
+        a1 = _mm512_add_epi64(a1, _mm512_load_si512(p + i + 64));
+        a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
+        a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
+    }
+    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+}
+
 /* ---- exp, for softmax, SiLU and GELU ---------------------------------------------------------------- */
 
 /* Cephes expf: exp(x) = 2**n * e**r, |r| <= ln2/2, degree-7 polynomial; within 2 ulp of expf on
@@ -1008,6 +1021,7 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
     .quantize_q8 = quantize_q8,                                                                  \
+    .read_sum = read_sum,                                                                        \
     .to_fp16 = to_fp16
 
 /* AVX-512 without VNNI: the 8-bit dots are the AVX2 kernels (kernels_avx2.c) */

@@ -115,6 +115,13 @@ int kvref_matmul_int8(kvref_pool *pool,
                       const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
                       float *y);
 
+/* The read-bandwidth probe of `kvref bench`: every byte of buf [nbytes] (a whole number of
+ * KVREF_PROBE_UNIT units) read once by the pool's threads, a unit at a time as projections stream
+ * weights, with the instruction set's widest vector loads; *checksum = the wrapping sum of its
+ * 64-bit words, so no load can be skipped. */
+enum { KVREF_PROBE_UNIT = 1048576 };
+int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum);
+
 /* out[t] = row ids[t] of the table, dequantized to float32.
  *   table: bytes   [V, kvref_row_nbytes(type, E)], table_nbytes in total
  *   ids:   int64   [T], each in [0, V)

@@ -10,6 +10,8 @@
  * Both split the N output rows into fixed units, so each y[t, n] is computed by the same
  * operations whichever thread, and however many threads, run the unit.
  */
+#include <stdlib.h>
+
 #include "internal.h"
 
 #define KVREF_VEC_UNIT_MIN 16  /* at least this many weight rows per unit on the vec_dot path */
@@ -289,6 +291,38 @@ void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv) {
         c.first_unit[p + 1] = c.first_unit[p] + n;
     }
     kvref_pool_run(pool, mv_unit, &c, c.first_unit[3]);
+}
+
+/* ---- the read-bandwidth probe ---------------------------------------------------------------- */
+
+typedef struct {
+    const kvref_kernels *kk;
+    const uint8_t *buf;
+    uint64_t *sums;            /* [units] */
+} probe_ctx;
+
+static void probe_unit(void *vctx, int64_t unit, int thread) {
+    const probe_ctx *c = vctx;
+    (void)thread;
+    c->sums[unit] = c->kk->read_sum(c->buf + unit * KVREF_PROBE_UNIT, KVREF_PROBE_UNIT);
+}
+
+int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum) {
+    if (pool == NULL || buf == NULL || checksum == NULL) return KVREF_ERR_NULL;
+    if (nbytes <= 0 || nbytes % KVREF_PROBE_UNIT != 0) return KVREF_ERR_SIZE;
+    if ((uintptr_t)buf % 64 != 0) return KVREF_ERR_VALUE;
+    const int64_t units = nbytes / KVREF_PROBE_UNIT;
+    uint64_t *sums = malloc((size_t)units * sizeof(uint64_t));
+    if (sums == NULL) return KVREF_ERR_NOMEM;
+    kvref_pool_lock(pool);
+    probe_ctx c = {kvref_pool_kernels(pool), buf, sums};
+    kvref_pool_run(pool, probe_unit, &c, units);
+    kvref_pool_unlock(pool);
+    uint64_t sum = 0;
+    for (int64_t u = 0; u < units; u++) sum += sums[u];
+    free(sums);
+    *checksum = sum;
+    return KVREF_OK;
 }
 
 int kvref_embed(kvref_pool *pool, const void *table, int32_t type, int64_t table_nbytes, int64_t V,

@@ -352,6 +352,16 @@ static void gemm_q8(int64_t K, const uint8_t *xu, const float *xds, int64_t T, c
         }
 }
 
+static uint64_t read_sum(const uint8_t *p, int64_t n) {
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        sum += w;
+    }
+    return sum;
+}
+
 void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
 }
@@ -399,5 +409,6 @@ const kvref_kernels kvref_kernels_scalar = {
     },
     .quantize_q8 = quantize_q8_scalar,
     .gemm_q8 = gemm_q8,
+    .read_sum = read_sum,
     .to_fp16 = kvref_to_fp16_ref,
 };

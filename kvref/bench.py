@@ -17,6 +17,13 @@ What is measured (every rate is a median over --repeat runs, after one warm-up r
   kv read    the context cache's stored K/V arrays read READ_TRIES times with as many threads as the
              forward (np.max): attention's time per token beside the time to read that K/V once
              at the median rate, the floor a memory-bound attention cannot beat
+  roofline   the read bandwidth of this machine, measured in the same run with the forward's threads
+             by a fixed probe (a buffer 4x the last-level cache, read whole READ_TRIES times with
+             the native kernels' vector loads; the NumPy backend reads it with np.max), and for each
+             decode case the bytes one step reads (every weight but the embedding table, one
+             embedding row, and the K/V of the positions each layer attends to, on average over the
+             timed steps): bandwidth / bytes is the fastest a step can be; measured / that, the
+             fraction of the roofline reached
   memory     peak RSS of the process (getrusage ru_maxrss and /proc/self/status VmHWM), beside the
              GGUF file size and the bytes of the largest cache used, and the budget
              file + cache + BUDGET_SLACK: what a process needs that keeps no dequantized copy of
@@ -315,6 +322,12 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
                 clock = ShimClock(model)  # the counters stayed at zero: the forward fell back to the decoder
             splits[name] = got
     peak = peak_rss()
+    progress("measuring the read bandwidth", force=True)
+    roof = roofline(model, kv, prompt_tokens + new_tokens / 2 if new_tokens else None,
+                    context + context_steps / 2 if result_context else None)
+    for name, rate in (("decode", new_tokens and _rate(new_tokens, decode_s)), ("context", result_context)):
+        if rate:
+            roof[name]["fraction"] = rate["tok_s"] / roof[name]["roofline_tok_s"]
     if splits.get("context"):
         progress("reading the cache's K/V", force=True)
         splits["context"]["kv_read"] = kv_read(splits["context"], context_cache, _cache_bytes(model, context, kv),
@@ -346,8 +359,76 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         if new_tokens else None,
         "context_decode": result_context,
         "split": splits,
+        "roofline": roof,
         "memory": memory,
     }
+
+
+def llc_bytes() -> int:
+    """The largest CPU cache (sysfs, cpu0), or 32 MiB where sysfs does not say."""
+    sizes = []
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def read_bandwidth(model, tries=READ_TRIES) -> dict:
+    """Bytes per second the forward's threads read from memory: a buffer 4x the last-level cache (whole
+    probe units), touched first, then read `tries` times whole (see the module docstring)."""
+    threads = threads_of(model) or 1
+    unit = 1 << 20
+    nbytes = -(-4 * llc_bytes() // unit) * unit
+    raw = np.ones(nbytes + 64, dtype=np.uint8)
+    buf = raw[-raw.ctypes.data % 64:][:nbytes]  # 64-byte aligned, as the vector loads want
+    probe = getattr(model.ops, "read_probe", None)
+    seconds = []
+    for _ in range(tries):
+        if probe is None:
+            seconds.extend(read_seconds([buf], threads, tries=1))
+            continue
+        start = time.perf_counter()
+        probe(buf)
+        seconds.append(time.perf_counter() - start)
+    rates = sorted(nbytes / s for s in seconds)
+    return {"bandwidth_gb_s": statistics.median(rates) / 1e9, "range_gb_s": [rates[0] / 1e9, rates[-1] / 1e9],
+            "probe_bytes": nbytes, "threads": threads, "loads": getattr(model.ops, "isa", None) or "numpy"}
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every tensor but the embedding table, of which one row
+    (none apart when the LM head is the table itself: the head reads all of it)."""
+    w = model.weights
+    tensors = [t for lw in w.layers for t in vars(lw).values() if t is not None] + [w.output_norm, w.output]
+    row = 0 if w.output is w.tok_embeddings else _nbytes(w.tok_embeddings) // model.config.vocab_size
+    return sum(_nbytes(t) for t in tensors) + row
+
+
+def kv_bytes_per_token(model, positions, kv_dtype) -> int:
+    """Bytes of K/V one decode step at `positions` cached positions reads: each layer's attended ones."""
+    c = model.config
+    per_layer = _cache_bytes(model, 1, kv_dtype) // c.n_layers  # one position of one layer
+    return int(sum(min(positions, c.window(layer) or positions) for layer in range(c.n_layers)) * per_layer)
+
+
+def roofline(model, kv_dtype, decode_positions, context_positions) -> dict:
+    """The measured read bandwidth and, per decode case (average positions given), the bytes a step
+    reads and the fastest rate those bytes allow."""
+    roof = read_bandwidth(model)
+    weights = weight_bytes_per_token(model)
+    for name, positions in (("decode", decode_positions), ("context", context_positions)):
+        if positions:
+            kv = kv_bytes_per_token(model, positions, kv_dtype)
+            roof[name] = {"weight_bytes": weights, "kv_bytes": kv,
+                          "roofline_tok_s": roof["bandwidth_gb_s"] * 1e9 / (weights + kv)}
+    return roof
+
+
+def _nbytes(t) -> int:
+    return int(t.data.nbytes if hasattr(t, "data") and not isinstance(t, np.ndarray) else t.nbytes)
 
 
 def read_seconds(arrays, threads=1, tries=READ_TRIES) -> list[float]:
@@ -595,6 +676,18 @@ def report(r: dict) -> str:
                      f"{read['bandwidth_gb_s']:.1f} GB/s, the median of {READ_TRIES} reads of the cache with "
                      f"{plural(read['threads'], 'thread')}: {read['bandwidth_range_gb_s'][0]:.1f}-"
                      f"{read['bandwidth_range_gb_s'][1]:.1f} GB/s)")
+    roof = r.get("roofline")
+    if roof:
+        lines.append(f"roofline: reads at {roof['bandwidth_gb_s']:.1f} GB/s ({roof['range_gb_s'][0]:.1f}-"
+                     f"{roof['range_gb_s'][1]:.1f}; median of {READ_TRIES} reads of {human_bytes(roof['probe_bytes'])} "
+                     f"with {plural(roof['threads'], 'thread')}, {roof['loads']} loads)")
+        for name in ("decode", "context"):
+            case = roof.get(name)
+            if case and "fraction" in case:
+                step = case["weight_bytes"] + case["kv_bytes"]
+                lines.append(f"  {name:<8} {human_bytes(step)} per step (weights {human_bytes(case['weight_bytes'])}"
+                             f" + K/V {human_bytes(case['kv_bytes'])}): at most {case['roofline_tok_s']:.1f} tok/s;"
+                             f" {case['fraction']:.0%} of it reached")
     mem = r["memory"]
     line = f"peak RSS {human_bytes(mem['peak_rss_bytes'])}"
     if mem["vmhwm_bytes"]:

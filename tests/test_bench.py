@@ -38,6 +38,17 @@ def test_run_reports_every_figure_with_sane_values(backend):
     read = r["split"]["context"]["kv_read"]
     assert read["kv_bytes"] == kvref.cache_bytes(2, 8, 2, 8, "float32") and read["bandwidth_gb_s"] > 0
     assert read["ratio"] == pytest.approx(read["attention_ms"] / read["read_ms"])
+    roof = r["roofline"]
+    assert roof["bandwidth_gb_s"] > 0 and roof["probe_bytes"] >= 4 * bench.llc_bytes()
+    assert roof["loads"] == (model.ops.isa if backend == "c" else "numpy")
+    weights = sum(a.nbytes for lw in model.weights.layers for a in vars(lw).values() if a is not None)
+    weights += model.weights.output_norm.nbytes + model.weights.output.nbytes + 32 * 4  # one embedding row
+    for case, positions in (("decode", 4 + 3 / 2), ("context", 8 + 2 / 2)):
+        step = roof[case]
+        assert step["weight_bytes"] == weights
+        assert step["kv_bytes"] == kvref.cache_bytes(2, 1, 2, 8, "float32") * positions
+        assert step["roofline_tok_s"] == pytest.approx(roof["bandwidth_gb_s"] * 1e9 / (weights + step["kv_bytes"]))
+    assert roof["decode"]["fraction"] == pytest.approx(r["decode"]["tok_s"] / roof["decode"]["roofline_tok_s"])
     mem = r["memory"]
     assert mem["peak_rss_bytes"] > 0 and mem["file_bytes"] is None
     # the largest cache: context + steps positions, K and V, float32
@@ -195,3 +206,6 @@ def test_decode_at_a_context_repeats_on_a_hybrid_cache_further_than_it_can_roll_
     result = bench.run(kvref.Model.random(cfg, seed=1, backend="numpy"), prompt_tokens=4, new_tokens=2,
                        context=100, context_steps=100, prefill_tokens=4, repeat=2)
     assert result["context_decode"]["steps"] == 100 and result["context_decode"]["context"] == 100
+    # the roofline counts what each layer attends to: the window layer 8 positions, the global one all
+    per_layer = kvref.cache_bytes(1, 1, 1, 8, "float32")
+    assert result["roofline"]["context"]["kv_bytes"] == (8 + 150) * per_layer

@@ -839,3 +839,22 @@ def test_pool_workers_block_signals_so_ctrl_c_reaches_the_python_thread():
     main_mask = next(line for line in (tasks / str(os.getpid()) / "status").read_text().splitlines()
                      if line.startswith("SigBlk"))
     assert not int(main_mask.split()[1], 16) & (1 << (signal.SIGINT - 1))  # the caller's mask is restored
+
+
+# ---- the read-bandwidth probe -------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+def test_read_probe_sums_every_64bit_word_once_and_refuses_what_it_cannot_read(isa):
+    unit = nops.PROBE_UNIT
+    raw = np.random.default_rng(0).integers(0, 256, 3 * unit + 64, dtype=np.uint8)
+    buf = raw[-raw.ctypes.data % 64:][:3 * unit]
+    want = int(buf.view(np.uint64).sum(dtype=np.uint64))  # wraps as the probe does
+    for threads in (1, 2):
+        assert nops.kernels(threads, isa).read_probe(buf) == want
+    ks = nops.kernels(1, isa)
+    with pytest.raises(ShapeError, match="whole units"):
+        ks.read_probe(buf[:unit + 64])
+    with pytest.raises(ShapeError, match="64-byte boundary"):
+        ks.read_probe(raw[(-raw.ctypes.data % 64) + 1:][:unit])
+    with pytest.raises(DTypeError):
+        ks.read_probe(buf.view(np.uint64))

@@ -77,6 +77,7 @@ ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 _F32 = np.dtype(np.float32)
+PROBE_UNIT = lib.KVREF_PROBE_UNIT  # bytes the read-bandwidth probe reads per unit of work
 _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
 _I64 = np.dtype(np.int64)
@@ -483,6 +484,18 @@ class Kernels:
                             ffi.from_buffer(data), gtype, data.nbytes, N, ffi.from_buffer("float[]", y))
         check_status(status, name)
         return y
+
+    def read_probe(self, buf) -> int:
+        # uint8 [n], n a multiple of PROBE_UNIT, 64-byte aligned -> the wrapping sum of its 64-bit words,
+        # every byte read once by the pool's threads with this instruction set's vector loads
+        _array(buf, "buf", (np.dtype(np.uint8),), 1)
+        if buf.size == 0 or buf.size % PROBE_UNIT:
+            raise ShapeError(f"buf has {buf.size} bytes; the probe reads whole units of {PROBE_UNIT}")
+        if buf.ctypes.data % 64:
+            raise ShapeError("buf must start at a 64-byte boundary")
+        out = ffi.new("uint64_t *")
+        check_status(lib.kvref_read_probe(self._pool.ptr, ffi.from_buffer(buf), buf.size, out), "read_probe")
+        return int(out[0])
 
     def rms_norm(self, x, weight, eps):
         # [T, E] (or [E]), [E] -> same shape as x
