@@ -278,6 +278,9 @@ typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float 
  * weight row's values, d_x and s_x those of the 32-value x block it lies in. xu [T, K] are x's
  * 8-bit values plus 128 (unsigned), xds [T, K/32, 2] their blocks' (d_x, s_x); tile as above,
  * 64-byte aligned. An element's operations do not depend on T, nw or the kernel's blocking. */
+/* rows 0 .. nw-1 of w (rb bytes each, K values of a type kvref_q8_tile_type takes whose blocks are
+ * 32 values) -> an 8-bit tile as above, rows nw .. KVREF_TILE_N-1 zero */
+typedef void (*kvref_q8_tile_fn)(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
 typedef void (*kvref_gemm_q8_fn)(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
                                  int64_t bv, int64_t nw, int affine, float *y, int64_t ldy);
 /* tile[k * KVREF_TILE_N + i] = rows[i * K + k] for i < 16, k < K: sixteen dequantized weight rows
@@ -305,6 +308,7 @@ typedef struct kvref_kernels {
     kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
     kvref_quantize_q8_fn quantize_q8;
     kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
+    kvref_q8_tile_fn q8_tile;  /* 8-bit tiles of a 32-value type (NULL: matmul.c's portable decoder) */
     /* the wrapping sum of the n / 8 64-bit words at p (n a multiple of 256, p 64-byte aligned) */
     uint64_t (*read_sum)(const uint8_t *p, int64_t n);
     /* out[i] = kvref_fp32_to_fp16(x[i]) */
@@ -333,41 +337,58 @@ static inline int kvref_q8_tile_type(int32_t type) {
 }
 /* values per block of one scale, for those types */
 static inline int64_t kvref_q8_tile_values(int32_t type) { return type == KVREF_TYPE_Q6_K ? 16 : 32; }
-/* block b (kvref_q8_tile_values(type) values) of a weight row of such a type -> its integers q,
- * scale d and offset m (0 but for Q4_1 and Q4_K): value j is d * q[j] + m */
-static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
+/* block b (kvref_q8_tile_values(type) values) of a weight row of such a type -> its scale d and
+ * offset m (0 but for Q4_1 and Q4_K), and (kvref_q8_weight_block) its integers q: value j is
+ * d * q[j] + m */
+static inline void kvref_q8_block_scales(int32_t type, const uint8_t *row, int64_t b, float *d, float *m) {
     *m = 0.0f;
-    if (type == KVREF_TYPE_Q6_K) { /* sub-block b % 16 of a super-block (dequant_q6_k's order) */
+    switch (type) {
+    case KVREF_TYPE_Q6_K: { /* sub-block b % 16 of a super-block: d * sc_j * q */
+        const uint8_t *w = row + b / 16 * BYTES_Q6_K;
+        *d = kvref_load_fp16(w + 208) * (float)(int8_t)w[192 + b % 16]; /* exact: 11 x 8 bits */
+        return;
+    }
+    case KVREF_TYPE_Q4_K: { /* sub-block j of a super-block: d * sc_j * q - dmin * m_j */
+        const uint8_t *w = row + b / 8 * BYTES_Q4_K;
+        uint8_t sc, mn;
+        kvref_q4k_scale_min((int)(b % 8), w + 4, &sc, &mn);
+        *d = kvref_load_fp16(w) * (float)sc; /* both exact: an 11-bit by a 6-bit integer */
+        *m = -(kvref_load_fp16(w + 2) * (float)mn);
+        return;
+    }
+    case KVREF_TYPE_Q4_1:
+        *d = kvref_load_fp16(row + b * BYTES_Q4_1);
+        *m = kvref_load_fp16(row + b * BYTES_Q4_1 + 2);
+        return;
+    default: /* Q4_0, Q5_0, Q8_0: the scale leads the block */
+        *d = kvref_load_fp16(row + b * kvref_row_nbytes(type, 32));
+    }
+}
+static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
+    kvref_q8_block_scales(type, row, b, d, m);
+    if (type == KVREF_TYPE_Q6_K) { /* dequant_q6_k's order */
         const uint8_t *w = row + b / 16 * BYTES_Q6_K;
         const int j = (int)(b % 16), half = j / 8, g = j % 8 / 2, l0 = 16 * (j % 2);
         const uint8_t *ql = w + 64 * half + 32 * (g % 2), *qh = w + 128 + 32 * half;
-        *d = kvref_load_fp16(w + 208) * (float)(int8_t)w[192 + j]; /* exact: 11 x 8 bits */
         for (int i = 0; i < 16; i++)
             q[i] = (int8_t)((((ql[l0 + i] >> (4 * (g / 2))) & 0xF) | (((qh[l0 + i] >> (2 * g)) & 3) << 4)) - 32);
         return;
     }
-    if (type == KVREF_TYPE_Q4_K) { /* sub-block j of a super-block: d * sc_j * q - dmin * m_j */
-        const uint8_t *w = row + b / 8 * BYTES_Q4_K, *qs = w + 16 + 32 * (b % 8 / 2);
-        const int j = (int)(b % 8), shift = 4 * (j % 2);
-        uint8_t sc, mn;
-        kvref_q4k_scale_min(j, w + 4, &sc, &mn);
-        *d = kvref_load_fp16(w) * (float)sc;      /* both exact: an 11-bit by a 6-bit integer */
-        *m = -(kvref_load_fp16(w + 2) * (float)mn);
+    if (type == KVREF_TYPE_Q4_K) {
+        const uint8_t *qs = row + b / 8 * BYTES_Q4_K + 16 + 32 * (b % 8 / 2);
+        const int shift = 4 * (int)(b % 2);
         for (int i = 0; i < 32; i++) q[i] = (int8_t)((qs[i] >> shift) & 0xF);
         return;
     }
     const uint8_t *w = row + b * kvref_row_nbytes(type, 32);
     switch (type) {
     case KVREF_TYPE_Q4_0:
-        *d = kvref_load_fp16(w);
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)((w[2 + j] & 0xF) - 8);
             q[j + 16] = (int8_t)((w[2 + j] >> 4) - 8);
         }
         return;
     case KVREF_TYPE_Q4_1:
-        *d = kvref_load_fp16(w);
-        *m = kvref_load_fp16(w + 2);
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)(w[4 + j] & 0xF);
             q[j + 16] = (int8_t)(w[4 + j] >> 4);
@@ -375,7 +396,6 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
         return;
     case KVREF_TYPE_Q5_0: {
         const uint32_t qh = kvref_q5_high_bits(w);
-        *d = kvref_load_fp16(w);
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)(((w[6 + j] & 0xF) | ((qh >> j & 1u) << 4)) - 16);
             q[j + 16] = (int8_t)(((w[6 + j] >> 4) | ((qh >> (j + 16) & 1u) << 4)) - 16);
@@ -383,7 +403,6 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
         return;
     }
     default: /* KVREF_TYPE_Q8_0 */
-        *d = kvref_load_fp16(w);
         memcpy(q, w + 2, 32);
     }
 }

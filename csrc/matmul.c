@@ -163,7 +163,8 @@ static void mm_q8_tile_unit(void *vctx, int64_t unit, int thread) {
     const int64_t n0 = unit * KVREF_TILE_N;
     const int64_t nw = n0 + KVREF_TILE_N < c->N ? KVREF_TILE_N : c->N - n0;
     uint8_t *tile = kvref_pool_scratch(c->pool, thread); /* at most 56 K bytes: less than a float tile */
-    q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    if (c->kk->q8_tile != NULL && kvref_q8_tile_values(c->type) == 32) c->kk->q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    else q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
     const int affine = c->type == KVREF_TYPE_Q4_1 || c->type == KVREF_TYPE_Q4_K;
     c->kk->gemm_q8(c->K, c->xu, c->xds, c->T, tile, kvref_q8_tile_values(c->type), nw, affine, c->y + n0, c->N);
 }
