@@ -676,9 +676,12 @@ def test_float_weight_blocks_at_odd_addresses_are_read_through_byte_loads(gtype)
     aligned, odd = QuantizedTensor(gtype, (8, 64), data), QuantizedTensor(gtype, (8, 64), misaligned(data))
     assert odd.data.ctypes.data % 2 == 1
     x = rng.standard_normal((5, 64)).astype(np.float32)
-    for T in (1, 5):  # matrix-vector and the tiled GEMM
-        np.testing.assert_array_equal(nops.matmul(x[:T], odd), nops.matmul(x[:T], aligned))
-    np.testing.assert_array_equal(nops.embed(odd, [0, 7]), nops.embed(aligned, [0, 7]))
+    for isa in nops.supported_isas():
+        k = ks(1, isa)
+        for T in (1, 5):  # matrix-vector and the tiled GEMM
+            np.testing.assert_array_equal(k.matmul(x[:T], odd), k.matmul(x[:T], aligned))
+            np.testing.assert_array_equal(k.matmul_int8(x[:T], odd), k.matmul_int8(x[:T], aligned))
+        np.testing.assert_array_equal(k.embed(odd, [0, 7]), k.embed(aligned, [0, 7]))
 
 
 # ---- the real model's tensors ---------------------------------------------------------------

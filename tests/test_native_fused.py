@@ -771,6 +771,14 @@ def test_a_misaligned_gain_is_refused_by_the_fused_forward_and_copied_by_a_model
     np.testing.assert_array_equal(model.forward([1, 2, 3], all_logits=True), want)
 
 
+def test_misaligned_token_ids_reach_c_as_an_aligned_copy():
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    ids = misaligned(np.array([4, 1, 2], np.int64))
+    assert not ids.flags.aligned
+    want = model.fused.forward(model.ops, CFG, model.weights, np.array([4, 1, 2]), model.new_cache(), True)
+    np.testing.assert_array_equal(model.fused.forward(model.ops, CFG, model.weights, ids, model.new_cache(), True), want)
+
+
 NON_FINITE = st.sampled_from([np.nan, np.inf, -np.inf])
 
 

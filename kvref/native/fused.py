@@ -240,7 +240,7 @@ class FusedForward:
 
 
 def _token_ids(token_ids, vocab_size) -> np.ndarray:
-    """Token ids as a non-empty C-contiguous int64 [T] array, every id in [0, vocab_size)."""
+    """Token ids as a non-empty C-contiguous, aligned int64 [T] array, every id in [0, vocab_size)."""
     try:
         ids = np.asarray(token_ids)
     except (TypeError, ValueError) as exc:
@@ -253,7 +253,7 @@ def _token_ids(token_ids, vocab_size) -> np.ndarray:
     if bad.any():
         i = int(np.argmax(bad))
         raise TokenError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab_size})")
-    return np.ascontiguousarray(ids, dtype=np.int64)
+    return np.array(ids, dtype=np.int64, order="C")  # a copy: contiguous and aligned, whatever ids was
 
 
 __all__ = ["ACTIVATIONS", "FusedForward", "default_activations"]
