@@ -22,8 +22,9 @@
  * gives zeros. The arithmetic carries most of it: a NaN or +inf score makes the sum of
  * exponentials l NaN (exp(NaN), exp(inf - inf)), which the rescaling and the final 1 / l spread
  * over the head; a non-finite value makes its accumulator non-finite. What it cannot carry is done
- * by hand: a seen -inf score (it looks masked) becomes NaN, "no key seen" is l == 0 rather than
- * l > 0 (which NaN fails), and a non-finite output is written as NaN.
+ * by hand: the score kernels store a seen -inf score (it would look masked) as NaN
+ * (kvref_attn_score_value), "no key seen" is l == 0 rather than l > 0 (which NaN fails), and a
+ * non-finite output is written as NaN.
  */
 #include <math.h>
 
@@ -123,17 +124,6 @@ static int cursor_seek(attn_cursor *u, const kvref_attn_args *a, int64_t c0, int
     return 1;
 }
 
-/* A scored -inf would read as a masked key's mark and get probability 0, hiding the non-finite q
- * or k behind it: it becomes NaN, as the spec's rule has it, before the masked keys are marked.
- * p [G, CHUNK], keys s < n; a masked key's entry may become NaN too, then -inf. A loop compilers
- * vectorize (compare and blend), about one operation per score. */
-static void poison_neg_inf(int64_t G, int64_t n, float *p) {
-    for (int64_t g = 0; g < G; g++) {
-        float *pg = p + g * KVREF_ATTN_CHUNK;
-        for (int64_t s = 0; s < n; s++) pg[s] = pg[s] == -INFINITY ? NAN : pg[s];
-    }
-}
-
 /* out [G, D] = acc / l for the G heads of a group (out may be acc): zeros for a head that saw no key
  * (l = 0: a seen key adds exp(0) = 1 to l, or NaN), NaN where the quotient is not finite (a
  * non-finite value, or l NaN from a non-finite score): the spec's outputs are finite or NaN. */
@@ -163,8 +153,7 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
     c->v = a->v + hk * u->v_head;
     c->k_scales = a->k_scales != NULL ? a->k_scales + hk * u->s_head : NULL;
     c->v_scales = a->v_scales != NULL ? a->v_scales + hk * u->s_head : NULL;
-    ak->score(a, c, p);
-    poison_neg_inf(G, c->n, p);
+    ak->score(a, c, p); /* a seen -inf score is stored as NaN (kvref_attn_score_value) */
     if (!c->all) /* masked keys get probability exp(-inf) = 0 */
         for (int64_t s = 0; s < c->n; s++)
             if (kvref_attn_hidden(c, s))
