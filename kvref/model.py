@@ -33,10 +33,12 @@ class Model:
                  tokenizer=None, chat_template: str | None = None, threads: int | None = None,
                  generation_config: GenerationConfig | None = None):
         self.config = config
-        # read-only memory nothing public can resize, free or write: C keeps pointers into it
-        self.weights = freeze(weights)
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype, config)
+        # C keeps pointers into the native backend's weights: read-only memory nothing public can
+        # resize, free or write (kvref.weights.freeze). The spec reads them through NumPy only and
+        # keeps them as given (freezing would copy every dequantized array once more at load).
+        self.weights = freeze(weights) if self.backend == "c" else weights
         self.ops = backends.kernels(self.backend, threads)
         # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
         # None: every execution runs the shared decoder kernel by kernel
