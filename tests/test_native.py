@@ -33,7 +33,7 @@ from kvref.spec import ops as spec
 from kvref.spec import quants
 from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
 from kvref.tolerance import ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
-from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, reads_like_float_kv, require
+from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, misaligned, reads_like_float_kv, require
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -638,16 +638,6 @@ def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
         np.testing.assert_array_equal(one.swiglu(g, g[::-1].copy()), two.swiglu(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.geglu(g, g[::-1].copy()), two.geglu(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.rope(r, np.arange(37), 1e4), two.rope(r, np.arange(37), 1e4))
-
-
-def misaligned(a):
-    """A copy of `a` one byte past an address aligned to its dtype (a GGUF file with general.alignment = 1
-    places tensors so)."""
-    buf = np.zeros(a.nbytes + 2 * a.itemsize, np.uint8)
-    start = (1 - buf.ctypes.data) % max(a.itemsize, 2)
-    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
 
 
 def test_misaligned_float_arrays_are_refused_before_c_reads_them_as_floats():

@@ -36,7 +36,8 @@ from kvref.spec import decoder
 from kvref.spec import quants
 from kvref.tolerance import INT8_ACTIVATION_ROUNDING, UNDERFLOW_SLACK, assert_close, compare, gamma
 from kvref.weights import LayerWeights, Weights, random_weights
-from tests.conftest import NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, reads_like_float_kv, require
+from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, reads_like_float_kv,
+                            require)
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -745,17 +746,6 @@ def test_memory_mapped_weights_are_read_in_place_and_their_mapping_stays_open(tm
     assert model.fused_problem(model.new_cache()) is None
     np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()),
                                   kvref.Model(CFG, random_weights(CFG, seed=6), backend="c").forward([1, 2]))
-
-
-def misaligned(a):
-    """A copy of `a` one byte past an address aligned to its dtype, as a GGUF file with
-    general.alignment = 1 places a float32 tensor."""
-    buf = np.zeros(a.nbytes + 2 * a.itemsize, np.uint8)
-    start = (1 - buf.ctypes.data) % a.itemsize
-    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    assert not out.flags.aligned
-    return out
 
 
 def test_a_misaligned_gain_is_refused_by_the_fused_forward_and_copied_by_a_model():
