@@ -7,8 +7,8 @@ never looks inside, it only passes tensors to kernels.
 A Model on the native backend freezes the weights it is built with (`freeze`): every array becomes
 read-only memory that no public handle can resize, free or write — a view of an immutable bytes
 object, or of a read-only memory-mapped file that the native path pins (`pin`) — because C keeps
-raw pointers into them between calls. Rebinding a field of Weights stays possible; the fused C forward notices (it checks
-every tensor's identity) and runs the shared decoder on the new tensor instead.
+raw pointers into them between calls. Rebinding a field of Weights stays possible; the fused C
+forward notices (it checks every tensor's identity) and runs the shared decoder on the new tensor.
 """
 
 from __future__ import annotations
