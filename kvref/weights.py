@@ -14,12 +14,11 @@ forward notices (it checks every tensor's identity) and runs the shared decoder 
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import numpy as np
 
 from .config import ModelConfig
-from .spec.ggml import QuantizedTensor
 
 
 @dataclass
@@ -120,11 +119,12 @@ def pin(a):
 
 def frozen_tensor(t):
     """t as frozen memory (see pin): itself when it already is, else a read-only copy viewing a new
-    bytes object (aligned, as CPython's allocator aligns it to 16 bytes). A QuantizedTensor freezes
-    its blocks; None (an absent optional tensor) and other objects are returned as they are."""
-    if isinstance(t, QuantizedTensor):
+    bytes object (aligned, as CPython's allocator aligns it to 16 bytes). A tensor held as blocks
+    (kvref.spec.ggml.QuantizedTensor, a dataclass with a `data` array: not imported, since the spec
+    imports this module) freezes its blocks; None and other objects are returned as they are."""
+    if is_dataclass(t) and isinstance(getattr(t, "data", None), np.ndarray):
         data = frozen_tensor(t.data)
-        return t if data is t.data else QuantizedTensor(t.ggml_type, t.shape, data)
+        return t if data is t.data else replace(t, data=data)
     if not isinstance(t, np.ndarray) or pin(t) is not None:
         return t
     a = np.ascontiguousarray(t)

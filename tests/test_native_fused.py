@@ -706,6 +706,25 @@ def test_a_models_weights_cannot_be_resized_written_or_freed_under_c():
     np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()), want)
 
 
+def test_a_models_quantized_blocks_cannot_be_resized_or_written_under_c():
+    weights = random_weights(CFG, seed=8)
+    blocks = np.zeros((CFG.q_dim, row_nbytes(GGMLType.Q8_0, CFG.d_model)), np.uint8)  # writeable, the caller's
+    blocks[:, 2:] = np.random.default_rng(0).integers(-8, 8, (CFG.q_dim, blocks.shape[1] - 2)).astype(np.int8).view(np.uint8)
+    blocks[:, 0:2] = np.full((CFG.q_dim, 1), 0.01, np.float16).view(np.uint8)  # one block per row: d = 0.01
+    weights.layers[0].wq = QuantizedTensor(GGMLType.Q8_0, (CFG.q_dim, CFG.d_model), blocks)
+    model = kvref.Model(CFG, weights, backend="c")
+    want = model.forward([1, 2], model.new_cache())
+    data = model.weights.layers[0].wq.data
+    assert data is not blocks and model.fused_problem(model.new_cache()) is None
+    for a in array_chain(data):
+        with pytest.raises(ValueError):
+            a.resize((1,), refcheck=False)
+        with pytest.raises(ValueError):
+            a.setflags(write=True)
+    blocks[...] = 0  # the caller's array is theirs: the model holds a copy
+    np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()), want)
+
+
 def test_rebinding_a_models_weight_runs_the_decoder_on_the_new_tensor():
     model = kvref.Model.random(CFG, seed=3, backend="c")
     other = random_weights(CFG, seed=4)
