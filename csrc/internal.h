@@ -180,10 +180,18 @@ static inline int kvref_attn_hidden(const kvref_attn_chunk *c, int64_t s) {
     return (uint64_t)c->kp[s] - (uint64_t)c->klo > (uint64_t)c->qpos - (uint64_t)c->klo;
 }
 
-/* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G; p [G, C].
- * A masked key's entry may hold anything (the skeleton overwrites it with -inf). Keys from n to
- * nrows are the next chunk's: a kernel may prefetch their K (and V) while it scores. */
+/* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G, stored
+ * through kvref_attn_score_value; p [G, C]. A masked key's entry may hold anything (the skeleton
+ * overwrites it with -inf). Keys from n to nrows are the next chunk's: a kernel may prefetch their K
+ * (and V) while it scores. */
 typedef void (*kvref_attn_score_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
+/* A score as the kernels store it: NaN if it is not finite (inf x 0 is NaN), else itself, exactly
+ * (score + score * 0 = score + 0). In p, -inf is the skeleton's mark of a masked key (probability
+ * exp(-inf) = 0); a seen key whose q . k is -inf (an infinite q or k, or an overflow) must instead
+ * make its head's output NaN, kvref.spec.ops.attention's rule, as NaN and +inf do through the
+ * softmax arithmetic (csrc/attention.c). One multiply-add, no compare: the AVX-512 kernel's
+ * compare-and-blend made decode attention about 6 % slower (S = 4096, one thread). */
+static inline float kvref_attn_score_value(float score) { return score + score * 0.0f; }
 /* The exponentials of a chunk's n >= 1 keys for the G heads of a group: for each g < G, mnew[g] =
  * max(m[g], max_s p[g * C + s]), p[g * C + s] = exp(p[g * C + s] - mnew[g]) in place (0 for a masked
  * key's -inf) and sum[g] = the sum of those. p [G, C]; m, mnew, sum [G]. */

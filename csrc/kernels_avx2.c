@@ -417,7 +417,7 @@ TARGET __attribute__((always_inline)) static inline void score4(
         _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
         for (int r = 0; r < 4; r++) {
             for (int64_t t = Dv; t < D; t++) dots[r] += q[g * D + t] * load_kv1(kb, k_type, row[r] + t);
-            p[g * C + r] = dots[r] * a->scale;
+            p[g * C + r] = kvref_attn_score_value(dots[r] * a->scale);
         }
     }
 }
@@ -460,7 +460,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             }
             float dot = hsum8(d);
             for (; i < D; i++) dot += q[g * D + i] * load_kv1(kb, k_type, row[s] + i);
-            p[g * C + s] = dot * a->scale;
+            p[g * C + s] = kvref_attn_score_value(dot * a->scale);
         }
 }
 

@@ -544,7 +544,9 @@ TARGET __attribute__((always_inline)) static inline void score_keys(
             }
         }
     for (int g = 0; g < gb; g++) {
-        const __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
+        __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
+        /* kvref_attn_score_value, 8 at a time: non-finite -> NaN */
+        sg = _mm256_fmadd_ps(sg, _mm256_setzero_ps(), sg);
         if (nk == 8) _mm256_storeu_ps(p + g * C, sg);
         else _mm_storeu_ps(p + g * C, _mm256_castps256_ps128(sg));
     }
@@ -595,7 +597,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
                     d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
                                         load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, sc), d);
                 }
-            p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
+            p[g * C + s] = kvref_attn_score_value(_mm512_reduce_add_ps(d) * a->scale);
         }
 }
 

@@ -213,7 +213,7 @@ static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c
         for (int64_t g = 0; g < G; g++) {
             float dot = 0.0f;
             for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(k, scales, type, gs, row[s] + i);
-            p[g * C + s] = dot * a->scale;
+            p[g * C + s] = kvref_attn_score_value(dot * a->scale);
         }
     }
 }

@@ -18,7 +18,7 @@ from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, To
 from .generation_config import GenerationConfig
 from .scoring import SCORE_CHUNK, score
 from .spec import decoder
-from .weights import Weights, random_weights
+from .weights import Weights, freeze, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
 LAYOUTS = ("auto", "contiguous", "hybrid", "paged", "window")
@@ -33,13 +33,16 @@ class Model:
                  tokenizer=None, chat_template: str | None = None, threads: int | None = None,
                  generation_config: GenerationConfig | None = None):
         self.config = config
-        self.weights = weights
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype, config)
+        # C keeps pointers into the native backend's weights: read-only memory nothing public can
+        # resize, free or write (kvref.weights.freeze). The spec reads them through NumPy only and
+        # keeps them as given (freezing would copy every dequantized array once more at load).
+        self.weights = freeze(weights) if self.backend == "c" else weights
         self.ops = backends.kernels(self.backend, threads)
         # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
         # None: every execution runs the shared decoder kernel by kernel
-        self.fused = backends.fused_forward(self.backend, config, weights)
+        self.fused = backends.fused_forward(self.backend, config, self.weights)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         # what kvref.generate does unless told otherwise: the model file's recommendations, else greedy
