@@ -1,0 +1,110 @@
+"""The ceilings on every number an untrusted file supplies, and the checks that apply them.
+
+A GGUF file, a checkpoint's config.json or a saved cache can state any number. Each one is checked
+for type and range before it sizes a table, an array or a loop: a bool, float, string or array where
+an integer belongs is refused, never converted (no "2" -> 2, 2.7 -> 2, True -> 1). The ceilings are
+far above every released model (the largest have ~128 layers, d_model 16k, 256k-token vocabularies,
+10M-position contexts) and far below what would exhaust memory before a check further on could
+refuse. docs/formats.md ("Bounds on untrusted numbers") lists every bound kvref applies.
+
+This module also reads untrusted files and JSON with limits: only regular files (never a device, a
+FIFO or a directory, which could block or never end), and JSON no larger or deeper than stated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+import numpy as np
+
+from .errors import ConfigError
+
+# ModelConfig field -> the largest value accepted (the smallest is 1)
+CONFIG_CEILINGS = {
+    "n_layers": 1024,
+    "d_model": 2**16,
+    "n_heads": 1024,
+    "n_kv_heads": 1024,
+    "head_dim": 4096,
+    "d_ff": 2**20,
+    "vocab_size": 2**24,
+    "max_seq_len": 2**30,  # positions; a sliding window is bounded by the same number
+}
+MAX_CONTEXT = CONFIG_CEILINGS["max_seq_len"]
+# bytes the cache a model makes by default (new_cache() without capacity or num_blocks, hence
+# generate() and Conversation without a cache) may take; a larger default asks for capacity=
+DEFAULT_CACHE_BUDGET = 4 * 2**30
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a JSON document read from a file
+
+
+def bounded_int(value, what: str, low: int, high: int, error=ConfigError) -> int:
+    """`value` as a Python int in [low, high]: Python and NumPy integers only, never a bool, float,
+    string or array. Raises `error` naming `what`, the value and the range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise error(f"{what}={_show(value)} must be an integer in [{low}, {high}]")
+    if not low <= value <= high:
+        raise error(f"{what}={int(value)} must be an integer in [{low}, {high}]")
+    return int(value)
+
+
+def bounded_float(value, what: str, error=ConfigError, positive=True) -> float:
+    """`value` as a finite float (positive unless told otherwise): Python and NumPy ints and floats only."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise error(f"{what}={_show(value)} must be a number")
+    number = float(value)
+    if not np.isfinite(number) or (positive and number <= 0):
+        raise error(f"{what}={number} must be a {'positive ' if positive else ''}finite number")
+    return number
+
+
+def _show(value) -> str:
+    # a value as a message shows it: type and a bounded repr (an array of 10**6 items prints short)
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def open_regular_file(path, what: str, error):
+    """An open binary file object for `path`, which must be a regular file (a symlink to one is
+    fine). Devices, FIFOs, sockets and directories are refused before and after opening: os.stat
+    says what the path is without opening it (opening a FIFO with no writer would block), and
+    fstat of what was opened (non-blocking) closes the race with a path swapped in between."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise error(f"{what} {os.fspath(path)!r} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise error(f"cannot read {what} {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise error(f"{what} {os.fspath(path)!r} is not a regular file")
+    return f
+
+
+def read_exactly(f, n: int, what: str, error) -> bytes:
+    """n bytes from `f`, or `error` if the file ends first (it shrank, or lied about its size)."""
+    data = f.read(n)
+    if len(data) != n:
+        raise error(f"{what} ended after {len(data)} of {n} bytes")
+    return data
+
+
+_JSON_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def bounded_json(text: bytes, what: str, error, max_depth: int = MAX_JSON_DEPTH):
+    """JSON of `text`, refusing nesting deeper than max_depth before parsing (json.loads recurses once
+    per level, so deep nesting would otherwise end in RecursionError or exhaust the stack). The size
+    bound is the caller's: it reads at most that many bytes."""
+    brackets = np.frombuffer(_JSON_STRINGS.sub(b'""', text), dtype=np.uint8)
+    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)
+             - np.isin(brackets, (ord("]"), ord("}"))).astype(np.int64))
+    if steps.size and int(np.cumsum(steps).max()) > max_depth:
+        raise error(f"{what} nests JSON deeper than {max_depth} levels")
+    try:
+        return json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise error(f"{what} is not JSON ({exc})") from None
