@@ -37,6 +37,9 @@ MAX_CONTEXT = CONFIG_CEILINGS["max_seq_len"]
 # bytes the cache a model makes by default (new_cache() without capacity or num_blocks, hence
 # generate() and Conversation without a cache) may take; a larger default asks for capacity=
 DEFAULT_CACHE_BUDGET = 4 * 2**30
+# blocks of a paged pool a saved cache file may ask for (each block costs ~100 bytes of bookkeeping
+# besides its K/V, so a file of tiny blocks is bounded by this count, not by the budget)
+MAX_POOL_BLOCKS = 2**20
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a JSON document read from a file
 
 
