@@ -336,15 +336,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return tree
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-        target = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format in its safe formatter
-        bound = getattr(target, "__self__", None)
-        _charge_for(bound if isinstance(bound, str) else None, *args, *kwargs.values())
+        _charge_for(*args, *kwargs.values())
         if not isinstance(__obj, _Range):
-            _check_arguments(args, kwargs, f"the call {getattr(target, '__name__', '?')}")
-        if isinstance(bound, str):
-            if target.__name__ == "join" and args and not isinstance(args[0], (str, list, tuple, dict)):
-                args = (list(_charged(args[0])), *args[1:])  # an iterator joined is counted and sized first
-            _check_growth(target.__name__, bound, args, kwargs)
+            _check_arguments(args, kwargs, f"the call {getattr(__obj, '__name__', type(__obj).__name__)}")
         if isinstance(__obj, LoopContext) and args:  # a recursive loop's next level iterates here
             args = (_charged(args[0]), *args[1:])
         return super().call(__context, __obj, *args, **kwargs)
@@ -356,16 +350,33 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def getattr(self, obj, attribute):
         _charge(1)
-        return super().getattr(obj, attribute)
+        return _guard_str_method(obj, attribute, super().getattr(obj, attribute))
 
     def getitem(self, obj, argument):
         _charge(1)
-        return super().getitem(obj, argument)
+        return _guard_str_method(obj, argument, super().getitem(obj, argument))
 
     def unsafe_undefined(self, obj, attribute):
         # jinja's default is an undefined value that prints as "" until used further; a template that
         # reaches for internals is hostile, and fails here rather than render on
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} object is unsafe")
+
+
+def _guard_str_method(obj, name, value):
+    """A method of a string, as a template gets it: charged by the string's size and checked before it
+    can multiply it (the sandbox hands templates bound methods, jinja's str.format already wrapped)."""
+    if not (isinstance(obj, str) and isinstance(name, str) and callable(value)):
+        return value
+
+    def method(*args, **kwargs):
+        if name == "join" and args and not isinstance(args[0], (str, list, tuple, dict)):
+            args = (list(_charged(args[0])), *args[1:])  # an iterator joined is counted and sized first
+        _charge_for(obj, *args, *kwargs.values())
+        _check_arguments(args, kwargs, f"str.{name}")
+        _check_growth(name, obj, args, kwargs)
+        return value(*args, **kwargs)
+
+    return method
 
 
 def _check_binop(operator, left, right) -> None:

@@ -21,7 +21,6 @@ recommended, since they only shape a sampled distribution.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, GenerationError, SamplingError
+from .limits import read_json_file
 from .sampling import check_penalties, check_sampling
 
 SAMPLING_FILTERS = ("top_k", "top_p", "min_p")
@@ -164,10 +164,7 @@ def from_hf_directory(directory) -> GenerationConfig:
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return GenerationConfig()
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} cannot be read as JSON: {exc}") from None
+    values = read_json_file(path, "generation_config.json", ConfigError)
     if not isinstance(values, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return from_hf_generation_config(values, str(path))

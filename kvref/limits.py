@@ -41,6 +41,9 @@ DEFAULT_CACHE_BUDGET = 4 * 2**30
 # besides its K/V, so a file of tiny blocks is bounded by this count, not by the budget)
 MAX_POOL_BLOCKS = 2**20
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a JSON document read from a file
+# a JSON file of a checkpoint directory (config.json, tokenizer.json, ...): the largest tokenizer.json
+# files are tens of MB
+MAX_JSON_FILE_BYTES = 2**28
 
 
 def bounded_int(value, what: str, low: int, high: int, error=ConfigError) -> int:
@@ -63,6 +66,17 @@ def bounded_float(value, what: str, error=ConfigError, positive=True) -> float:
     return number
 
 
+def check_layer_count(n_layers: int, tensor_names, pattern: str, what: str, error) -> None:
+    """`error` unless the tensors named like `pattern` (a regex whose group 1 is the layer index, e.g.
+    r"blk\\.(\\d+)\\.") are those of layers 0..n_layers-1 exactly. Run before any per-layer table is
+    built: a stated count of 2**31 layers must not build one to find out."""
+    matcher = re.compile(pattern).match
+    layers = {int(m.group(1)) for m in map(matcher, tensor_names) if m}
+    if layers != set(range(n_layers)):
+        raise error(f"{what}={n_layers}, but the tensors present are those of {len(layers)} layers"
+                    + (f" numbered {min(layers)}..{max(layers)}" if layers else ""))
+
+
 def _show(value) -> str:
     # a value as a message shows it: type and a bounded repr (an array of 10**6 items prints short)
     text = repr(value)
@@ -73,11 +87,14 @@ def open_regular_file(path, what: str, error):
     """An open binary file object for `path`, which must be a regular file (a symlink to one is
     fine). Devices, FIFOs, sockets and directories are refused before and after opening: os.stat
     says what the path is without opening it (opening a FIFO with no writer would block), and
-    fstat of what was opened (non-blocking) closes the race with a path swapped in between."""
+    fstat of what was opened (non-blocking) closes the race with a path swapped in between.
+    FileNotFoundError passes through, for callers to whom a missing file means something."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise error(f"{what} {os.fspath(path)!r} is not a regular file")
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise error(f"cannot read {what} {os.fspath(path)!r}: {exc.strerror or exc}") from None
     f = os.fdopen(fd, "rb")
@@ -95,19 +112,36 @@ def read_exactly(f, n: int, what: str, error) -> bytes:
     return data
 
 
-_JSON_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_ESCAPES = re.compile(rb"\\.", re.DOTALL)
+_JSON_STRINGS = re.compile(rb'"[^"]*"')
+_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'[]{}"')))
 
 
 def bounded_json(text: bytes, what: str, error, max_depth: int = MAX_JSON_DEPTH):
     """JSON of `text`, refusing nesting deeper than max_depth before parsing (json.loads recurses once
     per level, so deep nesting would otherwise end in RecursionError or exhaust the stack). The size
     bound is the caller's: it reads at most that many bytes."""
-    brackets = np.frombuffer(_JSON_STRINGS.sub(b'""', text), dtype=np.uint8)
-    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)
-             - np.isin(brackets, (ord("]"), ord("}"))).astype(np.int64))
+    # the brackets outside strings, found at C speed: escapes out, then all but brackets and quotes,
+    # then the (now escape-free) strings
+    structure = _JSON_STRINGS.sub(b"", _JSON_ESCAPES.sub(b"", text).translate(None, _NOT_STRUCTURE))
+    brackets = np.frombuffer(structure, dtype=np.uint8)
+    steps = ((brackets == ord("[")) | (brackets == ord("{"))).astype(np.int64) - (
+        (brackets == ord("]")) | (brackets == ord("}")))
     if steps.size and int(np.cumsum(steps).max()) > max_depth:
         raise error(f"{what} nests JSON deeper than {max_depth} levels")
     try:
         return json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise error(f"{what} is not JSON ({exc})") from None
+        raise error(f"{what} cannot be read as JSON ({exc})") from None
+
+
+def read_json_file(path, what: str, error, max_bytes: int = MAX_JSON_FILE_BYTES):
+    """The JSON document in the regular file `path`: at most max_bytes, nested at most MAX_JSON_DEPTH
+    deep; `error` naming `what` for anything else (FileNotFoundError passes through, for callers to
+    whom a missing file means something)."""
+    with open_regular_file(path, what, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise error(f"{what} {os.fspath(path)!r} has {size:,} bytes; at most {max_bytes:,} are read")
+        text = read_exactly(f, size, f"{what} {os.fspath(path)!r}", error)
+    return bounded_json(text, f"{what} {os.fspath(path)!r}", error)

@@ -254,8 +254,8 @@ def test_only_a_regular_file_is_read_never_a_device_fifo_or_directory(model, tmp
      b'"nbytes": 0}]}', "cannot take 0 bytes"),
     (b'{"arrays": [{"name": "k", "dtype": "float32", "shape": [1], "offset": 1e300, "nbytes": 4}]}',
      "offset of array 'k'=1e\\+300 \\(float\\)"),
-    (b'{"arrays": [], "x": NaN', "is not JSON"),
-    (b"\xff\xfe", "is not JSON"),
+    (b'{"arrays": [], "x": NaN', "cannot be read as JSON"),
+    (b"\xff\xfe", "cannot be read as JSON"),
 ])
 def test_a_malformed_header_is_refused_naming_the_field(model, tmp_path, text, message):
     write_raw(tmp_path / "c.kvc", text)

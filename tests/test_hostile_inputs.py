@@ -45,8 +45,8 @@ def test_the_tiny_model_loads_and_chats(tmp_path):
     ((V.STRING, "2"), r"block_count='2' \(str\) must be an integer"),  # was read as 2
     ((V.BOOL, True), r"block_count=True \(bool\) must be an integer"),  # was read as 1
     ((V.ARRAY, (V.UINT32, [2, 2])), r"block_count=array\(\[2, 2\].* must be an integer"),
-    ((V.UINT32, 3), "block_count=3, but the file holds tensors of 2 blocks numbered 0..1"),
-    ((V.UINT32, 1), "block_count=1, but the file holds tensors of 2 blocks"),
+    ((V.UINT32, 3), "block_count=3, but the tensors present are those of 2 layers numbered 0..1"),
+    ((V.UINT32, 1), "block_count=1, but the tensors present are those of 2 layers"),
 ])
 def test_block_count_is_checked_for_type_range_and_the_blocks_present(tmp_path, entry, message):
     refused(tmp_path, message, metadata={"llama.block_count": entry})

@@ -118,7 +118,11 @@ def read_cache_file(path):
     array entry is checked, and only then is the rest read: exactly the bytes the header describes.
     """
     where = f"cache file {str(path)!r}"
-    with open_regular_file(path, "cache file", CacheError) as f:
+    try:
+        f = open_regular_file(path, "cache file", CacheError)
+    except FileNotFoundError:
+        raise CacheError(f"cannot read cache file {str(path)!r}: no such file") from None
+    with f:
         size = os.fstat(f.fileno()).st_size
         if size < _PREFIX.size + _DIGEST:
             raise CacheError(f"{where} is truncated: {size} bytes")

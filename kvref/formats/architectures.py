@@ -19,13 +19,11 @@ else a file asks for (RoPE scaling, partial RoPE) is refused by name.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import GGUFError
-from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int
+from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
@@ -77,7 +75,7 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
         raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
     rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim)
     n_layers = integer("block_count", "n_layers")
-    _check_block_count(n_layers, tensor_names, arch)
+    check_layer_count(n_layers, tensor_names, r"blk\.(\d+)\.", f"{arch}.block_count", GGUFError)
     gemma = arch == "gemma3"
     windows = None
     if gemma:
@@ -104,17 +102,6 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
         rope_scaling=rope_scaling,
     )
-
-
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
-
-
-def _check_block_count(n_layers, tensor_names, arch):
-    # compared before any per-layer table exists: a block_count of 2**31 must not build one to find out
-    blocks = {int(m.group(1)) for m in map(_BLOCK_TENSOR.match, tensor_names) if m}
-    if blocks != set(range(n_layers)):
-        raise GGUFError(f"{arch}.block_count={n_layers}, but the file holds tensors of {len(blocks)} blocks"
-                        + (f" numbered {min(blocks)}..{max(blocks)}" if blocks else ""))
 
 
 def _vocab_size(metadata, arch):

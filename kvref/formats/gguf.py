@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GGUFError, ModelNotFoundError, ShapeError
+from ..limits import open_regular_file
 from ..spec import quants
 from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 
@@ -365,7 +366,7 @@ def _map_file(path):
     # Memory-maps the whole file read-only; refuses files too short to hold a header before mapping
     # (an empty file cannot be mapped at all).
     try:
-        f = open(path, "rb")
+        f = open_regular_file(path, "GGUF file", GGUFError)  # a FIFO would block, a device never end
     except FileNotFoundError:
         raise ModelNotFoundError(f"no GGUF file at {path}") from None
     with f:
