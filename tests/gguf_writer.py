@@ -64,6 +64,8 @@ def gguf_bytes(metadata, tensors, version=3):
     cutting any byte off the end breaks the file.
     """
     alignment = metadata.get("general.alignment", (V.UINT32, 32))[1]
+    if not isinstance(alignment, int) or not 0 < alignment <= 4096:  # a hostile value: lay out as the default
+        alignment = 32
     infos, data = [], bytearray()
     for name, (ggml_type, dims, tensor_bytes) in tensors.items():
         data += bytes(-len(data) % alignment)

@@ -71,6 +71,20 @@ def test_every_architecture_number_is_type_checked_and_bounded(tmp_path, key, en
     refused(tmp_path, message, metadata={key: entry})
 
 
+@pytest.mark.parametrize("key, entry, message", [
+    # found by tests/fuzz: float(), int() of arrays, NaN and inf escaped as TypeError, ValueError, OverflowError
+    ("general.sampling.top_k", (V.ARRAY, (V.INT32, [40, 40])), r"top_k=array\(\[40, 40\].* must be an integer"),
+    ("general.sampling.top_k", (V.FLOAT32, float("nan")), r"top_k=nan \(float\) must be an integer"),
+    ("general.sampling.top_k", (V.FLOAT64, float("inf")), r"top_k=inf \(float\) must be an integer"),
+    ("general.sampling.temp", (V.ARRAY, (V.STRING, ["a"])), r"temp=\['a'\] \(list\) must be a number"),
+    ("general.sampling.temp", (V.STRING, "0.7"), r"temp='0.7' \(str\) must be a number"),
+    ("general.sampling.top_p", (V.FLOAT32, float("nan")), "top_p=nan must be a finite number"),
+    ("general.sampling.penalty_last_n", (V.UINT64, 2**40), r"penalty_last_n=1099511627776 must be an integer"),
+])
+def test_sampling_defaults_in_the_file_are_type_checked(tmp_path, key, entry, message):
+    refused(tmp_path, message, kvref.ConfigError, metadata={key: entry})
+
+
 def test_a_missing_vocab_size_falls_back_to_the_tokens_and_is_bounded_the_same_way(tmp_path):
     assert load_tiny(tmp_path, drop=["llama.vocab_size"]).config.vocab_size == 262
     refused(tmp_path, "the length of tokenizer.ggml.tokens", drop=["llama.vocab_size", "tokenizer.ggml.tokens"])

@@ -133,7 +133,7 @@ def _check_entries(header, data_size, path):
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise SafetensorsError(f"{where} must have exactly dtype, shape and data_offsets; got {entry!r}")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise SafetensorsError(f"{where} has dtype {dtype!r}; expected one of {sorted(DTYPES)}")
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
                 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):

@@ -33,10 +33,15 @@ DICTIONARY = {
 
 
 def mutate(data: bytes, rng: random.Random, corpus: list[bytes], target: str) -> bytes:
+    changed = None
     if target == "cache" and rng.random() < 0.5:
         changed = _mutate_cache_header(data, rng)
-        if changed is not None:
-            return changed
+    elif target == "gguf" and rng.random() < 0.4:
+        changed = _generate_gguf(rng)
+    elif target == "safetensors" and rng.random() < 0.5:
+        changed = _mutate_json_file(data, rng)
+    if changed is not None:
+        return changed if rng.random() < 0.8 else _byte_mutation(bytearray(changed), rng, corpus, ())
     out = bytearray(data)
     for _ in range(rng.choice((1, 1, 2, 3, 4, 8))):
         out = _byte_mutation(out, rng, corpus, DICTIONARY.get(target, ()))
@@ -79,6 +84,67 @@ def _byte_mutation(out: bytearray, rng, corpus, dictionary) -> bytearray:
         token = rng.choice(dictionary).encode("utf-8", "surrogatepass")
         out[at:at] = token
     return out
+
+
+# GGUF keys whose values size or steer what kvref builds, and values of every type to put there
+GGUF_KEYS = ["llama.block_count", "llama.context_length", "llama.embedding_length", "llama.feed_forward_length",
+             "llama.attention.head_count", "llama.attention.head_count_kv", "llama.attention.key_length",
+             "llama.rope.dimension_count", "llama.vocab_size", "llama.attention.layer_norm_rms_epsilon",
+             "llama.rope.freq_base", "llama.rope.scaling.type", "llama.rope.scaling.factor",
+             "llama.attention.sliding_window", "general.alignment", "general.architecture", "tokenizer.ggml.model",
+             "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+             "tokenizer.ggml.scores", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+             "tokenizer.ggml.eot_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix",
+             "tokenizer.chat_template", "general.sampling.temp", "general.sampling.top_k", "general.sampling.top_p",
+             "general.sampling.min_p", "general.sampling.penalty_repeat", "general.sampling.penalty_last_n"]
+
+
+def _gguf_value(rng):
+    from kvref.formats.gguf import ValueType as V
+
+    number = rng.choice(INTERESTING)
+    return rng.choice([
+        (V.UINT32, number % 2**32), (V.INT32, -(number % 2**31)), (V.UINT64, number), (V.INT64, -(number % 2**63)),
+        (V.UINT8, number % 256), (V.FLOAT32, rng.choice([0.0, -1.0, 2.7, 3e38, float("nan"), float("inf")])),
+        (V.FLOAT64, rng.choice([1e-300, 1e300, float("-inf"), 2.0])), (V.BOOL, rng.random() < 0.5),
+        (V.STRING, rng.choice(["", "2", "llama", "gemma3", "qwen3", "gpt2", "linear", "{{ 1 }}", "a" * 300])),
+        (V.ARRAY, (V.UINT8, [1, 2])), (V.ARRAY, (V.INT32, [number % 2**31] * 3)), (V.ARRAY, (V.STRING, ["a", "b c"])),
+        (V.ARRAY, (V.FLOAT32, [1.0, float("nan")])), (V.ARRAY, (V.ARRAY, [(V.UINT8, [1])])),
+    ])
+
+
+def _generate_gguf(rng) -> bytes:
+    # a whole tiny model whose metadata holds one to three awkward values, or leaves keys out, or whose
+    # shape disagrees with what the metadata says
+    from ..gguf_writer import tiny_model
+
+    metadata = {key: _gguf_value(rng) for key in rng.sample(GGUF_KEYS, rng.choice((1, 1, 2, 3)))}
+    drop = rng.sample(GGUF_KEYS, 1) if rng.random() < 0.2 else []
+    heads = rng.choice((1, 2, 4))
+    return tiny_model(n_layers=rng.choice((1, 2, 3)), d_model=4 * heads, n_heads=heads,
+                      n_kv_heads=rng.choice((1, heads)), d_ff=rng.choice((8, 16)), context=rng.choice((8, 64, 1 << 20)),
+                      metadata=metadata, drop=drop)
+
+
+def _mutate_json_file(data: bytes, rng) -> bytes | None:
+    # config.json (starts with "{") or a safetensors header (8-byte size, then JSON): one field set to
+    # an awkward value
+    offset = 0 if data[:1] == b"{" else 8
+    size = len(data) if offset == 0 else struct.unpack_from("<Q", data)[0] if len(data) >= 8 else 0
+    try:
+        doc = json.loads(data[offset:offset + size])
+    except ValueError:
+        return None
+    paths = list(_paths(doc))
+    if not paths:
+        return None
+    *parents, last = rng.choice(paths)
+    node = doc
+    for key in parents:
+        node = node[key]
+    node[last] = rng.choice(JSON_VALUES)
+    text = json.dumps(doc).encode()
+    return text if offset == 0 else struct.pack("<Q", len(text)) + text + data[8 + size:]
 
 
 def _mutate_cache_header(data: bytes, rng) -> bytes | None:
