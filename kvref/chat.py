@@ -10,9 +10,10 @@ its hardening of `dict` and `namespace` is repeated here.
 
 Rendering is bounded in work and size (a hostile template could otherwise loop for hours or build
 gigabytes; HF does not bound it). Every step the template takes is charged to a budget of MAX_STEPS:
-each loop item, each call, filter, operator and attribute or item lookup, each piece of output, and
-the calls, filters and operators also by the size of what they read (one step per STEP_CHARS
-characters or items). `range` gives at most MAX_RANGE items; `**` and `*` of integers may not make
+each loop item and macro call (by the size of the body it runs), each call, filter, operator and
+attribute or item lookup, each piece of output; calls, filters and operators also by the size of what
+they read (one step per STEP_CHARS characters or items; item-wise filters such as sort, one per item),
+and calls and filters by their integer arguments (widths and counts of what they make). `range` gives at most MAX_RANGE items; `**` and `*` of integers may not make
 numbers of more than MAX_INT_BITS bits; no string or list may grow past MAX_OUTPUT_CHARS (checked
 before `*`, `+`, `%`, str.format, join, replace, indent and any width argument build it), and neither
 may the rendered text. Going past any limit is a TokenizerError naming it.
@@ -113,6 +114,14 @@ def _charge_for(*values) -> None:
     _charge(1 + sum(_size(v) for v in values) // STEP_CHARS)
 
 
+def _charge_call(value, args, kwargs) -> None:
+    """A call or filter: by the size of what it reads, and by every integer argument, which is at most a
+    size or a count of what it makes (a width, a number of slices or batches)."""
+    numbers = [abs(v) for v in (*args, *kwargs.values()) if isinstance(v, int) and not isinstance(v, bool)]
+    _charge_for(value, *args, *kwargs.values())
+    _charge(min(sum(numbers), MAX_STEPS + 1))
+
+
 def _check_size(n: int, what: str) -> None:
     if n > MAX_OUTPUT_CHARS:
         raise SecurityError(f"{what} would make {n:,} characters or items, more than {MAX_OUTPUT_CHARS:,} "
@@ -156,7 +165,7 @@ _ITEMWISE_FILTERS = frozenset({"sort", "unique", "map", "select", "reject", "sel
                                "xmlattr", "tojson", "pprint", "wordcount", "title", "capitalize", "urlize"})
 # str methods whose output can be any multiple of their input (tabs x tabsize, a table of long strings)
 _UNBOUNDED_STR_METHODS = frozenset({"expandtabs", "translate", "maketrans"})
-_FORMAT_NUMBERS = re.compile(r"(?:%[^a-zA-Z%]*[a-zA-Z%])|(?:\{[^{}]*\})")
+_FORMAT_NUMBERS = re.compile(r"(?:%(?:\([^)]*\))?[^a-zA-Z%]*[a-zA-Z%])|(?:\{[^{}]*\})")
 
 
 def _check_format(fmt: str, what: str) -> None:
@@ -176,14 +185,17 @@ def _check_arguments(args, kwargs, what: str) -> None:
             raise SecurityError(f"{what} with the argument {value} (more than MAX_OUTPUT_CHARS)")
 
 
+def _check_join(items, sep) -> None:
+    if isinstance(items, (str, list, tuple)) and isinstance(sep, str):
+        _check_size(len(sep) * len(items) + sum(_size(i) for i in items), "join")
+
+
 def _check_growth(name: str, value, args, kwargs) -> None:
     """Before a filter or str method that multiplies its input runs: the size of what it would make."""
-    if not isinstance(value, str) and name not in ("join",):
+    if not isinstance(value, str):
         return
-    if name == "join":  # filter: value.join(d); str method: value is the separator, args[0] the items
-        items, sep = (args[0], value) if isinstance(value, str) else (value, args[0] if args else "")
-        if isinstance(items, (list, tuple)) and isinstance(sep, str):
-            _check_size(len(sep) * len(items) + sum(_size(i) for i in items), "join")
+    if name == "join":  # the str method: value is the separator
+        _check_join(args[0] if args else (), value)
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         _check_size(len(value) + (value.count(args[0]) if args[0] else len(value) + 1) * len(args[1]), "replace")
     elif name == "indent":
@@ -209,10 +221,13 @@ def _guarded_filter(name, f):
         if name == "join" and not isinstance(value, (str, list, tuple, dict)):
             value = list(_charged(value))  # an iterator joined is counted and sized first
             args = (*args[:value_at], value, *rest)
-        _charge(len(value) if name in _ITEMWISE_FILTERS and _size(value) else 0)
-        _charge_for(value, *rest)
         _check_arguments(rest, kwargs, f"the filter {name}")
-        _check_growth(name, value, rest, kwargs)
+        if name == "join":
+            _check_join(value, rest[0] if rest else kwargs.get("d", ""))
+        else:
+            _check_growth(name, value, rest, kwargs)
+        _charge(len(value) if name in _ITEMWISE_FILTERS and _size(value) else 0)
+        _charge_call(value, rest, kwargs)
         return f(*args, **kwargs)
 
     return filter_
@@ -336,9 +351,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return tree
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-        _charge_for(*args, *kwargs.values())
-        if not isinstance(__obj, _Range):
+        if __obj is not _Range:  # range charges its own items
             _check_arguments(args, kwargs, f"the call {getattr(__obj, '__name__', type(__obj).__name__)}")
+            _charge_call(None, args, kwargs)
         if isinstance(__obj, LoopContext) and args:  # a recursive loop's next level iterates here
             args = (_charged(args[0]), *args[1:])
         return super().call(__context, __obj, *args, **kwargs)
@@ -371,9 +386,9 @@ def _guard_str_method(obj, name, value):
     def method(*args, **kwargs):
         if name == "join" and args and not isinstance(args[0], (str, list, tuple, dict)):
             args = (list(_charged(args[0])), *args[1:])  # an iterator joined is counted and sized first
-        _charge_for(obj, *args, *kwargs.values())
         _check_arguments(args, kwargs, f"str.{name}")
         _check_growth(name, obj, args, kwargs)
+        _charge_call(obj, args, kwargs)
         return value(*args, **kwargs)
 
     return method
@@ -383,7 +398,8 @@ def _check_binop(operator, left, right) -> None:
     ints = all(isinstance(v, int) for v in (left, right))
     if operator == "**" and ints and right > 0 and abs(left) > 1:
         # the result has about right * log2|left| bits; refused before Python computes it
-        _check_int(1 << min(int(right * math.log2(abs(left))) + 1, MAX_INT_BITS + 1), f"{left} ** {right}")
+        bits = min(right, MAX_INT_BITS + 1) * math.log2(abs(left))
+        _check_int(1 << min(int(bits) + 1, MAX_INT_BITS + 1), f"{str(left)[:20]} ** {str(right)[:20]}")
     elif operator == "*" and ints:
         _check_int(1 << min(abs(left).bit_length() + abs(right).bit_length(), MAX_INT_BITS + 1), "*")
     elif operator == "*":

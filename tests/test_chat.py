@@ -132,6 +132,10 @@ HOSTILE_TEMPLATES = {
                                  "{% endfor %}", "MAX_STEPS"),
     "sorting a long string again and again": ("{% set s = 'x' * 4000000 %}{% for i in range(100) %}{{ s|sort|length }}"
                                               "{% endfor %}", "MAX_STEPS"),
+    "a wide named % format": ("{{ '%(a)999999999s' % {'a': 1} }}", "MAX_OUTPUT_CHARS"),
+    "a long join of a string": ("{{ ('a' * 100000)|join('x' * 8000000) }}", "MAX_OUTPUT_CHARS"),
+    "many slices": ("{{ [1]|slice(5000000)|list|length }}", "MAX_STEPS"),
+    "a huge exponent": ("{{ 2 ** (2 ** 5000) }}", "MAX_INT_BITS"),
     "a huge output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "MAX_OUTPUT_CHARS"),
 }
 
@@ -149,9 +153,10 @@ def test_the_budget_leaves_what_templates_do_working():
     template = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ m['content']|trim|upper }}"
                 "{{ '|' if not loop.last }}{% endfor %}{{ range(3)|list }}{{ range(3)|length }}{{ 2 ** 64 }}"
                 "{{ '%5d' % 7 }}{{ ['a', 'b']|join(', ') }}{{ 'ab' ~ 'cd' }}"
-                "{% macro f(x) %}<{{ x }}>{% endmacro %}{{ f(1) }}")
+                "{% macro f(x) %}<{{ x }}>{% endmacro %}{{ f(1) }}{{ range(10**7, 10**7 + 2)|list }}")
     messages = [{"role": "user", "content": f" m{i} "} for i in range(3)]
-    assert render_chat(template, messages) == ("1/3M0|2/3M1|3/3M2[0, 1, 2]318446744073709551616    7a, babcd<1>")
+    assert render_chat(template, messages) == ("1/3M0|2/3M1|3/3M2[0, 1, 2]318446744073709551616    7a, babcd<1>"
+                                               "[10000000, 10000001]")
 
 
 def test_a_long_conversation_renders_within_the_budget():

@@ -13,7 +13,7 @@ import pytest
 from tests.fuzz.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
-MUTATIONS = 8000  # per target: 2-8 s each on 2 cores (a busy machine: twice that), the five within 60 s
+MUTATIONS = 6000  # per target: 2-6 s each on 2 cores, ~15 s for the five (a busy machine: twice that)
 SEED = 0
 
 
