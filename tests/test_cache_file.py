@@ -321,3 +321,18 @@ def test_a_round_trip_through_resave_loads(model, saved):
     # guards the tests above: resave alone leaves a loadable file, so each refusal is the edit's doing
     resave(saved, lambda h, a: None)
     assert model.load_cache(saved).sequence.token_ids == [1, 2, 3]
+
+
+def test_a_file_larger_than_any_cache_of_the_model_is_refused_before_it_is_read(model, tmp_path):
+    # a sparse file and a header describing it: regular and consistent, but no cache of this model is
+    # that large, so its 2**40 bytes are never read
+    k = {"name": "k", "dtype": "float32", "shape": [2**38], "offset": 4096, "nbytes": 2**40}
+    text = json.dumps({"arrays": [k]}).encode()
+    path = tmp_path / "huge.kvc"
+    write_raw(path, text)
+    with open(path, "r+b") as f:
+        f.truncate(4096 + 2**40 + 32)
+    try:
+        refused(model, path, "has 1,099,511,631,904 bytes; a cache of this model takes at most")
+    finally:
+        path.unlink()  # pytest keeps the last runs' temporary folders

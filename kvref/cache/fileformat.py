@@ -110,12 +110,13 @@ def save_cache(cache, path) -> None:
     os.replace(tmp, path)  # a reader never sees a half-written file
 
 
-def read_cache_file(path):
+def read_cache_file(path, max_bytes=None):
     """Check a saved cache and return (header, {name: array}); raises CacheError naming the problem.
 
     The file is untrusted. Only a regular file is opened (never a device, FIFO or directory); the
     prefix and the header are read first, the header is parsed with bounded size and depth and every
-    array entry is checked, and only then is the rest read: exactly the bytes the header describes.
+    array entry is checked, and only then is the rest read: exactly the bytes the header describes,
+    and no more than max_bytes (load_cache: the largest file the model's cache could have written).
     """
     where = f"cache file {str(path)!r}"
     try:
@@ -124,31 +125,46 @@ def read_cache_file(path):
         raise CacheError(f"cannot read cache file {str(path)!r}: no such file") from None
     with f:
         size = os.fstat(f.fileno()).st_size
-        if size < _PREFIX.size + _DIGEST:
-            raise CacheError(f"{where} is truncated: {size} bytes")
-        prefix = read_exactly(f, _PREFIX.size, where, CacheError)
-        magic, version, header_size = _PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise CacheError(f"{where} is not a kvref KV cache (magic {magic!r}, expected {MAGIC!r})")
-        if version != FORMAT_VERSION:
-            raise CacheError(f"{where} has format version {version}; this kvref reads version {FORMAT_VERSION}")
-        end = _PREFIX.size + header_size
-        if header_size > MAX_HEADER_BYTES or end > size - _DIGEST:
-            raise CacheError(f"{where}: a header of {header_size} bytes does not fit in the file ({size} bytes) "
-                             f"or exceeds {MAX_HEADER_BYTES}")
-        text = read_exactly(f, header_size, where, CacheError)
-        header = bounded_json(text, f"{where}: the header", CacheError)
-        entries = _array_entries(header, end, size - _DIGEST, where)
-        described = max([end, *(offset + nbytes for _, _, _, offset, nbytes in entries)]) + _DIGEST
+        head, header = _read_header(f, size, where)
+        entries = _array_entries(header, len(head), size - _DIGEST, where)
+        described = max([len(head), *(offset + nbytes for _, _, _, offset, nbytes in entries)]) + _DIGEST
         if described != size:
             raise CacheError(f"{where} is truncated or corrupt: it has {size} bytes; its header describes {described}")
-        data = prefix + text + read_exactly(f, size - end, where, CacheError)
+        if max_bytes is not None and size > max_bytes:
+            raise CacheError(f"{where} has {size:,} bytes; a cache of this model takes at most {max_bytes:,}")
+        data = head + read_exactly(f, size - len(head), where, CacheError)
     if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
         raise CacheError(f"{where} is corrupt or truncated: its sha256 checksum does not match")
     arrays = {name: np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=nbytes // dtype.itemsize,
                                   offset=offset).reshape(shape).astype(dtype)
               for name, dtype, shape, offset, nbytes in entries}
     return header, arrays
+
+
+def _read_header(f, size, where):
+    # -> (the bytes of prefix and header, the parsed header), read with the header's size bounded
+    if size < _PREFIX.size + _DIGEST:
+        raise CacheError(f"{where} is truncated: {size} bytes")
+    prefix = read_exactly(f, _PREFIX.size, where, CacheError)
+    magic, version, header_size = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise CacheError(f"{where} is not a kvref KV cache (magic {magic!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise CacheError(f"{where} has format version {version}; this kvref reads version {FORMAT_VERSION}")
+    if header_size > MAX_HEADER_BYTES or _PREFIX.size + header_size > size - _DIGEST:
+        raise CacheError(f"{where}: a header of {header_size} bytes does not fit in the file ({size} bytes) "
+                         f"or exceeds {MAX_HEADER_BYTES}")
+    text = read_exactly(f, header_size, where, CacheError)
+    return prefix + text, bounded_json(text, f"{where}: the header", CacheError)
+
+
+def largest_file(config) -> int:
+    """Bytes of the largest file a cache of this model can save: every array at max_seq_len positions
+    in the widest types (float64 K/V with int8-sized scale groups of 1), the header and padding."""
+    c = config
+    per_position = 2 * c.n_layers * c.n_kv_heads * c.head_dim * (8 + 4) + 8 + 8  # K, V, scales; position, id
+    return (MAX_HEADER_BYTES + _PREFIX.size + len(ARRAY_NAMES) * ALIGNMENT + _DIGEST
+            + c.max_seq_len * per_position + 8 * c.n_layers + 8 * c.vocab_size)
 
 
 def _array_entries(header, data_start, data_end, where):
@@ -194,7 +210,7 @@ KV_NAMES = ("float32", "float64", "float16", "bfloat16", "int8")
 
 def load_cache(model, path, pool=None):
     """A new cache for `model` holding what `path` holds; see Model.load_cache."""
-    header, arrays = read_cache_file(path)
+    header, arrays = read_cache_file(path, largest_file(model.config))
     where = f"cache file {str(path)!r}"
     _check_model(header, model, where)
     fields = _header_fields(header, model, where)
