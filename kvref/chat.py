@@ -13,10 +13,11 @@ gigabytes; HF does not bound it). Every step the template takes is charged to a 
 each loop item and macro call (by the size of the body it runs), each call, filter, operator and
 attribute or item lookup, each piece of output; calls, filters and operators also by the size of what
 they read (one step per STEP_CHARS characters or items; item-wise filters such as sort, one per item),
-and calls and filters by their integer arguments (widths and counts of what they make). `range` gives at most MAX_RANGE items; `**` and `*` of integers may not make
-numbers of more than MAX_INT_BITS bits; no string or list may grow past MAX_OUTPUT_CHARS (checked
-before `*`, `+`, `%`, str.format, join, replace, indent and any width argument build it), and neither
-may the rendered text. Going past any limit is a TokenizerError naming it.
+and calls and filters by their integer arguments (widths and counts of what they make). `range`
+gives at most MAX_RANGE items; `**` and `*` of integers may not make numbers of more than
+MAX_INT_BITS bits; no string or list may grow past MAX_OUTPUT_CHARS (checked before `*`, `+`, `%`,
+`~`, str.format, join, replace, indent, wordwrap and any width argument build it), and neither may
+the rendered text. Going past any limit is a TokenizerError naming it.
 """
 
 from __future__ import annotations
@@ -418,7 +419,8 @@ def _environment() -> _Sandbox:
     env.filters["tojson"] = _tojson
     env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
-                       namespace=_TemplateNamespace, range=_Range, **{_CHARGED_NAME: _charged, _CHARGE_NAME: _charge_steps, _CONCAT_NAME: _concat})
+                       namespace=_TemplateNamespace, range=_Range,
+                       **{_CHARGED_NAME: _charged, _CHARGE_NAME: _charge_steps, _CONCAT_NAME: _concat})
     return env
 
 

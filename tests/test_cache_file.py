@@ -269,11 +269,13 @@ def set_header(keys, value):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (set_header(["options", "num_blocks"], 2 * 10**7), r"options.num_blocks=20000000 must be an integer in \[1, 1048576\]"),
+    (set_header(["options", "num_blocks"], 2 * 10**7),
+     r"options.num_blocks=20000000 must be an integer in \[1, 1048576\]"),
     (set_header(["options", "num_blocks"], 2e7), r"options.num_blocks=20000000.0 \(float\) must be an integer"),
     # 2**26 positions of 256 bytes: 16 GiB, over the memory budget
     (lambda h, a: h["options"].update(num_blocks=2**20, block_size=64), "16.0 GiB .* more than the 4 GiB"),
-    (set_header(["options", "block_size"], 10**12), r"options.block_size=1000000000000 must be an integer in \[1, 64\]"),
+    (set_header(["options", "block_size"], 10**12),
+     r"options.block_size=1000000000000 must be an integer in \[1, 64\]"),
     (set_header(["options", "block_size"], "4"), r"options.block_size='4' \(str\) must be an integer"),
     (set_header(["options", "prefix_reuse"], "yes"), "prefix_reuse is 'yes'; expected true or false"),
     (set_header(["options"], [1]), "'options' and 'rope' must be objects"),

@@ -181,7 +181,8 @@ def _array_entries(header, data_start, data_end, where):
         if name not in ARRAY_NAMES or name in names:
             raise CacheError(f"{where}: array name {_short(name)} is unknown or repeated; expected {ARRAY_NAMES}")
         names.add(name)
-        if not isinstance(dtype, str) or dtype not in _ARRAY_DTYPES or not isinstance(shape, list) or len(shape) > MAX_ARRAY_DIMS:
+        if (not isinstance(dtype, str) or dtype not in _ARRAY_DTYPES or not isinstance(shape, list)
+                or len(shape) > MAX_ARRAY_DIMS):
             raise CacheError(f"{where}: array {name!r} has dtype {_short(dtype)} and shape {_short(shape)}; "
                              f"expected one of {sorted(_ARRAY_DTYPES)} and at most {MAX_ARRAY_DIMS} dimensions")
         shape = tuple(bounded_int(s, f"{where}: a dimension of array {name!r}", 0, MAX_FILE_OFFSET, CacheError)
@@ -349,7 +350,8 @@ def _layout_options(fields, c, where):
         block_size = bounded_int(given["block_size"], f"{where}: options.block_size", 1, c.max_seq_len, CacheError)
         num_blocks = option("num_blocks", 1, MAX_POOL_BLOCKS)  # a pool may hold several sequences
         if not isinstance(given["prefix_reuse"], (bool, type(None))):
-            raise CacheError(f"{where}: options.prefix_reuse is {_short(given['prefix_reuse'])}; expected true or false")
+            raise CacheError(f"{where}: options.prefix_reuse is {_short(given['prefix_reuse'])}; "
+                             "expected true or false")
         options = {"block_size": block_size, "num_blocks": num_blocks, "prefix_reuse": given["prefix_reuse"]}
         return options, None if num_blocks is None else num_blocks * block_size
     window, sinks = option("window", 1, c.max_seq_len), option("sinks", 0, c.max_seq_len)

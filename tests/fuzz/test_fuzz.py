@@ -19,9 +19,9 @@ SEED = 0
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
 def report(request):
-    proc = subprocess.run([sys.executable, "-m", "tests.fuzz.run", request.param, "--seed", str(SEED),
-                           "--mutations", str(MUTATIONS), "--json", "--no-save"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    command = [sys.executable, "-m", "tests.fuzz.run", request.param, "--seed", str(SEED),
+               "--mutations", str(MUTATIONS), "--json", "--no-save"]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.stdout, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1]), proc.returncode
 
