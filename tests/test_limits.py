@@ -1,7 +1,9 @@
-"""Issue 16's reproducers for model files, token ids and chat templates: each number a file supplies
-is type-checked and bounded before it sizes anything, and every refusal is a KVRefError naming what
-was wrong. (Cache files: tests/test_cache_file.py; the fuzz harnesses: tests/fuzz/.)"""
+"""kvref/limits.py and what it bounds: each number a model file supplies is type-checked and bounded
+before it sizes anything, and every refusal is a KVRefError naming what was wrong (issue 16's
+reproducers for model files, token ids and the default cache; cache files: tests/test_cache_file.py;
+chat templates: tests/test_chat.py; the fuzz harnesses: tests/fuzz/)."""
 
+import os
 import time
 
 import numpy as np
@@ -10,11 +12,58 @@ import pytest
 import kvref
 from kvref.errors import CacheError, GGUFError, KVRefError, TokenError, TokenizerError
 from kvref.formats.gguf import ValueType as V
-from kvref.limits import CONFIG_CEILINGS
+from kvref.errors import ConfigError
+from kvref.limits import CONFIG_CEILINGS, bounded_float, bounded_int, bounded_json, read_json_file
 
 from tests.gguf_writer import tiny_model
 
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("value", [3, np.int64(3), np.uint8(3)])
+def test_bounded_int_takes_python_and_numpy_integers_as_python_ints(value):
+    assert bounded_int(value, "x", 1, 3) == 3 and type(bounded_int(value, "x", 1, 3)) is int
+
+
+@pytest.mark.parametrize("value, message", [
+    (True, r"x=True \(bool\)"), (np.bool_(True), r"x=True \(bool_?\)"), (3.0, r"x=3.0 \(float\)"),
+    ("3", r"x='3' \(str\)"), (np.array([3]), r"x=array\(\[3\]\) \(ndarray\)"), (None, r"x=None"),
+    (0, r"x=0 must be an integer in \[1, 3\]"), (4, r"x=4 must be"), (2**64, r"x=18446744073709551616"),
+    (list(range(1000)), r"x=\[0, 1, 2, .*\.\.\. \(list\)"),  # a long value is shown short
+])
+def test_bounded_int_refuses_everything_else_naming_value_and_range(value, message):
+    with pytest.raises(ConfigError, match=message):
+        bounded_int(value, "x", 1, 3)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "1", True, [1.0], None])
+def test_bounded_float_takes_positive_finite_numbers_only(value):
+    with pytest.raises(ConfigError, match="x="):
+        bounded_float(value, "x")
+    assert bounded_float(np.float32(0.5), "x") == 0.5 and bounded_float(-2, "x", positive=False) == -2.0
+
+
+def test_bounded_json_counts_depth_outside_strings_only():
+    assert bounded_json(b'{"a": "[[[[[[", "b": "\\"[[[["}', "x", ConfigError, max_depth=1) == {
+        "a": "[[[[[[", "b": '"[[[['}
+    assert bounded_json(b"[[1]]", "x", ConfigError, max_depth=2) == [[1]]
+    with pytest.raises(ConfigError, match="nests JSON deeper than 2 levels"):
+        bounded_json(b"[[[1]]]", "x", ConfigError, max_depth=2)
+    with pytest.raises(ConfigError, match="deeper than 32"):
+        bounded_json(b"[" * 10**6, "x", ConfigError)  # json.loads alone: RecursionError
+
+
+def test_read_json_file_reads_regular_files_within_its_size(tmp_path):
+    (tmp_path / "a.json").write_text('{"a": 1}')
+    assert read_json_file(tmp_path / "a.json", "x", ConfigError) == {"a": 1}
+    with pytest.raises(ConfigError, match="has 8 bytes; at most 4 are read"):
+        read_json_file(tmp_path / "a.json", "x", ConfigError, max_bytes=4)
+    os.mkfifo(tmp_path / "fifo.json")
+    for name in ("fifo.json", "."):
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            read_json_file(tmp_path / name, "x", ConfigError)
+    with pytest.raises(FileNotFoundError):  # callers decide what a missing file means
+        read_json_file(tmp_path / "none.json", "x", ConfigError)
 
 
 def load_tiny(tmp_path, **kwargs):
