@@ -26,7 +26,7 @@ def test_bounded_int_takes_python_and_numpy_integers_as_python_ints(value):
 
 
 @pytest.mark.parametrize("value, message", [
-    (True, r"x=True \(bool\)"), (np.bool_(True), r"x=True \(bool_?\)"), (3.0, r"x=3.0 \(float\)"),
+    (True, r"x=True \(bool\)"), (np.bool_(True), r"x=np.True_ \(bool\)"), (3.0, r"x=3.0 \(float\)"),
     ("3", r"x='3' \(str\)"), (np.array([3]), r"x=array\(\[3\]\) \(ndarray\)"), (None, r"x=None"),
     (0, r"x=0 must be an integer in \[1, 3\]"), (4, r"x=4 must be"), (2**64, r"x=18446744073709551616"),
     (list(range(1000)), r"x=\[0, 1, 2, .*\.\.\. \(list\)"),  # a long value is shown short
