@@ -60,7 +60,8 @@ def bounded_float(value, what: str, error=ConfigError, positive=True) -> float:
     """`value` as a finite float (positive unless told otherwise): Python and NumPy ints and floats only."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise error(f"{what}={_show(value)} must be a number")
-    number = float(value) if abs(value) < 2**1000 else float("inf")  # an int too large for a float
+    too_large = isinstance(value, int) and abs(value) >= 2**1000  # float() would raise OverflowError
+    number = float("inf") if too_large else float(value)
     if not np.isfinite(number) or (positive and number <= 0):
         raise error(f"{what}={number} must be a {'positive ' if positive else ''}finite number")
     return number
