@@ -28,6 +28,17 @@ LAYOUT_OPTIONS = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
                   "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"), "window": ("window", "sinks")}
 
 
+@contextmanager
+def _allocating():
+    """A cache whose arrays the machine cannot hold is a CacheError, not a raw MemoryError (used as a
+    decorator of Model.new_cache)."""
+    try:
+        yield
+    except MemoryError:
+        raise CacheError("not enough memory for the K/V arrays of this cache; ask for fewer positions "
+                         "(capacity=, num_blocks=, window=) or a smaller kv_dtype") from None
+
+
 class Model:
     """A decoder-only transformer ready to run: `forward` is prefill and decode alike."""
 
@@ -57,6 +68,7 @@ class Model:
         dtype = model_dtype(dtype)
         return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
 
+    @_allocating()
     def new_cache(self, layout="auto", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
                   group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,
                   window=None, sinks=None, spare=None) -> KVCache:
@@ -92,38 +104,37 @@ class Model:
         if group_size is not None and "int8" not in (k_name, v_name):
             raise CacheError(f"group_size={group_size!r} applies to int8 K/V; these are {k_name}/{v_name}")
         common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
-        with _allocating():
-            if layout in ("contiguous", "hybrid"):
-                if capacity is None:
-                    self.check_cache_budget(c.max_seq_len, k_name, v_name, group_size, "the default cache")
-                capacity = c.max_seq_len if capacity is None else capacity
-                if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
-                    raise CacheError(f"capacity={capacity!r} must be a positive integer")
-                if capacity > c.max_seq_len:
-                    raise ContextOverflowError(
-                        f"capacity={capacity} exceeds the model's max_seq_len={c.max_seq_len}")
-                if layout == "contiguous":
-                    cache = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), k_name, **common)
-                else:
-                    windows = c.layer_windows or (None,) * c.n_layers
-                    cache = HybridCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), windows, k_name,
-                                        **common, **({} if spare is None else {"spare": spare}))
-            elif layout == "paged":
-                block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-                if num_blocks is None and isinstance(block_size, (int, np.integer)) and block_size > 0:
-                    num_blocks = -(-c.max_seq_len // int(block_size))  # one max_seq_len sequence
-                    self.check_cache_budget(num_blocks * int(block_size), k_name, v_name, group_size,
-                                            "the default cache")
-                pool = BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
-                                 k_dtype=k_name, max_positions=c.max_seq_len,
-                                 prefix_reuse=False if prefix_reuse is None else prefix_reuse,
-                                 model_fingerprint=self.fingerprint(), **common)
-                return pool.new_cache()
+        if layout in ("contiguous", "hybrid"):
+            if capacity is None:
+                self.check_cache_budget(c.max_seq_len, k_name, v_name, group_size, "the default cache")
+            capacity = c.max_seq_len if capacity is None else capacity
+            if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
+                raise CacheError(f"capacity={capacity!r} must be a positive integer")
+            if capacity > c.max_seq_len:
+                raise ContextOverflowError(
+                    f"capacity={capacity} exceeds the model's max_seq_len={c.max_seq_len}")
+            if layout == "contiguous":
+                cache = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), k_name, **common)
             else:
-                if window is None:
-                    raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
-                cache = WindowCache(c.n_layers, c.n_kv_heads, c.head_dim, window, 0 if sinks is None else sinks,
-                                    k_name, **common)
+                windows = c.layer_windows or (None,) * c.n_layers
+                cache = HybridCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), windows, k_name,
+                                    **common, **({} if spare is None else {"spare": spare}))
+        elif layout == "paged":
+            block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+            if num_blocks is None and isinstance(block_size, (int, np.integer)) and block_size > 0:
+                num_blocks = -(-c.max_seq_len // int(block_size))  # one max_seq_len sequence
+                self.check_cache_budget(num_blocks * int(block_size), k_name, v_name, group_size,
+                                        "the default cache")
+            pool = BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
+                             k_dtype=k_name, max_positions=c.max_seq_len,
+                             prefix_reuse=False if prefix_reuse is None else prefix_reuse,
+                             model_fingerprint=self.fingerprint(), **common)
+            return pool.new_cache()
+        else:
+            if window is None:
+                raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
+            cache = WindowCache(c.n_layers, c.n_kv_heads, c.head_dim, window, 0 if sinks is None else sinks,
+                                k_name, **common)
         cache.sequence.model = self.fingerprint()
         return cache
 
@@ -321,16 +332,6 @@ class Model:
                 ours["config_sha256"], ours["weights_sha256"]):
             raise CacheError("this cache belongs to another model (other config or weights): its K/V would be "
                              "wrong for this one; make one with this model's new_cache()")
-
-
-@contextmanager
-def _allocating():
-    """A cache whose arrays the machine cannot hold is a CacheError, not a raw MemoryError."""
-    try:
-        yield
-    except MemoryError:
-        raise CacheError("not enough memory for the K/V arrays of this cache; ask for fewer positions "
-                         "(capacity=, num_blocks=, window=) or a smaller kv_dtype") from None
 
 
 def model_dtype(dtype) -> str:
