@@ -360,6 +360,19 @@ class KVCache:
             elif n == 0:
                 self.sequence.trim(0)  # an empty cache knows the ids of all of its (no) positions
 
+    def can_roll_back(self, n_new: int) -> bool:
+        """Whether an execution of n_new positions run now could afterwards be truncated exactly back to
+        any position from today's next_position on (speculative decoding's rollback); see rollback_problem."""
+        return not self._freed and not self.executing and self.rollback_problem(n_new) is None
+
+    def rollback_problem(self, n_new: int) -> str | None:
+        """Why the positions of an execution of n_new positions, run now, could not all be truncated away
+        again exactly (a ring would overwrite a position the rollback needs); None when they could.
+        The layouts that keep every position (contiguous, paged) always can."""
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
+            return f"n_new={n_new!r} must be an integer >= 0"
+        return None
+
     def can_fork(self) -> bool:
         return not self._freed and not self.executing
 
