@@ -21,7 +21,8 @@ from .cache import KVCache
 from .errors import CacheFullError, GenerationError
 from .generation_config import GenerationConfig
 from .sampling import Sampler
-from .speculative import SpeculationStats, check_speculate, fit_rollback, prompt_lookup, top2_margin
+from .speculative import (SpeculationStats, check_speculate, fit_rollback, next_budget, prompt_lookup,
+                          top2_margin)
 from .tolerance import speculative_margin_bound
 from .stream import TextStream
 
@@ -167,9 +168,10 @@ def _speculative_loop(model, prompt, max_new_tokens, select, ends_after, history
     first = cache.next_position
     rows, draft = model.forward(prompt, cache)[None], []  # [1 + len(draft), V]: row i selects after draft[:i]
     _record(executions, model, first, first + len(prompt), first)
-    n_selected = 0
+    n_selected, budget = 0, speculate
     while True:
         selected = _select_drafted(rows, draft, select, history, model.dtype, n_selected, stats)
+        budget = next_budget(budget, len(draft), len(selected) - 1, speculate)
         # the cache keeps the positions up to the last accepted draft: the plain state after `selected`
         end = cache.next_position - len(rows)  # cache state before the execution, plus the token run first
         _roll_back(cache, end + len(selected), rows[len(selected) - 1])
@@ -185,7 +187,7 @@ def _speculative_loop(model, prompt, max_new_tokens, select, ends_after, history
                 return
             history.append(token)
         # no token past the end: the next execution selects at most max_new_tokens - n_selected tokens
-        draft = prompt_lookup(history, min(speculate, max_new_tokens - n_selected - 1))
+        draft = prompt_lookup(history, min(budget, max_new_tokens - n_selected - 1))
         draft = fit_rollback(cache, draft, stats)
         first = cache.next_position
         tokens = [selected[-1]] + draft
