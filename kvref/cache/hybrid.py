@@ -177,8 +177,10 @@ class HybridCache(KVCache):
         if problem is not None or self._next == 0:
             return problem  # going back to empty is always exact
         for layer, (ring, window) in enumerate(zip(self.rings, self.windows)):
+            if not ring:
+                continue  # the layer keeps every position
             # after the execution the ring holds from `oldest` on; truncating back to next needs next - W + 1
-            oldest = max(self._start[layer], self._next + n_new - ring) if ring else 0
+            oldest = max(self._start[layer], self._next + n_new - ring)
             if oldest > max(0, self._next - window + 1):
                 return (f"layer {layer}'s ring of {ring} slots (window {window}) would overwrite position {oldest - 1}, "
                         f"which a rollback to position {self._next} needs (at most spare + 1 = {self.spare + 1} "
