@@ -40,6 +40,8 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     executions: a list that receives one trace.Execution per forward pass.
     speculate: draft up to this many tokens per decode step by prompt lookup and verify them in one
     execution (kvref.speculative; 0 = off); stats: a kvref.SpeculationStats that counts what it did.
+    While the generator is suspended, the cache may hold positions of tokens selected but not yet
+    yielded; ending, or closing the generator, leaves it as plain decoding would.
     Everything is checked before the first token: the settings, and that the context fits
     max_seq_len and the cache.
     """

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 import kvref
@@ -49,6 +49,13 @@ def run(model, prompt, n, layout, options, **kw):
     return list(kvref.generate(model, prompt, n, cache=cache, **kw)), cache
 
 
+def event_counts(layout, stats):
+    """What an example exercised (pytest --hypothesis-show-statistics)."""
+    event(f"{layout}: {'drafts accepted' if stats.accepted else 'drafts, none accepted' if stats.drafted else 'no draft'}")
+    if stats.fallbacks:
+        event(f"{layout}: draft cut short by the cache")
+
+
 def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -62,7 +69,6 @@ def assert_same_except_near_ties(plain, spec, stats):
         assert i in stats.near_ties, f"token {i} differs ({plain[i]} vs {spec[i]}) without a near tie"
 
 
-@settings(max_examples=60)
 @given(st.data())
 def test_greedy_speculation_selects_the_tokens_of_plain_decoding_on_every_layout_spec_float64(data):
     cfg = data.draw(configs(max_seq_len=96))
@@ -75,6 +81,7 @@ def test_greedy_speculation_selects_the_tokens_of_plain_decoding_on_every_layout
     stats = kvref.SpeculationStats()
     plain, plain_cache = run(model, prompt, n, layout, options)
     spec, spec_cache = run(model, prompt, n, layout, options, speculate=data.draw(st.integers(1, 12)), stats=stats)
+    event_counts(layout, stats)
     assert spec == plain
     assert stats.near_ties == []  # float64: the two executions differ by ~1e-15, far below any margin here
     # the cache is left as plain decoding leaves it: the same positions, ids and (to rounding) last logits
@@ -85,7 +92,6 @@ def test_greedy_speculation_selects_the_tokens_of_plain_decoding_on_every_layout
                                    rtol=1e-10, atol=1e-10)
 
 
-@settings(max_examples=60)
 @given(st.data())
 def test_greedy_speculation_on_the_native_backend_differs_from_plain_decoding_only_at_near_ties(data):
     cfg = data.draw(configs(max_seq_len=96))
@@ -102,6 +108,7 @@ def test_greedy_speculation_on_the_native_backend_differs_from_plain_decoding_on
     stats = kvref.SpeculationStats()
     plain, _ = run(model, prompt, n, layout, options)
     spec, _ = run(model, prompt, n, layout, options, speculate=data.draw(st.integers(1, 12)), stats=stats)
+    event_counts(layout, stats)
     assert_same_except_near_ties(plain, spec, stats)
 
 
