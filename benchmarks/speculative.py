@@ -21,6 +21,8 @@ llama.cpp runs under --llama-python (a venv with llama-cpp-python); it is left o
 
 Decode tokens/s = (tokens - 1) / (time of the last token - time of the first token), measured in Python
 around each engine's token generator the same way for all engines: the prefill is not counted. The
+speedup is given as the ratio of the medians and as the median of the ratios within each round (the
+two runs of one round are minutes apart at most, so that ratio follows the machine's load better). The
 acceptance rate is accepted / drafted (kvref's SpeculationStats; llama.cpp's from its yielded tokens
 and the drafts it asked for, counted by a wrapper around the draft model).
 """
@@ -193,12 +195,20 @@ def report(runs, model, ids, args) -> None:
     median = {e: statistics.median(r["decode_tok_s"] for r in rs) for e, rs in runs.items() if rs}
     print(f"prompt {len(ids)} tokens, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
           f"--speculate {args.speculate}, medians of {args.rounds} interleaved rounds")
-    print("| engine | decode tok/s | speedup over its plain decode | tokens | drafted | accepted | acceptance |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| engine | decode tok/s | speedup: ratio of medians | speedup: median of per-round ratios | tokens | "
+          "drafted | accepted | acceptance |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for engine, rate in median.items():
         plain = median.get(engine.replace("-lookup", ""))
         last = runs[engine][-1]
-        speedup = f"{rate / plain:.2f}x" if engine.endswith("lookup") and plain else ""
+        speedup = per_round = ""
+        if engine.endswith("lookup") and plain:
+            speedup = f"{rate / plain:.2f}x"
+            pairs = zip(runs[engine], runs[engine.replace("-lookup", "")])  # round by round
+            per_round = f"{statistics.median(a['decode_tok_s'] / b['decode_tok_s'] for a, b in pairs):.2f}x"
+            speedup = f"{speedup} | {per_round}"
+        else:
+            speedup = " | "
         drafted = last.get("drafted", "")
         accepted = last.get("accepted")
         if accepted is None and "drafted" in last:
@@ -210,13 +220,16 @@ def report(runs, model, ids, args) -> None:
             for e in median if e.endswith("lookup") and e.replace("-lookup", "") in median}
     for engine, equal in same.items():
         print(f"{engine}: greedy tokens {'identical to' if equal else 'DIFFER from'} its plain decoding")
+    if "kvref-lookup" in median:
+        print(f"kvref-lookup: {runs['kvref-lookup'][-1]['near_ties']} steps with a top-2 margin below the "
+              "verification's rounding bound (where its greedy token could differ from plain decoding's)")
     text = model.tokenizer.decode(runs[next(iter(median))][-1]["tokens"]) if median else ""
     print("answer (first engine, last round):\n" + text)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.processor() or platform.machine(), "args": vars(args), "prompt_tokens": len(ids),
-            "runs": runs, "medians": median}, indent=1))
+            "load_average": os.getloadavg(), "runs": runs, "medians": median}, indent=1))
 
 
 if __name__ == "__main__":

@@ -174,18 +174,19 @@ def _speculative_loop(model, prompt, max_new_tokens, select, ends_after, history
     while True:
         selected = _select_drafted(rows, draft, select, history, model.dtype, n_selected, stats)
         budget = next_budget(budget, len(draft), len(selected) - 1, speculate)
-        # the cache keeps the positions up to the last accepted draft: the plain state after `selected`
-        end = cache.next_position - len(rows)  # cache state before the execution, plus the token run first
-        _roll_back(cache, end + len(selected), rows[len(selected) - 1])
+        # rows[i] is position row0 + i; plain decoding, having selected selected[i], holds row0..row0 + i.
+        # Keep the positions up to the last accepted draft; the rest were never selected
+        row0 = cache.next_position - len(rows)
+        _roll_back(cache, row0 + len(selected), rows[len(selected) - 1])
         for i, token in enumerate(selected):
             try:
                 yield token
             except GeneratorExit:  # the caller stops here: leave the cache as plain decoding would
-                _roll_back(cache, end + i + 1, rows[i])
+                _roll_back(cache, row0 + i + 1, rows[i])
                 raise
             n_selected += 1
             if ends_after(token) or n_selected == max_new_tokens:
-                _roll_back(cache, end + i + 1, rows[i])
+                _roll_back(cache, row0 + i + 1, rows[i])
                 return
             history.append(token)
         # no token past the end: the next execution selects at most max_new_tokens - n_selected tokens

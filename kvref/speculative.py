@@ -123,6 +123,8 @@ def fit_rollback(cache, draft: list, stats: SpeculationStats) -> list:
 
 
 def top2_margin(logits) -> float:
-    """Largest minus second largest logit."""
+    """Largest minus second largest logit (inf for a vocabulary of one)."""
+    if len(logits) < 2:
+        return float("inf")
     top = np.partition(np.asarray(logits), -2)[-2:]
     return float(top[1] - top[0])
