@@ -1,6 +1,7 @@
 """Speculative decoding by prompt lookup: decode tokens/s with and without it, kvref beside llama.cpp.
 
-    python benchmarks/speculative.py [--rounds 3] [--speculate 16] [--new-tokens 160] [--ignore-eos] [--threads 2]
+    python benchmarks/speculative.py [--rounds 3] [--speculate 16] [--llama-speculate N] [--new-tokens 160]
+                                     [--ignore-eos] [--threads 2]
                                      [--llama-python /work/llama-venv/bin/python] [--json out.json]
 
 The prompt is copy-heavy: SmolLM2-135M-Instruct (the default model) is asked, through its chat
@@ -153,7 +154,10 @@ def launch(engine, job_file, args) -> dict | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--speculate", type=int, default=16, help="drafted tokens per step at most (both engines)")
+    p.add_argument("--speculate", type=int, default=16, help="drafted tokens per step at most (kvref; llama.cpp "
+                   "too unless --llama-speculate)")
+    p.add_argument("--llama-speculate", type=int, default=None,
+                   help="llama.cpp's num_pred_tokens, if not --speculate (llama-cpp-python's default: 10)")
     p.add_argument("--new-tokens", type=int, default=160, help="tokens at most (the answer ends earlier)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end of the answer (the model's "
                    "end ids) to --new-tokens: text that no longer copies the prompt")
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
             order = args.engines[r % len(args.engines):] + args.engines[:r % len(args.engines)]
             for engine in order:
                 job = {"engine": engine, "ids": ids, "new_tokens": args.new_tokens, "threads": args.threads,
-                       "speculate": args.speculate if engine.endswith("lookup") else 0, "path": path,
+                       "speculate": (args.speculate if engine.startswith("kvref") or args.llama_speculate is None
+                                     else args.llama_speculate) if engine.endswith("lookup") else 0, "path": path,
                        "ignore_eos": args.ignore_eos, "end_ids": end_ids}
                 job_file = Path(scratch) / "job.json"
                 job_file.write_text(json.dumps(job))
@@ -194,7 +199,8 @@ def main(argv=None) -> int:
 def report(runs, model, ids, args) -> None:
     median = {e: statistics.median(r["decode_tok_s"] for r in rs) for e, rs in runs.items() if rs}
     print(f"prompt {len(ids)} tokens, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
-          f"--speculate {args.speculate}, medians of {args.rounds} interleaved rounds")
+          f"--speculate {args.speculate} (llama.cpp {args.llama_speculate or args.speculate}), "
+          f"medians of {args.rounds} interleaved rounds")
     print("| engine | decode tok/s | speedup: ratio of medians | speedup: median of per-round ratios | tokens | "
           "drafted | accepted | acceptance |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
