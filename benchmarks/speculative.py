@@ -16,8 +16,8 @@ see the same machine load; the report gives medians over rounds):
                    draft length up to N)
   llama.cpp        llama_cpp.Llama(n_threads=T, n_threads_batch=T), Llama.generate(temp=0)
   llama.cpp-lookup the same with draft_model=LlamaPromptLookupDecoding(num_pred_tokens=N) (its n-grams
-                   2..1, first match, N drafted tokens whenever one matches); llama-cpp-python evaluates the token and the draft in one batch
-                   and removes rejected positions with kv_cache_seq_rm
+                   2..1, first match, N drafted tokens whenever one matches); llama-cpp-python evaluates
+                   the token and the draft in one batch and removes rejected positions with kv_cache_seq_rm
 llama.cpp runs under --llama-python (a venv with llama-cpp-python); it is left out if that fails.
 
 Decode tokens/s = (tokens - 1) / (time of the last token - time of the first token), measured in Python
@@ -205,23 +205,17 @@ def report(runs, model, ids, args) -> None:
           "drafted | accepted | acceptance |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for engine, rate in median.items():
-        plain = median.get(engine.replace("-lookup", ""))
-        last = runs[engine][-1]
-        speedup = per_round = ""
-        if engine.endswith("lookup") and plain:
-            speedup = f"{rate / plain:.2f}x"
-            pairs = zip(runs[engine], runs[engine.replace("-lookup", "")])  # round by round
-            per_round = f"{statistics.median(a['decode_tok_s'] / b['decode_tok_s'] for a, b in pairs):.2f}x"
-            speedup = f"{speedup} | {per_round}"
-        else:
-            speedup = " | "
-        drafted = last.get("drafted", "")
-        accepted = last.get("accepted")
-        if accepted is None and "drafted" in last:
-            accepted = ""
-        rate_text = f"{accepted / drafted:.1%}" if isinstance(accepted, int) and drafted else ""
-        print(f"| {engine} | {rate:.1f} | {speedup} | {len(last['tokens'])} | {drafted} | {accepted if accepted is not None else ''} | "
-              f"{rate_text} |")
+        plain = engine.replace("-lookup", "")
+        last = runs[engine][-1]  # the counts are the same every round (greedy, deterministic drafts)
+        cells = ["", "", "", "", ""]
+        if engine != plain and plain in median:
+            per_round = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs[engine], runs[plain])]
+            cells[:2] = [f"{rate / median[plain]:.2f}x", f"{statistics.median(per_round):.2f}x"]
+        if "drafted" in last:
+            cells[2:] = [str(last["drafted"]), str(last["accepted"]),
+                         f"{last['accepted'] / last['drafted']:.1%}" if last["drafted"] else ""]
+        print(f"| {engine} | {rate:.1f} | {cells[0]} | {cells[1]} | {len(last['tokens'])} | "
+              + " | ".join(cells[2:]) + " |")
     same = {e: runs[e][-1]["tokens"] == runs[e.replace('-lookup', '')][-1]["tokens"]
             for e in median if e.endswith("lookup") and e.replace("-lookup", "") in median}
     for engine, equal in same.items():

@@ -20,6 +20,6 @@ __all__ = [
     "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
     "ContiguousCache", "Conversation", "DTypeError", "GenerationConfig", "GenerationError", "GGUFError",
     "InputFileError", "KVCache", "KVRefError", "Model", "ModelConfig", "ModelNotFoundError", "SafetensorsError",
-    "SamplingError", "ScoringError", "ShapeError", "SpeculationStats", "TextStream", "TokenError", "TokenizerError", "Tokenizer",
-    "cache_bytes", "generate", "load", "resume",
+    "SamplingError", "ScoringError", "ShapeError", "SpeculationStats", "TextStream", "TokenError", "TokenizerError",
+    "Tokenizer", "cache_bytes", "generate", "load", "resume",
 ]

@@ -208,7 +208,7 @@ def _select_drafted(rows, draft, select, history, dtype, n_selected, stats) -> l
     for i, row in enumerate(rows):
         before = history + selected
         token = select(row, before) if i == len(draft) else select.verify(row, before, draft[i])
-        if select.temperature == 0 and top2_margin(select.penalized(row, before)) < speculative_margin_bound(row, dtype):
+        if select.temperature == 0 and _near_tie(select.penalized(row, before), row, dtype):
             stats.near_ties.append(n_selected + i)
         selected.append(token)
         if i == len(draft) or token != draft[i]:
@@ -216,6 +216,11 @@ def _select_drafted(rows, draft, select, history, dtype, n_selected, stats) -> l
     stats.drafted += len(draft)
     stats.accepted += len(selected) - 1
     return selected
+
+
+def _near_tie(penalized, logits, dtype) -> bool:
+    """Whether plain decoding's argmax may differ from this row's (its top-2 margin is within rounding)."""
+    return top2_margin(penalized) < speculative_margin_bound(logits, dtype)
 
 
 def _roll_back(cache, n, last_logits):

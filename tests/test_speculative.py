@@ -51,7 +51,8 @@ def run(model, prompt, n, layout, options, **kw):
 
 def event_counts(layout, stats):
     """What an example exercised (pytest --hypothesis-show-statistics)."""
-    event(f"{layout}: {'drafts accepted' if stats.accepted else 'drafts, none accepted' if stats.drafted else 'no draft'}")
+    what = "drafts accepted" if stats.accepted else "drafts, none accepted" if stats.drafted else "no draft"
+    event(f"{layout}: {what}")
     if stats.fallbacks:
         event(f"{layout}: draft cut short by the cache")
 

@@ -27,7 +27,8 @@ the last logits) lives in one object, `cache.sequence` (a Sequence); the layouts
 capacity and capabilities. Operations beyond an execution (truncate, fork, shift, save, free, and
 `reorder` over a list of caches) each come with a capability check (`can_truncate(n)`,
 `can_fork()`, `can_shift(n)`): a layout that cannot do an operation *exactly* raises CacheError
-saying why; nothing no-ops silently.
+saying why; nothing no-ops silently. `can_roll_back(n_new)` looks ahead for speculative decoding:
+whether an execution of n_new positions could afterwards be truncated away again.
 
 Code that reads and writes the stored K/V where they lie (the native path) asks `cache.storage()`
 for a Storage description (the slot store, an optional block table); a layout that cannot be used in

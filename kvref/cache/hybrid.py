@@ -182,9 +182,9 @@ class HybridCache(KVCache):
             # after the execution the ring holds from `oldest` on; truncating back to next needs next - W + 1
             oldest = max(self._start[layer], self._next + n_new - ring)
             if oldest > max(0, self._next - window + 1):
-                return (f"layer {layer}'s ring of {ring} slots (window {window}) would overwrite position {oldest - 1}, "
-                        f"which a rollback to position {self._next} needs (at most spare + 1 = {self.spare + 1} "
-                        "positions roll back once the rings are full)")
+                return (f"layer {layer}'s ring of {ring} slots (window {window}) would overwrite position "
+                        f"{oldest - 1}, which a rollback to position {self._next} needs (at most spare + 1 = "
+                        f"{self.spare + 1} positions roll back once the rings are full)")
         return None
 
     def _truncate(self, n):
