@@ -126,6 +126,17 @@ def test_speculation_drafts_and_accepts_on_a_repetitive_generation_and_counts_it
     assert "accepted" in str(stats)
 
 
+def test_steps_whose_margin_is_within_rounding_are_reported_as_near_ties():
+    cfg = dataclasses.replace(CFG, tie_embeddings=False)
+    w = kvref.Model.random(cfg, seed=1, dtype="float64").weights
+    flat = dataclasses.replace(w, output=np.repeat(w.output[:1], cfg.vocab_size, axis=0))  # every logit alike
+    model = kvref.Model(cfg, flat, dtype="float64", backend="numpy")
+    stats = kvref.SpeculationStats()
+    assert list(kvref.generate(model, [1, 2, 3, 1, 2], 12, speculate=4, stats=stats)) == [0] * 12  # first on ties
+    assert stats.accepted > 0 and stats.near_ties == list(range(12))
+    assert "12 near ties" in str(stats)
+
+
 def test_a_wrapped_window_falls_back_to_plain_decoding_and_says_why():
     model = kvref.Model.random(CFG, seed=1, dtype="float64")
     prompt = [1, 2, 3, 4] * 4
