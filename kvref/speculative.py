@@ -2,9 +2,9 @@
 
 A decode step reads every weight to compute one position. When the text being generated repeats
 earlier text (code being rewritten, a quoted passage, a list that continues a pattern), the next few
-tokens can be guessed without the model: find the most recent earlier occurrence of the history's last
-n tokens (prompt lookup, Saxena 2023; llama.cpp's lookup decoding) and draft the tokens that followed
-it. kvref.generate(..., speculate=N) then runs the token just selected and up to N drafted tokens in one
+tokens can be guessed without the model: find the first earlier occurrence of the history's last n
+tokens (prompt lookup, Saxena 2023; llama.cpp's lookup decoding) and draft the tokens that followed
+it, a draft whose length adapts to how well the last one did (next_budget). kvref.generate(..., speculate=N) then runs the token just selected and up to N drafted tokens in one
 execution with every position's logits, and selects position by position exactly as plain decoding
 would (greedy: the argmax; sampling: the speculative acceptance rule, kvref.sampling.accept_draft). The
 first position whose selection differs from the draft ends the step: that selection is kept, and the
