@@ -23,6 +23,7 @@ from .model import Model
 from .native import MAX_THREADS
 from .perplexity import add_perplexity
 from .sampling import check_penalties, check_sampling
+from .speculative import SpeculationStats
 from .stream import TextStream
 
 
@@ -239,6 +240,11 @@ def add_run(commands):
     add_runtime_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_chat_template_argument(p)
+    p.add_argument("--speculate", type=count, default=0, metavar="N",
+                   help="speculative decoding: draft up to N tokens per step by looking the last tokens up in "
+                        "the text so far, verified in one execution (faster when the output repeats its "
+                        "input, e.g. rewriting code; greedy output unchanged; default 0 = off); --verbose "
+                        "prints drafted and accepted counts")
     p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': standard input)")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-': read it from standard input)")
     p.set_defaults(run=run_run)
@@ -315,10 +321,11 @@ def run_run(args) -> int:
     progress = prefill_progress(args)
     rest = prefill_in_chunks(model, prompt_ids, cache, progress)
     progress.done()
+    speculation = {"speculate": args.speculate, "stats": SpeculationStats()} if args.speculate else {}
     if args.context_overflow == "shift":
-        tokens = generate_shifting(model, rest, cache, config)
+        tokens = generate_shifting(model, rest, cache, config, speculation)
     else:
-        tokens = generate(model, rest, config=config, cache=cache)
+        tokens = generate(model, rest, config=config, cache=cache, **speculation)
     timing = stream_text(tok, tokens, config)
     print()
     if args.verbose:
@@ -328,22 +335,25 @@ def run_run(args) -> int:
               f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
               f"cache {human_bytes(cache.nbytes)} ({cache.length} positions, {cache.dtype_name} K/V), "
               f"backend {model.backend}]", file=sys.stderr)
+        if speculation:
+            print(f"[{speculation['stats']}]", file=sys.stderr)
     return 0
 
 
-def generate_shifting(model, prompt_ids, cache, config):
+def generate_shifting(model, prompt_ids, cache, config, speculation):
     """generate(), shifting the cache when it is full as llama.cpp's context shift does: the first
     position stays (n_keep = 1: the BOS or the prompt's first token), the older half of the rest is
     dropped, and the kept keys are re-rotated to their new positions (cache.shift). The model then
     reads a context with a gap, which is the point: generation goes on past --ctx-size.
 
     A seeded sampler starts again from its seed after each shift (every segment is one generate call).
+    speculation: generate's speculate= and stats= (the stats add up over the segments), or {}.
     """
     keep, new, left = 1, list(prompt_ids), config.max_new_tokens
     while True:
         n = min(left, cache.capacity - cache.length - len(new) + 1)  # fills the cache exactly
         selected = []
-        for token in generate(model, new, n, config=config, cache=cache):
+        for token in generate(model, new, n, config=config, cache=cache, **speculation):
             selected.append(token)
             yield token
         left -= len(selected)
