@@ -109,13 +109,16 @@ static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc
  * x[j] ~ d * qs[j]. d and qs are the same on every instruction set (d, 1/d and x * (1/d) are single
  * IEEE operations, then round-to-nearest-even); s is a float32 sum whose order differs. s is the
  * unrounded sum because Q4_1's block offset m multiplies it: that term stays exact. For finite x,
- * |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp anyway, which
- * only matters for NaN (-> 127). */
+ * |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp anyway. A
+ * block holding a NaN or an infinity gets d = NaN (its qs are 0 or clamped, and meaningless), so
+ * every product it enters is NaN, as the exact float32 product would be NaN or infinite there:
+ * rounding never turns a bad value into a finite one. */
 
-/* the exact scale and inverse scale of a block whose largest magnitude is amax */
-static inline void kvref_q8_scale(float amax, float *d, float *id) {
-    *d = amax / 127.0f;
-    *id = *d != 0.0f ? 1.0f / *d : 0.0f;
+/* the exact scale and inverse scale of a block whose largest magnitude is amax (finite: no value of
+ * the block is NaN or infinite) */
+static inline void kvref_q8_scale(float amax, int finite, float *d, float *id) {
+    *d = finite ? amax / 127.0f : NAN;
+    *id = finite && *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
 /* ---- the 8-bit GEMM tile (int8 activations, many rows of x) ------------------------------------

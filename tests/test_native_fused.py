@@ -505,6 +505,19 @@ def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
 
 
+@given(int8_cases(), ISAS, st.sampled_from([np.nan, np.inf, -np.inf]), st.data())
+def test_int8_matmul_makes_every_output_of_a_row_with_a_non_finite_input_nan(case, isa, bad, data):
+    # rounding to 8 bits must not turn a NaN or an infinity into a finite value (docs/kv-cache.md)
+    w, x = case
+    row, col = data.draw(st.integers(0, x.shape[0] - 1)), data.draw(st.integers(0, x.shape[1] - 1))
+    x[row, col] = bad
+    y = nops.kernels(2, isa).matmul_int8(x, w)
+    exact = nops.kernels(2, isa).matmul(x, w)
+    assert np.all(~np.isfinite(y[row])) and np.all(np.isnan(y[row]) | ~np.isfinite(exact[row]))
+    others = np.arange(x.shape[0]) != row
+    np.testing.assert_array_equal(np.isfinite(y[others]), np.isfinite(exact[others]))
+
+
 @given(st.sampled_from([t for t in nops.WEIGHT_TYPES if t not in INT8_TYPES]), ISAS, st.integers(0, 2**16))
 def test_int8_matmul_is_the_exact_matmul_for_weights_without_an_8bit_kernel(gtype, isa, seed):
     # three rows of x: below the 8-bit GEMM, where Q4_K has no 8-bit kernel either
