@@ -86,6 +86,16 @@ FLOAT32_SHORT_HISTORY = Tolerance(atol=1e-5, rtol=1e-7)
 # roundings carried through every layer and grown by the activations' scale (Gemma 3's residual
 # stream is large): measured up to 7e-4 on logits of ~25 on Gemma 3 270M; 2e-3 is ~3x that.
 FLOAT32_REORDERED = Tolerance(atol=2e-3, rtol=1e-4)
+
+def near_tie(logits, tolerance: Tolerance = FLOAT32_REORDERED) -> bool:
+    """Whether two computations of these logits within `tolerance` could select different tokens: the
+    top-2 margin is at most twice the bound at the largest of the two (each may move by atol + rtol |x|).
+    Tests that compare greedy tokens of two float32 runs (alone vs batched, cold vs prefix-cached) accept a
+    difference only at such a step, and report it."""
+    z = np.sort(np.asarray(logits, dtype=np.float64))[-2:]  # [second, first]
+    return bool(z[1] - z[0] <= 2 * (tolerance.atol + tolerance.rtol * np.abs(z).max()))
+
+
 # float16 K/V (11 significant bits: 2**-11 relative per element) against recomputation with float32
 # K/V, last position, on any configuration of tests.conftest.configs, including degenerate shapes
 # (d_model 4 feeding head_dim 64) that amplify K/V error and that QUANTIZED_LOGIT_BOUNDS leaves out.

@@ -108,11 +108,16 @@ class Engine:
 
     def _run(self):
         while not self._stopping:
-            self._drain()
-            if self.scheduler.pending:
-                self._step()
-            else:
-                self.snapshot = self._snapshot()
+            try:
+                self._drain()
+                if self.scheduler.pending:
+                    self._step()
+                    continue
+            except Exception as error:  # a bug must not take the server down: fail every job, go on
+                for job in {job for job, _ in self._owner.values()}:
+                    self._fail(job, f"{type(error).__name__}: {error}")
+            self.snapshot = self._snapshot()
+            if not self.scheduler.pending:
                 self._wake.wait()
                 self._wake.clear()  # anything sent before this is drained next
         for job in {job for job, _ in self._owner.values()}:
@@ -132,8 +137,9 @@ class Engine:
     def _start(self, job: Job):
         spec, tokenizer = job.spec, self.model.tokenizer
         config = spec.config
-        end_ids = config.end_ids(tokenizer)
         try:
+            end_ids = config.end_ids(tokenizer)
+            streams = [TextStream(tokenizer, config.stop, end_ids) for _ in range(spec.n)]
             first = self.scheduler.submit(
                 list(spec.prompt_ids), config.max_new_tokens, config.temperature, config.top_k, config.top_p,
                 config.min_p, config.seed, end_ids, n=spec.n, repetition_penalty=config.repetition_penalty,
@@ -144,7 +150,7 @@ class Engine:
             self.counters["requests_failed"] += 1
             return
         job.requests = [first, *first.siblings]
-        job.streams = [TextStream(tokenizer, config.stop, end_ids) for _ in job.requests]
+        job.streams = streams
         job.open = len(job.requests)
         for i, request in enumerate(job.requests):
             self._owner[request] = (job, i)
