@@ -498,7 +498,8 @@ def add_serve(commands):
     p.add_argument("--api-key", default=os.environ.get("KVREF_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $KVREF_API_KEY; none)")
     p.add_argument("--model-name", default=None, help="the model id clients name (default: the model's short "
-                                                      "name or file name)")
+                                                      "name, smollm2 for the default model, else its file or "
+                                                      "directory name)")
     add_chat_template_argument(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no access log")
     p.set_defaults(run=run_serve)
@@ -519,13 +520,15 @@ def run_serve(args) -> int:
     c = model.config
     per_block = args.block_size * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, args.kv_dtype)
     num_blocks = args.num_blocks or max((args.cache_mib or SERVE_CACHE_MIB) * 2**20 // per_block, 1)
+    source = args.model or os.environ.get("KVREF_MODEL")
     if args.model_name is not None:
         name = args.model_name
-    elif args.model in SHORT_NAMES:
-        name = args.model
+    elif source is None:
+        name = "smollm2"  # the default model, by its short name
+    elif source in SHORT_NAMES:
+        name = source
     else:
-        name = Path(model_path(args.model)).stem if args.model is None or not Path(args.model).is_dir() \
-            else Path(args.model).name
+        name = Path(source).name if Path(source).is_dir() else Path(model_path(source)).stem
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         notice(args, f"listening on {args.host} without --api-key: anyone who can reach the port can use the model")
     server = create_server(model, name, host=args.host, port=args.port, max_batch=args.max_batch,
