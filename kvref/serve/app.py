@@ -266,7 +266,7 @@ class _Answer:
                 "total_tokens": prompt + self.completion_tokens}
 
     def _piece(self, token) -> str:
-        return self.tokenizer.decode([token])
+        return f"token_id:{token}" if self.job.spec.tokens_as_ids else self.tokenizer.decode([token])
 
     def _chat_logprobs(self, items):
         if self.job.spec.logprobs is None:

@@ -11,6 +11,7 @@ What the fields mean where kvref departs from, or adds to, the OpenAI API:
                            decoding is refused, as everywhere in kvref; top_p 1, top_k 0 or -1 and
                            min_p 0 mean "off" and are accepted with any temperature.
   top_k, min_p, repetition_penalty, ignore_eos   kvref's (and vLLM's / llama.cpp's) extensions.
+  return_tokens_as_token_ids   vLLM's extension: logprobs name each token "token_id:<id>", not its text.
   penalties                count the last 64 tokens of prompt + completion (kvref.generate's rule).
   seed                     with n > 1, choice i > 0 draws from the stream [seed, i] (kvref.batch).
   logprobs                 log-probabilities of the model's own next-token distribution (log-softmax
@@ -38,7 +39,8 @@ MAX_N = 16
 
 # fields both endpoints read, and the ones accepted only to be refused with a reason
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
-          "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "user"}
+          "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "user",
+          "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "logit_bias"}
 ROLES = ("system", "user", "assistant")
@@ -64,6 +66,7 @@ class Spec:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
     logprobs: int | None = None  # None: off; k: the selected token's and the k most likely
     echo_text: str = ""  # completions with echo: the prompt text, put before each choice's text
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Parsed:
     logprobs: int | None
     echo: bool
     max_tokens: int | None
+    tokens_as_ids: bool = False
 
 
 def parse_completion(body, vocab_size: int, limits: Limits) -> Parsed:
@@ -99,7 +103,7 @@ def parse_completion(body, vocab_size: int, limits: Limits) -> Parsed:
         raise RequestError("echo with logprobs is not supported: the prompt's log-probabilities would need every "
                            "prompt position's logits", "echo")
     return Parsed("completion", prompt, _settings(body), n, *_stream(body), logprobs, echo,
-                  _int(body, "max_tokens", 1, limits.max_tokens, None))
+                  _int(body, "max_tokens", 1, limits.max_tokens, None), _bool(body, "return_tokens_as_token_ids", False))
 
 
 def parse_chat(body, limits: Limits) -> Parsed:
@@ -120,7 +124,7 @@ def parse_chat(body, limits: Limits) -> Parsed:
         raise RequestError(f"max_tokens={given} and max_completion_tokens={max_tokens} disagree; give one",
                            "max_tokens")
     return Parsed("chat", messages, _settings(body), n, *_stream(body), logprobs, False,
-                  given if max_tokens is None else max_tokens)
+                  given if max_tokens is None else max_tokens, _bool(body, "return_tokens_as_token_ids", False))
 
 
 def make_spec(parsed: Parsed, prompt_ids, base: GenerationConfig, max_seq_len: int, limits: Limits,
@@ -144,7 +148,7 @@ def make_spec(parsed: Parsed, prompt_ids, base: GenerationConfig, max_seq_len: i
     except KVRefError as error:  # a combination GenerationConfig refuses (a filter with greedy decoding)
         raise RequestError(str(error), _field_named_in(str(error), parsed.settings)) from None
     return Spec(parsed.kind, tuple(int(t) for t in prompt_ids), config, parsed.n, parsed.stream,
-                parsed.include_usage, parsed.logprobs, echo_text)
+                parsed.include_usage, parsed.logprobs, echo_text, parsed.tokens_as_ids)
 
 
 # ---- fields --------------------------------------------------------------------------------------
