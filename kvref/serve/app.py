@@ -148,7 +148,8 @@ class _Server:
     async def _answer(self, request: Request, spec: Spec):
         job = Job(spec, asyncio.get_running_loop())
         pool = self.engine.scheduler.pool
-        need = -(-(len(spec.prompt_ids) + spec.config.max_new_tokens) // pool.block_size) + 1
+        # the Scheduler's own bound (kvref.batch.Scheduler.submit), checked here so it is a 400 before any work
+        need = -(-(len(spec.prompt_ids) + spec.config.max_new_tokens - 1) // pool.block_size) + 1
         if need > pool.num_blocks:
             raise RequestError(f"the prompt ({len(spec.prompt_ids)} tokens) and max_tokens "
                                f"{spec.config.max_new_tokens} may need {need} blocks of {pool.block_size}; the "

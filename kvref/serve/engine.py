@@ -62,7 +62,8 @@ class Job:
     open: int = 0  # choices not finished yet
 
     def emit(self, *event):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        if not self.loop.is_closed():  # at shutdown the loop may be gone before the engine stops
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 class Engine:
