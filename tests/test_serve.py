@@ -297,7 +297,7 @@ def tiny():
     from kvref.serve.engine import Engine
 
     cfg = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
-    model = kvref.Model.random(cfg, seed=0, dtype="float32")
+    model = kvref.Model.random(cfg, seed=0, dtype="float64", backend="numpy")  # batch-invariant to 1e-10: no near ties
 
     class Ids:  # stands in for a tokenizer: token ids written as text
         eos_ids, bos_id, eos_id = frozenset(), None, None
@@ -337,3 +337,21 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
     assert r.status_code == 413
     r = tiny.client.get("/v1/nothing", headers=auth)
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exactly(tiny):
+    # 16 blocks of 4: each request alone needs up to 5 (+1), four at once cannot all grow
+    auth = {"Authorization": "Bearer s3cret"}
+    prompts = [[(7 * i + j) % 64 for j in range(10)] for i in range(4)]
+
+    def ask(ids):
+        r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 8}, headers=auth)
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(ask, prompts))
+    for ids, text in zip(prompts, texts):
+        assert text == "".join(f"<{t}>" for t in kvref.generate(tiny.model, ids, 8))
+    m = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+         for line in tiny.client.get("/metrics", headers=auth).text.splitlines() if not line.startswith("#")}
+    assert m["kvref_preemptions_total"] > 0 and m['kvref_blocks{state="in_use"}'] == 0
