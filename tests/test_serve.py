@@ -5,6 +5,7 @@ thread for the module, on a free port. The request checks and the API key are te
 model through Starlette's in-process client, which needs no port.
 """
 
+import asyncio
 import concurrent.futures
 import json
 import threading
@@ -340,18 +341,30 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
 
 
 def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exactly(tiny):
-    # 16 blocks of 4: each request alone needs up to 5 (+1), four at once cannot all grow
-    auth = {"Authorization": "Bearer s3cret"}
+    # the engine alone, its requests queued before its thread starts, so all four are admitted together:
+    # 16 blocks of 4, each request needs up to 10 (40 positions), so they cannot all grow
+    from kvref.serve.engine import Engine, Job
+    from kvref.serve.protocol import Spec
+
     prompts = [[(7 * i + j) % 64 for j in range(10)] for i in range(4)]
 
-    def ask(ids):
-        r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 8}, headers=auth)
-        return r.json()["choices"][0]["text"]
+    async def run():
+        engine = Engine(tiny.model, max_batch=4, num_blocks=16, block_size=4)
+        loop = asyncio.get_running_loop()
+        jobs = [Job(Spec("completion", tuple(p), kvref.GenerationConfig(max_new_tokens=30)), loop) for p in prompts]
+        for job in jobs:
+            engine.submit(job)
+        engine.start()
+        texts = []
+        for job in jobs:
+            text = ""
+            while (event := await job.events.get())[0] != "finish":
+                text += event[2]
+            texts.append(text)
+        engine.stop()
+        return texts, engine
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        texts = list(pool.map(ask, prompts))
+    texts, engine = asyncio.run(run())
     for ids, text in zip(prompts, texts):
-        assert text == "".join(f"<{t}>" for t in kvref.generate(tiny.model, ids, 8))
-    m = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-         for line in tiny.client.get("/metrics", headers=auth).text.splitlines() if not line.startswith("#")}
-    assert m["kvref_preemptions_total"] > 0 and m['kvref_blocks{state="in_use"}'] == 0
+        assert text == "".join(f"<{t}>" for t in kvref.generate(tiny.model, ids, 30))
+    assert engine.snapshot["preemptions"] > 0 and engine.snapshot["blocks_in_use"] == 0
