@@ -45,7 +45,7 @@ import numpy as np
 from .cache import begin_all
 from .cache.paged import BlockPool, PagedCache, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
-from .sampling import Sampler, check_sampling
+from .sampling import Sampler
 from .spec import decoder
 
 
