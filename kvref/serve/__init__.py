@@ -16,6 +16,7 @@ program would, and nothing in kvref imports it. Its dependencies (starlette, uvi
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 from .engine import Engine, Job
@@ -30,6 +31,8 @@ def create_server(model, model_name: str, *, host="127.0.0.1", port=8080, max_ba
 
     from .app import MAX_BODY_BYTES, create_app
 
+    # n sequences of one request run side by side, so n cannot exceed the batch
+    limits = dataclasses.replace(limits, max_n=min(limits.max_n, max_batch))
     engine = Engine(model, max_batch=max_batch, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                     prefill_chunk=prefill_chunk)
     app = create_app(model, engine, model_name, api_key=api_key, limits=limits,
