@@ -175,6 +175,7 @@ def test_logprobs_are_the_models_log_softmax_with_the_top_tokens(served):
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": PROMPT, "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": PROMPT, "n": 9}, "n"),  # more sequences than the batch (8) holds
     ({"prompt": PROMPT, "logprobs": 3, "echo": True}, "echo"),
     ({"prompt": PROMPT, "stop": [""]}, "stop"),
     ({"prompt": PROMPT, "logit_bias": {"1": 5}}, "logit_bias"),
