@@ -95,6 +95,21 @@ FLOAT32_REORDERED = Tolerance(atol=2e-3, rtol=1e-4)
 # is below twice it (speculative_margin_bound).
 SPECULATIVE_VERIFICATION = {"float32": FLOAT32_REORDERED, "float64": FLOAT64}
 
+def near_tie(logits, tolerance: Tolerance = FLOAT32_REORDERED) -> bool:
+    """Whether two computations of these logits within `tolerance` could select different tokens: the
+    top-2 margin is at most twice the bound at the largest of the two (each may move by atol + rtol |x|).
+    Tests that compare greedy tokens of two float32 runs (alone vs batched, cold vs prefix-cached) accept a
+    difference only at such a step, and report it."""
+    z = np.sort(np.asarray(logits, dtype=np.float64))[-2:]  # [second, first]
+    return bool(z[1] - z[0] <= margin_bound(z, tolerance))
+
+
+def margin_bound(logits, tolerance: Tolerance) -> float:
+    """Twice one logit's bound at the largest |logit|: two computations of these logits within
+    `tolerance` agree on the top token wherever its lead is larger."""
+    return 2 * (tolerance.atol + tolerance.rtol * float(np.max(np.abs(logits))))
+
+
 # float16 K/V (11 significant bits: 2**-11 relative per element) against recomputation with float32
 # K/V, last position, on any configuration of tests.conftest.configs, including degenerate shapes
 # (d_model 4 feeding head_dim 64) that amplify K/V error and that QUANTIZED_LOGIT_BOUNDS leaves out.
@@ -195,5 +210,4 @@ def assert_close(actual, reference, dtype, what: str = "") -> Comparison:
 def speculative_margin_bound(logits, dtype) -> float:
     """Top-2 margin below which a speculative step's greedy selection may differ from plain decoding's:
     twice one logit's bound (SPECULATIVE_VERIFICATION) at the row's largest |logit|."""
-    tol = SPECULATIVE_VERIFICATION[np.dtype(dtype).name]
-    return 2 * (tol.atol + tol.rtol * float(np.max(np.abs(logits))))
+    return margin_bound(logits, SPECULATIVE_VERIFICATION[np.dtype(dtype).name])
