@@ -37,6 +37,6 @@ def test_the_corpus_reaches_past_the_parsers(report):
     # seeds are accepted, only the hostile chat templates are refused, and mutations are refused only
     # some of the time
     result, _ = report
-    expected = {"chat": 3}.get(result["target"], 0)
+    expected = {"chat": 5}.get(result["target"], 0)  # hostile-* and found-*
     assert len(result["corpus_refused"]) == expected, result["corpus_refused"]
     assert result["refused"] < result["inputs"] * 0.97
