@@ -1,6 +1,7 @@
 """CI's fuzzing: every target replays its corpus and a fixed-seed batch of mutations (deterministic:
 the same inputs every run), each in a process of its own so that its peak RSS is its own. Fails on
-any escape that is not a KVRefError, any input over 5 s, or a peak RSS over 1 GB (tests/fuzz/run.py).
+any escape that is not a KVRefError, any input over 5 s of CPU time (or 30 s blocked), or a peak RSS
+over 1 GB (tests/fuzz/run.py).
 Exploratory fuzzing, outside CI: tests/fuzz/README.md."""
 
 import json
