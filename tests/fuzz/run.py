@@ -6,8 +6,9 @@
 TARGET is one of tests/fuzz/targets.py's (gguf, safetensors, cache, tokenizer, chat) or "all". Every
 input must finish within HANG_SECONDS of CPU time (and BLOCKED_SECONDS of wall-clock time, for an
 input that waits: a busy machine slows the clock, not the CPU time) with the process's peak RSS at
-most RSS_LIMIT_BYTES, and raise nothing but a KVRefError. The corpus (tests/fuzz/corpus/TARGET/) is replayed first, then mutations of it
-(tests/fuzz/mutate.py) drawn from --seed, as many as --mutations or for --seconds, whichever ends first.
+most RSS_LIMIT_BYTES, and raise nothing but a KVRefError. The corpus (tests/fuzz/corpus/TARGET/) is
+replayed first, then mutations of it (tests/fuzz/mutate.py) drawn from --seed, as many as --mutations
+or for --seconds, whichever ends first.
 Findings are written to tests/fuzz/findings/TARGET/ (not checked in; a fixed one joins the corpus)
 unless --no-save (CI).
 The report: inputs run, KVRefErrors (and which corpus entries were refused), findings, the slowest
