@@ -10,8 +10,8 @@ its hardening of `dict` and `namespace` is repeated here.
 
 Rendering is bounded in work and size (a hostile template could otherwise loop for hours or build
 gigabytes; HF does not bound it). Every step the template takes is charged to a budget of MAX_STEPS:
-each loop item and macro call (by the size of the body it runs), each call, filter, operator and
-attribute or item lookup, each piece of output; calls, filters and operators also by the size of what
+each loop item and macro call (by the size of the body it runs), each call (CALL_STEPS), filter,
+operator and attribute or item lookup, each piece of output; calls, filters and operators also by the size of what
 they read (one step per STEP_CHARS characters or items; item-wise filters such as sort, one per item),
 and calls and filters by their integer arguments (widths and counts of what they make). `range`
 gives at most MAX_RANGE items; `**` and `*` of integers may not make numbers of more than
@@ -40,11 +40,13 @@ from jinja2.visitor import NodeTransformer
 
 from .errors import TokenizerError
 
-# A chat template renders under these limits (module docstring). Real templates take a few steps
-# per message and character counts of the conversation itself; the limits are orders of magnitude
-# above that and below what takes more than a second or two or a few hundred MB.
-MAX_STEPS = 1_000_000
-STEP_CHARS = 16  # a call, filter or operator reading n characters or items costs 1 + n // STEP_CHARS steps
+# A chat template renders under these limits (module docstring). Real templates take tens of steps
+# per message (ChatML, Llama 3, Gemma and SmolLM2's templates: 36k to 216k steps for 2,000 messages of
+# 2,000 characters, far more than any context holds); the hostile templates of tests/test_chat.py
+# use up the budget in well under a second, and none builds more than a few hundred MB.
+MAX_STEPS = 500_000
+STEP_CHARS = 256  # a call, filter or operator reading n characters or items costs 1 + n // STEP_CHARS steps
+CALL_STEPS = 10  # a call from a template (the sandbox's checks, a Python call) costs about as much as ~10 loop items
 MAX_RANGE = 100_000  # items of one range(), as jinja's own sandbox
 MAX_INT_BITS = 4096  # integers a template computes (10 ** 1233 fits, 10 ** (10 ** 7) does not)
 MAX_OUTPUT_CHARS = 2**23  # ~8.4 M characters: the rendered text, and any string or list built on the way
@@ -352,6 +354,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return tree
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        _charge(CALL_STEPS)
         if __obj is not _Range:  # range charges its own items
             _check_arguments(args, kwargs, f"the call {getattr(__obj, '__name__', type(__obj).__name__)}")
             _charge_call(None, args, kwargs)

@@ -67,11 +67,11 @@ def bounded_float(value, what: str, error=ConfigError, positive=True) -> float:
     return number
 
 
-def check_layer_count(n_layers: int, tensor_names, pattern: str, what: str, error) -> None:
-    """`error` unless the tensors named like `pattern` (a regex whose group 1 is the layer index, e.g.
-    r"blk\\.(\\d+)\\.") are those of layers 0..n_layers-1 exactly. Run before any per-layer table is
-    built: a stated count of 2**31 layers must not build one to find out."""
-    matcher = re.compile(pattern).match
+def check_layer_count(n_layers: int, tensor_names, prefix: str, what: str, error) -> None:
+    """`error` unless the tensors named `<prefix><i>.` ("blk.0.attn_q.weight" for prefix "blk.") are
+    those of layers 0..n_layers-1 exactly. Run before any per-layer table is built: a stated count of
+    2**31 layers must not build one to find out. (An index of more than 9 digits is no layer's.)"""
+    matcher = re.compile(re.escape(prefix) + r"(\d{1,9})\.").match
     layers = {int(m.group(1)) for m in map(matcher, tensor_names) if m}
     if layers != set(range(n_layers)):
         raise error(f"{what}={n_layers}, but the tensors present are those of {len(layers)} layers"

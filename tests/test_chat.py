@@ -108,6 +108,13 @@ def test_malformed_messages_raise(messages):
 HOSTILE_TEMPLATES = {
     # nested range(100000) loops rendered for 10-15 s and more
     "nested ranges": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "MAX_STEPS"),
+    # found by tests/fuzz: 100,000 cheap steps that each cost a call took over 5 s on a loaded machine
+    "empty inner loops": ("{% for i in range(100000) %}{% for j in range(10000 * 0) %}{% endfor %}{% endfor %}",
+                          "MAX_STEPS"),
+    "macro calls in a loop": ("{% macro f() %}{% endmacro %}{% for i in range(100000) %}{{ f() }}{{ f() }}"
+                              "{% endfor %}", "MAX_STEPS"),
+    "string methods in a loop": ("{% for i in range(100000) %}{{ messages[0].role.upper().lower().strip() }}"
+                                 "{% endfor %}", "MAX_STEPS"),
     "a range too long": ("{% for i in range(10**6) %}{% endfor %}", "MAX_RANGE"),
     "a huge power": ("{{ 10 ** (10**7) }}", "MAX_INT_BITS"),  # was 10-15 s
     "a power just too large": ("{{ 2 ** 4096 }}", "MAX_INT_BITS"),
@@ -159,12 +166,13 @@ def test_the_budget_leaves_what_templates_do_working():
                                                "[10000000, 10000001]")
 
 
-def test_a_long_conversation_renders_within_the_budget():
+def test_a_long_conversation_renders_within_the_budget(template):
     # 2,000 messages of 2,000 characters: 4 MB of text, far more than any context holds
     messages = [{"role": "user" if i % 2 else "assistant", "content": "x" * 2000} for i in range(2000)]
     assert len(render_chat(CHATML, messages)) > 4_000_000
+    assert len(render_chat(template, messages)) > 4_000_000  # SmolLM2's own
 
 
 def test_each_rendering_has_its_own_budget():
-    template = "{% for i in range(90000) %}{% endfor %}ok"  # most of a budget, many times over
+    template = "{% for i in range(100000) %}{% endfor %}ok"  # 20 x 100,000 steps: four budgets
     assert [render_chat(template, []) for _ in range(20)] == ["ok"] * 20

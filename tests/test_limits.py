@@ -184,3 +184,14 @@ def test_a_cache_the_machine_cannot_allocate_is_a_cache_error(tmp_path, monkeypa
     monkeypatch.setattr(kvref.model, "ContiguousCache", no_memory)
     with pytest.raises(CacheError, match="not enough memory for the K/V arrays"):
         model.new_cache(capacity=8)
+
+
+def test_layer_counts_are_read_from_tensor_names_without_converting_huge_numbers():
+    from kvref.limits import check_layer_count
+
+    names = ["blk.0.a", "blk.1.a", "blk.1.b", "output.weight", "blk." + "9" * 5000 + ".a"]  # int() refuses 4301+
+    check_layer_count(2, names, "blk.", "n", ConfigError)
+    with pytest.raises(ConfigError, match="n=3, but the tensors present are those of 2 layers numbered 0..1"):
+        check_layer_count(3, names, "blk.", "n", ConfigError)
+    with pytest.raises(ConfigError, match="n=1, but the tensors present are those of 0 layers$"):
+        check_layer_count(1, ["x"], "blk.", "n", ConfigError)

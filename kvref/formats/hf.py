@@ -88,7 +88,7 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
     config = config_from_hf(hf)
     c = config
     gemma = hf["model_type"] == "gemma3_text"
-    check_layer_count(c.n_layers, tensors.keys(), r"model\.layers\.(\d+)\.", "config.json num_hidden_layers",
+    check_layer_count(c.n_layers, tensors.keys(), "model.layers.", "config.json num_hidden_layers",
                       ShapeError)
 
     def get(name, shape):

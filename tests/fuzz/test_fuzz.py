@@ -1,6 +1,7 @@
 """CI's fuzzing: every target replays its corpus and a fixed-seed batch of mutations (deterministic:
 the same inputs every run), each in a process of its own so that its peak RSS is its own. Fails on
-any escape that is not a KVRefError, any input over 5 s, or a peak RSS over 1 GB (tests/fuzz/run.py).
+any escape that is not a KVRefError, any input over 5 s of CPU time (or 30 s blocked), or a peak RSS
+over 1 GB (tests/fuzz/run.py).
 Exploratory fuzzing, outside CI: tests/fuzz/README.md."""
 
 import json
@@ -13,7 +14,7 @@ import pytest
 from tests.fuzz.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
-MUTATIONS = 6000  # per target: 2-6 s each on 2 cores, ~15 s for the five (a busy machine: twice that)
+MUTATIONS = 4000  # per target: ~2-4 s each on 2 cores, ~12 s for the five (a busy machine: ~30 s)
 SEED = 0
 
 
@@ -37,6 +38,6 @@ def test_the_corpus_reaches_past_the_parsers(report):
     # seeds are accepted, only the hostile chat templates are refused, and mutations are refused only
     # some of the time
     result, _ = report
-    expected = {"chat": 3}.get(result["target"], 0)
+    expected = {"chat": 5}.get(result["target"], 0)  # hostile-* and found-*
     assert len(result["corpus_refused"]) == expected, result["corpus_refused"]
     assert result["refused"] < result["inputs"] * 0.97
