@@ -138,6 +138,9 @@ static inline void kvref_q8_scale(float amax, int finite, float *d, float *id) {
 #define KVREF_Q8_TILE_ZERO(bv) ((bv) * KVREF_TILE_N)     /* byte offsets in a record */
 #define KVREF_Q8_TILE_D(bv) (KVREF_Q8_TILE_ZERO(bv) + 4 * KVREF_TILE_N)
 #define KVREF_Q8_TILE_M(bv) (KVREF_Q8_TILE_D(bv) + 4 * KVREF_TILE_N)
+/* a tile of K values' records (44 K bytes for 32-value blocks, 56 K for 16) and a decoder's
+ * staging rows (40 K bytes) */
+#define KVREF_Q8_TILE_SCRATCH(K) (96 * (K))
 
 /* ---- attention chunk kernels (the skeleton that drives them is csrc/attention.c) ------------ */
 
@@ -290,7 +293,8 @@ typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float 
  * 8-bit values plus 128 (unsigned), xds [T, K/32, 2] their blocks' (d_x, s_x); tile as above,
  * 64-byte aligned. An element's operations do not depend on T, nw or the kernel's blocking. */
 /* rows 0 .. nw-1 of w (rb bytes each, K values of a type kvref_q8_tile_type takes whose blocks are
- * 32 values) -> an 8-bit tile as above, rows nw .. KVREF_TILE_N-1 zero */
+ * 32 values) -> an 8-bit tile as above, rows nw .. KVREF_TILE_N-1 zero; `tile` has room for
+ * KVREF_Q8_TILE_SCRATCH(K) bytes, and a decoder may stage rows past the tile's records */
 typedef void (*kvref_q8_tile_fn)(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
 typedef void (*kvref_gemm_q8_fn)(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
                                  int64_t bv, int64_t nw, int affine, float *y, int64_t ldy);
@@ -351,6 +355,11 @@ static inline int64_t kvref_q8_tile_values(int32_t type) { return type == KVREF_
 /* block b (kvref_q8_tile_values(type) values) of a weight row of such a type -> its scale d and
  * offset m (0 but for Q4_1 and Q4_K), and (kvref_q8_weight_block) its integers q: value j is
  * d * q[j] + m */
+/* bytes of one 32-value block of Q4_0, Q4_1, Q5_0 or Q8_0 */
+static inline int64_t kvref_q8_block_bytes(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 ? BYTES_Q4_0 : type == KVREF_TYPE_Q4_1 ? BYTES_Q4_1
+           : type == KVREF_TYPE_Q5_0 ? BYTES_Q5_0 : BYTES_Q8_0;
+}
 static inline void kvref_q8_block_scales(int32_t type, const uint8_t *row, int64_t b, float *d, float *m) {
     *m = 0.0f;
     switch (type) {
@@ -372,7 +381,7 @@ static inline void kvref_q8_block_scales(int32_t type, const uint8_t *row, int64
         *m = kvref_load_fp16(row + b * BYTES_Q4_1 + 2);
         return;
     default: /* Q4_0, Q5_0, Q8_0: the scale leads the block */
-        *d = kvref_load_fp16(row + b * kvref_row_nbytes(type, 32));
+        *d = kvref_load_fp16(row + b * kvref_q8_block_bytes(type));
     }
 }
 static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
@@ -391,7 +400,7 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
         for (int i = 0; i < 32; i++) q[i] = (int8_t)((qs[i] >> shift) & 0xF);
         return;
     }
-    const uint8_t *w = row + b * kvref_row_nbytes(type, 32);
+    const uint8_t *w = row + b * kvref_q8_block_bytes(type);
     switch (type) {
     case KVREF_TYPE_Q4_0:
         for (int j = 0; j < 16; j++) {

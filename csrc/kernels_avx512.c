@@ -994,7 +994,7 @@ TARGET_VNNI static inline __m256i q8_block_values(int32_t type, const uint8_t *r
         const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)qs);
         return _mm256_and_si256(_mm256_srli_epi16(v, 4 * (int)(b % 2)), _mm256_set1_epi8(0x0F));
     }
-    const uint8_t *w = row + b * kvref_row_nbytes(type, 32);
+    const uint8_t *w = row + b * kvref_q8_block_bytes(type);
     if (type == KVREF_TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(const void *)(w + 2));
     const int at = type == KVREF_TYPE_Q4_0 ? 2 : type == KVREF_TYPE_Q4_1 ? 4 : 6; /* the nibble bytes */
     const __m128i q = _mm_loadu_si128((const __m128i *)(const void *)(w + at));
@@ -1032,20 +1032,33 @@ TARGET_VNNI static inline void q8_transpose16x8(const __m256i *r, __m512i *out) 
     }
 }
 
-/* matmul.c's portable q8_tile for the 32-value types, sixteen rows at a time: the same bytes */
+/* matmul.c's portable q8_tile for the 32-value types: the same bytes. Each row is decoded whole,
+ * in memory order (the tile's rows are one run of bytes the prefetchers follow), into `stage`;
+ * then sixteen rows' blocks at a time are transposed into the tile. */
 TARGET_VNNI static void q8_tile_vnni(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
-    for (int64_t b = 0; b < K / 32; b++) {
+    const int64_t nb = K / 32;
+    int8_t *stage = (int8_t *)(tile + nb * KVREF_Q8_TILE_RECORD(32)); /* [KVREF_TILE_N, K]: past the records */
+    float *dm = (float *)(void *)(stage + KVREF_TILE_N * K);           /* [KVREF_TILE_N, nb, 2] */
+    for (int64_t n = 0; n < KVREF_TILE_N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            float *d = dm + (n * nb + b) * 2;
+            __m256i v = _mm256_setzero_si256();
+            d[0] = d[1] = 0.0f;
+            if (n < nw) {
+                kvref_q8_block_scales(type, w + n * rb, b, &d[0], &d[1]);
+                v = q8_block_values(type, w + n * rb, b);
+            }
+            _mm256_storeu_si256((__m256i *)(void *)(stage + n * K + 32 * b), v);
+        }
+    for (int64_t b = 0; b < nb; b++) {
         uint8_t *rec = tile + b * KVREF_Q8_TILE_RECORD(32);
         for (int h = 0; h < KVREF_TILE_N; h += 16) {
             __m256i r[16];
             float d[16], m[16];
             for (int i = 0; i < 16; i++) {
-                d[i] = m[i] = 0.0f;
-                r[i] = _mm256_setzero_si256();
-                if (h + i < nw) {
-                    kvref_q8_block_scales(type, w + (h + i) * rb, b, &d[i], &m[i]);
-                    r[i] = q8_block_values(type, w + (h + i) * rb, b);
-                }
+                r[i] = _mm256_loadu_si256((const __m256i *)(const void *)(stage + (h + i) * K + 32 * b));
+                d[i] = dm[((h + i) * nb + b) * 2];
+                m[i] = dm[((h + i) * nb + b) * 2 + 1];
             }
             __m512i out[8], sum = _mm512_setzero_si512();
             q8_transpose16x8(r, out);
