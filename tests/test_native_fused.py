@@ -216,6 +216,21 @@ def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernel
     assert_same_execution(isa, got, got_cache, want, want_cache)
 
 
+@pytest.mark.parametrize("isa", nops.supported_isas())
+def test_an_int8_cache_keeps_a_nan_it_is_given_as_nan_like_the_spec_encoder(isa):
+    # the group's scale is NaN (np.max's answer), so the position decodes to NaN, never to a finite stand-in
+    weights = random_weights(CFG, 4, "float32")
+    weights.tok_embeddings[5] = np.nan  # position 1's K and V are NaN in every layer
+    ops, ff = nops.kernels(1, isa), fused.FusedForward(CFG, weights)
+    got, want = new_cache(CFG, "int8"), new_cache(CFG, "int8")
+    ff.forward(ops, CFG, weights, np.array([1, 5, 2]), got, True)
+    decoder.forward(ops, CFG, weights, np.array([1, 5, 2]), want, True)
+    for layer in range(CFG.n_layers):
+        for a, b in zip(got.read(layer), want.read(layer)):  # K, V [3, Hkv, D]
+            assert np.isnan(a[1]).all() and np.isfinite(a[0]).all()
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+
+
 # ---- several sequences in one execution -------------------------------------------------------
 
 def batch_caches(config, kv_dtype, layout, n):
