@@ -181,3 +181,31 @@ def assert_close(actual, reference, dtype, what: str = "") -> Comparison:
     result = compare(actual, reference, dtype)
     assert result.ok, f"{what}: {result}"
     return result
+
+
+# ---- conformance (kvref/conformance, docs/conformance.md): an engine against the float32 spec -----
+
+@dataclass(frozen=True)
+class ConformanceBounds:
+    """What an engine may differ from the float32 spec on the same file's weights, per position's
+    next-token distribution (KL(spec || engine), nats), and what counts as a near-tie."""
+
+    mean_kl: float  # mean over the scored positions
+    max_kl: float  # worst position
+    near_tie: float  # a top-1 disagreement is a near-tie when the spec's top-2 margin is below this
+    same_engine_kl: float  # worst position of an engine against itself (chunking, batch, cache ops)
+
+
+# An engine computing in float32 on the same float32 weights (kvref on either backend, transformers
+# on a float32 checkpoint): logits differ by summation order only, up to FLOAT32_REORDERED's 2e-3 on
+# logits of ~25 (Gemma 3); a logit perturbation d moves KL by at most ~max(d)^2 / 2 = 2e-6, so a
+# max of 1e-5 and a mean of 1e-6 hold with room, while a wrong position, key or block moves KL by
+# 1e-3 and more. Top-2 margins below 1e-2 can flip under 2e-3 logit noise. Against itself, an
+# engine reorders sums even less (chunk boundaries, batch rows): the same 1e-5.
+CONFORMANCE_FLOAT32 = ConformanceBounds(mean_kl=1e-6, max_kl=1e-5, near_tie=1e-2, same_engine_kl=1e-5)
+# An engine that rounds on the way (llama.cpp on the CPU: float16 K/V cache, activations rounded to
+# 8-bit blocks before quantized matmuls, its own exp and RoPE): measured against the float32 spec on
+# the same GGUF weights (docs/conformance.md, SmolLM2 Q4_1 and Gemma 3 Q4_K_M): see the figures there;
+# the bounds keep ~4x above the worst measured mean and max KL. A top-2 margin below 0.1 nats is within
+# what those roundings move a logit difference.
+CONFORMANCE_QUANTIZED = ConformanceBounds(mean_kl=2e-3, max_kl=2e-2, near_tie=0.1, same_engine_kl=2e-3)
