@@ -203,9 +203,11 @@ class ConformanceBounds:
 # 1e-3 and more. Top-2 margins below 1e-2 can flip under 2e-3 logit noise. Against itself, an
 # engine reorders sums even less (chunk boundaries, batch rows): the same 1e-5.
 CONFORMANCE_FLOAT32 = ConformanceBounds(mean_kl=1e-6, max_kl=1e-5, near_tie=1e-2, same_engine_kl=1e-5)
-# An engine that rounds on the way (llama.cpp on the CPU: float16 K/V cache, activations rounded to
-# 8-bit blocks before quantized matmuls, its own exp and RoPE): measured against the float32 spec on
-# the same GGUF weights (docs/conformance.md, SmolLM2 Q4_1 and Gemma 3 Q4_K_M): see the figures there;
-# the bounds keep ~4x above the worst measured mean and max KL. A top-2 margin below 0.1 nats is within
-# what those roundings move a logit difference.
-CONFORMANCE_QUANTIZED = ConformanceBounds(mean_kl=2e-3, max_kl=2e-2, near_tie=0.1, same_engine_kl=2e-3)
+# An engine that rounds on the way: a float16 K/V cache (2**-11 relative per element) and activations
+# rounded to 8-bit blocks before each quantized matmul (llama.cpp on the CPU, kvref's int8 activation
+# mode). Measured against the float32 spec on the same GGUF weights (SmolLM2 Q4_1, 2 prompts of 64
+# positions + 8 greedy tokens, docs/conformance.md): llama.cpp without flash attention, mean KL 5.5e-3,
+# worst position 2.3e-2, token by token against one execution 1.7e-2. The bounds keep ~4x above the
+# worst (max 0.1, same engine 0.05) and the mean (0.02). A position at KL 0.1 can have logits moved by
+# ~0.25 nats against each other, so a top-2 margin below 0.5 can flip: a near-tie for this class.
+CONFORMANCE_QUANTIZED = ConformanceBounds(mean_kl=2e-2, max_kl=1e-1, near_tie=0.5, same_engine_kl=5e-2)

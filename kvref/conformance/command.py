@@ -1,0 +1,111 @@
+"""The `kvref conformance` and `kvref fixtures` subcommands (registered by kvref.cli)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..cli_common import add_model_arguments
+from .engine import ConformanceError
+from .kvref_engine import LAYOUTS, KVRefEngine
+from .spec import Spec
+from .suite import SUITES, make_plan, markdown, max_positions, run_suite, table, to_json, failed
+
+ENGINES = ("kvref", "transformers", "llama-cpp-python", "openai-http")
+
+
+def add_conformance(commands):
+    p = commands.add_parser("conformance", help="check an inference engine against the spec (docs/conformance.md)",
+                            description="Run an engine through the golden comparison with the float32 spec and "
+                                        "the metamorphic cache checks; print a table of checks with evidence. "
+                                        "Exit status 1 when a check fails.")
+    p.add_argument("engine", choices=ENGINES)
+    add_model_arguments(p)
+    p.add_argument("--suite", choices=sorted(SUITES), default="quick",
+                   help="quick (default: 2 prompts of 64 positions, 8 greedy tokens) or full (4 of 128, 32, "
+                        "and the sliding-window check past windows up to 636 positions)")
+    p.add_argument("--layout", choices=LAYOUTS, action="append", default=None,
+                   help="kvref engine: the cache layout (repeatable; default: every layout)")
+    p.add_argument("--kv-dtype", default=None, help="kvref engine: K/V element type (default: the model's)")
+    p.add_argument("--url", default=None, help="openai-http: the server's base URL (http://host:port)")
+    p.add_argument("--check", action="append", default=None, help="run only this check (repeatable)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
+    p.add_argument("--report", metavar="FILE", default=None, help="write the results as a Markdown report")
+    p.set_defaults(run=run_conformance)
+
+
+def add_fixtures(commands):
+    p = commands.add_parser("fixtures", help="export reference fixtures for other engines' tests (docs/fixtures.md)")
+    actions = p.add_subparsers(dest="action", required=True)
+    export = actions.add_parser("export", help="prompts, token ids, logits and per-layer K/V as .npz")
+    export.add_argument("directory")
+    add_model_arguments(export)
+    export.add_argument("--suite", choices=sorted(SUITES), default="quick", help="which prompts (as conformance)")
+    export.set_defaults(run=run_fixtures)
+
+
+def spec_model(model_arg):
+    from ..loader import load
+
+    return load(model_arg, backend="numpy", dtype="float32")
+
+
+def engines_for(args, spec):
+    """The engine(s) the arguments name: kvref gives one per layout."""
+    name, n = args.engine, max_positions(args.suite)
+    if name == "kvref":
+        from ..loader import load
+
+        model = load(args.model, backend=args.backend)
+        return [KVRefEngine(model, layout, n, args.kv_dtype) for layout in (args.layout or LAYOUTS)]
+    if name == "transformers":
+        from .hf_engine import HFEngine
+
+        if args.model is None or not Path(args.model).is_dir():
+            raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory>")
+        return [HFEngine(args.model, n)]
+    if name == "llama-cpp-python":
+        from ..loader import model_path
+        from .llama_engine import LlamaCppEngine
+
+        return [LlamaCppEngine(model_path(args.model), spec.vocab_size, n)]
+    from .http_engine import OpenAIHTTPEngine
+
+    if not args.url:
+        raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
+    return [OpenAIHTTPEngine(args.url, spec)]
+
+
+def run_conformance(args) -> int:
+    model = spec_model(args.model)
+    spec = Spec(model)
+    plan = make_plan(model, args.suite)
+    model_name = str(args.model or "smollm2")
+    reports, payloads, bad = [], [], False
+    for engine in engines_for(args, spec):
+        try:
+            results = run_suite(engine, spec, plan, args.check,
+                                progress=lambda name: print(f"kvref conformance: {name} ...", file=sys.stderr,
+                                                            flush=True))
+        finally:
+            engine.close()
+        print(table(results, engine.describe()), flush=True)
+        print()
+        reports.append(markdown(results, engine.describe(), model_name))
+        payloads.append(to_json(results, engine.describe(), model_name, plan))
+        bad |= failed(results)
+    if args.report:
+        Path(args.report).write_text("\n".join(reports))
+    if args.json:
+        Path(args.json).write_text(payloads[0] if len(payloads) == 1 else "[" + ",\n".join(payloads) + "]")
+    return 1 if bad else 0
+
+
+def run_fixtures(args) -> int:
+    from .fixtures import export
+
+    model = spec_model(args.model)
+    written = export(model, args.directory, make_plan(model, args.suite).prompts, str(args.model or "smollm2"))
+    for path in written:
+        print(path)
+    return 0
