@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 from ..cli_common import add_model_arguments
+from .checks import CHECKS
 from .engine import ConformanceError
 from .kvref_engine import LAYOUTS, KVRefEngine
 from .spec import Spec
-from .suite import SUITES, make_plan, markdown, max_positions, run_suite, table, to_json, failed
+from .suite import SUITES, failed, make_plan, markdown, max_positions, run_suite, table, to_json
 
 ENGINES = ("kvref", "transformers", "llama-cpp-python", "openai-http")
 
@@ -61,8 +62,6 @@ def engines_for(args, spec):
     if name == "transformers":
         from .hf_engine import HFEngine
 
-        if args.model is None or not Path(args.model).is_dir():
-            raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory>")
         return [HFEngine(args.model, n)]
     if name == "llama-cpp-python":
         from ..loader import model_path
@@ -71,12 +70,26 @@ def engines_for(args, spec):
         return [LlamaCppEngine(model_path(args.model), spec.vocab_size, n)]
     from .http_engine import OpenAIHTTPEngine
 
-    if not args.url:
-        raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
     return [OpenAIHTTPEngine(args.url, spec)]
 
 
+def check_arguments(args) -> None:
+    """What an engine needs, checked before any model loads."""
+    if args.engine == "transformers" and (args.model is None or not Path(args.model).is_dir()):
+        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory>")
+    if args.engine == "openai-http" and not args.url:
+        raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
+    if args.engine != "openai-http" and args.url:
+        raise ConformanceError(f"--url applies to openai-http only, not to {args.engine}")
+    if args.engine != "kvref" and (args.layout or args.kv_dtype):
+        raise ConformanceError(f"--layout and --kv-dtype apply to the kvref engine only, not to {args.engine}")
+    unknown = sorted(set(args.check or ()) - set(CHECKS))
+    if unknown:
+        raise ConformanceError(f"no check named {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
+
+
 def run_conformance(args) -> int:
+    check_arguments(args)
     model = spec_model(args.model)
     spec = Spec(model)
     plan = make_plan(model, args.suite)

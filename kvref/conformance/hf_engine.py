@@ -4,7 +4,8 @@
                     and the logits of its last position (transformers keeps none: the adapter does)
     forward         model(input_ids, past_key_values=cache), eager attention
     fork            copy.deepcopy of the sequence
-    rollback        DynamicCache.crop(n) (refused where transformers refuses it: window layers)
+    rollback        DynamicCache.crop(n - length) (refused where transformers refuses it: a window layer
+                    past its window, unless activate_past_recording() was called)
     save / restore  torch.save / torch.load of the sequence (cache tensors and last logits) through bytes
 
 transformers has no prefix cache, no context shift, and batches only padded sequences of one
@@ -52,9 +53,8 @@ class HFEngine(Engine):
     def forward(self, seq, ids, last_only=False) -> Rows:
         torch = self.torch
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([list(ids)]), past_key_values=seq.cache, use_cache=True)
+            out = self.model(input_ids=torch.tensor([list(ids)]), cache=seq.cache, use_cache=True)
         logits = out.logits[0].double().numpy()  # [T, V]
-        seq.cache = out.past_key_values
         seq.n_past += len(ids)
         seq.last = logits[-1]
         return Rows.from_logits(logits[-1:] if last_only else logits)
@@ -63,9 +63,9 @@ class HFEngine(Engine):
         return copy.deepcopy(seq)
 
     def rollback(self, seq, n: int) -> None:
-        try:
-            seq.cache.crop(n)
-        except (ValueError, NotImplementedError, AttributeError) as exc:
+        try:  # transformers 5 crops by a negative count of positions to remove
+            seq.cache.crop(n - seq.n_past) if n < seq.n_past else None
+        except (ValueError, RuntimeError, NotImplementedError, AttributeError) as exc:
             raise Refused(f"DynamicCache.crop({n}) refused: {exc}") from None
         if seq.cache.get_seq_length() != n:
             raise Refused(f"DynamicCache.crop({n}) left {seq.cache.get_seq_length()} positions")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..spec import ops
 from .engine import Rows
 
 TINY = 1e-300  # floor of a probability before its log: a mass the engine rounds to 0 costs ~690 nats, not inf
@@ -55,12 +56,22 @@ class Spec:
 
     def shifted(self, ids, n: int, keep: int, continuation) -> np.ndarray:
         """[len(continuation), V]: the continuation's log-probabilities after ids ran and positions
-        keep..keep+n-1 were dropped, later keys re-rotated to their positions - n (KVCache.shift of a
-        float32 contiguous cache: the definition of a context shift)."""
-        cache = self.model.new_cache(layout="contiguous", capacity=len(ids) + len(continuation))
-        self.model.forward(list(ids), cache)
-        cache.shift(n, keep)
-        return Rows.from_logits(self.model.forward(list(continuation), cache, all_logits=True)).full
+        keep..keep+n-1 were dropped, the later keys rotated again to their positions - n (RoPE
+        rotations compose). Written out here from the stored K/V, not with KVCache.shift, so an
+        engine's shift is never checked against itself; each layer uses its own RoPE base."""
+        model, c = self.model, self.model.config
+        run = model.new_cache(layout="contiguous", capacity=len(ids))
+        model.forward(list(ids), run)
+        kept = np.r_[0:keep, keep + n:len(ids)]  # [S] old positions that stay
+        moved = kept >= keep + n
+        k = np.stack([np.array(run.keys(layer))[kept] for layer in range(c.n_layers)])  # [L, S, Hkv, D]
+        v = np.stack([np.array(run.values(layer))[kept] for layer in range(c.n_layers)])
+        back = np.full(int(moved.sum()), -n)
+        for layer in range(c.n_layers):
+            k[layer, moved] = ops.rope(k[layer, moved], back, c.layer_rope_theta(layer), c.rope_scaling)
+        cache = model.new_cache(layout="contiguous", capacity=len(kept) + len(continuation))
+        cache.append(k, v)
+        return Rows.from_logits(model.forward(list(continuation), cache, all_logits=True)).full
 
 
 @dataclass
