@@ -28,7 +28,14 @@ def add_conformance(commands):
     p.add_argument("--layout", choices=LAYOUTS, action="append", default=None,
                    help="kvref engine: the cache layout (repeatable; default: every layout)")
     p.add_argument("--kv-dtype", default=None, help="kvref engine: K/V element type (default: the model's)")
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                   help="llama-cpp-python: flash attention (default auto: llama.cpp's choice, on for the CPU)")
+    p.add_argument("--swa-full", action="store_true",
+                   help="llama-cpp-python: keep a full-size cache for sliding-window layers (default: the window cache)")
     p.add_argument("--url", default=None, help="openai-http: the server's base URL (http://host:port)")
+    p.add_argument("--precision", choices=["float32", "quantized"], default="float32",
+                   help="openai-http: which bounds apply (docs/conformance.md): float32 (a server computing in "
+                        "float32 with float32 K/V, default) or quantized (float16 K/V, 8-bit activations)")
     p.add_argument("--check", action="append", default=None, help="run only this check (repeatable)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     p.add_argument("--report", metavar="FILE", default=None, help="write the results as a Markdown report")
@@ -67,10 +74,11 @@ def engines_for(args, spec):
         from ..loader import model_path
         from .llama_engine import LlamaCppEngine
 
-        return [LlamaCppEngine(model_path(args.model), spec.vocab_size, n)]
+        flash = {"auto": None, "on": True, "off": False}[args.flash_attn]
+        return [LlamaCppEngine(model_path(args.model), spec.vocab_size, n, swa_full=args.swa_full, flash_attn=flash)]
     from .http_engine import OpenAIHTTPEngine
 
-    return [OpenAIHTTPEngine(args.url, spec)]
+    return [OpenAIHTTPEngine(args.url, spec, precision=args.precision)]
 
 
 def check_arguments(args) -> None:
@@ -81,6 +89,10 @@ def check_arguments(args) -> None:
         raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
     if args.engine != "openai-http" and args.url:
         raise ConformanceError(f"--url applies to openai-http only, not to {args.engine}")
+    if args.engine != "llama-cpp-python" and (args.flash_attn != "auto" or args.swa_full):
+        raise ConformanceError(f"--flash-attn and --swa-full apply to llama-cpp-python only, not to {args.engine}")
+    if args.engine != "openai-http" and args.precision != "float32":
+        raise ConformanceError(f"--precision applies to openai-http only; {args.engine} states its own")
     if args.engine != "kvref" and (args.layout or args.kv_dtype):
         raise ConformanceError(f"--layout and --kv-dtype apply to the kvref engine only, not to {args.engine}")
     unknown = sorted(set(args.check or ()) - set(CHECKS))

@@ -34,13 +34,14 @@ class OpenAIHTTPEngine(Engine):
     name = "openai-http"
     capabilities = frozenset({"incremental"})
 
-    def __init__(self, url: str, spec, top_k: int = TOP_K, model: str | None = None):
+    def __init__(self, url: str, spec, top_k: int = TOP_K, model: str | None = None, precision: str = "float32"):
         if not url.startswith(("http://", "https://")):
             raise ConformanceError(f"--url {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
         self.top_k = top_k
+        self.precision = precision  # the server's arithmetic is not observable: the caller says which bounds apply
         self.model = model or self._served_model()
         self.ids_of = piece_ids(spec.model.tokenizer) if spec.model.tokenizer is not None else {}
         self.requests = 0
@@ -54,6 +55,7 @@ class OpenAIHTTPEngine(Engine):
 
     def describe(self) -> dict:
         return {"engine": "openai-http", "url": self.url, "model": self.model, "top_logprobs": self.top_k,
+                "bounds": self.precision,
                 "rows": "one /v1/completions request per position",
                 "token ids in logprobs": self.as_ids}
 
