@@ -223,7 +223,7 @@ def check_chunking(ctx) -> CheckResult:
 def check_batch(ctx) -> CheckResult:
     """Three sequences of different lengths in one batch, then one batched decode step, against each alone."""
     prompts = [p[:len(p) - 7 * i] for i, p in enumerate((ctx.plan.prompts * 3)[:3])]
-    steps = [[p[-1]] for p in ctx.plan.prompts[:1] * 3]
+    steps = [[p[b]] for b, p in enumerate(prompts)]  # one decode step each, different tokens
     tally = same_tally(ctx)
     alone = []
     for p, step in zip(prompts, steps):
@@ -379,7 +379,7 @@ def run_check(name: str, ctx) -> CheckResult:
     function, needs, _ = CHECKS[name]
     missing = [c for c in needs if c not in ctx.engine.capabilities]
     if missing:
-        return CheckResult(name, "skip", f"{ctx.engine.name} lacks {', '.join(missing)}")
+        return CheckResult(name, "skip", f"{ctx.engine.label} lacks {', '.join(missing)}")
     if name == "sliding_window" and ctx.plan.window is None:
         return CheckResult(name, "skip", "the model has no sliding-window layers")
     if name == "sliding_window" and ctx.plan.long_prompt is None:

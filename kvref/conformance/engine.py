@@ -86,6 +86,11 @@ class Engine:
     # which ConformanceBounds of kvref.tolerance apply (kvref.conformance.checks.BOUNDS)
     precision = "float32"
 
+    @property
+    def label(self) -> str:
+        """The engine as messages name it."""
+        return self.name
+
     def describe(self) -> dict:
         """What was run: engine version, backend, cache options (the report's header)."""
         return {"engine": self.name}

@@ -63,8 +63,9 @@ class HFEngine(Engine):
         return copy.deepcopy(seq)
 
     def rollback(self, seq, n: int) -> None:
-        try:  # transformers 5 crops by a negative count of positions to remove
-            seq.cache.crop(n - seq.n_past) if n < seq.n_past else None
+        try:  # transformers 5 crops by a negative count: the positions to remove
+            if n < seq.n_past:
+                seq.cache.crop(n - seq.n_past)
         except (ValueError, RuntimeError, NotImplementedError, AttributeError) as exc:
             raise Refused(f"DynamicCache.crop({n}) refused: {exc}") from None
         if seq.cache.get_seq_length() != n:

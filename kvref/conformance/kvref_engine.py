@@ -51,6 +51,10 @@ class KVRefEngine(Engine):
             return {"layout": "window", "window": n, "sinks": 4}
         return {"layout": self.layout, "capacity": n}
 
+    @property
+    def label(self) -> str:
+        return f"kvref ({self.layout} layout)"
+
     def describe(self) -> dict:
         return {"engine": "kvref", "backend": self.model.backend, "layout": self.layout,
                 "kv_dtype": self.kv_dtype or self.model.dtype, "cache options": {
