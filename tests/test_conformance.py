@@ -224,8 +224,9 @@ def test_fixtures_hold_transformers_keys_in_rotate_half_order(hf_dirs, tmp_path)
 
 # ---- an OpenAI-compatible server (a stub serving a kvref model) ----------------------------------------
 
-def serve(model, top_k=20):
-    """A /v1/completions server of token-id prompts with top logprobs named "token_id:N"; returns (server, url)."""
+def serve(model, top_k=20, refuse=()):
+    """A /v1/completions server of token-id prompts with top logprobs named "token_id:N", refusing the
+    fields in `refuse` as a strict server does; returns (server, url)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -244,6 +245,9 @@ def serve(model, top_k=20):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            unknown = [field for field in refuse if field in body]
+            if unknown:
+                return self.reply(400, {"error": {"message": f"unrecognized field: {unknown[0]}"}})
             lp = Rows.from_logits(model.forward(body["prompt"])).full[0]
             top = np.argsort(-lp, kind="stable")[:min(body["logprobs"], top_k)]
             entries = {f"token_id:{t}": float(lp[t]) for t in top}
@@ -256,13 +260,13 @@ def serve(model, top_k=20):
 
 @pytest.mark.parametrize("seed, status", [(0, "pass"), (1, "fail")])
 def test_openai_http_against_a_server_of_the_same_and_of_another_model(seed, status, spec, plan):
-    server, url = serve(kvref.Model.random(CONFIG, seed=seed, backend="numpy"))
+    server, url = serve(kvref.Model.random(CONFIG, seed=seed, backend="numpy"), refuse=("ignore_eos",))
     try:
         http = OpenAIHTTPEngine(url + "/v1", spec)
         results = run(http, spec, plan)
     finally:
         server.shutdown()
-    assert http.as_ids and http.model == "stub"
+    assert http.extras == {"return_tokens_as_token_ids": True} and http.model == "stub"
     assert results["golden"].status == status and results["greedy"].status == status
     assert "top-k: a lower bound" in results["golden"].evidence
     assert {r.status for name, r in results.items() if name not in ("golden", "greedy")} == {"skip"}

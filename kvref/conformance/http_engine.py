@@ -10,7 +10,7 @@ choices[0].logprobs.top_logprobs[0] holds the K most likely next tokens of the p
 (echo with logprobs would give every prompt position at once, but servers differ: kvref serve and
 llama.cpp's server refuse it.) The server's top-k keys are token texts; they map back to ids through
 the spec's tokenizer, or come as "token_id:N" where the server takes vLLM's return_tokens_as_token_ids
-(asked for first; dropped if the server refuses the field). A text several ids decode
+(asked for first, with ignore_eos; each dropped if the server refuses it). A text several ids decode
 to is left out of the k tokens, so it falls into "the rest" on both sides (spec.py's coarsening stays
 exact). What the adapter can do: golden and greedy checks on top-k rows; no cache operation is
 reachable through the API, so the metamorphic checks are skipped.
@@ -26,6 +26,10 @@ import numpy as np
 
 from .engine import ConformanceError, Engine, Rows
 
+# Extensions asked for, each dropped if the server refuses it by name: token ids as logprob keys (vLLM,
+# kvref serve), and going on past an end-of-sequence token, whose step's logprobs some servers leave out
+# when they stop there (kvref serve does); llama.cpp's server and vLLM take ignore_eos too.
+EXTRAS = {"return_tokens_as_token_ids": True, "ignore_eos": True}
 TOP_K = 20  # OpenAI's limit for top logprobs on completions is 5 on some servers, 20 on most
 TIMEOUT = 300  # seconds per request: a slow server prefilling on a CPU
 
@@ -45,19 +49,14 @@ class OpenAIHTTPEngine(Engine):
         self.model = model or self._served_model()
         self.ids_of = piece_ids(spec.model.tokenizer) if spec.model.tokenizer is not None else {}
         self.requests = 0
-        self.as_ids = True
-        try:
-            self._next([0])
-        except ConformanceError as refusal:
-            if "return_tokens_as_token_ids" not in str(refusal):
-                raise
-            self.as_ids = False
+        self.extras = dict(EXTRAS)
+        self._probe()
 
     def describe(self) -> dict:
         return {"engine": "openai-http", "url": self.url, "model": self.model, "top_logprobs": self.top_k,
                 "bounds": self.precision,
                 "rows": "one /v1/completions request per position",
-                "token ids in logprobs": self.as_ids}
+                "extensions": ", ".join(self.extras) or "none"}
 
     def new_sequence(self):
         return []
@@ -72,8 +71,7 @@ class OpenAIHTTPEngine(Engine):
     def _next(self, prompt):
         # -> ([k] ids, [k] log-probabilities) of the next token after prompt, most likely first
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": self.top_k}
-        if self.as_ids:
-            body["return_tokens_as_token_ids"] = True
+        body.update(self.extras)
         reply = self._post("/v1/completions", body)
         try:
             top = reply["choices"][0]["logprobs"]["top_logprobs"][0]
@@ -88,6 +86,22 @@ class OpenAIHTTPEngine(Engine):
         ids = [i for i, _ in pairs] + [pairs[-1][0]] * pad
         lps = [lp for _, lp in pairs] + [-np.inf] * pad
         return ids, lps
+
+    def _probe(self):
+        # ask with every extension; drop each one the server refuses by name, then ask again
+        while True:
+            try:
+                self._next([0])
+                return
+            except ConformanceError as refusal:
+                named = [field for field in self.extras if field in str(refusal)]
+                if not named:
+                    raise
+                del self.extras[named[0]]
+
+    @property
+    def as_ids(self) -> bool:
+        return "return_tokens_as_token_ids" in self.extras
 
     def _id(self, text):
         if text.startswith("token_id:"):
