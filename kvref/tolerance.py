@@ -205,9 +205,9 @@ class ConformanceBounds:
 CONFORMANCE_FLOAT32 = ConformanceBounds(mean_kl=1e-6, max_kl=1e-5, near_tie=1e-2, same_engine_kl=1e-5)
 # An engine that rounds on the way: a float16 K/V cache (2**-11 relative per element) and activations
 # rounded to 8-bit blocks before each quantized matmul (llama.cpp on the CPU, kvref's int8 activation
-# mode). Measured against the float32 spec on the same GGUF weights (SmolLM2 Q4_1, 2 prompts of 64
-# positions + 8 greedy tokens, docs/conformance.md): llama.cpp without flash attention, mean KL 5.5e-3,
-# worst position 2.3e-2, token by token against one execution 1.7e-2. The bounds keep ~4x above the
-# worst (max 0.1, same engine 0.05) and the mean (0.02). A position at KL 0.1 can have logits moved by
-# ~0.25 nats against each other, so a top-2 margin below 0.5 can flip: a near-tie for this class.
+# mode). Measured against the float32 spec on the same GGUF weights with llama.cpp without flash
+# attention (SmolLM2 Q4_1, the quick suite: docs/conformance.md): mean KL 4.4e-3, worst position
+# 2.3e-2; against itself (chunking, batch, fork, rollback) worst 1.2e-2. The bounds keep ~4x above
+# each (max 0.1, mean 0.02, same engine 0.05). A position at KL 0.1 can have two logits moved ~0.25
+# nats against each other, so a top-2 margin below 0.5 can flip: a near-tie for this class.
 CONFORMANCE_QUANTIZED = ConformanceBounds(mean_kl=2e-2, max_kl=1e-1, near_tie=0.5, same_engine_kl=5e-2)
