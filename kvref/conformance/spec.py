@@ -26,6 +26,7 @@ class Spec:
     def __init__(self, model):
         self.model = model
         self._rows = {}
+        self._greedy = {}
 
     @property
     def vocab_size(self) -> int:
@@ -44,6 +45,12 @@ class Spec:
 
     def greedy(self, ids, n: int):
         """The spec's n greedy tokens after ids, with the [V] log-probabilities each was chosen from."""
+        key = (tuple(int(t) for t in ids), n)
+        if key not in self._greedy:
+            self._greedy[key] = self._decode(list(key[0]), n)
+        return self._greedy[key]
+
+    def _decode(self, ids, n):
         cache = self.model.new_cache(layout="contiguous", capacity=len(ids) + n)
         row = Rows.from_logits(self.model.forward(list(ids), cache)).full[0]
         tokens, rows = [], []
