@@ -135,6 +135,7 @@ def same_tally(ctx) -> Tally:
 
 
 def full(rows: Rows) -> np.ndarray:
+    # the [T, V] log-probabilities of an engine with full logits (the metamorphic checks need them)
     return rows.full
 
 

@@ -61,11 +61,6 @@ class Rows:
     def __len__(self) -> int:
         return len(self.full if self.full is not None else self.top_ids)
 
-    def __getitem__(self, index) -> "Rows":
-        if self.full is not None:
-            return Rows(full=np.atleast_2d(self.full[index]))
-        return Rows(top_ids=np.atleast_2d(self.top_ids[index]), top_logprobs=np.atleast_2d(self.top_logprobs[index]))
-
     def top1(self) -> np.ndarray:
         # -> [T] the engine's most likely token at each position
         return self.full.argmax(axis=-1) if self.full is not None else self.top_ids[:, 0]
