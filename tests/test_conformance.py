@@ -63,6 +63,14 @@ def test_kvref_passes_every_check_it_runs_on_every_layout_and_backend(layout, ba
     assert "no sliding-window layers" in results["sliding_window"].evidence
 
 
+def test_kvref_with_float16_kv_is_held_to_the_quantized_bounds_and_passes_them(spec, plan):
+    kv16 = KVRefEngine(kvref.Model.random(CONFIG, seed=0, backend="numpy"), "paged", kv_dtype="float16")
+    results = run(kv16, spec, plan)
+    assert kv16.precision == "quantized" and "context_shift" not in kv16.capabilities  # float16 K never shifts
+    assert {name for name, r in results.items() if r.status == "pass"} == COMMON | {"prefix_cache"}
+    assert results["golden"].metrics["max_kl"] > 0  # float16 K/V do round
+
+
 @pytest.mark.parametrize("layout", ["hybrid", "contiguous", "paged"])
 def test_decode_past_a_sliding_window_equals_recomputation_on_kvref(layout):
     spec = Spec(kvref.Model.random(WINDOWED, seed=0, backend="numpy"))

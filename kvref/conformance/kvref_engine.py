@@ -28,6 +28,10 @@ class KVRefEngine(Engine):
         self.layout = layout
         self.max_positions = min(max_positions, model.config.max_seq_len)
         self.kv_dtype = kv_dtype
+        # float32 bounds for float32 arithmetic on float32 K/V; narrower K/V or the int8 activation
+        # mode (KVREF_ACTIVATIONS=int8) round as llama.cpp does: the quantized bounds
+        exact = kv_dtype in (None, "float32", "float64") and model.activations in (None, "float32")
+        self.precision = "float32" if exact else "quantized"
         self.options = self._options(block_size)
         self.pool = None
         probe = self.new_sequence()
@@ -57,7 +61,8 @@ class KVRefEngine(Engine):
 
     def describe(self) -> dict:
         return {"engine": "kvref", "backend": self.model.backend, "layout": self.layout,
-                "kv_dtype": self.kv_dtype or self.model.dtype, "cache options": {
+                "kv_dtype": self.kv_dtype or self.model.dtype, "activations": self.model.activations or "float32",
+                "bounds": self.precision, "cache options": {
                     k: v for k, v in self.options.items() if k != "layout"}}
 
     def new_sequence(self):
