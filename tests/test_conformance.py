@@ -276,8 +276,10 @@ def test_openai_http_against_a_server_of_the_same_and_of_another_model(seed, sta
         server.shutdown()
     assert http.extras == {"return_tokens_as_token_ids": True} and http.model == "stub"
     assert results["golden"].status == status and results["greedy"].status == status
+    assert results["prefix_cache"].status == status
     assert "top-k: a lower bound" in results["golden"].evidence
-    assert {r.status for name, r in results.items() if name not in ("golden", "greedy")} == {"skip"}
+    assert "against the spec: the engine has no cold path" in results["prefix_cache"].evidence
+    assert {r.status for name, r in results.items() if name not in ("golden", "greedy", "prefix_cache")} == {"skip"}
 
 
 # ---- the command -----------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ state (llama.cpp removing positions from a window cache) raises Refused: the che
     full_logits     Rows carry all V log-probabilities           (else the engine's top-k)
     batch           forward_batch(seqs, id_lists)                kvref.batch.forward_batch
     prefix_cache    prefill_cached(ids) -> (seq, rows, reused)   PagedCache.prefill_reuse
+                    (rows of the positions after the reused ones;
+                    reused -1: not reported, all rows returned),
+                    prefill_cold(ids): the same without reuse
     save_restore    save(seq) -> state; restore(state) -> seq;   cache.save / model.load_cache
                     last_rows(seq): the logits a restored
                     sequence selects its next token from

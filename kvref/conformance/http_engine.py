@@ -12,8 +12,9 @@ llama.cpp's server refuse it.) The server's top-k keys are token texts; they map
 the spec's tokenizer, or come as "token_id:N" where the server takes vLLM's return_tokens_as_token_ids
 (asked for first, with ignore_eos; each dropped if the server refuses it). A text several ids decode
 to is left out of the k tokens, so it falls into "the rest" on both sides (spec.py's coarsening stays
-exact). What the adapter can do: golden and greedy checks on top-k rows; no cache operation is
-reachable through the API, so the metamorphic checks are skipped.
+exact). What the adapter can do: golden and greedy checks on top-k rows, and prefix_cache against the spec
+(requests that share prefixes, as the server's cache sees them; it cannot be asked to compute cold); no
+other cache operation is reachable through the API, so those checks are skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import urllib.request
 
 import numpy as np
 
-from .engine import ConformanceError, Engine, Rows
+from .engine import ConformanceError, Engine, Refused, Rows
 
 # Extensions asked for, each dropped if the server refuses it by name: token ids as logprob keys (vLLM,
 # kvref serve), and going on past an end-of-sequence token, whose step's logprobs some servers leave out
@@ -36,7 +37,7 @@ TIMEOUT = 300  # seconds per request: a slow server prefilling on a CPU
 
 class OpenAIHTTPEngine(Engine):
     name = "openai-http"
-    capabilities = frozenset({"incremental"})
+    capabilities = frozenset({"incremental", "prefix_cache"})
 
     def __init__(self, url: str, spec, top_k: int = TOP_K, model: str | None = None, precision: str = "float32"):
         if not url.startswith(("http://", "https://")):
@@ -67,6 +68,14 @@ class OpenAIHTTPEngine(Engine):
         rows = [self._next(seq + ids[:j + 1]) for j in range(start, len(ids))]
         seq.extend(ids)
         return Rows(top_ids=np.array([r[0] for r in rows]), top_logprobs=np.array([r[1] for r in rows]))
+
+    def prefill_cached(self, ids):
+        # a server reuses prefixes (or not) on its own; how many positions it reused is not reported
+        seq = self.new_sequence()
+        return seq, self.forward(seq, ids), -1
+
+    def prefill_cold(self, ids):
+        raise Refused("a server offers no request that bypasses its prefix cache")
 
     def _next(self, prompt):
         # -> ([k] ids, [k] log-probabilities) of the next token after prompt, most likely first
