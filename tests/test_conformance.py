@@ -157,6 +157,19 @@ def test_another_models_logits_fail_golden_and_greedy(spec, plan):
     assert "beyond a near-tie" in results["golden"].evidence
 
 
+@pytest.mark.parametrize("windows, local_theta", [(None, None), ((40,), 100.0)])
+def test_the_spec_shift_of_a_one_layer_model_equals_a_prefill_of_the_kept_tokens(windows, local_theta):
+    # with one layer, K/V depend only on their own token and position: dropping positions and
+    # rotating the later keys back must give exactly a prefill of the kept tokens (per-layer RoPE base too)
+    config = kvref.ModelConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=97,
+                               max_seq_len=128, layer_windows=windows, rope_local_theta=local_theta)
+    spec = Spec(kvref.Model.random(config, seed=3, backend="numpy", dtype="float64"))
+    ids, continuation = list(range(5, 58)), [7, 9, 11, 2]
+    kept = ids[:4] + ids[4 + 19:]
+    want = Rows.from_logits(spec.model.forward(kept + continuation, all_logits=True)).full[len(kept):]
+    np.testing.assert_allclose(spec.shifted(ids, 19, 4, continuation), want, atol=1e-9)
+
+
 # ---- KL from top-k log-probabilities ----------------------------------------------------------------
 
 def test_top_k_kl_is_a_lower_bound_of_the_full_kl_and_equals_it_with_every_token():
