@@ -31,7 +31,7 @@ def add_conformance(commands):
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                    help="llama-cpp-python: flash attention (default auto: llama.cpp's choice, on for the CPU)")
     p.add_argument("--swa-full", action="store_true",
-                   help="llama-cpp-python: keep a full-size cache for sliding-window layers (default: the window cache)")
+                   help="llama-cpp-python: a full-size cache for sliding-window layers (default: the window cache)")
     p.add_argument("--url", default=None, help="openai-http: the server's base URL (http://host:port)")
     p.add_argument("--precision", choices=["float32", "quantized"], default="float32",
                    help="openai-http: which bounds apply (docs/conformance.md): float32 (a server computing in "
@@ -91,6 +91,8 @@ def check_arguments(args) -> None:
         raise ConformanceError(f"--url applies to openai-http only, not to {args.engine}")
     if args.engine != "llama-cpp-python" and (args.flash_attn != "auto" or args.swa_full):
         raise ConformanceError(f"--flash-attn and --swa-full apply to llama-cpp-python only, not to {args.engine}")
+    if args.engine != "kvref" and args.backend != "auto":
+        raise ConformanceError("--backend applies to the kvref engine only; the spec always runs on numpy")
     if args.engine != "openai-http" and args.precision != "float32":
         raise ConformanceError(f"--precision applies to openai-http only; {args.engine} states its own")
     if args.engine != "kvref" and (args.layout or args.kv_dtype):
@@ -129,6 +131,8 @@ def run_conformance(args) -> int:
 def run_fixtures(args) -> int:
     from .fixtures import export
 
+    if args.backend == "c":
+        raise ConformanceError("fixtures come from the float32 NumPy spec; --backend c does not apply")
     model = spec_model(args.model)
     written = export(model, args.directory, make_plan(model, args.suite).prompts, str(args.model or "smollm2"))
     for path in written:
