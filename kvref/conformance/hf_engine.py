@@ -67,7 +67,7 @@ class HFEngine(Engine):
             if n < seq.n_past:
                 seq.cache.crop(n - seq.n_past)
         except (ValueError, RuntimeError, NotImplementedError, AttributeError) as exc:
-            raise Refused(f"DynamicCache.crop({n}) refused: {exc}") from None
+            raise Refused(f"DynamicCache.crop({n - seq.n_past}) (back to {n} positions) refused: {exc}") from None
         if seq.cache.get_seq_length() != n:
             raise Refused(f"DynamicCache.crop({n}) left {seq.cache.get_seq_length()} positions")
         seq.n_past, seq.last = n, None
