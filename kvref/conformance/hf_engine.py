@@ -69,7 +69,7 @@ class HFEngine(Engine):
         except (ValueError, RuntimeError, NotImplementedError, AttributeError) as exc:
             raise Refused(f"DynamicCache.crop({n - seq.n_past}) (back to {n} positions) refused: {exc}") from None
         if seq.cache.get_seq_length() != n:
-            raise Refused(f"DynamicCache.crop({n}) left {seq.cache.get_seq_length()} positions")
+            raise Refused(f"DynamicCache.crop back to {n} positions left {seq.cache.get_seq_length()}")
         seq.n_past, seq.last = n, None
 
     def save(self, seq):
