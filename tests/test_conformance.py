@@ -316,3 +316,7 @@ def test_the_command_names_what_an_engine_needs(hf_dirs, capsys):
     assert "needs --url" in capsys.readouterr().err
     with pytest.raises(ConformanceError, match="must start with http"):
         OpenAIHTTPEngine("localhost:8080", None)
+    short = kvref.Model.random(kvref.ModelConfig(n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, d_ff=8,
+                                                 vocab_size=11, max_seq_len=48), backend="numpy")
+    with pytest.raises(ConformanceError, match=r"context \(48 positions\) is shorter than the quick suite's"):
+        make_plan(short)

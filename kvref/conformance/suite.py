@@ -14,6 +14,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .checks import CHECKS, CheckResult, Context, Plan, run_check
+from .engine import ConformanceError
 
 TEXTS = (
     "The KV cache stores, for every layer, the keys and values of the positions already processed, so that a "
@@ -31,6 +32,9 @@ SUITES = {"quick": (2, 64, 8, 160), "full": (4, 128, 32, 640)}
 
 def make_plan(model, suite: str = "quick", block_size: int = 16, seed: int = 0) -> Plan:
     n_prompts, length, greedy, max_positions = SUITES[suite]
+    if model.config.max_seq_len < length + greedy:
+        raise ConformanceError(f"the model's context ({model.config.max_seq_len} positions) is shorter than the "
+                               f"{suite} suite's prompts + greedy tokens ({length} + {greedy})")
     prompts = [fit(p, length, model, seed + i) for i, p in enumerate(prompt_ids(model)[:n_prompts])]
     while len(prompts) < n_prompts:
         prompts.append(fit([], length, model, seed + len(prompts)))
@@ -69,7 +73,7 @@ def max_positions(suite: str) -> int:
 
 
 def run_suite(engine, spec, plan: Plan, names=None, progress=None) -> list:
-    """Every check (or those named), in CHECKS order: a list of CheckResult."""
+    """Every check in CHECKS order, or those named in their order: a list of CheckResult."""
     ctx = Context(engine, spec, plan)
     results = []
     for name in names or CHECKS:
