@@ -26,7 +26,8 @@ def add_conformance(commands):
                    help="quick (default: 2 prompts of 64 positions, 8 greedy tokens) or full (4 of 128, 32, "
                         "and the sliding-window check past windows up to 636 positions)")
     p.add_argument("--layout", choices=LAYOUTS, action="append", default=None,
-                   help="kvref engine: the cache layout (repeatable; default: every layout)")
+                   help="kvref engine: the cache layout (repeatable; default: every layout), on --backend "
+                        "numpy, c, or auto: both (numpy only where the native module is not built)")
     p.add_argument("--kv-dtype", default=None, help="kvref engine: K/V element type (default: the model's)")
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                    help="llama-cpp-python: flash attention (default auto: llama.cpp's choice, on for the CPU)")
@@ -58,14 +59,26 @@ def spec_model(model_arg):
     return load(model_arg, backend="numpy", dtype="float32")
 
 
+def kvref_models(args, spec) -> list:
+    """The kvref engine's models: --backend auto runs both backends (the numpy one is the spec's model:
+    its caches are the engine's own, so the layouts are still what is checked)."""
+    from .. import native
+    from ..loader import load
+
+    if args.backend == "numpy":
+        return [spec.model]
+    if args.backend == "auto" and not native.available():
+        return [spec.model]
+    model = load(args.model, backend="c")
+    return [spec.model, model] if args.backend == "auto" else [model]
+
+
 def engines_for(args, spec):
     """The engine(s) the arguments name: kvref gives one per layout."""
     name, n = args.engine, max_positions(args.suite)
     if name == "kvref":
-        from ..loader import load
-
-        model = load(args.model, backend=args.backend)
-        return [KVRefEngine(model, layout, n, args.kv_dtype) for layout in (args.layout or LAYOUTS)]
+        return [KVRefEngine(model, layout, n, args.kv_dtype) for model in kvref_models(args, spec)
+                for layout in (args.layout or LAYOUTS)]
     if name == "transformers":
         from .hf_engine import HFEngine
 
