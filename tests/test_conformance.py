@@ -210,9 +210,9 @@ def test_transformers_dynamic_cache_conforms_on_tiny_models(hf_dirs):
         spec = Spec(kvref.load(path, backend="numpy"))
         results = run(HFEngine(path), spec, make_plan(spec.model))
         summary = table(results.values(), {"family": family})
-        for name in ("golden", "greedy", "chunking", "save_restore", "fork"):
+        for name in ("golden", "greedy", "chunking", "batch", "save_restore", "fork"):
             assert results[name].status == "pass", summary
-        assert results["batch"].status == "skip" and "lacks batch" in results["batch"].evidence
+        assert results["prefix_cache"].status == "skip" and "lacks prefix_cache" in results["prefix_cache"].evidence
         if family == "gemma3":
             assert results["sliding_window"].status == "pass", summary
             assert results["rollback"].status in ("pass", "refused"), summary
