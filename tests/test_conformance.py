@@ -241,6 +241,7 @@ def test_fixtures_hold_transformers_keys_in_rotate_half_order(hf_dirs, tmp_path)
                                    atol=FLOAT32.atol, rtol=FLOAT32.rtol)
     np.testing.assert_allclose(data["logits"], out.logits[0].numpy(), atol=FLOAT32.atol, rtol=FLOAT32.rtol)
     assert data["schema_version"] == SCHEMA_VERSION and list(data["positions"]) == list(range(len(prompt)))
+    assert str(data["prompt"]) == ""  # the tiny checkpoint has no tokenizer
 
 
 # ---- an OpenAI-compatible server (a stub serving a kvref model) ----------------------------------------

@@ -34,8 +34,9 @@ def prompt_arrays(model, ids) -> dict:
     logits = model.forward(list(ids), cache, all_logits=True)  # [T, V]
     k = np.stack([to_half_split(np.asarray(cache.keys(layer))) for layer in range(cache.n_layers)])  # [L, T, Hkv, D]
     v = np.stack([np.asarray(cache.values(layer)) for layer in range(cache.n_layers)])  # [L, T, Hkv, D]
-    return {"schema_version": np.int64(SCHEMA_VERSION), "token_ids": np.asarray(ids, dtype=np.int64),
-            "positions": np.arange(len(ids), dtype=np.int64), "logits": logits.astype(np.float32),
+    text = model.tokenizer.decode(list(ids)) if model.tokenizer is not None else ""
+    return {"schema_version": np.int64(SCHEMA_VERSION), "prompt": np.array(text),
+            "token_ids": np.asarray(ids, dtype=np.int64), "positions": np.arange(len(ids), dtype=np.int64), "logits": logits.astype(np.float32),
             "k": k.astype(np.float32), "v": v.astype(np.float32)}
 
 
@@ -47,7 +48,8 @@ def manifest(model, model_name: str, files) -> dict:
         "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                    "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rope_local_theta": c.rope_local_theta,
                    "layer_windows": list(c.layer_windows) if c.layer_windows else None},
-        "arrays": {"token_ids": "int64 [T]", "positions": "int64 [T]", "logits": "float32 [T, V], row t predicts t+1",
+        "arrays": {"prompt": "str: the ids decoded (special tokens as text; empty without a tokenizer)",
+                   "token_ids": "int64 [T]", "positions": "int64 [T]", "logits": "float32 [T, V], row t predicts t+1",
                    "k": "float32 [L, T, Hkv, D] after RoPE, head dims in rotate_half order",
                    "v": "float32 [L, T, Hkv, D]"},
         "rope_dim_order": "half_split", "computed_by": "kvref float32 NumPy spec, one execution from position 0",
