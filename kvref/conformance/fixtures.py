@@ -36,8 +36,8 @@ def prompt_arrays(model, ids) -> dict:
     v = np.stack([np.asarray(cache.values(layer)) for layer in range(cache.n_layers)])  # [L, T, Hkv, D]
     text = model.tokenizer.decode(list(ids)) if model.tokenizer is not None else ""
     return {"schema_version": np.int64(SCHEMA_VERSION), "prompt": np.array(text),
-            "token_ids": np.asarray(ids, dtype=np.int64), "positions": np.arange(len(ids), dtype=np.int64), "logits": logits.astype(np.float32),
-            "k": k.astype(np.float32), "v": v.astype(np.float32)}
+            "token_ids": np.asarray(ids, dtype=np.int64), "positions": np.arange(len(ids), dtype=np.int64),
+            "logits": logits.astype(np.float32), "k": k.astype(np.float32), "v": v.astype(np.float32)}
 
 
 def manifest(model, model_name: str, files) -> dict:
