@@ -29,14 +29,7 @@ from kvref.loader import model_path  # noqa: E402
 from kvref.native import fused  # noqa: E402
 from kvref.tolerance import kl_divergence  # noqa: E402
 
-
-def text_ids(model, n):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "kv-cache.md")
-    with open(path, encoding="utf-8") as f:
-        ids = model.tokenizer.encode(f.read())
-    if len(ids) < n:
-        raise SystemExit(f"docs/kv-cache.md has only {len(ids)} tokens; ask for fewer positions")
-    return ids[:n]
+from cache_quality import text_ids  # noqa: E402  (this folder: the same text, cut the same way)
 
 
 def kvref_logits(model, ids, activations):

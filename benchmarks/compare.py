@@ -1,7 +1,8 @@
 """kvref side by side with llama.cpp and transformers: same GGUF file, same prompt ids, same thread count.
 
     python benchmarks/compare.py [--rounds 3] [--threads 1 2] [--engines kvref-c kvref-numpy llama.cpp transformers]
-                                 [--cases decode prefill context] [--context 4096] [--json out.json] [--quick]
+                                 [--cases decode prefill context batch] [--context 4096] [--batch 8]
+                                 [--json out.json] [--quick]
 
 Engines (each one that is installed; a missing one is reported and left out):
   kvref-c       kvref.load(path, backend="c", threads=T)       the native path (fused C forward);
@@ -21,6 +22,10 @@ Engines (each one that is installed; a missing one is reported and left out):
 Cases (the targets of issue 4; --context, --new-tokens etc. change the sizes):
   decode   a 32-token prompt is prefilled (not timed), then 128 decode steps: steps / seconds
   prefill  one 512-token prompt into an empty cache: tokens / seconds
+  batch    --batch sequences (8), each its own --prompt-tokens prompt prefilled in one batched execution
+           (not timed), then --new-tokens decode steps of all of them together: sequences x steps /
+           seconds (kvref: kvref.batch.forward_batch; llama.cpp: one llama_decode per step over a
+           sequence id per row, in a second context with n_seq_max = --batch; others: not run)
   context  the cache is filled with 4096 positions by prefills of 512 (not timed; its rate is reported as
            "fill"), then 64 decode steps are timed (llama-bench's `-d 4096 -n 64`)
 A decode step is, for every engine: the forward over the token just selected, then the argmax of the
@@ -52,7 +57,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("kvref-c", "kvref-c-int8", "kvref-numpy", "llama.cpp", "transformers")
-CASES = ("decode", "prefill", "context")
+CASES = ("decode", "prefill", "context", "batch")
 FILL_CHUNK = 512
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 
@@ -79,6 +84,16 @@ class KvrefEngine:
         import numpy as np
 
         return int(np.argmax(self.model.forward(ids, self.cache)))
+
+    def reset_batch(self, n, capacity):
+        self.caches = [self.model.new_cache(capacity=capacity, kv_dtype=self.kv_dtype) for _ in range(n)]
+
+    def feed_batch(self, id_lists):
+        # one execution over every sequence's new ids (kvref.batch.forward_batch: one C call)
+        import numpy as np
+        from kvref.batch import forward_batch
+
+        return [int(np.argmax(logits)) for logits in forward_batch(self.model, id_lists, self.caches)]
 
 
 class LlamaEngine:
@@ -107,6 +122,39 @@ class LlamaEngine:
         self.llm.eval(list(ids))  # logits of the batch's last position only (logits_all=False)
         logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
         return int(np.argmax(logits))
+
+    def reset_batch(self, n, capacity):
+        # a second context on the same weights with a sequence per batch row (Llama keeps one sequence),
+        # unified K/V of n * capacity cells, and a batch of up to n_batch tokens over n sequences
+        from llama_cpp import _internals
+
+        self.batch_ctx = None  # the previous one's K/V go first
+        params = self.llm.context_params
+        params.n_ctx, params.n_seq_max, params.kv_unified = n * capacity, n, True
+        self.batch_ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+        self.batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=n, verbose=False)
+        self.positions = [0] * n
+
+    def feed_batch(self, id_lists):
+        # one llama_decode per batch of at most 512 tokens, each sequence's last position's logits kept
+        import numpy as np
+
+        rows = [(b, t, i == len(ids) - 1) for b, ids in enumerate(id_lists) for i, t in enumerate(ids)]
+        selected = {}
+        for start in range(0, len(rows), 512):
+            chunk, batch, ends = rows[start:start + 512], self.batch.batch, {}
+            batch.n_tokens = len(chunk)
+            for i, (b, token, last) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, self.positions[b], 1
+                batch.seq_id[i][0], batch.logits[i] = b, last
+                self.positions[b] += 1
+                if last:
+                    ends[b] = i
+            self.batch_ctx.decode(self.batch)
+            for b, i in ends.items():
+                logits = np.ctypeslib.as_array(self.batch_ctx.get_logits_ith(i), shape=(self.n_vocab,))
+                selected[b] = int(np.argmax(logits))
+        return [selected[b] for b in range(len(id_lists))]
 
     def _perf_reset(self):
         fn = getattr(self.llama_cpp, "llama_perf_context_reset", None)
@@ -222,6 +270,19 @@ def worker(args) -> dict:
             seconds, tokens = decode_steps(engine, token, args.new_tokens)
             out[case] = {"prompt_tokens": len(ids), "steps": args.new_tokens, "seconds": seconds,
                          "tok_s": args.new_tokens / seconds, "tokens": [token] + tokens[:31], "perf": perf()}
+        elif case == "batch":
+            if not hasattr(engine, "feed_batch"):
+                continue
+            n = args.batch
+            prompts = [prompt_ids(tokenizer, args.prompt_tokens * (b + 1))[-args.prompt_tokens:] for b in range(n)]
+            engine.reset_batch(n, args.prompt_tokens + args.new_tokens)
+            tokens = engine.feed_batch(prompts)
+            t0 = time.perf_counter()
+            for _ in range(args.new_tokens):
+                tokens = engine.feed_batch([[t] for t in tokens])
+            seconds = time.perf_counter() - t0
+            out[case] = {"sequences": n, "steps": args.new_tokens, "seconds": seconds,
+                         "tok_s": n * args.new_tokens / seconds}
         elif case == "context":
             ids = prompt_ids(tokenizer, args.context)
             engine.reset(len(ids) + args.context_steps)
@@ -279,7 +340,8 @@ def run_worker(engine, threads, args) -> dict | None:
 def size_arguments(args) -> list[str]:
     out = ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
            "--prefill-tokens", str(args.prefill_tokens), "--context", str(args.context),
-           "--context-steps", str(args.context_steps), "--llama-flash-attn", args.llama_flash_attn]
+           "--context-steps", str(args.context_steps), "--batch", str(args.batch),
+           "--llama-flash-attn", args.llama_flash_attn]
     if args.model:
         out += ["--model", str(args.model)]
     if args.kv_dtype:
@@ -290,7 +352,8 @@ def size_arguments(args) -> list[str]:
 def case_label(case, args) -> str:
     return {"decode": f"decode {args.new_tokens} after {args.prompt_tokens}",
             "prefill": f"prefill {args.prefill_tokens}",
-            "context": f"decode {args.context_steps} at {args.context}"}[case]
+            "context": f"decode {args.context_steps} at {args.context}",
+            "batch": f"{args.batch} x {args.new_tokens} batched"}[case]
 
 
 def environment() -> dict:
@@ -320,6 +383,7 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8, help="sequences of the batch case (default 8)")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--context-steps", type=int, default=64)
     parser.add_argument("--kv-dtype", default="float16", help="kvref-c's K/V element type (default float16, "

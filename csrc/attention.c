@@ -15,6 +15,16 @@
  * a long cache, so the keys are cut into fixed segments of KVREF_ATTN_SEGMENT and the segments'
  * (m, l, acc) are merged afterwards in segment order (the log-sum-exp merge). Segment boundaries
  * depend only on S, so results are the same for every thread count.
+ *
+ * Non-finite values follow kvref.spec.ops.attention's rule: a query head with a non-finite score
+ * over the keys it sees outputs NaN everywhere; otherwise output element i is NaN exactly when a
+ * seen key's value element i is not finite; keys it does not see never touch it; no key seen
+ * gives zeros. The arithmetic carries most of it: a NaN or +inf score makes the sum of
+ * exponentials l NaN (exp(NaN), exp(inf - inf)), which the rescaling and the final 1 / l spread
+ * over the head; a non-finite value makes its accumulator non-finite. What it cannot carry is done
+ * by hand: the score kernels store a seen -inf score (it would look masked) as NaN
+ * (kvref_attn_score_value), "no key seen" is l == 0 rather than l > 0 (which NaN fails), and a
+ * non-finite output is written as NaN.
  */
 #include <math.h>
 
@@ -114,6 +124,19 @@ static int cursor_seek(attn_cursor *u, const kvref_attn_args *a, int64_t c0, int
     return 1;
 }
 
+/* out [G, D] = acc / l for the G heads of a group (out may be acc): zeros for a head that saw no key
+ * (l = 0: a seen key adds exp(0) = 1 to l, or NaN), NaN where the quotient is not finite (a
+ * non-finite value, or l NaN from a non-finite score): the spec's outputs are finite or NaN. */
+static void normalise(int64_t G, int64_t D, const float *l, const float *acc, float *out) {
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] != 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t i = 0; i < D; i++) {
+            const float o = l[g] != 0.0f ? acc[g * D + i] * inv : 0.0f;
+            out[g * D + i] = isfinite(o) ? o : NAN;
+        }
+    }
+}
+
 /* The cursor's chunk for the G query heads of kv head hk: an online-softmax update of their state
  * (m, l [G], acc [G, D], relative to m; state_init is the state of no key seen). Each head's
  * running max moves once per chunk, rescaling what was accumulated, then probability x value is
@@ -130,7 +153,7 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
     c->v = a->v + hk * u->v_head;
     c->k_scales = a->k_scales != NULL ? a->k_scales + hk * u->s_head : NULL;
     c->v_scales = a->v_scales != NULL ? a->v_scales + hk * u->s_head : NULL;
-    ak->score(a, c, p);
+    ak->score(a, c, p); /* a seen -inf score is stored as NaN (kvref_attn_score_value) */
     if (!c->all) /* masked keys get probability exp(-inf) = 0 */
         for (int64_t s = 0; s < c->n; s++)
             if (kvref_attn_hidden(c, s))
@@ -217,41 +240,36 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
     if (nseg == 1)
         for (int64_t hk = hk0; hk < hk1; hk++) {
             state_of(c, t, hk, 0, ml, hk0, &m, &l, &acc);
-            for (int64_t g = 0; g < G; g++) {
-                /* l > 0 iff some key was visible; a query that sees nothing gets zeros */
-                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-                for (int64_t i = 0; i < D; i++) acc[g * D + i] = l[g] > 0.0f ? acc[g * D + i] * inv : 0.0f;
-            }
+            normalise(G, D, l, acc, acc);
         }
 }
 
-/* out[t, hk*G + g] = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M), M = max_j m_j */
+/* out[t, hk*G + g] = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M), M = max_j m_j, over the
+ * segments j that saw a key (l_j != 0; a segment that saw only NaN scores has m_j = -inf and l_j NaN,
+ * and its NaN weight exp(-inf - M) or l_j carries into L). */
 static void merge_task(void *vctx, int64_t unit, int thread) {
     const attn_ctx *c = vctx;
     const kvref_attn_args *a = &c->a;
-    const int64_t G = a->G, D = a->D, nseg = c->nlive;
+    const int64_t G = a->G, D = a->D, nseg = c->nlive, stride = G * (D + 2);
     const int64_t hk = unit % a->Hkv, t = unit / a->Hkv;
     (void)thread;
-    const float *base = c->partial + unit * nseg * G * (D + 2);
+    const float *base = c->partial + unit * nseg * stride;
     for (int64_t g = 0; g < G; g++) {
         float *o = c->out + (t * a->H + hk * G + g) * D;
-        float M = -INFINITY;
+        float M = -INFINITY, L = 0.0f;
         for (int64_t j = 0; j < nseg; j++) {
-            const float mj = base[j * G * (D + 2) + g];
-            M = mj > M ? mj : M;
+            const float mj = base[j * stride + g], lj = base[j * stride + G + g];
+            M = lj != 0.0f && mj > M ? mj : M;
         }
         for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-        if (M == -INFINITY) continue;
-        float L = 0.0f;
         for (int64_t j = 0; j < nseg; j++) {
-            const float *p = base + j * G * (D + 2);
-            if (p[g] == -INFINITY) continue;
+            const float *p = base + j * stride;
+            if (p[G + g] == 0.0f) continue; /* no key seen in this segment */
             const float w = expf(p[g] - M);
             L += p[G + g] * w;
             for (int64_t i = 0; i < D; i++) o[i] += p[2 * G + g * D + i] * w;
         }
-        const float inv = 1.0f / L;
-        for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        normalise(1, D, &L, o, o);
     }
 }
 

@@ -109,13 +109,16 @@ static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc
  * x[j] ~ d * qs[j]. d and qs are the same on every instruction set (d, 1/d and x * (1/d) are single
  * IEEE operations, then round-to-nearest-even); s is a float32 sum whose order differs. s is the
  * unrounded sum because Q4_1's block offset m multiplies it: that term stays exact. For finite x,
- * |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp anyway, which
- * only matters for NaN (-> 127). */
+ * |x * (1/d)| <= 127 * (1 + 2**-22), so qs never needs clamping; the kernels clamp anyway. A
+ * block holding a NaN or an infinity gets d = NaN (its qs are 0 or clamped, and meaningless), so
+ * every product it enters is NaN, as the exact float32 product would be NaN or infinite there:
+ * rounding never turns a bad value into a finite one. */
 
-/* the exact scale and inverse scale of a block whose largest magnitude is amax */
-static inline void kvref_q8_scale(float amax, float *d, float *id) {
-    *d = amax / 127.0f;
-    *id = *d != 0.0f ? 1.0f / *d : 0.0f;
+/* the exact scale and inverse scale of a block whose largest magnitude is amax (finite: no value of
+ * the block is NaN or infinite) */
+static inline void kvref_q8_scale(float amax, int finite, float *d, float *id) {
+    *d = finite ? amax / 127.0f : NAN;
+    *id = finite && *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
 /* ---- the 8-bit GEMM tile (int8 activations, many rows of x) ------------------------------------
@@ -135,6 +138,9 @@ static inline void kvref_q8_scale(float amax, float *d, float *id) {
 #define KVREF_Q8_TILE_ZERO(bv) ((bv) * KVREF_TILE_N)     /* byte offsets in a record */
 #define KVREF_Q8_TILE_D(bv) (KVREF_Q8_TILE_ZERO(bv) + 4 * KVREF_TILE_N)
 #define KVREF_Q8_TILE_M(bv) (KVREF_Q8_TILE_D(bv) + 4 * KVREF_TILE_N)
+/* a tile of K values' records (44 K bytes for 32-value blocks, 56 K for 16) and a decoder's
+ * staging rows (40 K bytes) */
+#define KVREF_Q8_TILE_SCRATCH(K) (96 * (K))
 
 /* ---- attention chunk kernels (the skeleton that drives them is csrc/attention.c) ------------ */
 
@@ -180,10 +186,18 @@ static inline int kvref_attn_hidden(const kvref_attn_chunk *c, int64_t s) {
     return (uint64_t)c->kp[s] - (uint64_t)c->klo > (uint64_t)c->qpos - (uint64_t)c->klo;
 }
 
-/* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G; p [G, C].
- * A masked key's entry may hold anything (the skeleton overwrites it with -inf). Keys from n to
- * nrows are the next chunk's: a kernel may prefetch their K (and V) while it scores. */
+/* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G, stored
+ * through kvref_attn_score_value; p [G, C]. A masked key's entry may hold anything (the skeleton
+ * overwrites it with -inf). Keys from n to nrows are the next chunk's: a kernel may prefetch their K
+ * (and V) while it scores. */
 typedef void (*kvref_attn_score_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
+/* A score as the kernels store it: NaN if it is not finite (inf x 0 is NaN), else itself, exactly
+ * (score + score * 0 = score + 0). In p, -inf is the skeleton's mark of a masked key (probability
+ * exp(-inf) = 0); a seen key whose q . k is -inf (an infinite q or k, or an overflow) must instead
+ * make its head's output NaN, kvref.spec.ops.attention's rule, as NaN and +inf do through the
+ * softmax arithmetic (csrc/attention.c). One multiply-add, no compare: the AVX-512 kernel's
+ * compare-and-blend made decode attention about 6 % slower (S = 4096, one thread). */
+static inline float kvref_attn_score_value(float score) { return score + score * 0.0f; }
 /* The exponentials of a chunk's n >= 1 keys for the G heads of a group: for each g < G, mnew[g] =
  * max(m[g], max_s p[g * C + s]), p[g * C + s] = exp(p[g * C + s] - mnew[g]) in place (0 for a masked
  * key's -inf) and sum[g] = the sum of those. p [G, C]; m, mnew, sum [G]. */
@@ -278,6 +292,10 @@ typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float 
  * weight row's values, d_x and s_x those of the 32-value x block it lies in. xu [T, K] are x's
  * 8-bit values plus 128 (unsigned), xds [T, K/32, 2] their blocks' (d_x, s_x); tile as above,
  * 64-byte aligned. An element's operations do not depend on T, nw or the kernel's blocking. */
+/* rows 0 .. nw-1 of w (rb bytes each, K values of a type kvref_q8_tile_type takes whose blocks are
+ * 32 values) -> an 8-bit tile as above, rows nw .. KVREF_TILE_N-1 zero; `tile` has room for
+ * KVREF_Q8_TILE_SCRATCH(K) bytes, and a decoder may stage rows past the tile's records */
+typedef void (*kvref_q8_tile_fn)(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
 typedef void (*kvref_gemm_q8_fn)(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
                                  int64_t bv, int64_t nw, int affine, float *y, int64_t ldy);
 /* tile[k * KVREF_TILE_N + i] = rows[i * K + k] for i < 16, k < K: sixteen dequantized weight rows
@@ -305,6 +323,7 @@ typedef struct kvref_kernels {
     kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
     kvref_quantize_q8_fn quantize_q8;
     kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
+    kvref_q8_tile_fn q8_tile;  /* 8-bit tiles of a 32-value type (NULL: matmul.c's portable decoder) */
     /* the wrapping sum of the n / 8 64-bit words at p (n a multiple of 256, p 64-byte aligned) */
     uint64_t (*read_sum)(const uint8_t *p, int64_t n);
     /* out[i] = kvref_fp32_to_fp16(x[i]) */
@@ -333,41 +352,63 @@ static inline int kvref_q8_tile_type(int32_t type) {
 }
 /* values per block of one scale, for those types */
 static inline int64_t kvref_q8_tile_values(int32_t type) { return type == KVREF_TYPE_Q6_K ? 16 : 32; }
-/* block b (kvref_q8_tile_values(type) values) of a weight row of such a type -> its integers q,
- * scale d and offset m (0 but for Q4_1 and Q4_K): value j is d * q[j] + m */
-static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
+/* block b (kvref_q8_tile_values(type) values) of a weight row of such a type -> its scale d and
+ * offset m (0 but for Q4_1 and Q4_K), and (kvref_q8_weight_block) its integers q: value j is
+ * d * q[j] + m */
+/* bytes of one 32-value block of Q4_0, Q4_1, Q5_0 or Q8_0 */
+static inline int64_t kvref_q8_block_bytes(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 ? BYTES_Q4_0 : type == KVREF_TYPE_Q4_1 ? BYTES_Q4_1
+           : type == KVREF_TYPE_Q5_0 ? BYTES_Q5_0 : BYTES_Q8_0;
+}
+static inline void kvref_q8_block_scales(int32_t type, const uint8_t *row, int64_t b, float *d, float *m) {
     *m = 0.0f;
-    if (type == KVREF_TYPE_Q6_K) { /* sub-block b % 16 of a super-block (dequant_q6_k's order) */
+    switch (type) {
+    case KVREF_TYPE_Q6_K: { /* sub-block b % 16 of a super-block: d * sc_j * q */
+        const uint8_t *w = row + b / 16 * BYTES_Q6_K;
+        *d = kvref_load_fp16(w + 208) * (float)(int8_t)w[192 + b % 16]; /* exact: 11 x 8 bits */
+        return;
+    }
+    case KVREF_TYPE_Q4_K: { /* sub-block j of a super-block: d * sc_j * q - dmin * m_j */
+        const uint8_t *w = row + b / 8 * BYTES_Q4_K;
+        uint8_t sc, mn;
+        kvref_q4k_scale_min((int)(b % 8), w + 4, &sc, &mn);
+        *d = kvref_load_fp16(w) * (float)sc; /* both exact: an 11-bit by a 6-bit integer */
+        *m = -(kvref_load_fp16(w + 2) * (float)mn);
+        return;
+    }
+    case KVREF_TYPE_Q4_1:
+        *d = kvref_load_fp16(row + b * BYTES_Q4_1);
+        *m = kvref_load_fp16(row + b * BYTES_Q4_1 + 2);
+        return;
+    default: /* Q4_0, Q5_0, Q8_0: the scale leads the block */
+        *d = kvref_load_fp16(row + b * kvref_q8_block_bytes(type));
+    }
+}
+static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
+    kvref_q8_block_scales(type, row, b, d, m);
+    if (type == KVREF_TYPE_Q6_K) { /* dequant_q6_k's order */
         const uint8_t *w = row + b / 16 * BYTES_Q6_K;
         const int j = (int)(b % 16), half = j / 8, g = j % 8 / 2, l0 = 16 * (j % 2);
         const uint8_t *ql = w + 64 * half + 32 * (g % 2), *qh = w + 128 + 32 * half;
-        *d = kvref_load_fp16(w + 208) * (float)(int8_t)w[192 + j]; /* exact: 11 x 8 bits */
         for (int i = 0; i < 16; i++)
             q[i] = (int8_t)((((ql[l0 + i] >> (4 * (g / 2))) & 0xF) | (((qh[l0 + i] >> (2 * g)) & 3) << 4)) - 32);
         return;
     }
-    if (type == KVREF_TYPE_Q4_K) { /* sub-block j of a super-block: d * sc_j * q - dmin * m_j */
-        const uint8_t *w = row + b / 8 * BYTES_Q4_K, *qs = w + 16 + 32 * (b % 8 / 2);
-        const int j = (int)(b % 8), shift = 4 * (j % 2);
-        uint8_t sc, mn;
-        kvref_q4k_scale_min(j, w + 4, &sc, &mn);
-        *d = kvref_load_fp16(w) * (float)sc;      /* both exact: an 11-bit by a 6-bit integer */
-        *m = -(kvref_load_fp16(w + 2) * (float)mn);
+    if (type == KVREF_TYPE_Q4_K) {
+        const uint8_t *qs = row + b / 8 * BYTES_Q4_K + 16 + 32 * (b % 8 / 2);
+        const int shift = 4 * (int)(b % 2);
         for (int i = 0; i < 32; i++) q[i] = (int8_t)((qs[i] >> shift) & 0xF);
         return;
     }
-    const uint8_t *w = row + b * kvref_row_nbytes(type, 32);
+    const uint8_t *w = row + b * kvref_q8_block_bytes(type);
     switch (type) {
     case KVREF_TYPE_Q4_0:
-        *d = kvref_load_fp16(w);
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)((w[2 + j] & 0xF) - 8);
             q[j + 16] = (int8_t)((w[2 + j] >> 4) - 8);
         }
         return;
     case KVREF_TYPE_Q4_1:
-        *d = kvref_load_fp16(w);
-        *m = kvref_load_fp16(w + 2);
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)(w[4 + j] & 0xF);
             q[j + 16] = (int8_t)(w[4 + j] >> 4);
@@ -375,7 +416,6 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
         return;
     case KVREF_TYPE_Q5_0: {
         const uint32_t qh = kvref_q5_high_bits(w);
-        *d = kvref_load_fp16(w);
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)(((w[6 + j] & 0xF) | ((qh >> j & 1u) << 4)) - 16);
             q[j + 16] = (int8_t)(((w[6 + j] >> 4) | ((qh >> (j + 16) & 1u) << 4)) - 16);
@@ -383,7 +423,6 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
         return;
     }
     default: /* KVREF_TYPE_Q8_0 */
-        *d = kvref_load_fp16(w);
         memcpy(q, w + 2, 32);
     }
 }

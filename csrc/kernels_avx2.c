@@ -417,7 +417,7 @@ TARGET __attribute__((always_inline)) static inline void score4(
         _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
         for (int r = 0; r < 4; r++) {
             for (int64_t t = Dv; t < D; t++) dots[r] += q[g * D + t] * load_kv1(kb, k_type, row[r] + t);
-            p[g * C + r] = dots[r] * a->scale;
+            p[g * C + r] = kvref_attn_score_value(dots[r] * a->scale);
         }
     }
 }
@@ -460,7 +460,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             }
             float dot = hsum8(d);
             for (; i < D; i++) dot += q[g * D + i] * load_kv1(kb, k_type, row[s] + i);
-            p[g * C + s] = dot * a->scale;
+            p[g * C + s] = kvref_attn_score_value(dot * a->scale);
         }
 }
 
@@ -688,14 +688,16 @@ TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_
 TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
-        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(x + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
             sum = _mm256_add_ps(sum, v[i]);
+            /* v * 0 is NaN exactly for NaN and infinities */
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_mul_ps(v[i], _mm256_setzero_ps()), _mm256_setzero_ps(), _CMP_NEQ_UQ));
         }
         float d, id;
-        kvref_q8_scale(hmax8(amax), &d, &id);
+        kvref_q8_scale(hmax8(amax), _mm256_movemask_ps(bad) == 0, &d, &id);
         ds[0] = d;
         ds[1] = hsum8(sum);
         const __m256 vid = _mm256_set1_ps(id);

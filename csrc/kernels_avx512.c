@@ -544,7 +544,9 @@ TARGET __attribute__((always_inline)) static inline void score_keys(
             }
         }
     for (int g = 0; g < gb; g++) {
-        const __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
+        __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
+        /* kvref_attn_score_value, 8 at a time: non-finite -> NaN */
+        sg = _mm256_fmadd_ps(sg, _mm256_setzero_ps(), sg);
         if (nk == 8) _mm256_storeu_ps(p + g * C, sg);
         else _mm_storeu_ps(p + g * C, _mm256_castps256_ps128(sg));
     }
@@ -595,7 +597,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
                     d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
                                         load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, sc), d);
                 }
-            p[g * C + s] = _mm512_reduce_add_ps(d) * a->scale;
+            p[g * C + s] = kvref_attn_score_value(_mm512_reduce_add_ps(d) * a->scale);
         }
 }
 
@@ -778,7 +780,9 @@ TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds)
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
         float d, id;
-        kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), &d, &id);
+        const int bad = 0x01 | 0x08 | 0x10 | 0x80; /* fpclass: quiet NaN, +inf, -inf, signalling NaN */
+        const int finite = (_mm512_fpclass_ps_mask(v0, bad) | _mm512_fpclass_ps_mask(v1, bad)) == 0;
+        kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), finite, &d, &id);
         ds[0] = d;
         ds[1] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
@@ -982,6 +986,93 @@ TARGET_VNNI static inline __attribute__((always_inline)) void gemm_q8_block(
     }
 }
 
+/* The 32 integers of block b of a weight row (kvref_q8_weight_block's values) in one vector. */
+TARGET_VNNI static inline __m256i q8_block_values(int32_t type, const uint8_t *row, int64_t b) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    if (type == KVREF_TYPE_Q4_K) {
+        const uint8_t *qs = row + b / 8 * BYTES_Q4_K + 16 + 32 * (b % 8 / 2);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)qs);
+        return _mm256_and_si256(_mm256_srli_epi16(v, 4 * (int)(b % 2)), _mm256_set1_epi8(0x0F));
+    }
+    const uint8_t *w = row + b * kvref_q8_block_bytes(type);
+    if (type == KVREF_TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(const void *)(w + 2));
+    const int at = type == KVREF_TYPE_Q4_0 ? 2 : type == KVREF_TYPE_Q4_1 ? 4 : 6; /* the nibble bytes */
+    const __m128i q = _mm_loadu_si128((const __m128i *)(const void *)(w + at));
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, low4)),
+                                        _mm_and_si128(_mm_srli_epi16(q, 4), low4), 1);
+    switch (type) {
+    case KVREF_TYPE_Q4_0: return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    case KVREF_TYPE_Q5_0: /* value j's fifth bit is bit j of qh */
+        v = _mm256_mask_add_epi8(v, (__mmask32)kvref_q5_high_bits(w), v, _mm256_set1_epi8(16));
+        return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    default: return v; /* Q4_1 */
+    }
+}
+
+/* 16 weight rows' blocks (the values of row i in lanes 0-7 of r[i], four per dword) -> out[s]: dword
+ * s of each row, row i in lane i: pairs of rows share a vector, then an 8 x 8 dword transpose in
+ * each 256-bit half (unpacks of dwords and qwords, then 128-bit lanes paired across vectors) */
+TARGET_VNNI static inline void q8_transpose16x8(const __m256i *r, __m512i *out) {
+    __m512i a[8], t[8], u[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_inserti64x4(_mm512_castsi256_si512(r[j]), r[j + 8], 1);
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(a[j], a[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(a[j], a[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);     /* dwords 0 | 4 of rows j .. j+3 */
+        u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]); /* 1 | 5 */
+        u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]); /* 2 | 6 */
+        u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]); /* 3 | 7 */
+    }
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int s = 0; s < 4; s++) {
+        out[s] = _mm512_permutex2var_epi64(u[s], first, u[s + 4]);
+        out[s + 4] = _mm512_permutex2var_epi64(u[s], second, u[s + 4]);
+    }
+}
+
+/* matmul.c's portable q8_tile for the 32-value types: the same bytes. Each row is decoded whole,
+ * in memory order (the tile's rows are one run of bytes the prefetchers follow), into `stage`;
+ * then sixteen rows' blocks at a time are transposed into the tile. */
+TARGET_VNNI static void q8_tile_vnni(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
+    const int64_t nb = K / 32;
+    int8_t *stage = (int8_t *)(tile + nb * KVREF_Q8_TILE_RECORD(32)); /* [KVREF_TILE_N, K]: past the records */
+    float *dm = (float *)(void *)(stage + KVREF_TILE_N * K);           /* [KVREF_TILE_N, nb, 2] */
+    for (int64_t n = 0; n < KVREF_TILE_N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            float *d = dm + (n * nb + b) * 2;
+            __m256i v = _mm256_setzero_si256();
+            d[0] = d[1] = 0.0f;
+            if (n < nw) {
+                kvref_q8_block_scales(type, w + n * rb, b, &d[0], &d[1]);
+                v = q8_block_values(type, w + n * rb, b);
+            }
+            _mm256_storeu_si256((__m256i *)(void *)(stage + n * K + 32 * b), v);
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *rec = tile + b * KVREF_Q8_TILE_RECORD(32);
+        for (int h = 0; h < KVREF_TILE_N; h += 16) {
+            __m256i r[16];
+            float d[16], m[16];
+            for (int i = 0; i < 16; i++) {
+                r[i] = _mm256_loadu_si256((const __m256i *)(const void *)(stage + (h + i) * K + 32 * b));
+                d[i] = dm[((h + i) * nb + b) * 2];
+                m[i] = dm[((h + i) * nb + b) * 2 + 1];
+            }
+            __m512i out[8], sum = _mm512_setzero_si512();
+            q8_transpose16x8(r, out);
+            for (int s = 0; s < 8; s++) {
+                _mm512_store_si512(rec + s * 4 * KVREF_TILE_N + 4 * h, out[s]);
+                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), out[s]); /* each row's sum of values */
+            }
+            _mm512_store_si512(rec + KVREF_Q8_TILE_ZERO(32) + 4 * h, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+            _mm512_store_ps(rec + KVREF_Q8_TILE_D(32) + 4 * h, _mm512_loadu_ps(d));
+            _mm512_store_ps(rec + KVREF_Q8_TILE_M(32) + 4 * h, _mm512_loadu_ps(m));
+        }
+    }
+}
+
 /* the rows of x in blocks of GEMM_Q8_ROWS, then 2, then 1, for blocks of BV values */
 #define GEMM_Q8_ROWS_OF(BV)                                                                              \
     do {                                                                                                 \
@@ -1042,6 +1133,7 @@ const kvref_kernels kvref_kernels_avx512_vnni = {
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
     },
     .gemm_q8 = gemm_q8_vnni,
+    .q8_tile = q8_tile_vnni,
 };
 
 #endif /* KVREF_X86 */

@@ -71,10 +71,15 @@ static uint16_t bf16_from_fp32(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* NumPy's quantize_int8 for one group of g values: scale = max|x| / 127, q = rint(x / scale) */
+/* NumPy's quantize_int8 for one group of g values: scale = max|x| / 127, q = rint(x / scale). As
+ * np.max, the largest magnitude of a group holding a NaN is NaN: the scale is NaN and every value
+ * the group decodes to is NaN, never a finite stand-in. */
 static void int8_group(const float *x, int64_t g, int8_t *q, float *scale) {
     float amax = 0.0f;
-    for (int64_t i = 0; i < g; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    for (int64_t i = 0; i < g; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax || a != a ? a : amax; /* a NaN, once seen, stays: NaN > a is false */
+    }
     *scale = amax / 127.0f;
     const float safe = *scale > 0.0f ? *scale : 1.0f; /* an all-zero group stores zeros */
     for (int64_t i = 0; i < g; i++) {

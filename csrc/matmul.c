@@ -84,6 +84,7 @@ static void mm_tile_unit(void *vctx, int64_t unit, int thread) {
 
 size_t kvref_matmul_scratch_bytes(int64_t T, int64_t K) {
     if (T < KVREF_GEMM_MIN_T) return 0;
+    _Static_assert(KVREF_Q8_TILE_SCRATCH(1) <= (KVREF_TILE_N + 16) * sizeof(float), "an 8-bit tile fits");
     return (size_t)(KVREF_TILE_N + 16) * (size_t)K * sizeof(float); /* the tile, then the staging rows */
 }
 
@@ -162,8 +163,9 @@ static void mm_q8_tile_unit(void *vctx, int64_t unit, int thread) {
     const q8_ctx *c = vctx;
     const int64_t n0 = unit * KVREF_TILE_N;
     const int64_t nw = n0 + KVREF_TILE_N < c->N ? KVREF_TILE_N : c->N - n0;
-    uint8_t *tile = kvref_pool_scratch(c->pool, thread); /* at most 56 K bytes: less than a float tile */
-    q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    uint8_t *tile = kvref_pool_scratch(c->pool, thread); /* KVREF_Q8_TILE_SCRATCH: less than a float tile */
+    if (c->kk->q8_tile != NULL && kvref_q8_tile_values(c->type) == 32) c->kk->q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    else q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
     const int affine = c->type == KVREF_TYPE_Q4_1 || c->type == KVREF_TYPE_Q4_K;
     c->kk->gemm_q8(c->K, c->xu, c->xds, c->T, tile, kvref_q8_tile_values(c->type), nw, affine, c->y + n0, c->N);
 }

@@ -213,7 +213,7 @@ static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c
         for (int64_t g = 0; g < G; g++) {
             float dot = 0.0f;
             for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * kv_value(k, scales, type, gs, row[s] + i);
-            p[g * C + s] = dot * a->scale;
+            p[g * C + s] = kvref_attn_score_value(dot * a->scale);
         }
     }
 }
@@ -277,13 +277,15 @@ static void attn_exp_ref(int64_t G, int64_t n, const float *m, float *p, float *
 static void quantize_q8_scalar(int64_t K, const float *x, int8_t *qs, float *ds) {
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         float amax = 0.0f, s = 0.0f;
+        int finite = 1;
         for (int j = 0; j < 32; j++) {
             const float a = fabsf(x[j]);
             amax = a > amax ? a : amax;
             s += x[j];
+            finite &= x[j] * 0.0f == 0.0f; /* NaN for NaN and infinities */
         }
         float d, id;
-        kvref_q8_scale(amax, &d, &id);
+        kvref_q8_scale(amax, finite, &d, &id);
         ds[0] = d;
         ds[1] = s;
         for (int j = 0; j < 32; j++) {

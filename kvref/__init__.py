@@ -10,6 +10,7 @@ from .generate import generate, resume
 from .generation_config import GenerationConfig
 from .loader import load
 from .model import Model
+from .speculative import SpeculationStats
 from .stream import TextStream
 from .tokenizer import Tokenizer
 
@@ -19,6 +20,6 @@ __all__ = [
     "BackendError", "CacheError", "CacheFullError", "ConfigError", "ContextOverflowError",
     "ContiguousCache", "Conversation", "DTypeError", "GenerationConfig", "GenerationError", "GGUFError",
     "InputFileError", "KVCache", "KVRefError", "Model", "ModelConfig", "ModelNotFoundError", "SafetensorsError",
-    "SamplingError", "ScoringError", "ShapeError", "TextStream", "TokenError", "TokenizerError", "Tokenizer",
-    "cache_bytes", "generate", "load", "resume",
+    "SamplingError", "ScoringError", "ShapeError", "SpeculationStats", "TextStream", "TokenError", "TokenizerError",
+    "Tokenizer", "cache_bytes", "generate", "load", "resume",
 ]

@@ -12,11 +12,24 @@ very different lengths mix freely, since positions and attention are per sequenc
 leaves the batch when it reaches max_new_tokens or a stop id, and its blocks go back to the pool at
 once, so a waiting request can take its place in the next step.
 
-Admission is conservative, so a running request never runs out of blocks: a request is admitted
-only when the pool can hold every position it may still need (prompt + max_new_tokens - 1, plus one
-block for a copy-on-write) on top of what the running requests may still need. With prefix reuse,
-a new request first adopts the pool's blocks for the longest known prefix of its prompt and
-prefills only the rest.
+Admission is conservative by default, so a running request never runs out of blocks: a request is
+admitted only when the pool can hold every position it may still need (prompt + max_new_tokens - 1,
+plus one block for a copy-on-write) on top of what the running requests may still need. With
+preempt=True admission is optimistic instead (the request's prompt must fit, with one block to spare
+per running sequence), which keeps far more requests running; when a step then needs more blocks
+than the pool has free, the newest running request is preempted: its blocks go back to the pool, it
+returns to the front of the queue with the tokens it selected, and on readmission it recomputes
+them (after adopting whatever of its history the prefix index still holds) and goes on. Its sampler
+keeps its state, so a preemption changes no token (up to the float rounding of a prefill against
+decode steps). With prefix reuse, a new request first adopts the pool's blocks for the longest known
+prefix of its prompt and prefills only the rest.
+
+prefill_chunk=C caps the prompt positions one step computes (over all requests), so a long prompt is
+prefilled over several steps while the running requests go on decoding: a request selects its first
+token in the step that completes its prompt. submit(..., n=k) runs k sequences of one prompt: the
+prompt is prefilled once, then the cache is forked (copy-on-write: the prompt's blocks are shared)
+and each sequence selects from the same logits with its own sampler (seeds seed, [seed, 1], ...,
+[seed, k - 1]). cancel(request) ends a request at once and frees its blocks.
 
 Each request draws its tokens from its own seeded generator, so a request selects the same tokens
 in a batch as it does alone with kvref.generate (up to the float rounding of batched matmuls).
@@ -32,7 +45,7 @@ import numpy as np
 from .cache import begin_all
 from .cache.paged import BlockPool, PagedCache, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
-from .sampling import Sampler, check_sampling
+from .sampling import Sampler
 from .spec import decoder
 
 
@@ -68,8 +81,12 @@ class Request:
     tokens: list = field(default_factory=list)  # selected so far (the last one has no K/V yet)
     state: str = "waiting"  # waiting -> running -> finished
     finish_reason: str | None = None  # "length" | "stop"
-    reused: int = 0  # prompt positions whose K/V came from the prefix index
+    reused: int = 0  # prompt positions whose K/V came from the prefix index (first admission)
+    index: int = 0  # which of the n sequences of one submit this is
+    logits: np.ndarray | None = None  # [V] what the last token was selected from
+    preempted: int = 0  # times this request was preempted (its blocks freed, its tokens recomputed)
     cache: PagedCache | None = None
+    siblings: list = field(default_factory=list)  # sequences to fork from this one after its prefill
     _select: object = None
     _blocks_reserved: int = 0  # the most blocks this request may take from the pool
 
@@ -89,11 +106,19 @@ class Scheduler:
     """A continuous-batching loop over one BlockPool (see the module docstring)."""
 
     def __init__(self, model, max_batch: int = 8, *, pool: BlockPool | None = None, kv_dtype=None,
-                 block_size=None, num_blocks=None, prefix_reuse=None, **cache_options):
+                 block_size=None, num_blocks=None, prefix_reuse=None, preempt: bool = False,
+                 prefill_chunk: int | None = None, **cache_options):
         if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch <= 0:
             raise GenerationError(f"max_batch={max_batch!r} must be a positive integer")
+        if not isinstance(preempt, bool):
+            raise GenerationError(f"preempt={preempt!r} must be True or False")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
+                prefill_chunk, (int, np.integer)) or prefill_chunk <= 0):
+            raise GenerationError(f"prefill_chunk={prefill_chunk!r} must be None (whole prompts) or a positive integer")
         self.model = model
         self.max_batch = int(max_batch)
+        self.preempt = preempt
+        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         if pool is None:
             if num_blocks is None:  # room for max_batch sequences of max_seq_len
                 bs = 16 if block_size is None else block_size
@@ -109,6 +134,9 @@ class Scheduler:
         self.running: list = []
         self.finished: list = []
         self.steps = 0
+        self.preemptions = 0
+        self.prompt_positions = 0  # prompt positions of the admitted requests (first admission)
+        self.reused_positions = 0  # ... of which came from the prefix index
         self._next_id = 0
 
     @property
@@ -117,50 +145,118 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def submit(self, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
-               seed=None, stop_ids=()) -> Request:
-        """Queue a request; it is checked now (ids, sampling, context, pool size), run by later steps."""
+               seed=None, stop_ids=(), *, n: int = 1, **penalties) -> Request:
+        """Queue a request; it is checked now (ids, sampling, context, pool size), run by later steps.
+
+        penalties: repetition_penalty, frequency_penalty, presence_penalty, penalty_last_n as
+        kvref.Sampler takes them (over the token history, prompt included). n > 1: the request's
+        `siblings` are the other n - 1 sequences, forked from it once its prompt is prefilled.
+        """
         model = self.model
         prompt = model.check_tokens(prompt_ids)
-        check_sampling(temperature, top_k, top_p, min_p)
+        Sampler(temperature, top_k, top_p, min_p, seed, **penalties)  # checks every setting (SamplingError)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.max_batch:
+            raise GenerationError(f"n={n!r} must be an integer in [1, max_batch={self.max_batch}]")
         n_positions = len(prompt) + max(max_new_tokens - 1, 0)
         model.check_context(0, n_positions)
         reserve = blocks_for(n_positions, self.pool.block_size) + 1
         if reserve > self.pool.num_blocks:
             raise CacheFullError(f"a request of {n_positions} positions may need {reserve} blocks of "
                                  f"{self.pool.block_size}; the pool has {self.pool.num_blocks} in all")
-        request = Request(self._next_id, prompt, int(max_new_tokens), frozenset(int(t) for t in stop_ids),
-                          _select=Sampler(temperature, top_k, top_p, min_p, seed), _blocks_reserved=reserve)
-        self._next_id += 1
+        stop = frozenset(int(t) for t in stop_ids)
+        requests = []
+        for i in range(n):
+            # sequence i > 0 draws from its own stream, so n samples of one prompt differ
+            seed_i = seed if seed is None or i == 0 else [int(seed), i]
+            requests.append(Request(self._next_id, prompt, int(max_new_tokens), stop, index=i,
+                                    _select=Sampler(temperature, top_k, top_p, min_p, seed_i, **penalties),
+                                    _blocks_reserved=reserve))
+            self._next_id += 1
+        request = requests[0]
         if max_new_tokens == 0:
-            self._finish(request, "length")
-        else:
-            self.waiting.append(request)
+            for r in requests:
+                self._finish(r, "length")
+            return request
+        request.siblings = requests[1:]
+        request._blocks_reserved = reserve * n  # until the fork, the first sequence holds the family's room
+        self.waiting.append(request)
         return request
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """End a request now, waiting or running, and free its blocks; its unforked siblings end too.
+        A finished request is left as it is."""
+        if request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        for sibling in request.siblings:
+            self._finish(sibling, reason)
+        request.siblings = []
+        self._finish(request, reason)
 
     def step(self) -> list:
         """One batched execution; returns the (request, token) pairs it selected, in batch order."""
         self._admit()
         if not self.running:
             return []
-        batch = list(self.running)
+        feeds = self._plan()
+        if self.preempt:
+            while len(self.running) > 1 and self._blocks_needed(feeds) > self.pool.blocks_free:
+                self._preempt(self.running[-1])
+                feeds = self._plan()
         # a request whose last execution committed but whose token was never selected (an interrupted
         # step) has nothing to feed: it selects from the logits its cache recorded
-        fed = [r for r in batch if r.unfed()]
+        fed = [r for r in self.running if feeds[r]]
         if fed:
-            forward_batch(self.model, [r.unfed() for r in fed], [r.cache for r in fed])
+            forward_batch(self.model, [feeds[r] for r in fed], [r.cache for r in fed])
         self.steps += 1
         out = []
-        for request in batch:
-            token = request._select(request.cache.sequence.last_logits)
-            request.tokens.append(token)
-            out.append((request, token))
-            if token in request.stop_ids:
-                self._finish(request, "stop")
-            elif len(request.tokens) == request.max_new_tokens:
-                self._finish(request, "length")
+        for request in [r for r in self.running if not r.unfed()]:  # a part-prefilled prompt selects nothing yet
+            for r in [request, *self._fork_siblings(request)]:
+                out.append((r, self._select(r)))
         return out
+
+    def _plan(self) -> dict:
+        # request -> the ids it feeds this step: every unfed id, or (prefill_chunk) a share of a step's
+        # budget of prompt positions, oldest request first; a decode step always runs
+        budget = self.prefill_chunk
+        feeds = {}
+        for r in self.running:
+            ids = r.unfed()
+            if budget is not None and len(ids) > 1:
+                ids = ids[:budget]
+                budget -= len(ids)
+            feeds[r] = ids
+        return feeds
+
+    def _blocks_needed(self, feeds) -> int:
+        return sum(r.cache.blocks_needed(len(ids)) for r, ids in feeds.items())
+
+    def _select(self, request) -> int:
+        logits = request.cache.sequence.last_logits
+        token = request._select(logits, [*request.prompt, *request.tokens])
+        request.logits = logits
+        request.tokens.append(token)
+        if token in request.stop_ids:
+            self._finish(request, "stop")
+        elif len(request.tokens) == request.max_new_tokens:
+            self._finish(request, "length")
+        return token
+
+    def _fork_siblings(self, request) -> list:
+        # the prompt is prefilled: each sibling takes a copy-on-write fork of it, the room it may need
+        # and a place in the batch right after the request
+        family = len(request.siblings) + 1
+        siblings = [s for s in request.siblings if not s.done]  # cancel() may have ended some
+        request.siblings = []
+        request._blocks_reserved //= family
+        at = self.running.index(request) + 1
+        for s in siblings:
+            s.cache, s.state, s.reused = request.cache.fork(), "running", request.reused
+        self.running[at:at] = siblings
+        return siblings
 
     def stream(self):
         """Yield (request, token) as tokens are selected, until every submitted request has finished."""
@@ -180,18 +276,35 @@ class Scheduler:
         return sum(max(0, r._blocks_reserved - r.cache.blocks_used) for r in self.running)
 
     def _admit(self):
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) + 1 + len(self.waiting[0].siblings) <= self.max_batch:
             request = self.waiting[0]
+            history = [*request.prompt, *request.tokens]  # a preempted request recomputes its tokens too
             cache = self.pool.new_cache()
-            if self.pool.prefix_reuse:
-                request.reused = cache.prefill_reuse(request.prompt)
-            if self.pool.blocks_free - self._outstanding() < request._blocks_reserved - cache.blocks_used:
+            reused = cache.prefill_reuse(history) if self.pool.prefix_reuse else 0
+            if not self._room_for(request, cache, len(history) - reused):
                 cache.free()  # not enough room yet: wait for a running request to finish
-                request.reused = 0
                 return
             self.waiting.popleft()
+            if not request.preempted:
+                request.reused = reused
+                self.prompt_positions += len(request.prompt)
+                self.reused_positions += reused
             request.cache, request.state = cache, "running"
             self.running.append(request)
+
+    def _room_for(self, request, cache, n_new) -> bool:
+        if self.preempt:  # its history now, with a block to spare for each running sequence's next step
+            return cache.blocks_needed(n_new) + len(self.running) <= self.pool.blocks_free
+        return self.pool.blocks_free - self._outstanding() >= request._blocks_reserved - cache.blocks_used
+
+    def _preempt(self, request):
+        # free and recompute later: the request keeps its tokens and sampler, not its blocks
+        request.cache.free()
+        request.cache, request.state = None, "waiting"
+        request.preempted += 1
+        self.preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
 
     def _finish(self, request, reason):
         request.state, request.finish_reason = "finished", reason

@@ -24,6 +24,7 @@ from .model import Model
 from .native import MAX_THREADS
 from .perplexity import add_perplexity
 from .sampling import check_penalties, check_sampling
+from .speculative import SpeculationStats
 from .stream import TextStream
 
 
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     add_memory(commands)
     add_bench(commands)
     add_perplexity(commands)
+    add_serve(commands)
     add_conformance(commands)
     add_fixtures(commands)
     args = parser.parse_args(argv)
@@ -242,6 +244,11 @@ def add_run(commands):
     add_runtime_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_chat_template_argument(p)
+    p.add_argument("--speculate", type=count, default=0, metavar="N",
+                   help="speculative decoding: draft up to N tokens per step by looking the last tokens up in "
+                        "the text so far, verified in one execution (faster when the output repeats its "
+                        "input, e.g. rewriting code; greedy output unchanged; default 0 = off); --verbose "
+                        "prints drafted and accepted counts")
     p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': standard input)")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-': read it from standard input)")
     p.set_defaults(run=run_run)
@@ -318,10 +325,11 @@ def run_run(args) -> int:
     progress = prefill_progress(args)
     rest = prefill_in_chunks(model, prompt_ids, cache, progress)
     progress.done()
+    speculation = {"speculate": args.speculate, "stats": SpeculationStats()} if args.speculate else {}
     if args.context_overflow == "shift":
-        tokens = generate_shifting(model, rest, cache, config)
+        tokens = generate_shifting(model, rest, cache, config, speculation)
     else:
-        tokens = generate(model, rest, config=config, cache=cache)
+        tokens = generate(model, rest, config=config, cache=cache, **speculation)
     timing = stream_text(tok, tokens, config)
     print()
     if args.verbose:
@@ -331,22 +339,25 @@ def run_run(args) -> int:
               f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
               f"cache {human_bytes(cache.nbytes)} ({cache.length} positions, {cache.dtype_name} K/V), "
               f"backend {model.backend}]", file=sys.stderr)
+        if speculation:
+            print(f"[{speculation['stats']}]", file=sys.stderr)
     return 0
 
 
-def generate_shifting(model, prompt_ids, cache, config):
+def generate_shifting(model, prompt_ids, cache, config, speculation):
     """generate(), shifting the cache when it is full as llama.cpp's context shift does: the first
     position stays (n_keep = 1: the BOS or the prompt's first token), the older half of the rest is
     dropped, and the kept keys are re-rotated to their new positions (cache.shift). The model then
     reads a context with a gap, which is the point: generation goes on past --ctx-size.
 
     A seeded sampler starts again from its seed after each shift (every segment is one generate call).
+    speculation: generate's speculate= and stats= (the stats add up over the segments), or {}.
     """
     keep, new, left = 1, list(prompt_ids), config.max_new_tokens
     while True:
         n = min(left, cache.capacity - cache.length - len(new) + 1)  # fills the cache exactly
         selected = []
-        for token in generate(model, new, n, config=config, cache=cache):
+        for token in generate(model, new, n, config=config, cache=cache, **speculation):
             selected.append(token)
             yield token
         left -= len(selected)
@@ -466,6 +477,83 @@ def after_first(tokens, action):
         if i == 0:
             action()
         yield token
+
+
+def add_serve(commands):
+    p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, prefix cache)",
+                            description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions "
+                                        "(streaming with server-sent events), /v1/models, /health, /metrics. "
+                                        "Requests share one pool of KV blocks: they join the running batch at "
+                                        "the next step, reuse the blocks of a prompt prefix another request "
+                                        "computed, and the newest is preempted (freed, recomputed later) when "
+                                        "the pool runs out. Needs the serve extra: pip install 'kvref[serve]'.")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                        "only; 0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=count_in(0, 65535), default=8080, help="port (default 8080)")
+    p.add_argument("--threads", type=count_in(1, MAX_THREADS), default=None,
+                   help="threads of the native pool (default: KVREF_THREADS, else every usable core)")
+    p.add_argument("--kv-dtype", default="float16", choices=KV_DTYPES, help="element type of the cached K/V "
+                                                                            "(default float16)")
+    room = p.add_mutually_exclusive_group()
+    room.add_argument("--num-blocks", type=count_in(1), default=None, help="KV blocks in the pool")
+    room.add_argument("--cache-mib", type=count_in(1), default=None,
+                      help=f"size the pool in MiB of K/V instead (default {SERVE_CACHE_MIB})")
+    p.add_argument("--block-size", type=count_in(1, 1024), default=16, help="positions per KV block (default 16)")
+    p.add_argument("--max-batch", type=count_in(1, 1024), default=8,
+                   help="sequences in the running batch at most (default 8)")
+    p.add_argument("--prefill-chunk", type=count_in(1), default=256,
+                   help="prompt positions one step computes at most, so a long prompt does not stall the "
+                        "running requests (default 256)")
+    p.add_argument("--max-tokens", type=count_in(1), default=256,
+                   help="the largest max_tokens a request may ask for, and its default (default 256)")
+    p.add_argument("--max-body-bytes", type=count_in(1), default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument("--api-key", default=os.environ.get("KVREF_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $KVREF_API_KEY; none)")
+    p.add_argument("--model-name", default=None, help="the model id clients name (default: the model's short "
+                                                      "name, smollm2 for the default model, else its file or "
+                                                      "directory name)")
+    add_chat_template_argument(p)
+    p.add_argument("-q", "--quiet", action="store_true", help="no access log")
+    p.set_defaults(run=run_serve)
+
+
+SERVE_CACHE_MIB = 512
+
+
+def run_serve(args) -> int:
+    try:
+        from .serve import create_server
+        from .serve.protocol import Limits
+    except ImportError as error:
+        raise ConfigError(f"kvref serve needs the serve extra (pip install 'kvref[serve]'): {error}") from None
+    from .loader import SHORT_NAMES, model_path
+
+    model = load_text_model(args)
+    c = model.config
+    per_block = args.block_size * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, args.kv_dtype)
+    num_blocks = args.num_blocks or max((args.cache_mib or SERVE_CACHE_MIB) * 2**20 // per_block, 1)
+    source = args.model or os.environ.get("KVREF_MODEL")
+    if args.model_name is not None:
+        name = args.model_name
+    elif source is None:
+        name = "smollm2"  # the default model, by its short name
+    elif source in SHORT_NAMES:
+        name = source
+    else:
+        name = Path(source).name if Path(source).is_dir() else Path(model_path(source)).stem
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        notice(args, f"listening on {args.host} without --api-key: anyone who can reach the port can use the model")
+    server = create_server(model, name, host=args.host, port=args.port, max_batch=args.max_batch,
+                           num_blocks=num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
+                           prefill_chunk=args.prefill_chunk, api_key=args.api_key,
+                           limits=Limits(max_tokens=args.max_tokens, max_n=min(16, args.max_batch)),
+                           max_body_bytes=args.max_body_bytes, log_level="warning" if args.quiet else "info")
+    notice(args, f"serving {name!r} at http://{args.host}:{args.port}/v1 ({num_blocks} blocks of {args.block_size} "
+                 f"positions, {human_bytes(num_blocks * per_block)} of {args.kv_dtype} K/V, batch {args.max_batch}, "
+                 f"backend {model.backend})")
+    server.run()
+    return 0
 
 
 def add_inspect(commands):

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .limits import CONFIG_CEILINGS, MAX_CONTEXT, bounded_int
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 # the fields that make the families other than Llama; at their defaults a config is Llama's
@@ -47,7 +48,8 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
-            _require_positive_int(name, getattr(self, name))
+            # frozen: NumPy integers become the same Python int once, here
+            object.__setattr__(self, name, bounded_int(getattr(self, name), name, 1, CONFIG_CEILINGS[name]))
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ConfigError(
@@ -55,7 +57,7 @@ class ModelConfig:
                     "give head_dim explicitly")
             # frozen dataclass: the derived default is set once, here, and never changes
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        _require_positive_int("head_dim", self.head_dim)
+        object.__setattr__(self, "head_dim", bounded_int(self.head_dim, "head_dim", 1, CONFIG_CEILINGS["head_dim"]))
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
         if self.n_heads % self.n_kv_heads:
@@ -83,10 +85,10 @@ class ModelConfig:
         if self.layer_windows is not None:
             windows = self.layer_windows
             if (not isinstance(windows, tuple) or len(windows) != self.n_layers
-                    or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= 2**62)
+                    or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= MAX_CONTEXT)
                            for w in windows)):
                 raise ConfigError(f"layer_windows={windows!r} must be a tuple of {self.n_layers} entries, each None "
-                                  "(global) or a window of 1..2**62 positions")
+                                  f"(global) or a window of 1..{MAX_CONTEXT} positions")
 
     def family_fields(self) -> dict:
         """The FAMILY_FIELDS this config sets to something other than Llama's value."""
@@ -135,7 +137,3 @@ def _check_rope_scaling(scaling, head_dim):
                           "low_freq_factor, high_freq_factor, original_max_positions) or ('factors', (one per "
                           f"frequency: {head_dim // 2})), positive numbers with low_freq_factor < high_freq_factor")
 
-
-def _require_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")

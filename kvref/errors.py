@@ -76,3 +76,13 @@ class ScoringError(KVRefError, ValueError):
 class InputFileError(KVRefError, ValueError):
     """An input file cannot be read as what it should be (a text that is not UTF-8, a file of saved
     log-probabilities that is not one)."""
+
+
+class RequestError(KVRefError, ValueError):
+    """An HTTP request to `kvref serve` that cannot be served as sent: an unknown field, a field of the
+    wrong type or out of range, a prompt too long for the context or the pool. `param` names the field
+    (None for the body as a whole); `status` is the HTTP status the server answers with."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code

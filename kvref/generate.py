@@ -21,11 +21,15 @@ from .cache import KVCache
 from .errors import CacheFullError, GenerationError
 from .generation_config import GenerationConfig
 from .sampling import Sampler
+from .speculative import (SpeculationStats, check_speculate, fit_rollback, next_budget, prompt_lookup,
+                          top2_margin)
+from .tolerance import speculative_margin_bound
 from .stream import TextStream
 
 
 def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig | None = None, use_cache=True,
-             cache: KVCache | None = None, executions: list | None = None, **settings):
+             cache: KVCache | None = None, executions: list | None = None, speculate: int = 0,
+             stats: SpeculationStats | None = None, **settings):
     """Yield up to max_new_tokens selected token ids, one at a time, ending after an end id or stop string.
 
     config: the settings (default model.generation_config); max_new_tokens and `settings` (any
@@ -34,6 +38,10 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     cache: continue a cache that already holds earlier positions (a chat); prompt_ids are then the
     new positions after them. Without one, a fresh cache is made (if use_cache).
     executions: a list that receives one trace.Execution per forward pass.
+    speculate: draft up to this many tokens per decode step by prompt lookup and verify them in one
+    execution (kvref.speculative; 0 = off); stats: a kvref.SpeculationStats that counts what it did.
+    While the generator is suspended, the cache may hold positions of tokens selected but not yet
+    yielded; ending, or closing the generator, leaves it as plain decoding would.
     Everything is checked before the first token: the settings, and that the context fits
     max_seq_len and the cache.
     """
@@ -41,6 +49,14 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     prompt = model.check_tokens(prompt_ids)
     if cache is not None and not use_cache:
         raise GenerationError("a cache was given with use_cache=False; pass one or the other")
+    speculate = check_speculate(speculate)
+    if speculate and not use_cache:
+        raise GenerationError("speculate needs the cache (use_cache=True): rejected drafts are rolled back "
+                              "by truncating it")
+    if stats is not None and not isinstance(stats, SpeculationStats):
+        raise GenerationError(f"stats= takes a kvref.SpeculationStats; got {type(stats).__name__}")
+    if stats is not None and not speculate:
+        raise GenerationError("stats= counts speculative decoding; give speculate=N too")
     if use_cache and cache is None:
         cache = model.new_cache()
     start = 0 if cache is None else cache.next_position
@@ -54,9 +70,12 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
             f"prompt ({len(prompt)}) + {config.max_new_tokens} new tokens need {n_positions} positions; "
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
     history = _earlier_ids(cache) + [int(t) for t in prompt]
+    select, ends_after = Sampler.from_config(config), end_condition(model, config)
+    if speculate:
+        return _speculative_loop(model, prompt, config.max_new_tokens, select, ends_after, history, cache,
+                                 executions, speculate, SpeculationStats() if stats is None else stats)
     loop = _cached_loop if use_cache else _uncached_loop
-    return loop(model, prompt, config.max_new_tokens, Sampler.from_config(config), end_condition(model, config),
-                history, cache, executions)
+    return loop(model, prompt, config.max_new_tokens, select, ends_after, history, cache, executions)
 
 
 def resume(model, cache: KVCache, max_new_tokens=None, *, config: GenerationConfig | None = None,
@@ -141,6 +160,75 @@ def _cached_loop(model, prompt, max_new_tokens, select, ends_after, history, cac
             return
         history.append(token)
         new_tokens = [token]
+
+
+def _speculative_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions, speculate,
+                      stats):
+    if max_new_tokens == 0:
+        return
+    # Prefill as plain decoding does; then each execution runs the token just selected and a draft
+    first = cache.next_position
+    rows, draft = model.forward(prompt, cache)[None], []  # [1 + len(draft), V]: row i selects after draft[:i]
+    _record(executions, model, first, first + len(prompt), first)
+    n_selected, budget = 0, speculate
+    while True:
+        selected = _select_drafted(rows, draft, select, history, model.dtype, n_selected, stats)
+        budget = next_budget(budget, len(draft), len(selected) - 1, speculate)
+        # rows[i] is position row0 + i; plain decoding, having selected selected[i], holds row0..row0 + i.
+        # Keep the positions up to the last accepted draft; the rest were never selected
+        row0 = cache.next_position - len(rows)
+        _roll_back(cache, row0 + len(selected), rows[len(selected) - 1])
+        for i, token in enumerate(selected):
+            try:
+                yield token
+            except GeneratorExit:  # the caller stops here: leave the cache as plain decoding would
+                _roll_back(cache, row0 + i + 1, rows[i])
+                raise
+            n_selected += 1
+            if ends_after(token) or n_selected == max_new_tokens:
+                _roll_back(cache, row0 + i + 1, rows[i])
+                return
+            history.append(token)
+        # no token past the end: the next execution selects at most max_new_tokens - n_selected tokens
+        draft = prompt_lookup(history, min(budget, max_new_tokens - n_selected - 1))
+        draft = fit_rollback(cache, draft, stats)
+        first = cache.next_position
+        tokens = [selected[-1]] + draft
+        logits = model.forward(tokens, cache, all_logits=bool(draft))  # without a draft: a plain decode step
+        rows = logits if draft else logits[None]
+        _record(executions, model, first, first + len(tokens), first)
+        stats.steps += bool(draft)
+        stats.plain_steps += not draft
+
+
+def _select_drafted(rows, draft, select, history, dtype, n_selected, stats) -> list:
+    """The tokens plain decoding would select at rows' positions: row i's selection, while the one
+    before it equalled its draft (penalties count the history as it would be at that position)."""
+    selected = []
+    for i, row in enumerate(rows):
+        before = history + selected
+        token = select(row, before) if i == len(draft) else select.verify(row, before, draft[i])
+        if select.temperature == 0 and _near_tie(select.penalized(row, before), row, dtype):
+            stats.near_ties.append(n_selected + i)
+        selected.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    stats.drafted += len(draft)
+    stats.accepted += len(selected) - 1
+    return selected
+
+
+def _near_tie(penalized, logits, dtype) -> bool:
+    """Whether plain decoding's argmax may differ from this row's (its top-2 margin is within rounding)."""
+    return top2_margin(penalized) < speculative_margin_bound(logits, dtype)
+
+
+def _roll_back(cache, n, last_logits):
+    """Truncate the cache to n positions, whose last one has last_logits (what an execution ending
+    there would have committed, so kvref.resume continues from it)."""
+    if cache.next_position > n:
+        cache.truncate(n)
+        cache.sequence.replace(cache.sequence.token_ids, last_logits)
 
 
 def _uncached_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions):

@@ -21,7 +21,6 @@ recommended, since they only shape a sampled distribution.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, GenerationError, SamplingError
+from .limits import bounded_float, bounded_int, read_json_file
 from .sampling import check_penalties, check_sampling
 
 SAMPLING_FILTERS = ("top_k", "top_p", "min_p")
@@ -139,22 +139,30 @@ def from_hf_generation_config(values: dict, source: str = "generation_config.jso
 
 def from_gguf_metadata(metadata: dict, source: str = "GGUF general.sampling") -> GenerationConfig:
     """Defaults from a GGUF file's general.sampling.* keys, as llama.cpp applies them."""
-    def get(key):
-        return metadata.get(f"general.sampling.{key}")
+    def get(key, integer=False):
+        # a number of the file's own type (no string, bool or array is converted), finite; ints in int32
+        name = f"general.sampling.{key}"
+        value = metadata.get(name)
+        if value is None:
+            return None
+        if integer:
+            return bounded_int(value, name, -2**31, 2**31 - 1)
+        return bounded_float(value, name, positive=False)
 
+    temp, top_k, top_p, min_p = get("temp"), get("top_k", integer=True), get("top_p"), get("min_p")
+    repeat, last_n = get("penalty_repeat"), get("penalty_last_n", integer=True)
     settings = {}
-    if get("temp") is not None:
-        settings["temperature"] = max(float(get("temp")), 0.0)  # llama.cpp: temp <= 0 is greedy
-    if get("top_k") is not None and int(get("top_k")) > 0:
-        settings["top_k"] = int(get("top_k"))
-    if get("top_p") is not None and float(get("top_p")) < 1:
-        settings["top_p"] = float(get("top_p"))
-    if get("min_p") is not None and float(get("min_p")) > 0:
-        settings["min_p"] = float(get("min_p"))
-    if get("penalty_repeat") is not None:
-        settings["repetition_penalty"] = float(get("penalty_repeat"))
-    if get("penalty_last_n") is not None:
-        last_n = int(get("penalty_last_n"))
+    if temp is not None:
+        settings["temperature"] = max(temp, 0.0)  # llama.cpp: temp <= 0 is greedy
+    if top_k is not None and top_k > 0:
+        settings["top_k"] = top_k
+    if top_p is not None and top_p < 1:
+        settings["top_p"] = top_p
+    if min_p is not None and min_p > 0:
+        settings["min_p"] = min_p
+    if repeat is not None:
+        settings["repetition_penalty"] = repeat
+    if last_n is not None:
         settings["penalty_last_n"] = None if last_n == -1 else last_n
     return _from_file(settings, source)
 
@@ -164,10 +172,7 @@ def from_hf_directory(directory) -> GenerationConfig:
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return GenerationConfig()
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} cannot be read as JSON: {exc}") from None
+    values = read_json_file(path, "generation_config.json", ConfigError)
     if not isinstance(values, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return from_hf_generation_config(values, str(path))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from .errors import ConfigError, ModelNotFoundError
 from .formats import architectures, hf
 from .formats.gguf import GGUFFile
 from .formats.safetensors import Checkpoint
+from .limits import read_json_file
 from .model import Model, model_dtype
 from .tokenizer import Tokenizer
 from .tokenizer.hf import chat_template as hf_chat_template
@@ -140,11 +140,9 @@ def gguf_config(gguf):
 def read_config_json(directory: Path) -> dict:
     """A checkpoint directory's config.json as a dict; ModelNotFoundError or ConfigError if it is not one."""
     try:
-        config_json = json.loads((directory / "config.json").read_text())
+        config_json = read_json_file(directory / "config.json", "config.json", ConfigError)
     except FileNotFoundError:
         raise ModelNotFoundError(f"{directory} has no config.json: not a Hugging Face checkpoint") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{directory / 'config.json'} cannot be read as JSON: {exc}") from None
     if not isinstance(config_json, dict):
         raise ConfigError(f"{directory / 'config.json'} must hold a JSON object")
     return config_json

@@ -5,25 +5,38 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from contextlib import contextmanager
 
 import numpy as np
 
 from . import backends
-from .cache import BlockPool, ContiguousCache, HybridCache, KVCache, WindowCache, dtype_name
+from .cache import BlockPool, ContiguousCache, HybridCache, KVCache, WindowCache, bytes_per_position, dtype_name
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
 from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .generation_config import GenerationConfig
+from .limits import DEFAULT_CACHE_BUDGET
 from .scoring import SCORE_CHUNK, score
 from .spec import decoder
-from .weights import Weights, random_weights
+from .weights import Weights, freeze, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
 LAYOUTS = ("auto", "contiguous", "hybrid", "paged", "window")
 LAYOUT_OPTIONS = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
                   "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"), "window": ("window", "sinks")}
+
+
+@contextmanager
+def _allocating():
+    """A cache whose arrays the machine cannot hold is a CacheError, not a raw MemoryError (used as a
+    decorator of Model.new_cache)."""
+    try:
+        yield
+    except MemoryError:
+        raise CacheError("not enough memory for the K/V arrays of this cache; ask for fewer positions "
+                         "(capacity=, num_blocks=, window=) or a smaller kv_dtype") from None
 
 
 class Model:
@@ -33,14 +46,20 @@ class Model:
                  tokenizer=None, chat_template: str | None = None, threads: int | None = None,
                  generation_config: GenerationConfig | None = None):
         self.config = config
-        self.weights = weights
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype, config)
+        # C keeps pointers into the native backend's weights: read-only memory nothing public can
+        # resize, free or write (kvref.weights.freeze). The spec reads them through NumPy only and
+        # keeps them as given (freezing would copy every dequantized array once more at load).
+        self.weights = freeze(weights) if self.backend == "c" else weights
         self.ops = backends.kernels(self.backend, threads)
         # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
         # None: every execution runs the shared decoder kernel by kernel
-        self.fused = backends.fused_forward(self.backend, config, weights)
+        self.fused = backends.fused_forward(self.backend, config, self.weights)
         self.tokenizer = tokenizer
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TokenizerError(f"a chat template (tokenizer.chat_template) is a string; this one is "
+                                 f"{type(chat_template).__name__}")
         self.chat_template = chat_template
         # what kvref.generate does unless told otherwise: the model file's recommendations, else greedy
         self.generation_config = GenerationConfig() if generation_config is None else generation_config
@@ -52,6 +71,7 @@ class Model:
         dtype = model_dtype(dtype)
         return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
 
+    @_allocating()
     def new_cache(self, layout="auto", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
                   group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,
                   window=None, sinks=None, spare=None) -> KVCache:
@@ -88,6 +108,8 @@ class Model:
             raise CacheError(f"group_size={group_size!r} applies to int8 K/V; these are {k_name}/{v_name}")
         common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
         if layout in ("contiguous", "hybrid"):
+            if capacity is None:
+                self.check_cache_budget(c.max_seq_len, k_name, v_name, group_size, "the default cache")
             capacity = c.max_seq_len if capacity is None else capacity
             if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
                 raise CacheError(f"capacity={capacity!r} must be a positive integer")
@@ -104,6 +126,8 @@ class Model:
             block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
             if num_blocks is None and isinstance(block_size, (int, np.integer)) and block_size > 0:
                 num_blocks = -(-c.max_seq_len // int(block_size))  # one max_seq_len sequence
+                self.check_cache_budget(num_blocks * int(block_size), k_name, v_name, group_size,
+                                        "the default cache")
             pool = BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
                              k_dtype=k_name, max_positions=c.max_seq_len,
                              prefix_reuse=False if prefix_reuse is None else prefix_reuse,
@@ -116,6 +140,21 @@ class Model:
                                 k_name, **common)
         cache.sequence.model = self.fingerprint()
         return cache
+
+    def check_cache_budget(self, positions: int, k_dtype: str, v_dtype: str, group_size=None,
+                           what: str = "a cache") -> None:
+        """CacheError if a cache of `positions` positions in every layer would take more than
+        kvref.limits.DEFAULT_CACHE_BUDGET bytes: what bounds the caches whose size the model (its
+        max_seq_len, from the model file) or a saved cache file chooses, never the caller. Counts every
+        layer at `positions`, which over-counts a hybrid cache's windowed layers."""
+        c = self.config
+        per_position = bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, k_dtype, v_dtype, group_size)
+        if positions * per_position > DEFAULT_CACHE_BUDGET:
+            raise CacheError(
+                f"{what} of {positions:,} positions would take {positions * per_position / 2**30:.1f} GiB of "
+                f"{k_dtype}/{v_dtype} K/V, more than the {DEFAULT_CACHE_BUDGET / 2**30:g} GiB a cache sized by a "
+                "file may take (kvref.limits.DEFAULT_CACHE_BUDGET); pass capacity= (or num_blocks=) for the "
+                "positions you need")
 
     @property
     def kv_rope_theta(self) -> float | None:
@@ -256,7 +295,10 @@ class Model:
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """Token ids as a non-empty 1-D int64 array, every id in [0, vocab_size)."""
-        ids = np.asarray(token_ids)
+        try:
+            ids = np.asarray(token_ids)
+        except (ValueError, TypeError) as exc:  # ragged nesting, or objects NumPy cannot arrange
+            raise TokenError(f"token ids must be a non-empty 1-D sequence of ints ({exc})") from None
         if ids.ndim != 1 or ids.size == 0:
             raise TokenError(f"token ids must be a non-empty 1-D sequence; got shape {ids.shape}")
         if ids.dtype.kind not in "iu":

@@ -98,12 +98,29 @@ def sample(logits, rng: np.random.Generator, temperature=0.0, top_k=None, top_p=
     """The next token id: greedy at temperature 0, else one draw from the filtered distribution."""
     if temperature == 0:
         return greedy(logits)
-    probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
+    return draw(sampling_probs(logits, temperature, top_k, top_p, min_p), rng)
+
+
+def draw(probs, rng: np.random.Generator) -> int:
+    """One token id drawn from a distribution ([V] float64, summing to 1) with one uniform draw."""
     candidates = np.flatnonzero(probs)  # only tokens the filters kept can be drawn
     cumulative = np.cumsum(probs[candidates])
     index = np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")
     # u * total can round up to total itself; that draw belongs to the last candidate
     return int(candidates[min(index, candidates.size - 1)])
+
+
+def accept_draft(probs, draft: int, rng: np.random.Generator) -> int:
+    """The speculative acceptance rule for a deterministic draft token (Leviathan et al. 2023, Chen et
+    al. 2023, with the draft distribution q one-hot at `draft`): keep the draft with probability p(draft),
+    else draw from the residual normalize(max(p - q, 0)), which is p without the draft token. The token
+    returned is distributed exactly as p, whatever the draft; it consumes one or two uniform draws."""
+    # [V] float64 probabilities, token id -> token id
+    if rng.random() < probs[draft]:
+        return int(draft)
+    residual = np.array(probs, dtype=np.float64)
+    residual[draft] = 0.0  # p(draft) < 1 here (the draw was below it otherwise), so some mass remains
+    return draw(residual / residual.sum(), rng)
 
 
 class Sampler:
@@ -133,10 +150,26 @@ class Sampler:
 
     def __call__(self, logits, history=()) -> int:
         # [V], token history -> token id
+        return sample(self.penalized(logits, history), self.rng, self.temperature, self.top_k, self.top_p,
+                      self.min_p)
+
+    def verify(self, logits, history, draft: int) -> int:
+        """The token selected at a drafted position (speculative decoding): greedy, the argmax as
+        __call__ selects it (the draft is accepted when they are equal); sampling, the acceptance rule
+        (accept_draft), so each token is distributed as __call__ would draw it."""
+        # [V], token history before this position, the drafted id -> token id
+        logits = self.penalized(logits, history)
+        if self.temperature == 0:
+            return greedy(logits)
+        return accept_draft(sampling_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p),
+                            draft, self.rng)
+
+    def penalized(self, logits, history):
+        """The logits with the penalties over the counted end of the token history (unchanged when off)."""
         if self.penalties != (1.0, 0.0, 0.0) and self.penalty_last_n != 0:
             previous = history if self.penalty_last_n is None else history[-self.penalty_last_n:]
             logits = apply_penalties(logits, previous, *self.penalties)
-        return sample(logits, self.rng, self.temperature, self.top_k, self.top_p, self.min_p)
+        return logits
 
     def __repr__(self):
         return (f"Sampler(temperature={self.temperature!r}, top_k={self.top_k!r}, top_p={self.top_p!r}, "

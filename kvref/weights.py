@@ -3,11 +3,18 @@
 Projection matrices are [out, in] as GGUF and PyTorch store them; nothing is transposed at load.
 A backend may hold a tensor in its own form (the native path keeps quantized blocks); the decoder
 never looks inside, it only passes tensors to kernels.
+
+A Model on the native backend freezes the weights it is built with (`freeze`): every array becomes
+read-only memory that no public handle can resize, free or write — a view of an immutable bytes
+object, or of a read-only memory-mapped file that the native path pins (`pin`) — because C keeps
+raw pointers into them between calls. Rebinding a field of Weights stays possible; the fused C
+forward notices (it checks every tensor's identity) and runs the shared decoder on the new tensor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import mmap
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import numpy as np
 
@@ -87,3 +94,53 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
     output_norm = gain(E)
     output = tok_embeddings if config.tie_embeddings else matrix(V, E)
     return Weights(tok_embeddings, layers, output_norm, output)
+
+
+def pin(a):
+    """What keeps a's memory alive and unchanged while held, when nothing public can free, resize or
+    write it; None otherwise. That memory is a read-only, aligned array whose chain of bases (views
+    owning nothing) ends at a bytes object (the pin is the bytes), or at a read-only mmap (the pin is
+    a memoryview of it: an open export makes mmap.close() and resize() raise BufferError). An array
+    owning its data is never pinned: ndarray.resize(refcheck=False) and __setstate__ free it."""
+    if not isinstance(a, np.ndarray) or a.flags.writeable or not a.flags.aligned:
+        return None
+    base = a
+    while isinstance(base, np.ndarray):
+        if base.flags.owndata:
+            return None
+        base = base.base
+    if isinstance(base, bytes):
+        return base
+    if isinstance(base, mmap.mmap) and not base.closed:
+        view = memoryview(base)
+        return view if view.readonly else None
+    return None
+
+
+def frozen_tensor(t):
+    """t as frozen memory (see pin): itself when it already is, else a read-only copy viewing a new
+    bytes object (aligned, as CPython's allocator aligns it to 16 bytes). A tensor held as blocks
+    (kvref.spec.ggml.QuantizedTensor, a dataclass with a `data` array: not imported, since the spec
+    imports this module) freezes its blocks; None and other objects are returned as they are."""
+    if is_dataclass(t) and isinstance(getattr(t, "data", None), np.ndarray):
+        data = frozen_tensor(t.data)
+        return t if data is t.data else replace(t, data=data)
+    if not isinstance(t, np.ndarray) or pin(t) is not None:
+        return t
+    a = np.ascontiguousarray(t)
+    return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+
+
+def freeze(weights: Weights) -> Weights:
+    """New Weights holding every tensor of `weights` frozen (frozen_tensor); a tensor shared by two
+    fields (tied embeddings) stays one object. The arrays of `weights` itself are left as they were."""
+    done = {}  # id of a tensor -> its frozen form
+
+    def f(t):
+        if id(t) not in done:
+            done[id(t)] = frozen_tensor(t)
+        return done[id(t)]
+
+    layers = [replace(lw, **{field.name: f(getattr(lw, field.name)) for field in fields(lw)})
+              for lw in weights.layers]
+    return Weights(f(weights.tok_embeddings), layers, f(weights.output_norm), f(weights.output))

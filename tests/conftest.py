@@ -126,3 +126,15 @@ def guarded_copy(a):
     out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=span - a.nbytes).reshape(a.shape)
     out[...] = a
     return out
+
+
+def misaligned(a):
+    """A copy of `a` one byte past an address aligned to its dtype (two for bytes), as a GGUF file
+    with general.alignment = 1 may place a tensor: a kernel reading it as typed values through a
+    pointer is undefined behaviour, which UBSan (CI's sanitizer run) reports."""
+    buf = np.zeros(a.nbytes + 2 * max(a.itemsize, 2), np.uint8)
+    start = (1 - buf.ctypes.data) % max(a.itemsize, 2)
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    assert not out.flags.aligned or a.itemsize == 1
+    return out

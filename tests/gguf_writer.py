@@ -64,6 +64,8 @@ def gguf_bytes(metadata, tensors, version=3):
     cutting any byte off the end breaks the file.
     """
     alignment = metadata.get("general.alignment", (V.UINT32, 32))[1]
+    if not isinstance(alignment, int) or not 0 < alignment <= 4096:  # a hostile value: lay out as the default
+        alignment = 32
     infos, data = [], bytearray()
     for name, (ggml_type, dims, tensor_bytes) in tensors.items():
         data += bytes(-len(data) % alignment)
@@ -71,3 +73,62 @@ def gguf_bytes(metadata, tensors, version=3):
         data += tensor_bytes
     kvs = [kv(key, vtype, v) for key, (vtype, v) in metadata.items()]
     return assemble(kvs, infos, bytes(data), alignment, version)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_model(n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, d_ff=16, context=64, seed=0, metadata=None,
+               drop=()):
+    """A complete, tiny llama GGUF file (F32 weights, a byte-level BPE tokenizer of the 256 byte
+    characters, a few merges and the ChatML tokens, a ChatML chat template): what kvref.load reads.
+    metadata: {key: (vtype, value)} entries that replace or add to the defaults; drop: keys to leave out.
+    """
+    import numpy as np
+
+    from kvref.tokenizer.bytelevel import BYTE_TO_CHAR
+
+    merged = ["Ġt", "he", "Ġthe", "in"]
+    tokens = list(BYTE_TO_CHAR) + merged + ["<|im_start|>", "<|im_end|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    meta = {
+        "general.architecture": (V.STRING, "llama"),
+        "llama.block_count": (V.UINT32, n_layers),
+        "llama.context_length": (V.UINT32, context),
+        "llama.embedding_length": (V.UINT32, d_model),
+        "llama.feed_forward_length": (V.UINT32, d_ff),
+        "llama.attention.head_count": (V.UINT32, n_heads),
+        "llama.attention.head_count_kv": (V.UINT32, n_kv_heads),
+        "llama.attention.layer_norm_rms_epsilon": (V.FLOAT32, 1e-5),
+        "llama.rope.freq_base": (V.FLOAT32, 10000.0),
+        "llama.vocab_size": (V.UINT32, len(tokens)),
+        "tokenizer.ggml.model": (V.STRING, "gpt2"),
+        "tokenizer.ggml.pre": (V.STRING, "gpt-2"),
+        "tokenizer.ggml.tokens": (V.ARRAY, (V.STRING, tokens)),
+        "tokenizer.ggml.token_type": (V.ARRAY, (V.INT32, types)),
+        "tokenizer.ggml.merges": (V.ARRAY, (V.STRING, ["Ġ t", "h e", "Ġt he", "i n"])),
+        "tokenizer.ggml.bos_token_id": (V.UINT32, len(tokens) - 2),
+        "tokenizer.ggml.eos_token_id": (V.UINT32, len(tokens) - 1),
+        "tokenizer.chat_template": (V.STRING, CHATML),
+    }
+    meta.update(metadata or {})
+    for key in drop:
+        meta.pop(key, None)
+    rng = np.random.default_rng(seed)
+    head_dim = d_model // n_heads
+    shapes = {"token_embd.weight": (len(tokens), d_model), "output_norm.weight": (d_model,)}
+    for i in range(n_layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (d_model,), f"blk.{i}.ffn_norm.weight": (d_model,),
+            f"blk.{i}.attn_q.weight": (n_heads * head_dim, d_model),
+            f"blk.{i}.attn_k.weight": (n_kv_heads * head_dim, d_model),
+            f"blk.{i}.attn_v.weight": (n_kv_heads * head_dim, d_model),
+            f"blk.{i}.attn_output.weight": (d_model, n_heads * head_dim),
+            f"blk.{i}.ffn_gate.weight": (d_ff, d_model), f"blk.{i}.ffn_up.weight": (d_ff, d_model),
+            f"blk.{i}.ffn_down.weight": (d_model, d_ff)})
+    tensors = {}
+    for name, shape in shapes.items():
+        values = np.ones(shape) if name.endswith("norm.weight") else rng.normal(0, 0.3, shape)
+        tensors[name] = (0, list(reversed(shape)), values.astype("<f4").tobytes())  # type 0: F32
+    return gguf_bytes(meta, tensors)

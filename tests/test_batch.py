@@ -118,11 +118,11 @@ def test_a_step_interrupted_between_its_execution_and_its_selections_neither_los
     sched, requests = run()
     select, calls = Sampler.__call__, []
 
-    def interrupted_once(self, logits):  # Ctrl-C as the second request's first token is selected
+    def interrupted_once(self, logits, history=()):  # Ctrl-C as the second request's first token is selected
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return select(self, logits)
+        return select(self, logits, history)
 
     monkeypatch.setattr(Sampler, "__call__", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
@@ -130,3 +130,97 @@ def test_a_step_interrupted_between_its_execution_and_its_selections_neither_los
     monkeypatch.setattr(Sampler, "__call__", select)
     assert [r.cache.sequence.token_ids for r in requests] == [[1, 2, 3], [4, 5, 6, 7]]
     assert sched.run() == want
+
+
+def test_cancel_ends_a_waiting_or_running_request_and_frees_its_blocks():
+    model = kvref.Model.random(CFG, seed=6, dtype="float64", backend="numpy")
+    sched = Scheduler(model, max_batch=1, block_size=4)
+    a, b = sched.submit([1, 2, 3, 4, 5], 20), sched.submit([6, 7], 20)
+    sched.step()
+    assert a.state == "running" and b.state == "waiting" and sched.pool.blocks_used == 2
+    sched.cancel(b)
+    sched.cancel(a)
+    assert (a.finish_reason, b.finish_reason) == ("cancelled", "cancelled") and not sched.pending
+    assert sched.pool.blocks_free == sched.pool.num_blocks and len(a.tokens) == 1 and b.tokens == []
+    sched.cancel(a)  # a finished request stays as it is
+    assert a.finish_reason == "cancelled"
+
+
+def test_a_chunked_prefill_lets_running_requests_decode_meanwhile_and_changes_no_token():
+    model = kvref.Model.random(CFG, seed=7, dtype="float64", backend="numpy")
+    long_prompt = list(np.random.default_rng(2).integers(0, 64, 100))
+    sched = Scheduler(model, max_batch=4, block_size=8, prefill_chunk=16)
+    short = sched.submit([1, 2, 3], 12)
+    sched.step()
+    long = sched.submit(long_prompt, 4)
+    steps_to_first = 0
+    while not long.tokens:
+        before = len(short.tokens)
+        sched.step()
+        steps_to_first += 1
+        assert len(short.tokens) == before + 1 or short.done  # the short request never waits on the prefill
+    assert steps_to_first == 7  # 100 prompt positions at most 16 per step, minus the decode step's share
+    sched.run()
+    assert short.tokens == list(kvref.generate(model, [1, 2, 3], 12))
+    assert long.tokens == list(kvref.generate(model, long_prompt, 4))
+
+
+def test_preemption_frees_the_newest_request_and_recomputes_it_later_without_changing_a_token():
+    model = kvref.Model.random(CFG, seed=8, dtype="float64", backend="numpy")
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, 64, n)) for n in (9, 14, 5, 11)]
+    # 10 blocks of 4: every request alone fits (<= 7 blocks), all four at once do not
+    sched = Scheduler(model, max_batch=4, block_size=4, num_blocks=10, preempt=True)
+    requests = [sched.submit(p, 14, temperature=0.9, seed=i) for i, p in enumerate(prompts)]
+    sched.run()
+    assert sched.preemptions > 0 and any(r.preempted for r in requests)
+    for i, r in enumerate(requests):
+        assert r.tokens == list(kvref.generate(model, prompts[i], 14, temperature=0.9, seed=i))
+    assert sched.pool.blocks_free == sched.pool.num_blocks
+
+
+def test_n_sequences_of_one_prompt_share_its_blocks_copy_on_write_and_sample_apart():
+    model = kvref.Model.random(CFG, seed=9, dtype="float64", backend="numpy")
+    prompt = list(range(1, 20))  # 19 positions: 4 full blocks of 4 and a shared partial one
+    sched = Scheduler(model, max_batch=4, block_size=4)
+    first = sched.submit(prompt, 6, temperature=1.0, seed=5, n=3)
+    family = [first, *first.siblings]
+    sched.step()
+    assert [r.state for r in family] == ["running"] * 3 and sched.pool.blocks_used == 5  # one prefill, shared
+    assert all(r.cache.blocks_shared == 5 for r in family)
+    sched.run()
+    assert first.tokens == list(kvref.generate(model, prompt, 6, temperature=1.0, seed=5))
+    for r in family[1:]:
+        select = Sampler(1.0, seed=[5, r.index])
+        alone, history = [], list(prompt)
+        cache = model.new_cache()
+        logits = model.forward(prompt, cache)
+        for _ in range(6):
+            alone.append(select(logits, history))
+            history.append(alone[-1])
+            logits = model.forward([alone[-1]], cache)
+        assert r.tokens == alone
+    assert len({tuple(r.tokens) for r in family}) == 3 and sched.pool.blocks_free == sched.pool.num_blocks
+    with pytest.raises(GenerationError, match="n=5"):
+        sched.submit(prompt, 2, n=5)
+
+
+def test_the_pool_evicts_cached_prefix_blocks_last_and_least_recently_freed_first():
+    model = kvref.Model.random(CFG, seed=10, backend="numpy")
+    pool = model.new_cache(layout="paged", block_size=4, num_blocks=6, prefix_reuse=True).pool
+    a, b = pool.new_cache(), pool.new_cache()
+    model.forward(list(range(8)), a)  # two full blocks, indexed
+    model.forward(list(range(20, 26)), b)  # one full block (indexed) and a partial one
+    a_first = a.block_table[0]
+    a.free()
+    b.free()
+    keys = pool.prefix_keys
+    cached = set(keys)
+    assert len(cached) == 3 and pool.blocks_cached == 3
+    c = pool.new_cache()
+    model.forward(list(range(40, 52)), c)  # 3 blocks: the 3 free blocks that hold no prefix
+    assert not cached & set(c.block_table) and set(pool.prefix_keys) >= cached
+    d = pool.new_cache()
+    model.forward(list(range(60, 64)), d)  # 1 block: the least recently freed cached block, a's first
+    assert d.block_table == (a_first,) and keys[a_first] not in pool.prefix_keys.values()
+    assert all(pool.prefix_keys[b] == keys[b] for b in cached - {a_first})

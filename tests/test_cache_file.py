@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import os
+import signal
 import struct
 from pathlib import Path
 
@@ -105,7 +107,7 @@ def set_in(keys, value):
 BAD_FILES = {
     "a flipped bit": (lambda p: rewrite(p, mutate_body=lambda d: d.__setitem__(-5, d[-5] ^ 1), fix_checksum=False),
                       "corrupt or truncated: its sha256 checksum does not match"),
-    "cut short": (lambda p: p.write_bytes(p.read_bytes()[:-100]), "checksum does not match"),
+    "cut short": (lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated or corrupt"),
     "empty": (lambda p: p.write_bytes(b""), "truncated: 0 bytes"),
     "another file type": (lambda p: p.write_bytes(b"GGUF" + bytes(100)), "not a kvref KV cache"),
     "a future version": (lambda p: rewrite(p, mutate_body=lambda d: struct.pack_into("<I", d, 8, 2)),
@@ -182,3 +184,157 @@ def test_files_saved_before_the_sequence_moved_off_the_cache_load_and_resume(lay
     model.forward([1, 2, 3, 4, 5, 6], fresh)
     np.testing.assert_array_equal(loaded.sequence.last_logits, model.forward([7], fresh))
     assert list(kvref.resume(model, loaded, 5)) == list(kvref.resume(model, fresh, 5))
+
+
+# ---- hostile files (issue 16): every field checked before it sizes anything ---------------------------
+
+def resave(path, edit):
+    """Read a saved file, let edit(header, arrays) change anything (arrays: name -> ndarray), and write it
+    back well-formed: offsets, sizes and checksum made right again, so only the edit is wrong."""
+    header, arrays = read_cache_file(path)
+    edit(header, arrays)
+    offset = 4096  # past any header these tests write
+    header["arrays"] = []
+    for name, a in arrays.items():
+        header["arrays"].append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "offset": offset,
+                                 "nbytes": a.nbytes})
+        offset += -(-a.nbytes // 64) * 64
+    write_raw(path, json.dumps(header).encode(), arrays.values())
+
+
+def write_raw(path, text, arrays=()):
+    body = bytearray(MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(text)) + text)
+    assert not arrays or len(body) <= 4096
+    body += bytes(max(4096 - len(body), 0))
+    for a in arrays:
+        body += bytes(-len(body) % 64) + np.ascontiguousarray(a).tobytes()
+    Path(path).write_bytes(bytes(body) + hashlib.sha256(body).digest())
+
+
+@pytest.fixture
+def saved(model, tmp_path):
+    cache = model.new_cache(layout="paged", block_size=4)
+    model.forward([1, 2, 3], cache)
+    cache.save(tmp_path / "c.kvc")
+    return tmp_path / "c.kvc"
+
+
+def refused(model, path, message):
+    with pytest.raises(CacheError, match=message):
+        model.load_cache(path)
+
+
+def test_only_a_regular_file_is_read_never_a_device_fifo_or_directory(model, tmp_path, saved):
+    (tmp_path / "zero").symlink_to("/dev/zero")  # was read whole: 2.9 GB in 3 s
+    refused(model, tmp_path / "zero", "is not a regular file")
+    refused(model, tmp_path, "is not a regular file")
+    os.mkfifo(tmp_path / "fifo")  # with no writer, opening it to read blocked forever
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("reading a FIFO blocked"))
+    signal.alarm(5)
+    try:
+        refused(model, tmp_path / "fifo", "is not a regular file")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    (tmp_path / "link.kvc").symlink_to(saved)  # a symlink to a regular file is that file
+    assert model.load_cache(tmp_path / "link.kvc").length == 3
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "nests JSON deeper than 32 levels"),  # was RecursionError
+    (b'{"arrays": 5}', "'arrays' lists at most 8 arrays"),
+    (b'{"arrays": [7]}', "bad array entry 7"),
+    (b'{"arrays": [{"name": "k", "dtype": "float32", "shape": "abc", "offset": 4096, "nbytes": 0}]}',
+     "shape 'abc'"),
+    (b'{"arrays": [{"name": "k", "dtype": "float32", "shape": [2.5], "offset": 4096, "nbytes": 0}]}',
+     r"dimension of array 'k'=2.5 \(float\) must be an integer"),
+    (b'{"arrays": [{"name": "k", "dtype": ["f4"], "shape": [], "offset": 4096, "nbytes": 4}]}', "dtype \\['f4'\\]"),
+    # np.prod(shape, int64) wrapped to 0 for this shape, which passed the size check
+    (b'{"arrays": [{"name": "k", "dtype": "float32", "shape": [4611686018427387904, 4], "offset": 4096, '
+     b'"nbytes": 0}]}', "cannot take 0 bytes"),
+    (b'{"arrays": [{"name": "k", "dtype": "float32", "shape": [1], "offset": 1e300, "nbytes": 4}]}',
+     "offset of array 'k'=1e\\+300 \\(float\\)"),
+    (b'{"arrays": [], "x": NaN', "cannot be read as JSON"),
+    (b"\xff\xfe", "cannot be read as JSON"),
+])
+def test_a_malformed_header_is_refused_naming_the_field(model, tmp_path, text, message):
+    write_raw(tmp_path / "c.kvc", text)
+    refused(model, tmp_path / "c.kvc", message)
+
+
+def set_header(keys, value):
+    def edit(header, arrays):
+        set_in(keys, value)(header)
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (set_header(["options", "num_blocks"], 2 * 10**7),
+     r"options.num_blocks=20000000 must be an integer in \[1, 1048576\]"),
+    (set_header(["options", "num_blocks"], 2e7), r"options.num_blocks=20000000.0 \(float\) must be an integer"),
+    # 2**26 positions of 256 bytes: 16 GiB, over the memory budget
+    (lambda h, a: h["options"].update(num_blocks=2**20, block_size=64), "16.0 GiB .* more than the 4 GiB"),
+    (set_header(["options", "block_size"], 10**12),
+     r"options.block_size=1000000000000 must be an integer in \[1, 64\]"),
+    (set_header(["options", "block_size"], "4"), r"options.block_size='4' \(str\) must be an integer"),
+    (set_header(["options", "prefix_reuse"], "yes"), "prefix_reuse is 'yes'; expected true or false"),
+    (set_header(["options"], [1]), "'options' and 'rope' must be objects"),
+    (set_header(["model"], "me"), "'model' must be an object"),
+    (set_header(["length"], "3"), r"length='3' \(str\) must be an integer"),
+    (set_header(["length"], 10**20), r"length=100000000000000000000 must be an integer in \[0, 64\]"),
+    (set_header(["next_position"], 2), r"next_position=2 must be an integer in \[3, 64\]"),
+    (set_header(["group_size"], True), r"group_size=True \(bool\) must be an integer"),
+    (set_header(["k_dtype"], ["float32"]), "k_dtype is \\['float32'\\]; expected one of"),
+    (set_header(["layout"], {"a": 1}), "unknown layout {'a': 1}"),
+    (lambda h, a: a["token_ids"].__setitem__(1, 64), r"token_ids holds ids outside the vocabulary \[0, 64\)"),
+    (lambda h, a: a["token_ids"].__setitem__(1, -1), "token_ids holds ids outside the vocabulary"),
+    (lambda h, a: a["last_logits"].__setitem__(5, np.nan), "last_logits must be finite float32 or float64"),
+    (lambda h, a: a["last_logits"].__setitem__(5, np.inf), "with non-finite values"),
+    (lambda h, a: a.update(last_logits=a["last_logits"].astype(np.int8)), "they are int8"),
+    (lambda h, a: a.update(last_logits=a["last_logits"][:10]), r"'last_logits' is \(10,\); expected shape \(64,\)"),
+    (lambda h, a: a.update(extra=np.zeros(1)), "array name 'extra' is unknown"),
+])
+def test_every_header_field_and_loaded_value_is_checked(model, saved, edit, message):
+    resave(saved, edit)
+    refused(model, saved, message)
+
+
+def test_window_and_capacity_options_are_bounded_by_max_seq_len(model, tmp_path):
+    cache = model.new_cache(layout="window", window=5)
+    model.forward([1, 2, 3], cache)
+    cache.save(tmp_path / "w.kvc")
+    resave(tmp_path / "w.kvc", set_header(["options", "window"], 2**40))
+    refused(model, tmp_path / "w.kvc", r"options.window=1099511627776 must be an integer in \[1, 64\]")
+    cache = model.new_cache(capacity=8)
+    model.forward([1, 2, 3], cache)
+    cache.save(tmp_path / "c.kvc")
+    resave(tmp_path / "c.kvc", set_header(["options", "capacity"], 2**40))  # lowered to max_seq_len
+    assert model.load_cache(tmp_path / "c.kvc").capacity == CFG.max_seq_len
+    resave(tmp_path / "c.kvc", set_header(["options", "capacity"], -1))
+    refused(model, tmp_path / "c.kvc", r"options.capacity=-1 must be an integer")
+
+
+def test_a_file_longer_than_its_header_says_is_refused_before_it_is_read(model, saved):
+    saved.write_bytes(saved.read_bytes() + bytes(1000))
+    refused(model, saved, "truncated or corrupt: it has")
+
+
+def test_a_round_trip_through_resave_loads(model, saved):
+    # guards the tests above: resave alone leaves a loadable file, so each refusal is the edit's doing
+    resave(saved, lambda h, a: None)
+    assert model.load_cache(saved).sequence.token_ids == [1, 2, 3]
+
+
+def test_a_file_larger_than_any_cache_of_the_model_is_refused_before_it_is_read(model, tmp_path):
+    # a sparse file and a header describing it: regular and consistent, but no cache of this model is
+    # that large, so its 2**40 bytes are never read
+    k = {"name": "k", "dtype": "float32", "shape": [2**38], "offset": 4096, "nbytes": 2**40}
+    text = json.dumps({"arrays": [k]}).encode()
+    path = tmp_path / "huge.kvc"
+    write_raw(path, text)
+    with open(path, "r+b") as f:
+        f.truncate(4096 + 2**40 + 32)
+    try:
+        refused(model, path, "has 1,099,511,631,904 bytes; a cache of this model takes at most")
+    finally:
+        path.unlink()  # pytest keeps the last runs' temporary folders

@@ -201,8 +201,8 @@ def test_a_saved_hybrid_file_with_rows_of_the_wrong_type_is_refused(tmp_path, mo
     cache.save(tmp_path / "c.kvc")
     read = fileformat.read_cache_file
     for tamper in (lambda rows: rows.astype(np.float64), lambda rows: rows.astype(np.int8)):
-        def tampered(path, tamper=tamper):
-            header, arrays = read(path)
+        def tampered(path, max_bytes=None, tamper=tamper):
+            header, arrays = read(path, max_bytes)
             return header, {**arrays, "layer_rows": tamper(arrays["layer_rows"])}
 
         monkeypatch.setattr(fileformat, "read_cache_file", tampered)

@@ -144,3 +144,17 @@ def test_tied_embeddings_share_one_matrix_and_untied_do_not():
     assert tied.weights.output is tied.weights.tok_embeddings
     assert untied.weights.output is not untied.weights.tok_embeddings
     assert untied.weights.output.shape == (40, 16)
+
+
+def test_a_nan_embedding_at_a_later_position_never_reaches_earlier_logits():
+    # issue 16: the spec's masked product formed 0 x NaN, so position 0's logits were NaN when
+    # position 1's embedding was; on both backends position 0 is untouched and position 1 is NaN
+    cfg = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=40, max_seq_len=8)
+    weights = kvref.weights.random_weights(cfg, seed=0)
+    weights.tok_embeddings[7, 3] = np.nan
+    for backend in ("numpy", *(("c",) if kvref.native.available() else ())):
+        model = kvref.Model(cfg, weights, backend=backend)
+        with np.errstate(invalid="ignore"):
+            logits = model.forward([5, 7, 5], all_logits=True)
+        assert np.isfinite(logits[0]).all() and np.isnan(logits[1:]).all()
+        assert_close(logits[0], kvref.Model.random(cfg, seed=0, backend=backend).forward([5]), "float32", backend)

@@ -241,6 +241,10 @@ MALFORMED = {
     "alignment not a power of two": (
         _kv_file(kv("general.alignment", V.UINT32, 48)),
         "is 48, expected a power of two"),
+    # the GGUF spec asks for a multiple of 8; 1 and 2 made F32 norm gains views at odd addresses (UBSan)
+    "alignment 1": (_kv_file(kv("general.alignment", V.UINT32, 1)), "is 1, expected a power of two of at least 8"),
+    "alignment 2": (_kv_file(kv("general.alignment", V.UINT32, 2)), "is 2, expected a power of two of at least 8"),
+    "alignment 4": (_kv_file(kv("general.alignment", V.UINT32, 4)), "is 4, expected a power of two of at least 8"),
     "alignment of the wrong type": (
         _kv_file(kv("general.alignment", V.UINT64, 32)),
         "has type UINT64, expected UINT32"),

@@ -108,6 +108,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
 LLAMA_METADATA = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
                   "llama.block_count": 1, "llama.feed_forward_length": 32, "llama.context_length": 64,
                   "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 10}  # head_dim 16
+ONE_BLOCK = ["blk.0.attn_norm.weight"]  # the tensors of block_count 1 (by name: the config reads no tensor)
 
 
 @pytest.mark.parametrize("factors", [np.ones(7), np.ones((2, 4)), np.array([1.0] * 7 + [np.nan]),
@@ -116,8 +117,8 @@ def test_a_rope_freqs_tensor_of_the_wrong_shape_or_values_is_refused_naming_it(f
     from kvref.formats.architectures import config_from_metadata
 
     with pytest.raises(GGUFError, match=r"rope_freqs.weight must hold one positive finite divisor .*\(8,\)"):
-        config_from_metadata(LLAMA_METADATA, ["rope_freqs.weight"], factors)
-    config = config_from_metadata(LLAMA_METADATA, ["rope_freqs.weight"], np.full(8, 2.0))
+        config_from_metadata(LLAMA_METADATA, ONE_BLOCK + ["rope_freqs.weight"], factors)
+    config = config_from_metadata(LLAMA_METADATA, ONE_BLOCK + ["rope_freqs.weight"], np.full(8, 2.0))
     assert config.rope_scaling == ("factors", (2.0,) * 8)
 
 
@@ -127,9 +128,9 @@ def test_a_linear_rope_scaling_factor_must_be_a_positive_number(factor):
 
     metadata = {**LLAMA_METADATA, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": factor}
     with pytest.raises(GGUFError, match="rope.scaling.factor"):
-        config_from_metadata(metadata, [])
+        config_from_metadata(metadata, ONE_BLOCK)
     metadata["llama.rope.scaling.factor"] = 4.0
-    assert config_from_metadata(metadata, []).rope_scaling == ("linear", 4.0)
+    assert config_from_metadata(metadata, ONE_BLOCK).rope_scaling == ("linear", 4.0)
 
 
 def test_gguf_rows_with_adjacent_rope_equal_transformers_rows_with_rotate_half(model):

@@ -33,7 +33,7 @@ from kvref.spec import ops as spec
 from kvref.spec import quants
 from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
 from kvref.tolerance import ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
-from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, reads_like_float_kv, require
+from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, misaligned, reads_like_float_kv, require
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -452,6 +452,79 @@ def test_attention_rows_that_see_no_key_are_exactly_zero_and_never_nan(case, isa
     assert np.all(out[blind] == 0.0)
 
 
+def sanitized(a):
+    return np.where(np.isfinite(a), a, 0).astype(a.dtype)
+
+
+@st.composite
+def poisoned_attention_cases(draw):
+    """attention_cases with 1 to 3 non-finite values (NaN, +inf, -inf) in q, K or V, anywhere: in
+    keys some queries see and some do not."""
+    q, k, v, q_pos, k_pos, window, scale = draw(attention_cases())
+    rng = np.random.default_rng(draw(SEEDS))
+    arrays = [q] + ([k, v] if k.shape[0] else [])
+    for _ in range(draw(st.integers(1, 3))):
+        a = arrays[draw(st.integers(0, len(arrays) - 1))]
+        a[tuple(rng.integers(0, n) for n in a.shape)] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    return q, k, v, q_pos, k_pos, window, scale
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the bound's own arithmetic on non-finite inputs
+@given(poisoned_attention_cases(), ISAS, THREADS)
+def test_attention_with_non_finite_inputs_is_nan_exactly_where_the_spec_is_and_equal_elsewhere(case, isa, threads):
+    # the rule of kvref.spec.ops.attention: a non-finite score a query head sees -> NaN head; a
+    # non-finite value element of a seen key -> NaN element; an unseen key never matters; never +-inf
+    q, k, v, q_pos, k_pos, window, scale = case
+    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale, window=window)
+    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window) if k.shape[0] else np.zeros(q.shape)
+    assert not np.isinf(out).any() and not np.isinf(ref).any()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    blind = ~visible(q_pos, k_pos, window).any(axis=1)  # [T]
+    assert np.all(out[blind] == 0.0)
+    # where finite, every input that reached the output was finite: the bound of clean inputs holds
+    fine = ~np.isnan(ref)
+    bound = attention_bound(sanitized(q), sanitized(k), sanitized(v), q_pos, k_pos, window, scale)
+    assert_within(out[fine], ref[fine], bound[fine], what=f"S={k.shape[0]} {isa}")
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+@pytest.mark.parametrize("S", [5, 70, 300, 600])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_key_makes_every_head_that_sees_it_nan_at_any_cache_length(isa, S, bad):
+    # issue 16: a NaN or +inf score became zeros up to ~70 keys and NaN at 300 (segments merged)
+    rng = np.random.default_rng(S)
+    T, Hkv, G, D = 3, 2, 2, 16
+    q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    q[:, :, 3] = np.abs(q[:, :, 3]) + 0.5  # so an infinite k element gives an infinite score
+    k[S - 2, 1, 3] = bad  # kv head 1 of the next-to-last position: the last query alone does not see it
+    q_pos, k_pos = np.arange(S - T, S), np.arange(S)
+    for T_run in (1, T):  # a decode step (key segments merged past 256 keys) and a short prefill
+        out = ks(2, isa).attention(q[-T_run:], k, v, q_pos[-T_run:], k_pos)
+        ref = spec.attention(q[-T_run:], k, v, q_pos[-T_run:], k_pos)
+        sees = q_pos[-T_run:] >= S - 2  # [T_run]
+        assert np.isnan(out[sees][:, G:]).all() and np.isnan(ref[sees][:, G:]).all()
+        assert np.isfinite(out[:, :G]).all() and np.isfinite(out[~sees]).all()
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+def test_a_key_no_query_sees_never_reaches_the_output_whatever_it_holds(isa):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((300, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((300, 1, 8)).astype(np.float32)
+    clean_k, clean_v = k.copy(), v.copy()
+    k[299], v[299], v[0] = np.nan, np.inf, np.nan  # the last key is in no query's past, the first
+    q_pos, k_pos = np.array([297, 298]), np.arange(300)  # left of every window of 50
+    out = ks(1, isa).attention(q, k, v, q_pos, k_pos, window=50)
+    np.testing.assert_array_equal(out, ks(1, isa).attention(q, clean_k, clean_v, q_pos, k_pos, window=50))
+    assert np.isfinite(out).all()
+    assert_within(out, spec.attention(q, k, v, q_pos, k_pos, window=50),
+                  attention_bound(q, clean_k, clean_v, q_pos, k_pos, 50))
+
+
 def front_guarded(a, n_bytes):
     """A copy of `a` whose first n_bytes (a whole number of pages) cannot be read: a kernel that
     touches them crashes instead of reading them."""
@@ -565,6 +638,40 @@ def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
         np.testing.assert_array_equal(one.swiglu(g, g[::-1].copy()), two.swiglu(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.geglu(g, g[::-1].copy()), two.geglu(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.rope(r, np.arange(37), 1e4), two.rope(r, np.arange(37), 1e4))
+
+
+def test_misaligned_float_arrays_are_refused_before_c_reads_them_as_floats():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    w = misaligned(rng.standard_normal(40).astype(np.float32))
+    assert not w.flags.aligned
+    with pytest.raises(ShapeError, match="aligned"):
+        nops.rms_norm(x, w, 1e-5)
+    with pytest.raises(ShapeError, match="aligned"):
+        nops.rms_norm(misaligned(x), w.copy(), 1e-5)
+    with pytest.raises(ShapeError, match="aligned"):
+        nops.matmul(x, misaligned(rng.standard_normal((8, 40)).astype(np.float32)))
+
+
+@pytest.mark.parametrize("gtype", FLOAT_TYPES)
+def test_float_weight_blocks_at_odd_addresses_are_read_through_byte_loads(gtype):
+    # a QuantizedTensor's bytes may sit anywhere in a file: C loads them with memcpy, never as a float
+    # * (UBSan, in CI's sanitizer run, would report a misaligned load)
+    rng = np.random.default_rng(1)
+    W = rng.standard_normal((8, 64)).astype(np.float32)
+    dtype = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.float32}[gtype]
+    data = W.astype(dtype).view(np.uint8).reshape(8, -1)
+    if gtype == GGMLType.BF16:
+        data = np.ascontiguousarray((W.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(8, -1))
+    aligned, odd = QuantizedTensor(gtype, (8, 64), data), QuantizedTensor(gtype, (8, 64), misaligned(data))
+    assert odd.data.ctypes.data % 2 == 1
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    for isa in nops.supported_isas():
+        k = ks(1, isa)
+        for T in (1, 5):  # matrix-vector and the tiled GEMM
+            np.testing.assert_array_equal(k.matmul(x[:T], odd), k.matmul(x[:T], aligned))
+            np.testing.assert_array_equal(k.matmul_int8(x[:T], odd), k.matmul_int8(x[:T], aligned))
+        np.testing.assert_array_equal(k.embed(odd, [0, 7]), k.embed(aligned, [0, 7]))
 
 
 # ---- the real model's tensors ---------------------------------------------------------------

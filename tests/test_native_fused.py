@@ -37,7 +37,8 @@ from kvref.spec import decoder
 from kvref.spec import quants
 from kvref.tolerance import INT8_ACTIVATION_ROUNDING, UNDERFLOW_SLACK, assert_close, compare, gamma
 from kvref.weights import LayerWeights, Weights, random_weights
-from tests.conftest import NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, reads_like_float_kv, require
+from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, reads_like_float_kv,
+                            require)
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -213,6 +214,21 @@ def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernel
     assert got.dtype == np.float32 and got.shape == want.shape
     assert got_cache.length == want_cache.length == len(tokens) + steps
     assert_same_execution(isa, got, got_cache, want, want_cache)
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+def test_an_int8_cache_keeps_a_nan_it_is_given_as_nan_like_the_spec_encoder(isa):
+    # the group's scale is NaN (np.max's answer), so the position decodes to NaN, never to a finite stand-in
+    weights = random_weights(CFG, 4, "float32")
+    weights.tok_embeddings[5] = np.nan  # position 1's K and V are NaN in every layer
+    ops, ff = nops.kernels(1, isa), fused.FusedForward(CFG, weights)
+    got, want = new_cache(CFG, "int8"), new_cache(CFG, "int8")
+    ff.forward(ops, CFG, weights, np.array([1, 5, 2]), got, True)
+    decoder.forward(ops, CFG, weights, np.array([1, 5, 2]), want, True)
+    for layer in range(CFG.n_layers):
+        for a, b in zip(got.read(layer), want.read(layer)):  # K, V [3, Hkv, D]
+            assert np.isnan(a[1]).all() and np.isfinite(a[0]).all()
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
 
 
 # ---- several sequences in one execution -------------------------------------------------------
@@ -502,6 +518,19 @@ def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread
     x = np.round(np.clip(x / (np.abs(x).max() + 1e-30), -1, 1) * 2**12).astype(np.float32) / 8
     want = nops.kernels(1, "scalar").matmul_int8(x, w)
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
+
+
+@given(int8_cases(), ISAS, st.sampled_from([np.nan, np.inf, -np.inf]), st.data())
+def test_int8_matmul_makes_every_output_of_a_row_with_a_non_finite_input_nan(case, isa, bad, data):
+    # rounding to 8 bits must not turn a NaN or an infinity into a finite value (docs/kv-cache.md)
+    w, x = case
+    row, col = data.draw(st.integers(0, x.shape[0] - 1)), data.draw(st.integers(0, x.shape[1] - 1))
+    x[row, col] = bad
+    y = nops.kernels(2, isa).matmul_int8(x, w)
+    exact = nops.kernels(2, isa).matmul(x, w)
+    assert np.all(~np.isfinite(y[row])) and np.all(np.isnan(y[row]) | ~np.isfinite(exact[row]))
+    others = np.arange(x.shape[0]) != row
+    np.testing.assert_array_equal(np.isfinite(y[others]), np.isfinite(exact[others]))
 
 
 @given(st.sampled_from([t for t in nops.WEIGHT_TYPES if t not in INT8_TYPES]), ISAS, st.integers(0, 2**16))
@@ -826,6 +855,175 @@ def test_the_descriptor_keeps_the_arrays_it_points_into_alive():
                                nops.cache_descriptor(cache).ptr, 0, lib.KVREF_ACT_F32, 1, ffi.from_buffer("float[]", got))
     assert status == lib.KVREF_OK and len(junk) == 50
     np.testing.assert_array_equal(got, want)
+
+
+# ---- hostile inputs: aliasing, alignment, non-finite values (issue 16) ----------------------------
+
+def array_chain(a):
+    """a and every array it is a view of, down to the one whose base is not an array."""
+    chain = []
+    while isinstance(a, np.ndarray):
+        chain.append(a)
+        a = a.base
+    return chain
+
+
+def test_a_models_weights_cannot_be_resized_written_or_freed_under_c():
+    # issue 16: resizing a weight the C forward points into made it read freed memory (ASan:
+    # heap-use-after-free in vec_dot_f32), and return other logits without an error in a normal build
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    want = model.forward([1, 2], model.new_cache())
+    for name in ("wq", "attn_norm"):
+        for a in array_chain(getattr(model.weights.layers[0], name)):
+            with pytest.raises(ValueError):
+                a.resize((2, 2), refcheck=False)
+            with pytest.raises(ValueError):
+                a.setflags(write=True)
+            with pytest.raises(ValueError):
+                a[...] = 0
+    # __setstate__ hands the array object memory of its own; C keeps reading the model's, which
+    # nothing it holds could free (the model keeps the bytes the view was made of)
+    model.weights.layers[0].wq.__setstate__(np.zeros((2, 2), np.float32).__reduce__()[2])
+    assert model.fused_problem(model.new_cache()) is None
+    np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()), want)
+
+
+def test_a_models_quantized_blocks_cannot_be_resized_or_written_under_c():
+    weights = random_weights(CFG, seed=8)
+    blocks = np.zeros((CFG.q_dim, row_nbytes(GGMLType.Q8_0, CFG.d_model)), np.uint8)  # writeable, the caller's
+    blocks[:, 2:] = np.random.default_rng(0).integers(-8, 8, (CFG.q_dim, blocks.shape[1] - 2)).astype(np.int8).view(np.uint8)
+    blocks[:, 0:2] = np.full((CFG.q_dim, 1), 0.01, np.float16).view(np.uint8)  # one block per row: d = 0.01
+    weights.layers[0].wq = QuantizedTensor(GGMLType.Q8_0, (CFG.q_dim, CFG.d_model), blocks)
+    model = kvref.Model(CFG, weights, backend="c")
+    want = model.forward([1, 2], model.new_cache())
+    data = model.weights.layers[0].wq.data
+    assert data is not blocks and model.fused_problem(model.new_cache()) is None
+    for a in array_chain(data):
+        with pytest.raises(ValueError):
+            a.resize((1,), refcheck=False)
+        with pytest.raises(ValueError):
+            a.setflags(write=True)
+    blocks[...] = 0  # the caller's array is theirs: the model holds a copy
+    np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()), want)
+
+
+def test_rebinding_a_models_weight_runs_the_decoder_on_the_new_tensor():
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    other = random_weights(CFG, seed=4)
+    model.weights.layers[1].wv = other.layers[1].wv  # writeable, not frozen: the decoder reads it per call
+    assert "weights" in model.fused_problem(model.new_cache())
+    want = decoder.forward(model.ops, CFG, model.weights, np.array([1, 2]), model.new_cache(), True)
+    np.testing.assert_array_equal(model.forward([1, 2], model.new_cache(), all_logits=True), want)
+    model.weights = other
+    assert "weights" in model.fused_problem(model.new_cache())
+    want = decoder.forward(model.ops, CFG, other, np.array([3]), model.new_cache(), True)
+    np.testing.assert_array_equal(model.forward([3], model.new_cache(), all_logits=True), want)
+
+
+def test_a_fused_forward_built_from_writeable_weights_reads_its_own_copy_of_them():
+    weights = random_weights(CFG, seed=5)
+    ff = fused.FusedForward(CFG, weights)
+    ids = np.array([1, 2, 3])
+    want = ff.forward(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True)
+    weights.layers[0].wq.resize((2, 2), refcheck=False)  # the caller's own arrays: numpy lets it free them
+    weights.layers[0].attn_norm.resize((3,), refcheck=False)
+    weights.output_norm[...] = np.nan
+    assert ff.fallback_reason(nops.kernels(), CFG, weights, new_cache(CFG, "float32")) is None  # same objects
+    np.testing.assert_array_equal(ff.forward(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True), want)
+
+
+def test_memory_mapped_weights_are_read_in_place_and_their_mapping_stays_open(tmp_path):
+    weights = random_weights(CFG, seed=6)
+    path = tmp_path / "wq.bin"
+    path.write_bytes(weights.layers[0].wq.tobytes())
+    mapped = np.memmap(path, dtype=np.float32, mode="r", shape=weights.layers[0].wq.shape)
+    weights.layers[0].wq = view = mapped.view(np.ndarray)  # as the GGUF reader hands tensors out
+    model = kvref.Model(CFG, weights, backend="c")
+    assert model.weights.layers[0].wq is view  # no copy
+    assert model.weights.layers[0].wo is not weights.layers[0].wo  # a writeable array: copied once
+    assert weights.layers[0].wo.flags.writeable  # and the caller's left as it was
+    with pytest.raises(BufferError):
+        mapped._mmap.close()  # the C forward pins the mapping it reads
+    assert model.fused_problem(model.new_cache()) is None
+    np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()),
+                                  kvref.Model(CFG, random_weights(CFG, seed=6), backend="c").forward([1, 2]))
+
+
+def test_a_misaligned_gain_is_refused_by_the_fused_forward_and_copied_by_a_model():
+    weights = random_weights(CFG, seed=7)
+    want = kvref.Model(CFG, weights, backend="c").forward([1, 2, 3], all_logits=True)
+    for layer, name in ((0, "attn_norm"), (1, "ffn_norm")):
+        setattr(weights.layers[layer], name, misaligned(getattr(weights.layers[layer], name)))
+    weights.output_norm = misaligned(weights.output_norm)
+    with pytest.raises(ShapeError, match="aligned"):
+        fused.FusedForward(CFG, weights)
+    model = kvref.Model(CFG, weights, backend="c")  # frozen: an aligned copy
+    assert model.weights.output_norm.flags.aligned and model.fused_problem(model.new_cache()) is None
+    np.testing.assert_array_equal(model.forward([1, 2, 3], all_logits=True), want)
+
+
+def test_misaligned_token_ids_reach_c_as_an_aligned_copy():
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    ids = misaligned(np.array([4, 1, 2], np.int64))
+    assert not ids.flags.aligned
+    want = model.fused.forward(model.ops, CFG, model.weights, np.array([4, 1, 2]), model.new_cache(), True)
+    np.testing.assert_array_equal(model.fused.forward(model.ops, CFG, model.weights, ids, model.new_cache(), True), want)
+
+
+NON_FINITE = st.sampled_from([np.nan, np.inf, -np.inf])
+
+
+@st.composite
+def poisoned_runs(draw):
+    """A random model (any family) with one non-finite value in its embeddings, a matrix, a gain, or
+    in K or V of the cache after the first execution; the executions that follow."""
+    config = draw(family_configs(max_layers=2))
+    weights = random_weights(config, draw(st.integers(0, 2**16)), "float32")
+    tokens = draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=2, max_size=24))
+    chunks = draw(chunkings(len(tokens)))
+    target = draw(st.sampled_from(["embedding", "matrix", "gain", "k", "v"]))
+    value = draw(NON_FINITE)
+    if target in ("embedding", "matrix", "gain"):
+        lw = weights.layers[draw(st.integers(0, config.n_layers - 1))]
+        a = {"embedding": weights.tok_embeddings,
+             "matrix": getattr(lw, draw(st.sampled_from(["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]))),
+             "gain": getattr(lw, draw(st.sampled_from(["attn_norm", "ffn_norm"])))}[target]
+        row = draw(st.sampled_from(tokens)) if target == "embedding" else draw(st.integers(0, a.shape[0] - 1))
+        a[(row, *(draw(st.integers(0, n - 1)) for n in a.shape[1:]))] = value
+        return config, weights, tokens, chunks, None
+    slot = (draw(st.integers(0, config.n_layers - 1)), draw(st.integers(0, chunks[0] - 1)),
+            draw(st.integers(0, config.n_kv_heads - 1)), draw(st.integers(0, config.head_dim - 1)))
+    return config, weights, tokens, chunks, (target, slot, value)
+
+
+def run_poisoned(model, tokens, chunks, kv_poison):
+    """Every logit row of the executions, with K or V poisoned in the cache after the first."""
+    cache, out, start = model.new_cache(layout="contiguous"), [], 0
+    for i, n in enumerate(chunks):
+        out.append(model.forward(tokens[start:start + n], cache, all_logits=True))
+        start += n
+        if i == 0 and kv_poison is not None:
+            target, slot, value = kv_poison
+            getattr(cache.store, target)[slot] = value  # a cache file's K or V, say
+    return np.concatenate(out)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's "invalid value" from the spec's kernels
+@settings(max_examples=60, deadline=None)
+@given(poisoned_runs(), ISAS)
+def test_non_finite_values_give_the_spec_decoders_non_finite_logits_and_its_finite_ones(case, isa):
+    # issue 16: a NaN embedding or a NaN K could give finite, wrong logits; spec and native attention
+    # hid a NaN or +inf score differently (native alone returned NaN past 256 keys)
+    config, weights, tokens, chunks, kv_poison = case
+    spec_model = kvref.Model(config, weights, backend="numpy")
+    native_model = kvref.Model(config, weights, backend="c")
+    native_model.ops = nops.kernels(1, isa)
+    want = run_poisoned(spec_model, tokens, chunks, kv_poison)
+    got = run_poisoned(native_model, tokens, chunks, kv_poison)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    finite = np.isfinite(want)
+    if finite.any():
+        assert_close(got[finite], want[finite], "float32", f"finite logits, {isa}")
 
 
 # ---- per-layer rings (a hybrid cache's storage, built by hand) ------------------------------------

@@ -46,6 +46,46 @@ def test_attention_with_every_key_hidden_returns_zeros():
     np.testing.assert_array_equal(out, np.zeros((1, 2, 4)))
 
 
+def test_softmax_of_a_row_holding_nan_or_plus_inf_is_all_nan_never_zeros():
+    # issue 16: `where=total > 0` turned such a row into zeros, hiding the bad score
+    p = ops.softmax(np.array([[0.0, np.nan, 1.0], [np.inf, 0.0, -np.inf], [-np.inf, -np.inf, -np.inf]]))
+    assert np.isnan(p[:2]).all()
+    np.testing.assert_array_equal(p[2], 0.0)
+
+
+def test_attention_makes_a_head_nan_for_any_non_finite_score_it_sees_even_minus_inf():
+    # q . k = -inf at a seen key must not pass for a masked key (probability 0)
+    q = np.ones((2, 2, 4))
+    k = np.ones((3, 1, 4))
+    v = np.arange(12.0).reshape(3, 1, 4)
+    for bad in (np.nan, np.inf, -np.inf):
+        k[1, 0, 2] = bad
+        out = ops.attention(q, k, v, q_positions=np.array([0, 2]), k_positions=np.arange(3))
+        assert np.isfinite(out[0]).all()  # position 0 sees key 0 only
+        assert np.isnan(out[1]).all()
+
+
+def test_attention_makes_an_element_nan_for_a_non_finite_value_element_it_sees_only():
+    q = np.ones((2, 1, 4))
+    k = np.ones((3, 1, 4))
+    v = np.ones((3, 1, 4))
+    v[2, 0, 1], v[1, 0, 3] = np.inf, np.nan
+    out = ops.attention(q, k, v, q_positions=np.array([1, 2]), k_positions=np.arange(3))
+    np.testing.assert_array_equal(out[0, 0], [1.0, 1.0, 1.0, np.nan])  # position 1 does not see key 2's inf
+    np.testing.assert_array_equal(np.isnan(out[1, 0]), [False, True, False, True])  # NaN, never +inf
+    np.testing.assert_array_equal(out[1, 0, [0, 2]], 1.0)
+
+
+def test_attention_never_multiplies_an_unseen_keys_value_by_zero():
+    # the masked product: 0 x NaN at a key a query does not see once made its output NaN
+    q = np.ones((1, 2, 4))
+    k = np.ones((2, 1, 4))
+    v = np.stack([np.full((1, 4), 2.0), np.full((1, 4), np.nan)])
+    k[1] = np.nan
+    out = ops.attention(q, k, v, q_positions=np.array([0]), k_positions=np.array([0, 1]))
+    np.testing.assert_array_equal(out, np.full((1, 2, 4), 2.0))
+
+
 @given(st.data())
 def test_gqa_attention_equals_per_head_attention_on_the_shared_kv_head(data):
     Hkv = data.draw(st.integers(1, 3))

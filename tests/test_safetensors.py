@@ -2,6 +2,7 @@
 SafetensorsError naming the problem, never a crash or a wrong tensor."""
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -59,6 +60,9 @@ def entry(dtype="F32", shape=(2,), offsets=(0, 8)):
     (b"{not json", b"", None, "not JSON"),
     (b"[1, 2]", b"", None, "must be a JSON object"),
     (json.dumps({"w": entry(dtype="F8")}).encode(), bytes(8), None, "dtype 'F8'"),
+    # found by tests/fuzz: an unhashable dtype raised TypeError
+    (json.dumps({"w": entry(dtype=["F32"])}).encode(), bytes(8), None, r"dtype \['F32'\]"),
+    (json.dumps({"w": entry(dtype={"a": 1})}).encode(), bytes(8), None, "dtype {'a': 1}"),
     (json.dumps({"w": entry(shape=(-1,))}).encode(), bytes(8), None, "shape"),
     (json.dumps({"w": entry(offsets=(0, 16))}).encode(), bytes(8), None, "within the 8 data bytes"),
     (json.dumps({"w": entry(offsets=(4, 0))}).encode(), bytes(8), None, "data_offsets"),
@@ -70,6 +74,14 @@ def entry(dtype="F32", shape=(2,), offsets=(0, 8)):
 def test_a_malformed_file_is_refused_by_name(header, data, size, message):
     with pytest.raises(SafetensorsError, match=message):
         read(header, data, size)
+
+
+def test_only_a_regular_file_is_read(tmp_path):
+    os.mkfifo(tmp_path / "fifo.safetensors")  # with no writer, opening it would block
+    (tmp_path / "zero.safetensors").symlink_to("/dev/zero")
+    for name in ("fifo.safetensors", "zero.safetensors"):
+        with pytest.raises(SafetensorsError, match="is not a regular file"):
+            SafetensorsFile(tmp_path / name)
 
 
 def test_a_truncated_or_missing_file_is_refused(tmp_path):

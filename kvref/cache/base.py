@@ -27,7 +27,8 @@ the last logits) lives in one object, `cache.sequence` (a Sequence); the layouts
 capacity and capabilities. Operations beyond an execution (truncate, fork, shift, save, free, and
 `reorder` over a list of caches) each come with a capability check (`can_truncate(n)`,
 `can_fork()`, `can_shift(n)`): a layout that cannot do an operation *exactly* raises CacheError
-saying why; nothing no-ops silently.
+saying why; nothing no-ops silently. `can_roll_back(n_new)` looks ahead for speculative decoding:
+whether an execution of n_new positions could afterwards be truncated away again.
 
 Code that reads and writes the stored K/V where they lie (the native path) asks `cache.storage()`
 for a Storage description (the slot store, an optional block table); a layout that cannot be used in
@@ -359,6 +360,19 @@ class KVCache:
                 self.sequence.trim(n)
             elif n == 0:
                 self.sequence.trim(0)  # an empty cache knows the ids of all of its (no) positions
+
+    def can_roll_back(self, n_new: int) -> bool:
+        """Whether an execution of n_new positions run now could afterwards be truncated exactly back to
+        any position from today's next_position on (speculative decoding's rollback); see rollback_problem."""
+        return not self._freed and not self.executing and self.rollback_problem(n_new) is None
+
+    def rollback_problem(self, n_new: int) -> str | None:
+        """Why the positions of an execution of n_new positions, run now, could not all be truncated away
+        again exactly (a ring would overwrite a position the rollback needs); None when they could.
+        The layouts that keep every position (contiguous, paged) always can."""
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
+            return f"n_new={n_new!r} must be an integer >= 0"
+        return None
 
     def can_fork(self) -> bool:
         return not self._freed and not self.executing

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CacheError
+from ..limits import MAX_POOL_BLOCKS, bounded_int, bounded_json, open_regular_file, read_exactly
 
 MAGIC = b"KVREFKV\x00"
 FORMAT_VERSION = 1
@@ -45,6 +47,10 @@ ALIGNMENT = 64
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header size
 _DIGEST = 32
 _ARRAY_DTYPES = {"int64", "float64", "float32", "float16", "uint16", "int8"}
+ARRAY_NAMES = ("positions", "layer_rows", "k", "k_scales", "v", "v_scales", "token_ids", "last_logits")
+MAX_HEADER_BYTES = 2**20  # a header is a few kB: the config, the options and one entry per array
+MAX_ARRAY_DIMS = 4
+MAX_FILE_OFFSET = 2**62  # offsets, sizes and dimensions; the file's own size bounds them further
 
 
 def save_cache(cache, path) -> None:
@@ -104,132 +110,138 @@ def save_cache(cache, path) -> None:
     os.replace(tmp, path)  # a reader never sees a half-written file
 
 
-def read_cache_file(path):
-    """Check a saved cache and return (header, {name: array}); raises CacheError naming the problem."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise CacheError(f"cannot read cache file {str(path)!r}: {exc.strerror or exc}") from None
+def read_cache_file(path, max_bytes=None):
+    """Check a saved cache and return (header, {name: array}); raises CacheError naming the problem.
+
+    The file is untrusted. Only a regular file is opened (never a device, FIFO or directory); the
+    prefix and the header are read first, the header is parsed with bounded size and depth and every
+    array entry is checked, and only then is the rest read: exactly the bytes the header describes,
+    and no more than max_bytes (load_cache: the largest file the model's cache could have written).
+    """
     where = f"cache file {str(path)!r}"
-    if len(data) < _PREFIX.size + _DIGEST:
-        raise CacheError(f"{where} is truncated: {len(data)} bytes")
-    magic, version, header_size = _PREFIX.unpack_from(data)
+    try:
+        f = open_regular_file(path, "cache file", CacheError)
+    except FileNotFoundError:
+        raise CacheError(f"cannot read cache file {str(path)!r}: no such file") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        head, header = _read_header(f, size, where)
+        entries = _array_entries(header, len(head), size - _DIGEST, where)
+        described = max([len(head), *(offset + nbytes for _, _, _, offset, nbytes in entries)]) + _DIGEST
+        if described != size:
+            raise CacheError(f"{where} is truncated or corrupt: it has {size} bytes; its header describes {described}")
+        if max_bytes is not None and size > max_bytes:
+            raise CacheError(f"{where} has {size:,} bytes; a cache of this model takes at most {max_bytes:,}")
+        data = head + read_exactly(f, size - len(head), where, CacheError)
+    if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
+        raise CacheError(f"{where} is corrupt or truncated: its sha256 checksum does not match")
+    arrays = {name: np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=nbytes // dtype.itemsize,
+                                  offset=offset).reshape(shape).astype(dtype)
+              for name, dtype, shape, offset, nbytes in entries}
+    return header, arrays
+
+
+def _read_header(f, size, where):
+    # -> (the bytes of prefix and header, the parsed header), read with the header's size bounded
+    if size < _PREFIX.size + _DIGEST:
+        raise CacheError(f"{where} is truncated: {size} bytes")
+    prefix = read_exactly(f, _PREFIX.size, where, CacheError)
+    magic, version, header_size = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise CacheError(f"{where} is not a kvref KV cache (magic {magic!r}, expected {MAGIC!r})")
     if version != FORMAT_VERSION:
         raise CacheError(f"{where} has format version {version}; this kvref reads version {FORMAT_VERSION}")
-    if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
-        raise CacheError(f"{where} is corrupt or truncated: its sha256 checksum does not match")
-    end = _PREFIX.size + header_size
-    if end > len(data) - _DIGEST:
-        raise CacheError(f"{where}: header of {header_size} bytes runs past the end of the file")
-    try:
-        header = json.loads(data[_PREFIX.size:end].decode())
-        entries = header["arrays"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CacheError(f"{where}: unreadable header ({exc})") from None
-    arrays = {}
+    if header_size > MAX_HEADER_BYTES or _PREFIX.size + header_size > size - _DIGEST:
+        raise CacheError(f"{where}: a header of {header_size} bytes does not fit in the file ({size} bytes) "
+                         f"or exceeds {MAX_HEADER_BYTES}")
+    text = read_exactly(f, header_size, where, CacheError)
+    return prefix + text, bounded_json(text, f"{where}: the header", CacheError)
+
+
+def largest_file(config) -> int:
+    """Bytes of the largest file a cache of this model can save: every array at max_seq_len positions
+    in the widest types (float64 K/V with int8-sized scale groups of 1), the header and padding."""
+    c = config
+    per_position = 2 * c.n_layers * c.n_kv_heads * c.head_dim * (8 + 4) + 8 + 8  # K, V, scales; position, id
+    return (MAX_HEADER_BYTES + _PREFIX.size + len(ARRAY_NAMES) * ALIGNMENT + _DIGEST
+            + c.max_seq_len * per_position + 8 * c.n_layers + 8 * c.vocab_size)
+
+
+def _array_entries(header, data_start, data_end, where):
+    # -> [(name, dtype, shape, offset, nbytes)], each checked for type, size and place in the file
+    entries = header.get("arrays") if isinstance(header, dict) else None
+    if not isinstance(entries, list) or len(entries) > len(ARRAY_NAMES):
+        raise CacheError(f"{where}: the header must be an object whose 'arrays' lists at most "
+                         f"{len(ARRAY_NAMES)} arrays")
+    checked, names = [], set()
     for entry in entries:
-        try:
-            name, dtype, shape = entry["name"], np.dtype(entry["dtype"]), tuple(int(s) for s in entry["shape"])
-            offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CacheError(f"{where}: bad array entry {entry!r} ({exc})") from None
-        if dtype.name not in _ARRAY_DTYPES or any(s < 0 for s in shape):
-            raise CacheError(f"{where}: array {name!r} has dtype {dtype.name} and shape {shape}")
-        if nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        if not isinstance(entry, dict) or set(entry) != {"name", "dtype", "shape", "offset", "nbytes"}:
+            raise CacheError(f"{where}: bad array entry {_short(entry)}; expected name, dtype, shape, offset, nbytes")
+        name, dtype, shape = entry["name"], entry["dtype"], entry["shape"]
+        if name not in ARRAY_NAMES or name in names:
+            raise CacheError(f"{where}: array name {_short(name)} is unknown or repeated; expected {ARRAY_NAMES}")
+        names.add(name)
+        if (not isinstance(dtype, str) or dtype not in _ARRAY_DTYPES or not isinstance(shape, list)
+                or len(shape) > MAX_ARRAY_DIMS):
+            raise CacheError(f"{where}: array {name!r} has dtype {_short(dtype)} and shape {_short(shape)}; "
+                             f"expected one of {sorted(_ARRAY_DTYPES)} and at most {MAX_ARRAY_DIMS} dimensions")
+        shape = tuple(bounded_int(s, f"{where}: a dimension of array {name!r}", 0, MAX_FILE_OFFSET, CacheError)
+                      for s in shape)
+        offset, nbytes = (bounded_int(entry[k], f"{where}: {k} of array {name!r}", 0, MAX_FILE_OFFSET, CacheError)
+                          for k in ("offset", "nbytes"))
+        dtype = np.dtype(dtype)
+        if nbytes != math.prod(shape) * dtype.itemsize:  # Python ints: the product cannot wrap
             raise CacheError(f"{where}: array {name!r} of shape {shape} cannot take {nbytes} bytes")
-        if offset < end or offset + nbytes > len(data) - _DIGEST:
-            raise CacheError(f"{where}: array {name!r} at bytes {offset}..{offset + nbytes} is outside the data")
-        arrays[name] = np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=nbytes // dtype.itemsize,
-                                     offset=offset).reshape(shape).astype(dtype)
-    return header, arrays
+        if offset < data_start or offset + nbytes > data_end:
+            raise CacheError(f"{where}: array {name!r} at bytes {offset}..{offset + nbytes} is outside the data "
+                             f"(bytes {data_start}..{data_end}): the file is truncated or corrupt")
+        checked.append((name, dtype, shape, offset, nbytes))
+    return checked
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+LAYOUT_OPTIONS = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
+                  "paged": ("block_size", "num_blocks", "prefix_reuse"), "window": ("window", "sinks")}
+KV_NAMES = ("float32", "float64", "float16", "bfloat16", "int8")
 
 
 def load_cache(model, path, pool=None):
     """A new cache for `model` holding what `path` holds; see Model.load_cache."""
-    header, arrays = read_cache_file(path)
+    header, arrays = read_cache_file(path, largest_file(model.config))
     where = f"cache file {str(path)!r}"
-    saved, ours = header.get("model") or {}, model.fingerprint()
-    if saved.get("config_sha256") != ours["config_sha256"]:
-        raise CacheError(f"{where} was saved for another model architecture: {saved.get('config')} "
-                         f"is not this model's {ours['config']}")
-    if saved.get("weights_sha256") != ours["weights_sha256"]:
-        raise CacheError(f"{where} was saved from a model with other weights (same architecture); its K/V "
-                         "would be wrong for this one")
-    try:
-        layout, options = header["layout"], dict(header["options"])
-        n, next_position = int(header["length"]), int(header["next_position"])
-        dtypes = dict(kv_dtype=None, k_dtype=header["k_dtype"], v_dtype=header["v_dtype"])
-        group_size = header["group_size"]
-        theta = header["rope"]["theta"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CacheError(f"{where}: header field missing or malformed ({exc})") from None
-    if theta != model.kv_rope_theta:
-        raise CacheError(f"{where}: keys were rotated with rope_theta={theta}; this model uses "
-                         f"{model.kv_rope_theta}")
-    c = model.config
-    rows = arrays.get("layer_rows")
-    for name in ("positions", "layer_rows", "token_ids"):
-        if name in arrays and arrays[name].dtype != np.int64:
-            raise CacheError(f"{where}: array {name!r} is {arrays[name].dtype}; expected int64")
-    if rows is not None and (rows.shape != (c.n_layers,) or np.any(rows < 0) or np.any(rows > n)):
-        raise CacheError(f"{where}: layer_rows must give each of {c.n_layers} layers 0..{n} rows")
-    shape = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)
-    need = {"positions": (n,), "k": shape, "v": shape, **({} if rows is None else {"layer_rows": (c.n_layers,)})}
-    if "int8" in (dtypes["k_dtype"], dtypes["v_dtype"]):
-        groups = c.head_dim // group_size if isinstance(group_size, int) and group_size > 0 else -1
-        for name in ("k", "v"):
-            if dtypes[f"{name}_dtype"] == "int8":
-                need[f"{name}_scales"] = (*shape[:-1], groups)
-    if "token_ids" in arrays and arrays["token_ids"].shape != (next_position,):
-        raise CacheError(f"{where}: token_ids has shape {arrays['token_ids'].shape} for {next_position} positions")
-    for name, expected in need.items():
-        if name not in arrays or arrays[name].shape != expected:
-            got = arrays[name].shape if name in arrays else "missing"
-            raise CacheError(f"{where}: array {name!r} is {got}; expected shape {expected}")
-    extra = set(arrays) - set(need) - {"token_ids", "last_logits"}
-    if extra:
-        raise CacheError(f"{where}: unexpected arrays {sorted(extra)}")
+    _check_model(header, model, where)
+    fields = _header_fields(header, model, where)
+    layout, n, next_position = fields["layout"], fields["length"], fields["next_position"]
+    rows = _check_arrays(arrays, fields, model, where)
     positions = arrays["positions"]
     if np.any(np.diff(positions) <= 0) or (n and (positions[0] < 0 or positions[-1] >= next_position)):
         raise CacheError(f"{where}: positions are not ascending within 0..{next_position - 1}")
-    if "last_logits" in arrays and arrays["last_logits"].shape != (c.vocab_size,):
-        raise CacheError(f"{where}: last_logits has shape {arrays['last_logits'].shape}; expected ({c.vocab_size},)")
     if layout != "window" and (next_position != n or not np.array_equal(positions, np.arange(n))):
         raise CacheError(f"{where}: a {layout} cache holds positions 0..length-1 and next_position == length")
-    known = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
-             "paged": ("block_size", "num_blocks", "prefix_reuse"), "window": ("window", "sinks")}
-    if layout not in known:
-        raise CacheError(f"{where}: unknown layout {layout!r}; expected one of {sorted(known)}")
     if rows is not None and layout != "hybrid":
         raise CacheError(f"{where}: only a hybrid cache holds different positions per layer; this is {layout!r}")
-    options = {name: options.get(name) for name in known[layout]}
+    options, positions_made = _layout_options(fields, model.config, where)
+    group_size = fields["group_size"]
     if pool is not None:
         if layout != "paged":
             raise CacheError(f"pool= applies to paged caches; {where} holds a {layout!r} cache")
         options = {"pool": pool}
-    if layout in ("contiguous", "hybrid") and options["capacity"] is not None and n <= c.max_seq_len:
-        options["capacity"] = min(int(options["capacity"]), c.max_seq_len)
+    elif positions_made:  # new_cache bounds the default sizes itself
+        model.check_cache_budget(positions_made, fields["k_dtype"], fields["v_dtype"], group_size, where)
     group = {"group_size": group_size} if group_size is not None else {}
-    cache = model.new_cache(layout=layout, **dtypes, **group, **options)
-    if (cache.k_dtype, cache.v_dtype, cache.group_size) != (header["k_dtype"], header["v_dtype"], group_size):
-        cache.free()
-        raise CacheError(f"{where} stores K/V as {header['k_dtype']}/{header['v_dtype']} (group {group_size}); "
-                         f"the pool stores {cache.k_dtype}/{cache.v_dtype} (group {cache.group_size})")
-    for name, codec in (("k", cache.k_codec), ("v", cache.v_codec)):
-        if arrays[name].dtype != codec.storage_dtype:
-            cache.free()
-            raise CacheError(f"{where}: array {name!r} is {arrays[name].dtype}; {codec.name} is stored as "
-                             f"{codec.storage_dtype}")
-        if f"{name}_scales" in arrays and arrays[f"{name}_scales"].dtype != np.float32:
-            cache.free()
-            raise CacheError(f"{where}: array {name}_scales is {arrays[f'{name}_scales'].dtype}, not float32")
-    bounds = np.cumsum([0, *rows]) if rows is not None else None
-    raw_layers = [tuple(None if name not in arrays else arrays[name][layer] if rows is None
-                        else arrays[name][bounds[layer]:bounds[layer + 1]]
-                        for name in ("k", "k_scales", "v", "v_scales")) for layer in range(c.n_layers)]
+    cache = model.new_cache(layout=layout, kv_dtype=None, k_dtype=fields["k_dtype"], v_dtype=fields["v_dtype"],
+                            **group, **options)
     try:
+        _check_storage(cache, arrays, fields, where)
+        c = model.config
+        bounds = np.cumsum([0, *rows]) if rows is not None else None
+        raw_layers = [tuple(None if name not in arrays else arrays[name][layer] if rows is None
+                            else arrays[name][bounds[layer]:bounds[layer + 1]]
+                            for name in ("k", "k_scales", "v", "v_scales")) for layer in range(c.n_layers)]
         if n > cache.capacity and layout != "paged":  # a pool says CacheFullError itself, with its numbers
             raise CacheError(f"{where} holds {n} positions; the {layout} cache made for it holds {cache.capacity}")
         cache.sequence.replace(arrays.get("token_ids"), arrays.get("last_logits"))
@@ -238,6 +250,126 @@ def load_cache(model, path, pool=None):
         cache.free()
         raise
     return cache
+
+
+def _check_model(header, model, where):
+    saved, ours = header.get("model"), model.fingerprint()
+    if not isinstance(saved, dict):
+        raise CacheError(f"{where}: the header's 'model' must be an object naming the model (Model.fingerprint)")
+    if saved.get("config_sha256") != ours["config_sha256"]:
+        raise CacheError(f"{where} was saved for another model architecture: {_short(saved.get('config'))} "
+                         f"is not this model's {ours['config']}")
+    if saved.get("weights_sha256") != ours["weights_sha256"]:
+        raise CacheError(f"{where} was saved from a model with other weights (same architecture); its K/V "
+                         "would be wrong for this one")
+
+
+def _header_fields(header, model, where):
+    # every header field the load reads, type-checked and bounded by the model
+    c = model.config
+    layout, options, rope = header.get("layout"), header.get("options"), header.get("rope")
+    if not isinstance(layout, str) or layout not in LAYOUT_OPTIONS:
+        raise CacheError(f"{where}: unknown layout {_short(layout)}; expected one of {sorted(LAYOUT_OPTIONS)}")
+    if not isinstance(options, dict) or not isinstance(rope, dict):
+        raise CacheError(f"{where}: the header's 'options' and 'rope' must be objects")
+    n = bounded_int(header.get("length"), f"{where}: length", 0, c.max_seq_len, CacheError)
+    fields = {
+        "layout": layout, "options": options, "length": n,
+        "next_position": bounded_int(header.get("next_position"), f"{where}: next_position", n, c.max_seq_len,
+                                     CacheError),
+        "group_size": None if header.get("group_size") is None else bounded_int(
+            header["group_size"], f"{where}: group_size", 1, c.head_dim, CacheError),
+    }
+    for name in ("k_dtype", "v_dtype"):
+        if header.get(name) not in KV_NAMES:
+            raise CacheError(f"{where}: {name} is {_short(header.get(name))}; expected one of {KV_NAMES}")
+        fields[name] = header[name]
+    theta = rope.get("theta")
+    if theta != model.kv_rope_theta:
+        raise CacheError(f"{where}: keys were rotated with rope_theta={_short(theta)}; this model uses "
+                         f"{model.kv_rope_theta}")
+    return fields
+
+
+def _check_arrays(arrays, fields, model, where):
+    # every array's dtype, shape and values against the header fields and the model; -> layer_rows or None
+    c, n = model.config, fields["length"]
+    for name in ("positions", "layer_rows", "token_ids"):
+        if name in arrays and arrays[name].dtype != np.int64:
+            raise CacheError(f"{where}: array {name!r} is {arrays[name].dtype}; expected int64")
+    rows = arrays.get("layer_rows")
+    if rows is not None and (rows.shape != (c.n_layers,) or np.any(rows < 0) or np.any(rows > n)):
+        raise CacheError(f"{where}: layer_rows must give each of {c.n_layers} layers 0..{n} rows")
+    shape = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)
+    need = {"positions": (n,), "k": shape, "v": shape, **({} if rows is None else {"layer_rows": (c.n_layers,)})}
+    group_size = fields["group_size"]
+    for name in ("k", "v"):
+        if fields[f"{name}_dtype"] == "int8":
+            groups = c.head_dim // group_size if group_size is not None else -1
+            need[f"{name}_scales"] = (*shape[:-1], groups)
+    if "token_ids" in arrays:
+        need["token_ids"] = (fields["next_position"],)
+    if "last_logits" in arrays:
+        need["last_logits"] = (c.vocab_size,)
+    for name, expected in need.items():
+        if name not in arrays or arrays[name].shape != expected:
+            got = arrays[name].shape if name in arrays else "missing"
+            raise CacheError(f"{where}: array {name!r} is {got}; expected shape {expected}")
+    extra = set(arrays) - set(need)
+    if extra:
+        raise CacheError(f"{where}: unexpected arrays {sorted(extra)}")
+    ids = arrays.get("token_ids")
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= c.vocab_size):
+        raise CacheError(f"{where}: token_ids holds ids outside the vocabulary [0, {c.vocab_size})")
+    logits = arrays.get("last_logits")
+    if logits is not None and (logits.dtype not in (np.float32, np.float64) or not np.all(np.isfinite(logits))):
+        raise CacheError(f"{where}: last_logits must be finite float32 or float64; they are {logits.dtype}"
+                         + ("" if logits.dtype.kind != "f" else " with non-finite values"))
+    return rows
+
+
+def _layout_options(fields, c, where):
+    # -> (the layout's options, the positions they allocate or None for new_cache's default); the
+    # caller bounds those positions by the memory budget, and no option asks for more positions than
+    # max_seq_len, except a pool's blocks (a pool may hold several sequences), at most MAX_POOL_BLOCKS
+    layout, n = fields["layout"], fields["length"]
+    given = {name: fields["options"].get(name) for name in LAYOUT_OPTIONS[layout]}
+
+    def option(name, low, high):
+        value = given[name]
+        return None if value is None else bounded_int(value, f"{where}: options.{name}", low, high, CacheError)
+
+    if layout in ("contiguous", "hybrid"):
+        # a capacity larger than max_seq_len (saved by an older kvref) is lowered to what the model allows
+        capacity = option("capacity", 1, MAX_FILE_OFFSET)
+        options = {"capacity": None if capacity is None else min(capacity, c.max_seq_len)}
+        if layout == "hybrid":
+            options["spare"] = option("spare", 0, c.max_seq_len)
+        return options, options["capacity"]
+    if layout == "paged":
+        block_size = bounded_int(given["block_size"], f"{where}: options.block_size", 1, c.max_seq_len, CacheError)
+        num_blocks = option("num_blocks", 1, MAX_POOL_BLOCKS)  # a pool may hold several sequences
+        if not isinstance(given["prefix_reuse"], (bool, type(None))):
+            raise CacheError(f"{where}: options.prefix_reuse is {_short(given['prefix_reuse'])}; "
+                             "expected true or false")
+        options = {"block_size": block_size, "num_blocks": num_blocks, "prefix_reuse": given["prefix_reuse"]}
+        return options, None if num_blocks is None else num_blocks * block_size
+    window, sinks = option("window", 1, c.max_seq_len), option("sinks", 0, c.max_seq_len)
+    return {"window": window, "sinks": sinks}, (window or 0) + (sinks or 0)
+
+
+def _check_storage(cache, arrays, fields, where):
+    # the cache the header asked for stores K/V exactly as the arrays hold them
+    if (cache.k_dtype, cache.v_dtype, cache.group_size) != (fields["k_dtype"], fields["v_dtype"], fields["group_size"]):
+        raise CacheError(f"{where} stores K/V as {fields['k_dtype']}/{fields['v_dtype']} (group "
+                         f"{fields['group_size']}); the pool stores {cache.k_dtype}/{cache.v_dtype} "
+                         f"(group {cache.group_size})")
+    for name, codec in (("k", cache.k_codec), ("v", cache.v_codec)):
+        if arrays[name].dtype != codec.storage_dtype:
+            raise CacheError(f"{where}: array {name!r} is {arrays[name].dtype}; {codec.name} is stored as "
+                             f"{codec.storage_dtype}")
+        if f"{name}_scales" in arrays and arrays[f"{name}_scales"].dtype != np.float32:
+            raise CacheError(f"{where}: array {name}_scales is {arrays[f'{name}_scales'].dtype}, not float32")
 
 
 def _align(n: int) -> int:

@@ -172,6 +172,21 @@ class HybridCache(KVCache):
                         f"cache rolls back at most spare + 1 = {self.spare + 1} positions once its rings are full)")
         return None
 
+    def rollback_problem(self, n_new):
+        problem = super().rollback_problem(n_new)
+        if problem is not None or self._next == 0:
+            return problem  # going back to empty is always exact
+        for layer, (ring, window) in enumerate(zip(self.rings, self.windows)):
+            if not ring:
+                continue  # the layer keeps every position
+            # after the execution the ring holds from `oldest` on; truncating back to next needs next - W + 1
+            oldest = max(self._start[layer], self._next + n_new - ring)
+            if oldest > max(0, self._next - window + 1):
+                return (f"layer {layer}'s ring of {ring} slots (window {window}) would overwrite position "
+                        f"{oldest - 1}, which a rollback to position {self._next} needs (at most spare + 1 = "
+                        f"{self.spare + 1} positions roll back once the rings are full)")
+        return None
+
     def _truncate(self, n):
         for layer, ring in enumerate(self.rings):
             if ring:  # what the ring holds below n stays; a layer may hold nothing (window 1)

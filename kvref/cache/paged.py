@@ -11,7 +11,9 @@ positions in order: position p lives in block table[p // block_size] at offset p
 
 Blocks are reference counted. `fork()` shares every block of the parent; the first write into a
 shared block copies it (copy-on-write), so a fork costs nothing until the two sequences differ.
-Freed blocks go to the end of the free list and are reused oldest first.
+Freed blocks go to the end of the free list and are reused oldest first; with prefix reuse, blocks
+holding no indexed prefix go before those that do, so a cached prefix is evicted only when the pool
+has no other free block, least recently freed first.
 
 An execution's `begin` reserves every block it will write (fresh blocks, and a copy of a shared or
 indexed last block, which stays referenced by the sequence until the commit) before any work, so a
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import threading
 
 import numpy as np
@@ -147,12 +150,15 @@ class BlockPool:
     # ---- blocks --------------------------------------------------------------------------------------
 
     def _allocate(self, n: int) -> list:
-        """Take n blocks from the free list, oldest freed first; their old prefix keys are dropped."""
+        """Take n blocks from the free list, oldest freed first, blocks without a prefix key before those
+        with one: a cached prefix is evicted only when no other block is free, least recently freed
+        first (LRU). The keys of the cached blocks taken are dropped."""
         if n > len(self._free):
             raise CacheFullError(f"the pool has {len(self._free)} free blocks of {self.num_blocks}; {n} needed")
+        plain = list(itertools.islice((b for b in self._free if b not in self._key_of), n))
+        cached = list(itertools.islice((b for b in self._free if b in self._key_of), n - len(plain)))
         blocks = []
-        for _ in range(n):
-            b = next(iter(self._free))
+        for b in plain + cached:
             del self._free[b]
             if b in self._key_of:  # its old prefix is overwritten from now on
                 self._unregister(b)

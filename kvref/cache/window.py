@@ -139,6 +139,13 @@ class WindowCache(KVCache):
                     f"back to position {n} would need positions it no longer holds")
         return None
 
+    def rollback_problem(self, n_new):
+        problem = super().rollback_problem(n_new)
+        if problem is None and self._next + n_new > self.sinks + self.window:
+            problem = (f"the window holds {self.sinks} sinks + {self.window} ring positions; {n_new} positions from "
+                       f"position {self._next} would make the ring drop positions, after which it cannot truncate")
+        return problem
+
     def _truncate(self, n):
         if n == self._next:
             return

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import GGUFError
+from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
@@ -45,11 +46,13 @@ ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: row
 def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> ModelConfig:
     """ModelConfig from the `<architecture>.*` keys; anything the spec does not implement is refused by name.
 
+    Every number is type-checked and bounded (kvref.limits) before it sizes anything, and the block
+    count is compared with the blocks whose tensors the file holds before any per-layer table is made.
     rope_factors: the values of the file's rope_freqs.weight tensor (Llama 3.1+: one divisor per
     RoPE frequency), which a file with that tensor needs.
     """
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise GGUFError(f"architecture {arch!r} is not supported; expected one of {ARCHITECTURES}")
 
     def key(name, default=None):
@@ -58,31 +61,37 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
             raise GGUFError(f"metadata key {arch}.{name} is missing")
         return value
 
-    n_heads = int(key("attention.head_count"))
-    d_model = int(key("embedding_length"))
-    head_dim = int(key("attention.key_length", d_model // n_heads if n_heads else 0))
-    rotary = int(key("rope.dimension_count", head_dim))
+    def integer(name, field, default=None):
+        return bounded_int(key(name, default), f"{arch}.{name}", 1, CONFIG_CEILINGS[field], GGUFError)
+
+    def number(name, default=None):
+        return bounded_float(key(name, default), f"{arch}.{name}", GGUFError)
+
+    n_heads = integer("attention.head_count", "n_heads")
+    d_model = integer("embedding_length", "d_model")
+    head_dim = integer("attention.key_length", "head_dim", max(d_model // n_heads, 1))
+    rotary = integer("rope.dimension_count", "head_dim", head_dim)
     if rotary != head_dim:
         raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
     rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim)
-    n_layers = int(key("block_count"))
-    vocab = metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
+    n_layers = integer("block_count", "n_layers")
+    check_layer_count(n_layers, tensor_names, "blk.", f"{arch}.block_count", GGUFError)
     gemma = arch == "gemma3"
     windows = None
     if gemma:
-        window = int(key("attention.sliding_window"))
+        window = integer("attention.sliding_window", "max_seq_len")
         windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
     return ModelConfig(
         n_layers=n_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        n_kv_heads=integer("attention.head_count_kv", "n_kv_heads", n_heads),
         head_dim=head_dim,
-        d_ff=int(key("feed_forward_length")),
-        vocab_size=int(vocab),
-        max_seq_len=int(key("context_length")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        d_ff=integer("feed_forward_length", "d_ff"),
+        vocab_size=_vocab_size(metadata, arch),
+        max_seq_len=integer("context_length", "max_seq_len"),
+        rope_theta=number("rope.freq_base", 10000.0),
+        norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "gemma3"),
@@ -95,9 +104,22 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
     )
 
 
+def _vocab_size(metadata, arch):
+    # the stated vocab_size, else the number of tokens the tokenizer lists
+    what = f"{arch}.vocab_size"
+    value = metadata.get(what)
+    if value is None:
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        what = "the length of tokenizer.ggml.tokens (no vocab_size key)"
+        value = len(tokens) if isinstance(tokens, (list, np.ndarray)) else 0
+    return bounded_int(value, what, 1, CONFIG_CEILINGS["vocab_size"], GGUFError)
+
+
 def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
     # llama.cpp's two ways: rope.scaling.type linear (+ factor), or a rope_freqs.weight tensor of divisors
     kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind is not None and not isinstance(kind, str):
+        raise GGUFError(f"{arch}.rope.scaling.type={kind!r} must be a string")
     if "rope_freqs.weight" in tensor_names:
         if kind not in ("none", None) or rope_factors is None:
             raise GGUFError(f"a rope_freqs.weight tensor with {arch}.rope.scaling.type={kind!r} is not supported")
@@ -110,9 +132,7 @@ def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
         return None
     if kind == "linear":
         factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
-            raise GGUFError(f"{arch}.rope.scaling.factor={factor!r} must be a positive number")
-        return ("linear", float(factor))
+        return ("linear", bounded_float(factor, f"{arch}.rope.scaling.factor", GGUFError))
     raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear' "
                     "and Llama 3.1's rope_freqs.weight")
 

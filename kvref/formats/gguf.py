@@ -35,12 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GGUFError, ModelNotFoundError, ShapeError
+from ..limits import open_regular_file
 from ..spec import quants
 from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MIN_ALIGNMENT = 8  # the GGUF spec: "must be a multiple of 8"; so F32 and F16 tensors start aligned
 MAX_DIMS = 4  # GGML_MAX_DIMS: ggml tensors have at most 4 dimensions
 MAX_ARRAY_NESTING = 8  # arrays of arrays deeper than this are rejected: bounds the recursion
 MAX_ELEMENTS = 2**63 - 1  # ggml counts elements in an int64
@@ -227,8 +229,9 @@ def _read_metadata(cur, n_kv):
 
 def _alignment(metadata):
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFError(f"'general.alignment' is {alignment}, expected a power of two")
+    if alignment < MIN_ALIGNMENT or alignment & (alignment - 1):
+        raise GGUFError(f"'general.alignment' is {alignment}, expected a power of two of at least {MIN_ALIGNMENT} "
+                        "(the GGUF spec requires a multiple of 8)")
     return alignment
 
 
@@ -363,7 +366,7 @@ def _map_file(path):
     # Memory-maps the whole file read-only; refuses files too short to hold a header before mapping
     # (an empty file cannot be mapped at all).
     try:
-        f = open(path, "rb")
+        f = open_regular_file(path, "GGUF file", GGUFError)  # a FIFO would block, a device never end
     except FileNotFoundError:
         raise ModelNotFoundError(f"no GGUF file at {path}") from None
     with f:

@@ -23,10 +23,13 @@ naming the field, never ignored.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, ShapeError
+from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
@@ -50,25 +53,26 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"model_type {family!r} is not supported; kvref reads {FAMILIES}")
-    n_layers, n_heads = _int(hf, "num_hidden_layers"), _int(hf, "num_attention_heads")
-    d_model = _int(hf, "hidden_size")
-    head_dim = hf.get("head_dim") or d_model // n_heads
+    n_layers, n_heads = _int(hf, "num_hidden_layers", "n_layers"), _int(hf, "num_attention_heads", "n_heads")
+    d_model = _int(hf, "hidden_size", "d_model")
+    head_dim = _int(hf, "head_dim", "head_dim", max(d_model // n_heads, 1)) if hf.get("head_dim") is not None \
+        else max(d_model // n_heads, 1)
     _refuse(hf, family)
     gemma = family == "gemma3_text"
     thetas, scaling = _rope(hf, family)
     windows = _layer_windows(hf, family, n_layers)
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-        n_kv_heads=_int(hf, "num_key_value_heads", n_heads), d_ff=_int(hf, "intermediate_size"),
-        vocab_size=_int(hf, "vocab_size"), max_seq_len=_int(hf, "max_position_embeddings"), head_dim=head_dim,
-        rope_theta=thetas["full_attention"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        n_kv_heads=_int(hf, "num_key_value_heads", "n_kv_heads", n_heads), d_ff=_int(hf, "intermediate_size", "d_ff"),
+        vocab_size=_int(hf, "vocab_size", "vocab_size"), max_seq_len=_int(hf, "max_position_embeddings", "max_seq_len"),
+        head_dim=head_dim, rope_theta=thetas["full_attention"], norm_eps=_float(hf, "rms_norm_eps", 1e-6),
+        tie_embeddings=_bool(hf, "tie_word_embeddings", gemma),
+        qkv_bias=family == "qwen2" or _bool(hf, "attention_bias", False),
         qk_norm=family in ("qwen3", "gemma3_text"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
-        attention_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
+        attention_scale=_float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None,
         layer_windows=windows,
         rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
         rope_scaling=scaling,
@@ -84,6 +88,8 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
     config = config_from_hf(hf)
     c = config
     gemma = hf["model_type"] == "gemma3_text"
+    check_layer_count(c.n_layers, tensors.keys(), "model.layers.", "config.json num_hidden_layers",
+                      ShapeError)
 
     def get(name, shape):
         if name not in tensors:
@@ -136,10 +142,19 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
     return config, Weights(embeddings, layers, norm("model.norm.weight", E), output)
 
 
-def _int(hf, name, default=None):
+def _int(hf, name, field, default=None):
+    # an integer of config.json, bounded like the ModelConfig field it becomes (kvref.limits)
+    return bounded_int(hf.get(name, default), f"config.json {name}", 1, CONFIG_CEILINGS[field])
+
+
+def _float(hf, name, default):
+    return bounded_float(hf.get(name, default), f"config.json {name}")
+
+
+def _bool(hf, name, default):
     value = hf.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"config.json {name}={value!r} must be an integer")
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json {name}={value!r} must be true or false")
     return value
 
 
@@ -175,7 +190,7 @@ def _rope(hf, family):
     thetas, scalings = {}, set()
     for kind in ("full_attention", "sliding_attention"):
         p = per_type.get(kind, per_type["full_attention"])
-        thetas[kind] = float(p.get("rope_theta", 10000.0))
+        thetas[kind] = bounded_float(p.get("rope_theta", 10000.0), f"config.json rope_theta ({kind})")
         scalings.add(_rope_scaling(p, kind))
     if len(scalings) > 1:
         raise ConfigError(f"RoPE scaling that differs between layer types ({per_type}) is not computed by kvref yet")
@@ -185,32 +200,40 @@ def _rope(hf, family):
 def _rope_scaling(p, kind):
     # a rope_parameters entry -> ModelConfig.rope_scaling
     kind_of = p.get("rope_type", p.get("type", "default"))
-    try:
-        if kind_of == "default":
-            return None
-        if kind_of == "linear":
-            return ("linear", float(p["factor"]))
-        if kind_of == "llama3":
-            return ("llama3", float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"]),
-                    int(p["original_max_position_embeddings"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"RoPE parameters {p!r} ({kind}) are incomplete: {exc}") from None
+    number = functools.partial(_float_field, p, kind)
+    if kind_of == "default":
+        return None
+    if kind_of == "linear":
+        return ("linear", number("factor"))
+    if kind_of == "llama3":
+        return ("llama3", number("factor"), number("low_freq_factor"), number("high_freq_factor"),
+                _int(p, "original_max_position_embeddings", "max_seq_len"))
     raise ConfigError(f"RoPE type {kind_of!r} ({kind}) is not computed by kvref yet; it computes the default "
                       "RoPE and the linear and llama3 scalings")
 
 
+def _float_field(p, kind, name):
+    if name not in p:
+        raise ConfigError(f"RoPE parameters {p!r} ({kind}) are incomplete: {name} is missing")
+    return bounded_float(p[name], f"config.json RoPE {name} ({kind})")
+
+
 def _layer_windows(hf, family, n_layers):
     # per layer: None (global) or the sliding window W
-    window = hf.get("sliding_window")
+    window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
     if family == "mistral":
-        return None if window is None else (int(window),) * n_layers
+        return None if window is None else (window,) * n_layers
     if family != "gemma3_text":
         return None
     kinds = hf.get("layer_types")
     if kinds is None:  # older config.json files: every pattern-th layer is global
-        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        name = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
+        pattern = _int(hf, name, "n_layers", 6)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
-    if len(kinds) != n_layers or any(k not in ("full_attention", "sliding_attention") for k in kinds):
+    if (not isinstance(kinds, list) or len(kinds) != n_layers
+            or any(k not in ("full_attention", "sliding_attention") for k in kinds)):
         raise ConfigError(f"layer_types {kinds!r} must name full_attention or sliding_attention for each of "
                           f"{n_layers} layers")
-    return tuple(int(window) if k == "sliding_attention" else None for k in kinds)
+    if window is None and "sliding_attention" in kinds:
+        raise ConfigError("config.json has sliding_attention layers but no sliding_window")
+    return tuple(window if k == "sliding_attention" else None for k in kinds)

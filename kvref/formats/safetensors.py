@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelNotFoundError, SafetensorsError
+from ..limits import open_regular_file, read_json_file
 from ..spec.quants import dequantize_bf16
 
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
@@ -41,7 +42,7 @@ class SafetensorsFile:
     def __init__(self, path):
         self.path = os.fspath(path)
         try:
-            f = open(self.path, "rb")
+            f = open_regular_file(self.path, "safetensors file", SafetensorsError)
         except FileNotFoundError:
             raise ModelNotFoundError(f"no safetensors file at {self.path}") from None
         with f:
@@ -82,9 +83,9 @@ class Checkpoint:
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = read_json_file(index, "safetensors index", SafetensorsError)["weight_map"]
                 shards = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (OSError, KeyError, TypeError, AttributeError) as exc:
                 raise SafetensorsError(f"{index}: not a safetensors index ({exc})") from None
             if any(not isinstance(s, str) or Path(s).name != s for s in shards):
                 raise SafetensorsError(f"{index}: shard names must be file names in {directory}")
@@ -132,7 +133,7 @@ def _check_entries(header, data_size, path):
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise SafetensorsError(f"{where} must have exactly dtype, shape and data_offsets; got {entry!r}")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise SafetensorsError(f"{where} has dtype {dtype!r}; expected one of {sorted(DTYPES)}")
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
                 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):

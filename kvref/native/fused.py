@@ -42,6 +42,13 @@ float32 rounding of the exact mode; other weight types stay exact. Exact is the 
 SmolLM2 the int8 greedy continuation leaves the float32 reference after 15-23 tokens, as
 llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
 
+The descriptor's pointers stay valid for the object's life: C reads only memory that nothing
+public can resize, free or write. A Model's weights are frozen (kvref.weights.freeze), so C points
+into them and this object holds their pins (a read-only mapped file stays open); any other array
+is copied here, once, into one only this object holds, so C computes with the values the weights
+had when it was built even if the caller's arrays change later. Norm gains and biases must be
+aligned to their dtype, as every array the kernels take (ShapeError otherwise).
+
 Argument checks happen here, before C runs: token ids (TokenError), room in the cache
 (CacheFullError, from cache.begin, which also reserves a paged cache's blocks), the cache arrays'
 dtype, shape and contiguity. C writes only the slots of positions [length, length + T) inside the
@@ -58,6 +65,7 @@ import numpy as np
 
 from ..errors import BackendError, DTypeError, ShapeError, TokenError
 from ..spec import decoder
+from ..weights import pin
 from . import ops as native_ops
 from .ops import check_status, check_weight, ffi, lib
 
@@ -102,7 +110,7 @@ class FusedForward:
         if self.activations not in ACTIVATIONS:
             raise BackendError(f"activations={self.activations!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
         self._fingerprint = [id(t) for t in _tensors(weights)]
-        self._keep = []  # every array a descriptor pointer points into (no dangling pointers)
+        self._keep = []  # the pin of every array a descriptor pointer points into (no dangling pointers)
         self._lock = threading.Lock()  # one state, one call at a time
         c = config
         if len(weights.layers) != c.n_layers:
@@ -146,19 +154,30 @@ class FusedForward:
         self._keep.append(a)
         return ffi.cast(ctype, ffi.from_buffer(a))
 
+    def _pinned(self, a):
+        """a when nothing public can free, resize or write its memory (kvref.weights.pin), its pin
+        kept; otherwise a read-only copy only this object holds."""
+        owner = pin(a)
+        if owner is None:
+            a = owner = np.array(a, order="C")  # a copy, aligned
+            a.flags.writeable = False
+        self._keep.append(owner)
+        return a
+
     def _vector(self, g, n, name):
         # [n] float32 (a norm gain or a bias); float16/float64 ones are converted once, here
         if not isinstance(g, np.ndarray) or g.ndim != 1 or g.shape[0] != n:
             raise ShapeError(f"{name} must be a 1-D array of {n} values")
         if g.dtype.kind != "f":
             raise DTypeError(f"{name} has dtype {g.dtype}; expected a float array")
-        return self._keep_buffer(np.ascontiguousarray(g, dtype=np.float32), "const float *")
+        if g.dtype == np.float32 and not g.flags.aligned:  # C reads it as float *
+            raise ShapeError(f"{name} is not aligned to its dtype (address {g.ctypes.data:#x}); pass a copy")
+        g = self._pinned(np.ascontiguousarray(g, dtype=np.float32))
+        return ffi.cast("const float *", ffi.from_buffer(g))
 
     def _tensor(self, dst, w, name):
-        gtype, data, N, K = check_weight(w, name)  # validates type, shape, byte count, contiguity
-        if isinstance(w, np.ndarray) and not w.flags.aligned:
-            raise ShapeError(f"{name} is not aligned to its dtype")
-        self._keep.append(data)
+        gtype, data, N, K = check_weight(w, name)  # validates type, shape, byte count, contiguity, alignment
+        data = self._pinned(data)
         dst.data = ffi.from_buffer(data)
         dst.nbytes = data.nbytes
         dst.type = gtype
@@ -249,7 +268,7 @@ class FusedForward:
 
 
 def _token_ids(token_ids, vocab_size) -> np.ndarray:
-    """Token ids as a non-empty C-contiguous int64 [T] array, every id in [0, vocab_size)."""
+    """Token ids as a non-empty C-contiguous, aligned int64 [T] array, every id in [0, vocab_size)."""
     try:
         ids = np.asarray(token_ids)
     except (TypeError, ValueError) as exc:
@@ -262,7 +281,7 @@ def _token_ids(token_ids, vocab_size) -> np.ndarray:
     if bad.any():
         i = int(np.argmax(bad))
         raise TokenError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab_size})")
-    return np.ascontiguousarray(ids, dtype=np.int64)
+    return np.array(ids, dtype=np.int64, order="C")  # a copy: contiguous and aligned, whatever ids was
 
 
 __all__ = ["ACTIVATIONS", "FusedForward", "default_activations"]

@@ -279,7 +279,7 @@ def cache_descriptor(cache, storage=None) -> _KV:
         if (table.dtype != _I64 or table.ndim != 1 or storage.block_size != store.k.shape[2]
                 or (table.size and (table.min() < 0 or table.max() >= n_blocks))):
             raise CacheError(f"block table must be int64 ids in [0, {n_blocks}) of blocks of {store.k.shape[2]}")
-        table = np.ascontiguousarray(table)
+        table = np.require(table, requirements=["C", "A"])  # C reads int64s: contiguous and aligned
     group = store.k_codec.group_size or store.v_codec.group_size
     return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
                KV_TYPES[store.v_codec.name], group, table, storage.block_size, rings,

@@ -77,15 +77,18 @@ def softmax(scores, axis=-1):
     """Softmax along `axis`, subtracting the row max first; accumulates in at least float32.
 
     A row in which every entry is -inf (every key masked) has no distribution to normalise: it
-    yields all zeros, so the attention output for such a row is the zero vector, never NaN.
+    yields all zeros, so the attention output for such a row is the zero vector, never NaN. A row
+    holding a NaN or +inf yields NaN in every entry: a bad score never becomes a probability (see
+    `attention` for the whole rule).
     """
     acc = np.result_type(scores.dtype, np.float32)
     s = scores.astype(acc, copy=False)
-    row_max = np.max(s, axis=axis, keepdims=True)
-    row_max = np.where(np.isneginf(row_max), 0.0, row_max)  # all -inf: exp(-inf) = 0 below
-    e = np.exp(s - row_max)
+    row_max = np.max(s, axis=axis, keepdims=True)  # NaN if the row holds one
+    empty = np.isneginf(row_max)  # every entry -inf
+    with np.errstate(invalid="ignore"):  # +inf - +inf: the NaN the rule asks for
+        e = np.exp(s - np.where(empty, 0.0, row_max))
     total = np.sum(e, axis=axis, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0).astype(scores.dtype)
+    return np.divide(e, total, out=np.zeros_like(e), where=~empty).astype(scores.dtype)
 
 
 def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
@@ -96,22 +99,38 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
     # which positions it still holds (a window layout drops old ones).
     # GQA without copying K/V: query head h reads kv head h // G, expressed as a group axis.
     # scale: what scores are multiplied by; None: 1/sqrt(D).
+    #
+    # Non-finite values are never hidden, and a key a query does not see never reaches it:
+    #   - a query head whose scores over the keys it sees include a non-finite one (NaN, +inf or
+    #     -inf: from a non-finite q or k, or a product that overflows) outputs NaN in every element;
+    #   - otherwise its probabilities are finite, and output element i is NaN exactly when the
+    #     value element i of a key it sees is not finite (the weighted sum is NaN, never +-inf);
+    #   - a key it does not see contributes nothing, whatever its K and V hold (0 x NaN is never
+    #     formed), and a query that sees no key outputs zeros.
+    # Finite values whose weighted sums overflow float32 are outside the rule (and any model).
     T, H, D = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
     qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
     kh = k.transpose(1, 2, 0)  # [Hkv, D, S]
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
-    if scale is None:
-        scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
-    else:
-        scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite scores: the rule below
+        if scale is None:
+            scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
+        else:
+            scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
     k_pos, q_pos = np.asarray(k_positions)[None, :], np.asarray(q_positions)[:, None]
     visible = k_pos <= q_pos  # [T, S]
     if window is not None:
         visible &= k_pos > q_pos - window
+    scores = np.where(np.isfinite(scores), scores, np.nan)  # a seen -inf must not look masked
     scores = np.where(visible, scores, -np.inf)
-    out = softmax(scores) @ vh[:, None]  # [Hkv, G, T, D]
+    bad_v = ~np.isfinite(vh)  # [Hkv, S, D]
+    p = softmax(scores)  # [Hkv, G, T, S], 0 at every key not seen
+    out = p @ np.where(bad_v, 0, vh)[:, None]  # [Hkv, G, T, D]: 0 x V only ever with V finite
+    if bad_v.any():  # NaN where a seen key's value element is not finite
+        seen_bad = visible.astype(np.float32) @ bad_v.astype(np.float32) > 0  # [Hkv, T, D]
+        out = np.where(seen_bad[:, None], np.nan, out)
     return out.transpose(2, 0, 1, 3).reshape(T, H, D)
 
 

@@ -111,6 +111,12 @@ class Tokenizer:
 
     def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Yield text as the ids arrive (e.g. from kvref.generate), never half a UTF-8 character."""
+        if (isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable)
+                or (isinstance(ids, np.ndarray) and ids.ndim != 1)):
+            raise TokenError(f"decode takes an iterable of token ids, got {type(ids).__name__}")
+        return self._decode_stream(ids)
+
+    def _decode_stream(self, ids):
         decoder = StreamDecoder(self)
         for token_id in ids:
             piece = decoder.push(token_id)

@@ -21,12 +21,12 @@ eos_token_id (an int or a list).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import regex
 
 from ..errors import TokenizerError
+from ..limits import read_json_file
 from .bytelevel import GPT2_REGEX, ByteLevelBPE
 from .sentencepiece import SPACE, SentencePieceBPE
 from .vocab import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
@@ -323,13 +323,11 @@ def chat_template(directory) -> str | None:
 
 def _json_object(path: Path, missing_ok: bool = False) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = read_json_file(path, "file", TokenizerError)
     except FileNotFoundError:
         if missing_ok:
             return {}
         raise TokenizerError(f"{path} is missing") from None
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} cannot be read as JSON: {exc}") from None
     if not isinstance(value, dict):
         raise TokenizerError(f"{path} should hold a JSON object")
     return value
