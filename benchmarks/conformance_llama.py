@@ -3,7 +3,7 @@
     PYTHONPATH=. /work/llama-venv/bin/python benchmarks/conformance_llama.py [--suite quick|full] [--out DIR]
 
 Runs `kvref conformance llama-cpp-python` on SmolLM2 (flash attention auto, i.e. on, and off) and on
-Gemma 3 270M (window cache, and --swa-full), each in its own process (one llama.cpp context at a time),
+Gemma 3 270M (window cache with flash attention auto and off, and --swa-full), each in its own process (one llama.cpp context at a time),
 writing <model>-<setting>.json / .md into --out (default benchmarks/data/conformance). It needs the Python
 that has llama_cpp (docs/benchmarks.md: built from source in a venv of its own); kvref's native module
 must be built for that same Python version, else kvref loads its NumPy spec, which is all the suite needs.
@@ -21,6 +21,7 @@ RUNS = {  # name -> (model, extra flags)
     "smollm2-flash-auto": ("smollm2", []),
     "smollm2-flash-off": ("smollm2", ["--flash-attn", "off"]),
     "gemma3-270m-window-cache": ("gemma3-270m", []),
+    "gemma3-270m-window-cache-flash-off": ("gemma3-270m", ["--flash-attn", "off"]),
     "gemma3-270m-swa-full": ("gemma3-270m", ["--swa-full"]),
 }
 
