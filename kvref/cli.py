@@ -16,6 +16,7 @@ from .cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
 from .cache.report import window_summary
 from .cli_common import Progress, add_model_arguments, available_memory, count, count_in, human_bytes
 from .config import ModelConfig
+from .conformance.command import add_conformance, add_fixtures
 from .errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
 from .generate import generate, prefill_in_chunks
 from .generation_config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     add_bench(commands)
     add_perplexity(commands)
     add_serve(commands)
+    add_conformance(commands)
+    add_fixtures(commands)
     args = parser.parse_args(argv)
     try:
         with warnings.catch_warnings():

@@ -211,3 +211,33 @@ def speculative_margin_bound(logits, dtype) -> float:
     """Top-2 margin below which a speculative step's greedy selection may differ from plain decoding's:
     twice one logit's bound (SPECULATIVE_VERIFICATION) at the row's largest |logit|."""
     return margin_bound(logits, SPECULATIVE_VERIFICATION[np.dtype(dtype).name])
+
+
+# ---- conformance (kvref/conformance, docs/conformance.md): an engine against the float32 spec -----
+
+@dataclass(frozen=True)
+class ConformanceBounds:
+    """What an engine may differ from the float32 spec on the same file's weights, per position's
+    next-token distribution (KL(spec || engine), nats), and what counts as a near-tie."""
+
+    mean_kl: float  # mean over the scored positions
+    max_kl: float  # worst position
+    near_tie: float  # a top-1 disagreement is a near-tie when the spec's top-2 margin is below this
+    same_engine_kl: float  # worst position of an engine against itself (chunking, batch, cache ops)
+
+
+# An engine computing in float32 on the same float32 weights (kvref on either backend, transformers
+# on a float32 checkpoint): logits differ by summation order only, up to FLOAT32_REORDERED's 2e-3 on
+# logits of ~25 (Gemma 3); a logit perturbation d moves KL by at most ~max(d)^2 / 2 = 2e-6, so a
+# max of 1e-5 and a mean of 1e-6 hold with room, while a wrong position, key or block moves KL by
+# 1e-3 and more. Top-2 margins below 1e-2 can flip under 2e-3 logit noise. Against itself, an
+# engine reorders sums even less (chunk boundaries, batch rows): the same 1e-5.
+CONFORMANCE_FLOAT32 = ConformanceBounds(mean_kl=1e-6, max_kl=1e-5, near_tie=1e-2, same_engine_kl=1e-5)
+# An engine that rounds on the way: a float16 K/V cache (2**-11 relative per element) and activations
+# rounded to 8-bit blocks before each quantized matmul (llama.cpp on the CPU, kvref's int8 activation
+# mode). Measured against the float32 spec on the same GGUF weights with llama.cpp without flash
+# attention (SmolLM2 Q4_1, the quick suite: docs/conformance.md): mean KL 4.4e-3, worst position
+# 2.3e-2; against itself (chunking, batch, fork, rollback) worst 1.2e-2. The bounds keep ~4x above
+# each (max 0.1, mean 0.02, same engine 0.05). A position at KL 0.1 can have two logits moved ~0.25
+# nats against each other, so a top-2 margin below 0.5 can flip: a near-tie for this class.
+CONFORMANCE_QUANTIZED = ConformanceBounds(mean_kl=2e-2, max_kl=1e-1, near_tie=0.5, same_engine_kl=5e-2)
