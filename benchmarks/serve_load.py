@@ -2,6 +2,11 @@
 
     python benchmarks/serve_load.py                       # starts a server in this process (SmolLM2)
     python benchmarks/serve_load.py --url http://127.0.0.1:8080 --model smollm2   # an external server
+    python benchmarks/serve_load.py --url http://127.0.0.1:8081 --model m --text   # a server without token ids
+
+--text is for servers that cannot return token ids (llama-cpp-python's llama_cpp.server): responses are
+compared with their references by text, each streamed chunk counts as one token, and the figures only
+kvref's /metrics gives (prefix hits, batch sizes, blocks) are left out.
 
 The workload: every request is a completion whose prompt is one shared system prompt followed by a
 question of its own, of mixed length (1 to 12 sentences), with max_tokens 16 to 48, greedy. Two
@@ -52,11 +57,13 @@ def workload(clients: int, per_client: int):
     return jobs
 
 
-async def complete(client, url, model, prompt, max_tokens):
-    """One streamed greedy completion: (token ids, send time, [arrival time of each token])."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "logprobs": 0,
-            "return_tokens_as_token_ids": True}
-    ids, arrivals, done = [], [], 0
+async def complete(client, url, model, prompt, max_tokens, text=False):
+    """One streamed greedy completion: (token ids, or the text with `text`, send time, [arrival time
+    of each token])."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0}
+    if not text:
+        body.update(logprobs=0, return_tokens_as_token_ids=True)
+    ids, pieces, arrivals, done = [], [], [], 0
     start = time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -70,22 +77,26 @@ async def complete(client, url, model, prompt, max_tokens):
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             for choice in chunk["choices"]:
-                tokens = (choice.get("logprobs") or {}).get("tokens") or []
                 now = time.perf_counter()
-                for t in tokens:
+                if text:
+                    if choice.get("text"):
+                        pieces.append(choice["text"])
+                        arrivals.append(now)
+                    continue
+                for t in (choice.get("logprobs") or {}).get("tokens") or []:
                     ids.append(int(t.removeprefix("token_id:")))
                     arrivals.append(now)
     if done != 1:
         raise RuntimeError(f"a stream ended with {done} [DONE] markers")
-    return ids, start, arrivals
+    return ("".join(pieces) if text else ids), start, arrivals
 
 
-async def reference_pass(url, model, jobs):
+async def reference_pass(url, model, jobs, text):
     async with httpx.AsyncClient(timeout=600) as client:
-        return [(await complete(client, url, model, p, n))[0] for _, p, n in jobs]
+        return [(await complete(client, url, model, p, n, text))[0] for _, p, n in jobs]
 
 
-async def load_pass(url, model, jobs, clients):
+async def load_pass(url, model, jobs, clients, text):
     results = [None] * len(jobs)
 
     async def run_client(c, client):
@@ -93,7 +104,7 @@ async def load_pass(url, model, jobs, clients):
             if owner == c:
                 if results[i] is not None:
                     raise RuntimeError(f"request {i} answered twice")
-                results[i] = await complete(client, url, model, prompt, n)
+                results[i] = await complete(client, url, model, prompt, n, text)
 
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -103,9 +114,27 @@ async def load_pass(url, model, jobs, clients):
 
 
 def metrics(url) -> dict:
-    text = httpx.get(url + "/metrics").text
+    """kvref's /metrics as {name: value}; {} from a server without it"""
+    response = httpx.get(url + "/metrics")
+    if response.status_code != 200:
+        return {}
+    text = response.text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
+
+
+def kvref_figures(before, after, idle) -> dict:
+    """What kvref's /metrics adds over the load pass (nothing for another server)."""
+    if not after:
+        return {}
+    queries = after["kvref_prefix_cache_queries_total"] - before["kvref_prefix_cache_queries_total"]
+    hits = after["kvref_prefix_cache_hits_total"] - before["kvref_prefix_cache_hits_total"]
+    batch = (after["kvref_batch_size_sum"] - before["kvref_batch_size_sum"]) / max(
+        1, after["kvref_batch_size_count"] - before["kvref_batch_size_count"])
+    return {"mean_batch": round(batch, 2), "prefix_hit_rate": round(hits / queries, 3) if queries else None,
+            "preemptions": after["kvref_preemptions_total"] - before["kvref_preemptions_total"],
+            "blocks_in_use_idle": idle['kvref_blocks{state="in_use"}'],
+            "blocks_cached_idle": idle['kvref_blocks{state="cached"}']}
 
 
 def percentile(values, q):
@@ -158,6 +187,7 @@ def main(argv=None):
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--kv-dtype", default="float16")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--text", action="store_true", help="compare responses by text (a server without token ids)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args(argv)
 
@@ -167,32 +197,25 @@ def main(argv=None):
         url, model, server, _ = start_server(args)
     jobs = workload(args.clients, args.requests_per_client)
     print(f"{len(jobs)} requests from {args.clients} clients; reference pass (one at a time)...", file=sys.stderr)
-    references = asyncio.run(reference_pass(url, args.model, jobs))
+    references = asyncio.run(reference_pass(url, args.model, jobs, args.text))
     before = metrics(url)
     print("load pass...", file=sys.stderr)
-    results, wall = asyncio.run(load_pass(url, args.model, jobs, args.clients))
+    results, wall = asyncio.run(load_pass(url, args.model, jobs, args.clients, args.text))
     after = metrics(url)
     time.sleep(0.2)
     idle = metrics(url)
 
-    tokens = sum(len(ids) for ids, _, _ in results)
+    tokens = sum(len(arrivals) for _, _, arrivals in results)
     ttft = [arrivals[0] - start for _, start, arrivals in results if arrivals]
     gaps = [b - a for _, _, arrivals in results for a, b in zip(arrivals, arrivals[1:])]
-    queries = after["kvref_prefix_cache_queries_total"] - before["kvref_prefix_cache_queries_total"]
-    hits = after["kvref_prefix_cache_hits_total"] - before["kvref_prefix_cache_hits_total"]
-    equal, ties, wrong = classify(model, jobs, references, results)
-    batch = (after["kvref_batch_size_sum"] - before["kvref_batch_size_sum"]) / max(
-        1, after["kvref_batch_size_count"] - before["kvref_batch_size_count"])
+    equal, ties, wrong = classify(None if args.text else model, jobs, references, results)
     figures = {
         "requests": len(jobs), "clients": args.clients, "wall_s": round(wall, 2), "generated_tokens": tokens,
         "throughput_tok_s": round(tokens / wall, 1), "requests_s": round(len(jobs) / wall, 2),
         "ttft_p50_ms": round(1e3 * percentile(ttft, 50), 1), "ttft_p99_ms": round(1e3 * percentile(ttft, 99), 1),
         "per_token_p50_ms": round(1e3 * percentile(gaps, 50), 1),
         "per_token_p99_ms": round(1e3 * percentile(gaps, 99), 1),
-        "mean_batch": round(batch, 2), "prefix_hit_rate": round(hits / queries, 3) if queries else None,
-        "preemptions": after["kvref_preemptions_total"] - before["kvref_preemptions_total"],
-        "equal_to_reference": equal, "near_ties": ties, "wrong": wrong,
-        "blocks_in_use_idle": idle['kvref_blocks{state="in_use"}'], "blocks_cached_idle": idle['kvref_blocks{state="cached"}'],
+        "equal_to_reference": equal, "near_ties": ties, "wrong": wrong, **kvref_figures(before, after, idle),
     }
     if args.json:
         print(json.dumps(figures))
@@ -201,7 +224,7 @@ def main(argv=None):
             print(f"{key:>22}: {value}")
     if server is not None:
         server.should_exit = True
-    return 1 if wrong or figures["blocks_in_use_idle"] else 0
+    return 1 if wrong or figures.get("blocks_in_use_idle") else 0
 
 
 if __name__ == "__main__":
