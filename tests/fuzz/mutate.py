@@ -135,16 +135,23 @@ def _mutate_json_file(data: bytes, rng) -> bytes | None:
         doc = json.loads(data[offset:offset + size])
     except ValueError:
         return None
+    if not _set_one_field(doc, rng):
+        return None
+    text = json.dumps(doc).encode()
+    return text if offset == 0 else struct.pack("<Q", len(text)) + text + data[8 + size:]
+
+
+def _set_one_field(doc, rng) -> bool:
+    """Set one field of a JSON document, at any depth, to an awkward value; False if it has none."""
     paths = list(_paths(doc))
     if not paths:
-        return None
+        return False
     *parents, last = rng.choice(paths)
     node = doc
     for key in parents:
         node = node[key]
     node[last] = rng.choice(JSON_VALUES)
-    text = json.dumps(doc).encode()
-    return text if offset == 0 else struct.pack("<Q", len(text)) + text + data[8 + size:]
+    return True
 
 
 def _mutate_cache_header(data: bytes, rng) -> bytes | None:
@@ -158,14 +165,8 @@ def _mutate_cache_header(data: bytes, rng) -> bytes | None:
     except ValueError:
         return None
     room = _first_array_offset(header, len(data)) - 20  # of the header as it was: the arrays stay put
-    paths = list(_paths(header))
-    if not paths:
+    if not _set_one_field(header, rng):
         return None
-    *parents, last = rng.choice(paths)
-    node = header
-    for key in parents:
-        node = node[key]
-    node[last] = rng.choice(JSON_VALUES)
     text = json.dumps(header).encode()
     if len(text) > room:
         return None
