@@ -82,6 +82,18 @@ def test_decode_past_a_sliding_window_equals_recomputation_on_kvref(layout):
 
 # ---- the broken variants: each named check catches its bug ------------------------------------------
 
+def test_a_kvref_engine_removes_its_saved_caches_when_it_goes_even_without_close():
+    import gc
+    import os
+
+    kept = engine("contiguous")
+    path = kept._saved
+    assert os.path.isdir(path)
+    del kept
+    gc.collect()
+    assert not os.path.exists(path)
+
+
 def off_by_one_write(self, reservation, layer, k, v):
     # The bug: an execution that starts exactly at a block boundary writes its first position into
     # the previous block (a "current block" pointer not advanced when the last block was just filled),

@@ -9,7 +9,9 @@ behind zeros.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 
 from ..batch import forward_batch
 from .engine import Engine, Refused, Rows
@@ -43,6 +45,8 @@ class KVRefEngine(Engine):
         self.free(probe)
         self.capabilities = frozenset(caps)
         self._saved = tempfile.mkdtemp(prefix="kvref-conformance-")
+        # the saved caches go with the engine, whether or not close() is called
+        self._remove_saved = weakref.finalize(self, shutil.rmtree, self._saved, True)
 
     def _options(self, block_size):
         # the layout's options, sized to what the suite runs; the StreamingLLM window is sized to keep
@@ -80,9 +84,7 @@ class KVRefEngine(Engine):
         seq.free()
 
     def close(self) -> None:
-        for name in os.listdir(self._saved):
-            os.unlink(os.path.join(self._saved, name))
-        os.rmdir(self._saved)
+        self._remove_saved()
 
     def forward_batch(self, seqs, id_lists) -> list:
         out = forward_batch(self.model, [list(ids) for ids in id_lists], list(seqs), all_logits=True)
