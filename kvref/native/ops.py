@@ -469,7 +469,8 @@ class Kernels:
 
     def matmul_int8(self, x, w):
         # [T, K], [N, K] -> [T, N]: the int8 activation mode's projection (see csrc/kvref.h):
-        # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, exact otherwise
+        # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights (and Q4_K/Q6_K from 4
+        # rows on where the 8-bit GEMM runs), exact otherwise
         return self._projection(lib.kvref_matmul_int8, "matmul_int8", x, w)
 
     def _projection(self, c_function, name, x, w):
