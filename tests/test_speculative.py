@@ -70,12 +70,16 @@ def assert_same_except_near_ties(plain, spec, stats):
         assert i in stats.near_ties, f"token {i} differs ({plain[i]} vs {spec[i]}) without a near tie"
 
 
+def layout_case(draw):
+    """(config, layout, its cache options): a random config, with window layers for a hybrid cache."""
+    cfg = draw(configs(max_seq_len=96))
+    layout, options = layout_options(draw, cfg)
+    return (hybrid_config(draw, cfg) if layout == "hybrid" else cfg), layout, options
+
+
 @given(st.data())
 def test_greedy_speculation_selects_the_tokens_of_plain_decoding_on_every_layout_spec_float64(data):
-    cfg = data.draw(configs(max_seq_len=96))
-    layout, options = layout_options(data.draw, cfg)
-    if layout == "hybrid":
-        cfg = hybrid_config(data.draw, cfg)
+    cfg, layout, options = layout_case(data.draw)
     model = kvref.Model.random(cfg, seed=data.draw(st.integers(0, 2**16)), dtype="float64", backend="numpy")
     prompt = data.draw(repetitive_prompts(cfg.vocab_size))
     n = data.draw(st.integers(1, 40))
@@ -95,10 +99,7 @@ def test_greedy_speculation_selects_the_tokens_of_plain_decoding_on_every_layout
 
 @given(st.data())
 def test_greedy_speculation_on_the_native_backend_differs_from_plain_decoding_only_at_near_ties(data):
-    cfg = data.draw(configs(max_seq_len=96))
-    layout, options = layout_options(data.draw, cfg)
-    if layout == "hybrid":
-        cfg = hybrid_config(data.draw, cfg)
+    cfg, layout, options = layout_case(data.draw)
     kv_dtype = data.draw(st.sampled_from([None, "float16", "int8"]))
     if kv_dtype == "int8" and cfg.head_dim % 2:
         kv_dtype = None
