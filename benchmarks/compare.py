@@ -6,7 +6,9 @@
 
 Engines (each one that is installed; a missing one is reported and left out):
   kvref-c       kvref.load(path, backend="c", threads=T)       the native path (fused C forward);
-                K/V cache float16 like llama.cpp's (--kv-dtype); exact float32 activations
+                K/V cache float16 like llama.cpp's (--kv-dtype); exact float32 activations;
+                kvref-c@int8 (any kvref engine, any K/V type) overrides --kv-dtype for that engine, so
+                several K/V types run side by side: --engines kvref-c kvref-c@int8 llama.cpp
   kvref-c-int8  the same with KVREF_ACTIVATIONS=int8: every projection rounds its input to 8-bit blocks
                 before the quantized weights, as llama.cpp does (kvref.native.fused)
   kvref-numpy   kvref.load(path, backend="numpy")               the NumPy spec, OpenBLAS with T threads;
@@ -199,11 +201,25 @@ class TransformersEngine:
         return int(out.logits[0, -1].argmax())
 
 
+def engine_kind(name: str) -> str:
+    """The engine of a name given to --engines: kvref-c@int8 is kvref-c with int8 K/V."""
+    return name.partition("@")[0]
+
+
+def engine_name(name: str) -> str:
+    """argparse type of --engines: a known engine, for kvref-c engines optionally @<K/V type>."""
+    kind, at, kv = name.partition("@")
+    if kind not in ENGINES or (at and (kind not in ("kvref-c", "kvref-c-int8") or not kv)):
+        raise argparse.ArgumentTypeError(f"{name!r}: expected one of {ENGINES}, or kvref-c[-int8]@<K/V type>")
+    return name
+
+
 def make_engine(name, path, threads, args):
-    if name == "kvref-c":
-        return KvrefEngine(path, "c", threads, args.kv_dtype)
-    if name == "kvref-c-int8":
-        return KvrefEngine(path, "c", threads, args.kv_dtype, activations="int8")
+    kind, _, kv_dtype = name.partition("@")
+    if kind == "kvref-c":
+        return KvrefEngine(path, "c", threads, kv_dtype or args.kv_dtype)
+    if kind == "kvref-c-int8":
+        return KvrefEngine(path, "c", threads, kv_dtype or args.kv_dtype, activations="int8")
     if name == "kvref-numpy":
         return KvrefEngine(path, "numpy", threads, None)
     if name == "llama.cpp":
@@ -311,9 +327,9 @@ def installed(engine) -> str | None:
     import importlib.util
 
     needs = {"kvref-c": [], "kvref-c-int8": [], "kvref-numpy": [], "llama.cpp": ["llama_cpp"],
-             "transformers": ["torch", "transformers", "gguf", "accelerate"]}[engine]
+             "transformers": ["torch", "transformers", "gguf", "accelerate"]}[engine_kind(engine)]
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
-    if engine in ("kvref-c", "kvref-c-int8"):
+    if engine_kind(engine) in ("kvref-c", "kvref-c-int8"):
         from kvref import native
 
         return None if native.available() else native.unavailable_reason()
@@ -375,7 +391,7 @@ def environment() -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), type=engine_name)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--rounds", type=int, default=3)
