@@ -688,18 +688,15 @@ TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_
 TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
-        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(x + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-            sum = _mm256_add_ps(sum, v[i]);
             /* v * 0 is NaN exactly for NaN and infinities */
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_mul_ps(v[i], _mm256_setzero_ps()), _mm256_setzero_ps(), _CMP_NEQ_UQ));
         }
         float d, id;
         kvref_q8_scale(hmax8(amax), _mm256_movemask_ps(bad) == 0, &d, &id);
-        ds[0] = d;
-        ds[1] = hsum8(sum);
         const __m256 vid = _mm256_set1_ps(id);
         const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
         __m256i q[4];
@@ -708,6 +705,10 @@ TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds)
         const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
         const __m256i p8 = _mm256_packs_epi16(p16, p16b); /* 32-bit groups in lane-interleaved order */
         _mm256_storeu_si256((__m256i *)qs, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        /* the sum of qs in float32: exact, every partial sum is an integer below 2**12 */
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        ds[0] = d;
+        ds[1] = d * hsum8(_mm256_cvtepi32_ps(sum));
     }
 }
 

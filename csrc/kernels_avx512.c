@@ -783,14 +783,14 @@ TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds)
         const int bad = 0x01 | 0x08 | 0x10 | 0x80; /* fpclass: quiet NaN, +inf, -inf, signalling NaN */
         const int finite = (_mm512_fpclass_ps_mask(v0, bad) | _mm512_fpclass_ps_mask(v1, bad)) == 0;
         kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), finite, &d, &id);
-        ds[0] = d;
-        ds[1] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
         /* min(v, hi) returns hi for NaN, as the scalar kernel maps NaN to 127 */
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v0, vid), hi), lo));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v1, vid), hi), lo));
         _mm_storeu_si128((__m128i *)qs, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(qs + 16), _mm512_cvtepi32_epi8(q1));
+        ds[0] = d;
+        ds[1] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     }
 }
 

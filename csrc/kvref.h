@@ -103,8 +103,9 @@ int kvref_matmul(kvref_pool *pool,
 
 /* The projection of the int8 activation mode: y = x~ @ W.T, where each row of x is first rounded
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
- * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block. For
- * Q4_1 the block offset m multiplies the exact float32 sum of x over the block. This holds for
+ * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block; a block
+ * offset m (Q4_1's) multiplies x~'s block sum d_b * sum q[j], so y is x~ @ W.T up to float32
+ * rounding. This holds for
  * Q4_0, Q4_1, Q5_0 and Q8_0 weights always, and for Q4_K (its 32-value sub-blocks' offsets as Q4_1's)
  * where the integer GEMM runs: from 4 rows of x on, with the scalar kernels or AVX-512 VNNI, the
  * weights are decoded to 8-bit tiles and multiplied as an integer GEMM; elsewhere each row is a dot

@@ -273,27 +273,28 @@ static void attn_exp_ref(int64_t G, int64_t n, const float *m, float *p, float *
 /* ---- 8-bit activations ------------------------------------------------------------------- */
 
 /* x [K] -> qs [K], ds [K/32, 2]: per block d = max|x| / 127, qs = rint(x * (1/d)) (ties to even),
- * s = sum of x */
+ * s = d * sum of qs (internal.h says why not the sum of x) */
 static void quantize_q8_scalar(int64_t K, const float *x, int8_t *qs, float *ds) {
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
-        float amax = 0.0f, s = 0.0f;
+        float amax = 0.0f;
         int finite = 1;
         for (int j = 0; j < 32; j++) {
             const float a = fabsf(x[j]);
             amax = a > amax ? a : amax;
-            s += x[j];
             finite &= x[j] * 0.0f == 0.0f; /* NaN for NaN and infinities */
         }
         float d, id;
         kvref_q8_scale(amax, finite, &d, &id);
-        ds[0] = d;
-        ds[1] = s;
+        int32_t sum = 0;
         for (int j = 0; j < 32; j++) {
             float v = rintf(x[j] * id);          /* |v| <= 127 for finite x (see internal.h) */
             v = v < 127.0f ? v : 127.0f;
             v = v > -127.0f ? v : -127.0f;       /* NaN has gone to 127 on the line above */
             qs[j] = (int8_t)v;
+            sum += qs[j];
         }
+        ds[0] = d;
+        ds[1] = d * (float)sum;
     }
 }
 
@@ -304,7 +305,7 @@ static int32_t idot32(const int8_t *wq, const int8_t *xq) {
     return sum;
 }
 
-/* sum_b d_w d_x sum_j q_j qx_j (+ m_w s_x for Q4_1: the offset m meets the exact block sum s) */
+/* sum_b d_w d_x sum_j q_j qx_j (+ m_w s_x for Q4_1: the offset m meets the rounded block's sum s) */
 static float vec_dot_q8_blocks(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
     float acc = 0.0f;
     for (int64_t b = 0; b < K / 32; b++, qs += 32, ds += 2) {

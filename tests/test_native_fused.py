@@ -414,12 +414,12 @@ def test_fused_results_do_not_depend_on_the_thread_count(data, isa, activations)
 # ---- int8 activations --------------------------------------------------------------------------
 
 def q8_blocks(x):
-    """The 8-bit rounding of csrc (kvref_q8_block), in NumPy: x [T, K] -> d [T, K/32], q [T, K], s [T, K/32]."""
+    """The 8-bit rounding of csrc (csrc/internal.h), in NumPy: x [T, K] -> d [T, K/32], q [T, K], s [T, K/32]."""
     xb = x.reshape(x.shape[0], -1, 32)
     d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)  # one IEEE division, as C
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     q = np.clip(np.rint(xb * inv[..., None]), -127, 127)  # float32 product, ties to even
-    return d, q.reshape(x.shape), xb.astype(np.float64).sum(axis=-1)
+    return d, q.reshape(x.shape), d * q.sum(axis=-1)  # s: the exact integer sum, times d in float32
 
 
 def block_offsets(w):
@@ -461,12 +461,12 @@ GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and ha
 
 
 # The int8 projection computes, per block b of 32 values, d_w d_x I_b (+ m_b s_b for Q4_1, Q4_K) in
-# float32, where I_b is the exact integer dot product of the weight's quantized values with q.
-# Against x~ @ W.T computed exactly (float64) from the same blocks, the only errors are float32
-# roundings: fl(d_w d_x) (1 u), its product with I_b (1 u), fl(m s) and the float32 sum s (32 u),
-# and the sum over K/32 blocks in any order (gamma(K/32 + 8) covers the 8-lane partial sums too; Q6_K
-# has K/16 blocks of 16 values). So, with K/16 for both,
-# |C - ref| <= gamma(K/16 + 40) * sum_b (|d_w d_x| |I|_b + |m_b| sum_j |x_j|), |I|_b the dot of magnitudes.
+# float32, where I_b is the exact integer dot product of the weight's quantized values with q and
+# s_b = fl(d_x sum_j q_j). Against x~ @ W.T computed exactly (float64) from the same blocks, the only
+# errors are float32 roundings: fl(d_w d_x) (1 u), its product with I_b (1 u), fl(m s) (1 u) and the
+# sum over K/32 blocks in any order (gamma(K/32 + 8) covers the 8-lane partial sums too; Q6_K has
+# K/16 blocks of 16 values). So, with K/16 for both and room to spare,
+# |C - ref| <= gamma(K/16 + 40) * sum_b (|d_w d_x| |I|_b + |m_b| |s_b|), |I|_b the dot of magnitudes.
 
 @given(int8_cases(), ISAS, THREADS)
 def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(case, isa, threads):
@@ -480,17 +480,17 @@ def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(ca
     wq = Wd - np.repeat(m, 32, axis=1)  # the block's scaled integers d_w q_j, exact in float64
     xt = (q.reshape(-1, K // 32, 32) * d[..., None]).reshape(q.shape)  # x~ [T, K]
     ref = xt @ wq.T + s @ m.T
-    mag = (np.abs(xt) @ np.abs(wq).T) + np.abs(x.astype(np.float64)).reshape(-1, K // 32, 32).sum(-1) @ np.abs(m).T
+    mag = (np.abs(xt) @ np.abs(wq).T) + np.abs(s.astype(np.float64)) @ np.abs(m).T
     bound = gamma(K // 16 + 40) * mag + UNDERFLOW_SLACK  # Q6_K's blocks are 16 values
     assert np.all(np.abs(y - ref) <= bound), (np.abs(y - ref).max(), bound.min())
 
 
 # Against the exact product x @ W.T with the spec's weights w_j = fl(d q_j + m): x - x~ is at most
 # d_x (1/2 + 2**-16) per value (x * (1/d) carries <= 2 u relative error before rint, and |x/d| <= 127),
-# so the rounding moves each block's dot by <= d_x (1/2 + 2**-16) sum_j |w_j - m_b|; the spec's own
-# rounding of w (Q4_1: <= u |w_j|) and both sides' float32 sums add 2 gamma(K + 40) sum_j |w_j| (|x_j| + d_x).
-# This is the bound the brief suggests, sum_b (d_b / 2) sum |w_j|, with Q4_1's offset taken out
-# (it meets the exact block sum) and the rounding terms made explicit.
+# so the rounding moves each block's dot by <= d_x (1/2 + 2**-16) sum_j |w_j| (the offset meets x~'s
+# block sum, so it is rounded with the rest); the spec's own rounding of w (Q4_1: <= u |w_j|) and both
+# sides' float32 sums add 2 gamma(K + 40) sum_j |w_j| (|x_j| + d_x). This is the bound the brief
+# suggests, sum_b (d_b / 2) sum |w_j|, with the rounding terms made explicit.
 
 @given(int8_cases(), ISAS)
 def test_int8_matmul_is_within_the_derived_bound_of_the_exact_product(case, isa):
@@ -499,23 +499,20 @@ def test_int8_matmul_is_within_the_derived_bound_of_the_exact_product(case, isa)
     y = nops.kernels(2, isa).matmul_int8(x, w)
     d, _, _ = q8_blocks(x)
     Wd = quants.dequantize(w.ggml_type, w.data, w.shape).astype(np.float64)
-    m = block_offsets(w)
     dx = np.repeat(d.astype(np.float64), 32, axis=1)  # [T, K]: each value's block scale
     x64 = x.astype(np.float64)
     exact = x64 @ Wd.T
-    rounding = (dx * INT8_ACTIVATION_ROUNDING) @ np.abs(Wd - np.repeat(m, 32, axis=1)).T
+    rounding = (dx * INT8_ACTIVATION_ROUNDING) @ np.abs(Wd).T
     float32 = 2 * gamma(K + 40) * ((np.abs(x64) + dx) @ np.abs(Wd).T)
     assert np.all(np.abs(y - exact) <= rounding + float32 + UNDERFLOW_SLACK)
 
 
 @given(int8_cases(), st.sampled_from(GEMM_ISAS), THREADS)
 def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread_count(case, isa, threads):
-    # The GEMM computes the same integers and the same fused multiply-adds per block, in block
-    # order, on every instruction set; only the block sums s of x are summed in another order, so
-    # x here takes values whose sums are exact in any order (multiples of 1/8 below 2**10).
+    # The GEMM computes the same integers, block sums s and fused multiply-adds per block, in block
+    # order, on every instruction set.
     w, x = case
     assume(x.shape[0] >= 4)
-    x = np.round(np.clip(x / (np.abs(x).max() + 1e-30), -1, 1) * 2**12).astype(np.float32) / 8
     want = nops.kernels(1, "scalar").matmul_int8(x, w)
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
 
@@ -593,12 +590,12 @@ def test_fused_exact_greedy_continuation_equals_the_transformers_reference(smoll
 
 def test_fused_int8_decode_on_smollm2_agrees_with_the_exact_mode_like_llama_cpp(smollm2):
     """int8 activations are llama.cpp's numerics, and like llama.cpp they may pick another token where
-    the exact top two are close: the int8 greedy ids leave transformers' at step 23 of prompt a and 15
-    of prompt b (llama.cpp's leave them at steps 5 and 25). Measured teacher-forced on the reference
-    continuations (each decode step from the same history, 64 steps): the int8 step picks the exact
-    step's token 95.3% of the time, mean KL(exact || int8) 0.0104 nats, max 0.088; no single group of
-    projections dominates (qkv 2.8e-3, gate/up 3.3e-3, down 2.0e-3, wo 3.4e-4, LM head 5.4e-4). The
-    thresholds keep a margin of ~3x on KL; a broken block scale or nibble order gives KL ~ 1."""
+    the exact top two are close: the int8 greedy ids leave transformers' at index 5 of prompt a and 24
+    of prompt b (llama.cpp's at 5 and 25). Measured teacher-forced on the reference continuations
+    (each decode step from the same history, 64 steps): the int8 step picks the exact step's token
+    95.3% of the time, mean KL(exact || int8) 0.0031 nats, max 0.019; the LM head's share is the
+    largest (docs/benchmarks.md). The thresholds keep a margin of ~3x on KL; a broken block scale or
+    nibble order gives KL ~ 1, and the unrounded block sum before 06ced6e gave a mean of 0.0104."""
     model, ff = smollm2
     int8 = fused.FusedForward(model.config, model.weights, "int8")
     agree, kls = [], []
@@ -614,7 +611,7 @@ def test_fused_int8_decode_on_smollm2_agrees_with_the_exact_mode_like_llama_cpp(
             r = compare(q, e, "float32")
             agree.append(r.top1_agreement)
             kls.append(r.max_kl)
-    assert np.mean(agree) >= 0.9 and np.mean(kls) < 0.03 and np.max(kls) < 0.3, (np.mean(agree), np.mean(kls))
+    assert np.mean(agree) >= 0.9 and np.mean(kls) < 0.01 and np.max(kls) < 0.06, (np.mean(agree), np.mean(kls))
 
 
 # ---- errors leave the cache as it was ---------------------------------------------------------

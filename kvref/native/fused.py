@@ -36,11 +36,11 @@ With activations="int8",
 every projection, prefill and decode alike, is Kernels.matmul_int8: each input row is rounded to
 blocks of 32 int8 values with scale d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0 weights, and
 multiplied with integer dot products (llama.cpp does the same; a prefill's projections run as an
-integer GEMM on AVX-512 VNNI). Each such output moves by at most
-sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j - m_b| (m_b: the block's offset, Q4_1 only) beyond the
-float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on
-SmolLM2 the int8 greedy continuation leaves the float32 reference after 15-23 tokens, as
-llama.cpp's does (tests/test_native_fused.py has the bounds and the measurements).
+integer GEMM on AVX-512 VNNI). Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b}
+|w_j| beyond the float32 rounding of the exact mode; other weight types stay exact. Exact is the
+default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens
+on the two reference prompts, llama.cpp's after 5 and 25 (tests/test_native_fused.py has the bounds
+and the measurements).
 
 The descriptor's pointers stay valid for the object's life: C reads only memory that nothing
 public can resize, free or write. A Model's weights are frozen (kvref.weights.freeze), so C points
