@@ -595,7 +595,7 @@ def test_fused_int8_decode_on_smollm2_agrees_with_the_exact_mode_like_llama_cpp(
     (each decode step from the same history, 64 steps): the int8 step picks the exact step's token
     95.3% of the time, mean KL(exact || int8) 0.0031 nats, max 0.019; the LM head's share is the
     largest (docs/benchmarks.md). The thresholds keep a margin of ~3x on KL; a broken block scale or
-    nibble order gives KL ~ 1, and the unrounded block sum before 06ced6e gave a mean of 0.0104."""
+    nibble order gives KL ~ 1, and the unrounded block sum (up to 06ced6e) gave a mean of 0.0104."""
     model, ff = smollm2
     int8 = fused.FusedForward(model.config, model.weights, "int8")
     agree, kls = [], []
