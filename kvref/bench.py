@@ -694,7 +694,7 @@ def report(r: dict) -> str:
         line += f" (VmHWM {human_bytes(mem['vmhwm_bytes'])})"
     if mem["file_bytes"] is not None:
         line += (f"; file {human_bytes(mem['file_bytes'])} + largest cache {human_bytes(mem['cache_bytes'])} "
-                 f"+ 100 MB = {human_bytes(mem['budget_bytes'])}: "
+                 f"+ {BUDGET_SLACK / 1e6:g} MB = {human_bytes(mem['budget_bytes'])}: "
                  + ("within" if mem["within_budget"] else "OVER") + " the budget")
     else:
         line += f"; largest cache {human_bytes(mem['cache_bytes'])}"

@@ -14,7 +14,6 @@ from .cache import BlockPool, ContiguousCache, HybridCache, KVCache, WindowCache
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
-from .chat import render_chat
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .generation_config import GenerationConfig
 from .limits import DEFAULT_CACHE_BUDGET
@@ -287,6 +286,9 @@ class Model:
 
     def chat_text(self, messages, add_generation_prompt=True) -> str:
         """A conversation rendered with the model's chat template, before tokenization."""
+        # imported here: jinja2 costs ~7 MB resident, which a process that renders no template never pays
+        from .chat import render_chat
+
         tok = self.tokenizer
         if tok is None or not self.chat_template:
             raise TokenizerError("this model has no tokenizer or chat template (tokenizer.chat_template)")

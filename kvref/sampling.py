@@ -79,6 +79,9 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> n
     z = np.asarray(logits, dtype=np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
+    if top_k is None and top_p is None:  # no ranking needed (a sort of V logits is most of a step's Python)
+        kept = p if min_p is None else np.where(p >= min_p * p.max(), p, 0.0)
+        return kept / kept.sum()
     order = np.argsort(-z, kind="stable")  # most likely first (by logit, exact), ties by token id
     keep = np.ones(p.size, dtype=bool)  # over `order`
     if top_k is not None:

@@ -8,11 +8,13 @@ A Model on the native backend freezes the weights it is built with (`freeze`): e
 read-only memory that no public handle can resize, free or write — a view of an immutable bytes
 object, or of a read-only memory-mapped file that the native path pins (`pin`) — because C keeps
 raw pointers into them between calls. Rebinding a field of Weights stays possible; the fused C
-forward notices (it checks every tensor's identity) and runs the shared decoder on the new tensor.
+forward notices (it checks every tensor's identity again once any field was assigned: last_rebind)
+and runs the shared decoder on the new tensor.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from dataclasses import dataclass, fields, is_dataclass, replace
 
@@ -21,8 +23,27 @@ import numpy as np
 from .config import ModelConfig
 
 
+_rebinds = itertools.count(1)
+_last_rebind = 0
+
+
+def last_rebind() -> int:
+    """A number that changes whenever a field of any Weights or LayerWeights is assigned (construction
+    included): code that trusts the tensors it saw last can skip looking at each one while it holds."""
+    return _last_rebind
+
+
+class _CountsRebinds:
+    def __setattr__(self, name, value):
+        global _last_rebind
+        super().__setattr__(name, value)
+        # after the assignment, so a reader that saw the old number looks again; next() is atomic,
+        # so two racing rebinds still leave a number nobody saw before
+        _last_rebind = next(_rebinds)
+
+
 @dataclass
-class LayerWeights:
+class LayerWeights(_CountsRebinds):
     attn_norm: object  # [E]        RMSNorm gain before attention
     wq: object  # [H*D, E]          query projection
     wk: object  # [Hkv*D, E]        key projection
@@ -42,7 +63,7 @@ class LayerWeights:
 
 
 @dataclass
-class Weights:
+class Weights(_CountsRebinds):
     tok_embeddings: object  # [V, E]
     layers: list  # n_layers x LayerWeights
     output_norm: object  # [E]

@@ -1,5 +1,9 @@
 """Model: construction and the checks at its public entry points; failed calls change nothing."""
 
+import subprocess
+import sys
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -97,3 +101,27 @@ def test_a_cache_from_another_model_shape_is_refused():
 def test_numpy_integer_arrays_are_accepted_as_token_ids():
     model = kvref.Model.random(CFG)
     np.testing.assert_array_equal(model.forward(np.array([1, 2], dtype=np.uint16)), model.forward([1, 2]))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_prefill_allocates_the_logits_of_its_last_position_only(backend):
+    # a long prompt's logits [T, V] would dwarf everything else a prefill allocates (8,000 x 49,152
+    # float32: 1.5 GB); without all_logits only the last row is ever computed
+    T, V = 128, 8192
+    cfg = kvref.ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, vocab_size=V, max_seq_len=T)
+    model = kvref.Model.random(cfg, seed=0, backend=backend)
+    cache = model.new_cache()
+    tracemalloc.start()  # NumPy reports its array buffers to tracemalloc
+    try:
+        model.forward(np.arange(1, T + 1), cache)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < T * V * 4 // 4  # [T, V] float32 is 4 MiB; the spec's attention scores [H, T, T] take ~0.6
+
+
+def test_importing_kvref_and_its_command_leaves_jinja2_unimported():
+    # jinja2 costs ~7 MB resident: only a process that renders a chat template pays for it
+    code = "import sys, kvref, kvref.cli; print('jinja2' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

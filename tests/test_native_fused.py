@@ -917,6 +917,23 @@ def test_rebinding_a_models_weight_runs_the_decoder_on_the_new_tensor():
     np.testing.assert_array_equal(model.forward([3], model.new_cache(), all_logits=True), want)
 
 
+def test_a_rebinding_after_executions_that_trusted_the_weights_is_noticed():
+    # the full identity check is skipped while no field was assigned (kvref.weights.last_rebind):
+    # a field assignment, or a list item replaced without one, must still be seen
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    other = random_weights(CFG, seed=4)
+    model.forward([1, 2], model.new_cache())
+    assert model.fused_problem(model.new_cache()) is None
+    model.weights.layers[1].wv = other.layers[1].wv
+    assert "weights" in model.fused_problem(model.new_cache())
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    model.forward([1, 2], model.new_cache())
+    model.weights.layers[0] = other.layers[0]
+    assert "weights" in model.fused_problem(model.new_cache())
+    want = decoder.forward(model.ops, CFG, model.weights, np.array([3]), model.new_cache(), True)
+    np.testing.assert_array_equal(model.forward([3], model.new_cache(), all_logits=True), want)
+
+
 def test_a_fused_forward_built_from_writeable_weights_reads_its_own_copy_of_them():
     weights = random_weights(CFG, seed=5)
     ff = fused.FusedForward(CFG, weights)

@@ -3,6 +3,7 @@ decode inverts encode, streaming decode equals decode, and SmolLM2's known promp
 
 import functools
 import json
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +291,24 @@ def test_llama_bpe_encodes_as_hf_tokenizers_with_llama3s_pre_tokenizer(data):
     ours, hf, words = trained_llama3_pair()
     text = data.draw(st.lists(st.sampled_from(words) | st.text(max_size=6), max_size=12).map("".join))
     assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+# Bytes of Python objects a GGUF tokenizer allocates per vocabulary entry, the metadata's strings aside
+# (SmolLM2: 49,152 tokens and 48,900 merges; 255 on CPython 3.11): an id, the token's bytes, a merge
+# pair of the vocabulary's own strings and its rank. Copies of each merge's two strings (401) or a
+# bytes object per token would exceed it: at 8K positions `kvref run`'s memory budget
+# (file + cache + 60 MB) leaves no room for them.
+TOKENIZER_BYTES_PER_TOKEN = 300
+
+
+def test_a_gguf_tokenizer_allocates_few_bytes_per_vocabulary_entry():
+    metadata = gguf_metadata()
+    tracemalloc.start()
+    try:
+        tok = Tokenizer.from_gguf_metadata(metadata)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held / tok.vocab_size < TOKENIZER_BYTES_PER_TOKEN
+    ends = (0, 1, tok.vocab_size // 2, tok.vocab_size - 1)  # the shared bytes object, cut at its ends too
+    assert [tok.token_bytes(i) for i in ends] == [tok.model.token_bytes(tok.tokens[i], tok.token_types[i]) for i in ends]

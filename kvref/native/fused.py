@@ -65,7 +65,7 @@ import numpy as np
 
 from ..errors import BackendError, DTypeError, ShapeError, TokenError
 from ..spec import decoder
-from ..weights import pin
+from ..weights import last_rebind, pin
 from . import ops as native_ops
 from .ops import check_status, check_weight, ffi, lib
 
@@ -110,6 +110,9 @@ class FusedForward:
         if self.activations not in ACTIVATIONS:
             raise BackendError(f"activations={self.activations!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
         self._fingerprint = [id(t) for t in _tensors(weights)]
+        # (last_rebind(), ids of weights.layers) when `weights` last matched the fingerprint: while both
+        # hold, no tensor was rebound and the ~500 getattr calls of a full check are skipped
+        self._checked = None
         self._keep = []  # the pin of every array a descriptor pointer points into (no dangling pointers)
         self._lock = threading.Lock()  # one state, one call at a time
         c = config
@@ -189,10 +192,22 @@ class FusedForward:
         """Why forward() would call the shared decoder for these arguments; None when it runs in C."""
         if not isinstance(ops, native_ops.Kernels):
             return f"the kernel set is {getattr(ops, '__name__', type(ops).__name__)}, not a native Kernels"
-        if config != self.config or weights is not self.weights or [id(t) for t in _tensors(weights)] != self._fingerprint:
+        if config != self.config or not self._same_weights(weights):
             return "the config or weights are not the ones this C forward was built from"
         problem = native_ops.in_place_problem(cache)
         return None if problem is None else f"the C forward cannot use this {cache.layout} cache in place: {problem}"
+
+    def _same_weights(self, weights) -> bool:
+        """Whether `weights` is the object this forward was built from, holding the same tensor objects."""
+        if weights is not self.weights:
+            return False
+        seen = (last_rebind(), list(map(id, weights.layers)))  # list items are rebound without a setattr
+        if seen == self._checked:
+            return True
+        if [id(t) for t in _tensors(weights)] != self._fingerprint:
+            return False
+        self._checked = seen
+        return True
 
     def forward(self, ops, config, weights, token_ids, cache, all_logits=False):
         # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T

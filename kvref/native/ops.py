@@ -46,6 +46,7 @@ same functions to one pool, for a backend that wants its own.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -235,7 +236,7 @@ class _KV:
         d.k_scales, d.v_scales = ffi.cast("float *", self._keep[2]), ffi.cast("float *", self._keep[3])
         d.k_type, d.v_type, d.group_size = k_type, v_type, group_size or 0
         d.n_layers, d.n_kv_heads, d.head_dim = L, Hkv, D
-        d.n_slots = int(np.prod(k.shape[1:-2])) if n_slots is None else n_slots
+        d.n_slots = math.prod(k.shape[1:-2]) if n_slots is None else n_slots
         d.block_table = ffi.cast("const int64_t *", self._keep[4])
         d.n_blocks = 0 if block_table is None else block_table.shape[0]
         d.block_size = block_size

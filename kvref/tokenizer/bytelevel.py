@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import unicodedata
+from collections.abc import Iterable
 
 import regex
 
@@ -72,11 +73,11 @@ class ByteLevelBPE:
 
     strip_leading_space = False
 
-    def __init__(self, tokens: list[str], merges: list[tuple[str, str]], split_patterns, pre: str,
+    def __init__(self, tokens: list[str], merges: Iterable[tuple[str, str]], split_patterns, pre: str,
                  nfc: bool = False, ignore_merges: bool = False):
         self.ids = token_ids(tokens)
         self.pre = pre
-        self._ranks = merge_ranks(merges, self.ids)
+        self._ranks = merge_ranks(merges, self.ids, tokens)
         self._patterns = tuple(_compile(p) for p in split_patterns)
         self._nfc = nfc
         self._ignore_merges = ignore_merges

@@ -9,7 +9,9 @@ walks through it.
 
 from __future__ import annotations
 
+import array
 import codecs
+import itertools
 import operator
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -50,7 +52,11 @@ class Tokenizer:
         self.eos_ids = frozenset({*eos_ids, *([] if eos_id is None else [eos_id])})
         self.add_bos = add_bos
         self.add_eos = add_eos
-        self._bytes = [model.token_bytes(text, kind) for text, kind in zip(tokens, token_types)]
+        # every token's bytes in one bytes object, token i at [ends[i], ends[i + 1]): one object
+        # instead of one per token (~2 MB fewer for a vocabulary of 50,000)
+        pieces = [model.token_bytes(text, kind) for text, kind in zip(tokens, token_types)]
+        self._bytes = b"".join(pieces)
+        self._bytes_ends = array.array("q", itertools.accumulate(map(len, pieces), initial=0))  # [V + 1]
         self._special_all = _special_regex(tokens, token_types, SPECIAL_TYPES)
         self._special_always = _special_regex(tokens, token_types, ALWAYS_SPLIT_TYPES)
 
@@ -83,7 +89,8 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes this token stands for in decoded text (possibly part of a UTF-8 character)."""
-        return self._bytes[self._check_id(token_id)]
+        i = self._check_id(token_id)
+        return self._bytes[self._bytes_ends[i]:self._bytes_ends[i + 1]]
 
     def encode(self, text: str, special: bool = False, add_special: bool = False) -> list[int]:
         """Token ids of `text`.

@@ -56,7 +56,8 @@ def _byte_level(metadata: dict, tokens: list[str], pre: str) -> ByteLevelBPE:
     if pre not in PRE_TOKENIZERS:
         raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                              f"expected one of {sorted(PRE_TOKENIZERS)}")
-    merges = [_merge_pair(m) for m in _string_list(metadata, "tokenizer.ggml.merges")]
+    # a generator: each split pair lives only until merge_ranks keeps the vocabulary's strings
+    merges = (_merge_pair(m) for m in _string_list(metadata, "tokenizer.ggml.merges"))
     # llama.cpp takes a word that is a token whole for Llama 3 (its tokenizer.json's ignore_merges)
     return ByteLevelBPE(tokens, merges, PRE_TOKENIZERS[pre], pre, ignore_merges=pre == "llama-bpe")
 

@@ -60,7 +60,7 @@ class SentencePieceBPE:
         if scores is not None:
             self._rank = self._score_rank(scores)
         else:
-            ranks = merge_ranks(merges, self.ids)
+            ranks = merge_ranks(merges, self.ids, tokens)
             self._rank = lambda a, b: ranks.get((a, b))
         self._word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._encode_word)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..errors import TokenizerError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type); a tokenizer.json maps onto them
@@ -19,13 +21,16 @@ def token_ids(tokens: list[str]) -> dict[str, int]:
     return {text: i for i, text in enumerate(tokens)}
 
 
-def merge_ranks(merges: list[tuple[str, str]], ids: dict[str, int]) -> dict[tuple[str, str], int]:
+def merge_ranks(merges: Iterable[tuple[str, str]], ids: dict[str, int],
+                tokens: list[str]) -> dict[tuple[str, str], int]:
     """(left, right) pairs -> {(left, right): rank}; rank = position in the list. A merge must join two
-    vocabulary tokens into a third, or BPE would produce ids that mean nothing."""
+    vocabulary tokens into a third, or BPE would produce ids that mean nothing. The pairs hold the
+    vocabulary's own strings (tokens[id]), not the merge's copies: ~50,000 merges would otherwise keep
+    ~100,000 more strings alive."""
     ranks = {}
     for rank, (left, right) in enumerate(merges):
         if not left or not right or left not in ids or right not in ids or left + right not in ids:
             raise TokenizerError(f"merge {rank} {left!r} + {right!r} should join two vocabulary tokens "
                                  "into a third")
-        ranks.setdefault((left, right), rank)
+        ranks.setdefault((tokens[ids[left]], tokens[ids[right]]), rank)
     return ranks
