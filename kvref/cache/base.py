@@ -37,7 +37,6 @@ place says why through `storage_problem()`.
 
 from __future__ import annotations
 
-import _signal
 import signal
 import threading
 import weakref
@@ -675,13 +674,11 @@ def _sigint_deferred():
         yield
         return
     received = []
-    # _signal.signal: signal.signal wraps it in enum conversions that cost ~5 us a call, and every
-    # execution makes four of these calls
-    previous = _signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         yield
     finally:
-        _signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous)
         if received:
             signal.raise_signal(signal.SIGINT)
 
