@@ -520,29 +520,25 @@ TARGET static inline __m256 reduce8(const __m512 *v) {
 }
 
 /* Scores of nk keys (rows row[0..nk)) for the gb heads q[0..gb) of the group, nk * gb <= 24 (8 x 3
- * or 4 x 4): nk dot-product vectors per head, each K vector loaded (and widened) once for all gb
- * heads, then one transposing reduction per head (of 8 vectors: zeros past nk). The vectors of
- * one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+ * or 4 x 4), float K types: nk dot-product vectors per head, each K vector loaded (and widened)
+ * once for all gb heads, then one transposing reduction per head (of 8 vectors: zeros past nk). */
 TARGET __attribute__((always_inline)) static inline void score_keys(
-    const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
-    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb, const int nk) {
+    const kvref_attn_args *a, const float *q, const uint8_t *kb, const int64_t *row, float *p,
+    const int32_t k_type, const int full, const int gb, const int nk) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     __m512 d[4][8];
     for (int g = 0; g < gb; g++)
         for (int r = 0; r < 8; r++) d[g][r] = _mm512_setzero_ps();
-    for (int64_t j = 0, jg = 0; j < nvec; jg++)
-        for (int64_t jj = 0; jj < vpg; jj++, j++) {
-            const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-            __m512 qv[4];
-            for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
-            for (int r = 0; r < nk; r++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
-                const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, sc);
-                for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
-            }
+    for (int64_t j = 0; j < nvec; j++) {
+        const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+        __m512 qv[4];
+        for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
+        for (int r = 0; r < nk; r++) {
+            const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, 0.0f);
+            for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
         }
+    }
     for (int g = 0; g < gb; g++) {
         __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
         /* kvref_attn_score_value, 8 at a time: non-finite -> NaN */
@@ -552,19 +548,18 @@ TARGET __attribute__((always_inline)) static inline void score_keys(
     }
 }
 
-/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
- * keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
- * skeleton hides them), except the 8-key blocks after the last visible key (half the diagonal
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys (float K types), 8 keys at a time, the
+ * last n % 8 keys one by one; masked keys are scored like the rest (cheaper than testing each key;
+ * the skeleton hides them), except the 8-key blocks after the last visible key (half the diagonal
  * chunk of a causal query): the cut is a multiple of 8, so a scored key keeps its block and its
  * score. Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type, const int full) {
-    const float *q = c->q, *ks = c->k_scales;
+    const float *q = c->q;
     const uint8_t *kb = c->k;
-    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t *row = c->row;
     const int64_t nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     int64_t n = c->n, end = c->n;
     while (!c->all && kvref_attn_hidden(c, end - 1)) end--; /* some key is visible */
@@ -575,28 +570,26 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
         if (G % 4 == 0) /* 4 heads x 4 keys: each K vector widened once per 4 heads, not 3 + 1 */
             for (int64_t g0 = 0; g0 < G; g0 += 4)
                 for (int64_t s4 = s; s4 < s + 8; s4 += 4)
-                    score_keys(a, q + g0 * D, kb, ks, row + s4, srow + s4, p + g0 * C + s4, k_type, full, 4, 4);
+                    score_keys(a, q + g0 * D, kb, row + s4, p + g0 * C + s4, k_type, full, 4, 4);
         else
             for (int64_t g0 = 0; g0 < G; g0 += 3) {
                 const float *qg = q + g0 * D;
                 float *pg = p + g0 * C + s;
                 switch (G - g0) {
-                case 1: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1, 8); break;
-                case 2: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2, 8); break;
-                default: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3, 8);
+                case 1: score_keys(a, qg, kb, row + s, pg, k_type, full, 1, 8); break;
+                case 2: score_keys(a, qg, kb, row + s, pg, k_type, full, 2, 8); break;
+                default: score_keys(a, qg, kb, row + s, pg, k_type, full, 3, 8);
                 }
             }
     }
     for (; s < n; s++)
         for (int64_t g = 0; g < G; g++) {
             __m512 d = _mm512_setzero_ps();
-            for (int64_t j = 0, jg = 0; j < nvec; jg++)
-                for (int64_t jj = 0; jj < vpg; jj++, j++) {
-                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[s] + jg] : 0.0f;
-                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
-                                        load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, sc), d);
-                }
+            for (int64_t j = 0; j < nvec; j++) {
+                const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
+                                    load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, 0.0f), d);
+            }
             p[g * C + s] = kvref_attn_score_value(_mm512_reduce_add_ps(d) * a->scale);
         }
 }
@@ -711,11 +704,12 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
 }
 
 /* One instantiation per element type (and, for the float types, per `full`): the type must be a
- * compile-time constant, or every K/V load would test it. I8 always has 16 | D here. */
+ * compile-time constant, or every K/V load would test it. I8 always has 16 | D here; an I8 K is
+ * scored with integers (the AVX2 kernel here; attn_score_vnni where the CPU has VNNI). */
 TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     const int full = a->D % 16 == 0;
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, c, p, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_I8: kvref_avx2_attn_score_i8(a, c, p); break;
     case KVREF_TYPE_F16:
         if (full) score_typed(a, c, p, KVREF_TYPE_F16, 1);
         else score_typed(a, c, p, KVREF_TYPE_F16, 0);
@@ -1091,6 +1085,113 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
     else GEMM_Q8_ROWS_OF(16);
 }
 
+/* ---- an I8 K's integer scoring with VNNI (internal.h, kvref_attn_score_fn) ------------------ */
+
+/* r[i] lane j -> r[j] lane i for 16 vectors of 16 int32 lanes: row i's four bytes at j become
+ * lane i of column j. Unpacks pair the dwords and then the qwords of 4 rows per 128-bit lane
+ * (lane L of the result m of row quad Q: column 4L + m of rows 4Q .. 4Q + 3); two rounds of
+ * 128-bit shuffles then transpose those lanes. */
+TARGET_VNNI static inline void transpose16x16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int Q = 0; Q < 4; Q++) { /* u[4Q + m]: column 4L + m of rows 4Q .. 4Q + 3 in lane L */
+        u[4 * Q] = _mm512_unpacklo_epi64(t[4 * Q], t[4 * Q + 2]);
+        u[4 * Q + 1] = _mm512_unpackhi_epi64(t[4 * Q], t[4 * Q + 2]);
+        u[4 * Q + 2] = _mm512_unpacklo_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+        u[4 * Q + 3] = _mm512_unpackhi_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44), y1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);      /* lane block L = 0 */
+        r[4 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);  /* 1 */
+        r[8 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);  /* 2 */
+        r[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD); /* 3 */
+    }
+}
+
+/* Scores of the nk <= 16 keys s .. s + nk - 1 for heads g0 .. g0 + gb - 1 (gb <= 4), one key per
+ * lane: the keys' K bytes, 64 at a time, are transposed so that column j holds every key's bytes
+ * 4j .. 4j + 3, and vpdpbusd adds column j times the head's four q8 bytes there (broadcast) into
+ * the head's group sum. vpdpbusd multiplies unsigned by signed bytes: K is read as k + 128 (the
+ * sign bit flipped) and 128 times the group's q8 sum comes back out, exactly. At the end of each
+ * group, the float32 operations of kvref_attn_score_i8_ref, in its order, on 16 keys at once. */
+TARGET_VNNI __attribute__((always_inline)) static inline void score16_i8_vnni(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t s, int64_t nk, int64_t g0, const int gb, float *p) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, ng = D / a->group_size, per_group = a->group_size / 4;
+    const int8_t *kb = (const int8_t *)c->k;
+    const int64_t *row = c->row + s;
+    int64_t srow[16]; /* keys past nk read key s's scales */
+    for (int i = 0; i < 16; i++) srow[i] = c->srow[s + (i < nk ? i : 0)];
+    const __m512i slo = _mm512_loadu_si512(srow), shi = _mm512_loadu_si512(srow + 8);
+    __m512i dot[4];
+    __m512 score[4];
+    for (int g = 0; g < gb; g++) {
+        dot[g] = _mm512_setzero_si512();
+        score[g] = _mm512_setzero_ps();
+    }
+    int64_t b = 0, left = per_group;
+    for (int64_t e0 = 0; e0 < D; e0 += 64) {
+        const __mmask64 mk = D - e0 >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (D - e0)) - 1;
+        __m512i col[16];
+        for (int i = 0; i < 16; i++)
+            col[i] = i < nk ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, kb + row[i] + e0), _mm512_set1_epi8(-128))
+                            : _mm512_setzero_si512();
+        transpose16x16(col);
+        const int64_t ncol = (D - e0) / 4 < 16 ? (D - e0) / 4 : 16;
+        for (int64_t j = 0; j < ncol; j++) {
+            for (int g = 0; g < gb; g++) {
+                int32_t q4;
+                memcpy(&q4, c->q8 + (g0 + g) * D + e0 + 4 * j, 4);
+                dot[g] = _mm512_dpbusd_epi32(dot[g], col[j], _mm512_set1_epi32(q4));
+            }
+            if (--left > 0) continue;
+            const float *ks = c->k_scales + b;
+            const __m512 kd = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_i64gather_ps(slo, ks, 4)),
+                                                 _mm512_i64gather_ps(shi, ks, 4), 1);
+            for (int g = 0; g < gb; g++) {
+                const int64_t qg = (g0 + g) * ng + b;
+                const __m512i idot = _mm512_sub_epi32(dot[g], _mm512_set1_epi32(128 * c->qsum[qg]));
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->qe[qg]), kd);
+                score[g] = _mm512_add_ps(score[g], _mm512_mul_ps(_mm512_cvtepi32_ps(idot), scale));
+                dot[g] = _mm512_setzero_si512();
+            }
+            b++;
+            left = per_group;
+        }
+    }
+    const __mmask16 keep = tail_mask(nk);
+    for (int g = 0; g < gb; g++) /* kvref_attn_score_value: non-finite -> NaN */
+        _mm512_mask_storeu_ps(p + (g0 + g) * C + s, keep, _mm512_fmadd_ps(score[g], _mm512_setzero_ps(), score[g]));
+}
+
+/* An I8 K: the chunk's keys 16 at a time, up to the last visible one (every key's score is its own
+ * lane's, so where the cut falls changes none), heads 4 at a time; every 8 keys, asks for the K of
+ * the keys a chunk ahead. Float K types: attn_score. */
+TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    if (a->k_type != KVREF_TYPE_I8) {
+        attn_score(a, c, p);
+        return;
+    }
+    int64_t n = c->n;
+    while (!c->all && kvref_attn_hidden(c, n - 1)) n--; /* some key is visible */
+    for (int64_t s = 0; s < n; s += 16) {
+        kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + 8 + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        const int64_t nk = n - s < 16 ? n - s : 16;
+        for (int64_t g0 = 0; g0 < a->G; g0 += 4)
+            switch (a->G - g0) {
+            case 1: score16_i8_vnni(a, c, s, nk, g0, 1, p); break;
+            case 2: score16_i8_vnni(a, c, s, nk, g0, 2, p); break;
+            case 3: score16_i8_vnni(a, c, s, nk, g0, 3, p); break;
+            default: score16_i8_vnni(a, c, s, nk, g0, 4, p);
+            }
+    }
+}
+
 #define AVX512_TABLE_COMMON                                                                      \
     .vec_dot = {                                                                                 \
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                          \
@@ -1108,7 +1209,6 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
     .tile_columns = tile_columns,                                                                \
-    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
     .quantize_q8 = quantize_q8,                                                                  \
@@ -1119,6 +1219,7 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
 const kvref_kernels kvref_kernels_avx512 = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
         [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
@@ -1128,6 +1229,7 @@ const kvref_kernels kvref_kernels_avx512 = {
 const kvref_kernels kvref_kernels_avx512_vnni = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
+    .attn = {.score = attn_score_vnni, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
