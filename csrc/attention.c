@@ -47,6 +47,10 @@ static int64_t unit_scratch_floats(int64_t G) {
  * floats): qe and qsum [H, D / group_size] each (at most [H, D]), then q8 [H, D] bytes. */
 static int64_t query_scratch_floats(int64_t H, int64_t D) { return 2 * H * D + (H * D + 3) / 4; }
 
+/* rintf(x) for |x| < 2**22 (ties to even), as two IEEE additions: x + 1.5 * 2**23 has a unit ulp.
+ * Baseline x86-64 (SSE2) has no rounding instruction, and rintf there is a library call. */
+static inline float round_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
+
 /* Heads h0 .. h1-1 of query row q [H, D] rounded for an I8 K's integer scoring (internal.h,
  * kvref_attn_score_fn), group by group: q8 [H, D], qe and qsum [H, D / group_size]. A group holding
  * a NaN or an infinity gets d = NaN (kvref_q8_scale), so every score of its head is NaN, as the
@@ -68,7 +72,7 @@ static void quantize_query(const kvref_attn_args *a, const float *q, int64_t h0,
             kvref_q8_scale(amax, finite, &d, &id);
             int32_t sum = 0;
             for (int64_t j = 0; j < gs; j++) {
-                float v = rintf(x[j] * id);     /* |v| <= 127 for finite x (internal.h) */
+                float v = round_even(x[j] * id); /* |v| <= 127 for finite x (internal.h) */
                 v = v < 127.0f ? v : 127.0f;
                 v = v > -127.0f ? v : -127.0f;  /* NaN has gone to 127 on the line above */
                 xq[j] = (int8_t)v;

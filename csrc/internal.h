@@ -285,6 +285,18 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
         for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
 }
 
+/* Ask for the I8 scales of K and V (those that are I8) of keys i0 .. i0+15 of the nrows looked up,
+ * one 64-byte line per key: a slot's scales are a few floats, so nearby keys share lines, and a
+ * prefetch of a line already on its way costs little. Without it, the scale loads waited on memory
+ * where the K/V vectors, prefetched a chunk ahead, did not. */
+static inline void kvref_attn_prefetch_scales(const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t i0) {
+    const int64_t i1 = i0 + 16 < c->nrows ? i0 + 16 : c->nrows;
+    for (int64_t i = i0; i < i1; i++) {
+        if (c->k_scales != NULL) __builtin_prefetch(c->k_scales + c->srow[i], 0, 2);
+        if (c->v_scales != NULL) __builtin_prefetch(c->v_scales + c->srow[i], 0, 2);
+    }
+}
+
 /* ---- kernel table: one per instruction set -------------------------------------------------- */
 
 /* dot of one weight row (K values in `type` blocks) with x [K] */

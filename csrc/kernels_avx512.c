@@ -1087,80 +1087,86 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
 
 /* ---- an I8 K's integer scoring with VNNI (internal.h, kvref_attn_score_fn) ------------------ */
 
-/* r[i] lane j -> r[j] lane i for 16 vectors of 16 int32 lanes: row i's four bytes at j become
- * lane i of column j. Unpacks pair the dwords and then the qwords of 4 rows per 128-bit lane
- * (lane L of the result m of row quad Q: column 4L + m of rows 4Q .. 4Q + 3); two rounds of
- * 128-bit shuffles then transpose those lanes. */
-TARGET_VNNI static inline void transpose16x16(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int Q = 0; Q < 4; Q++) { /* u[4Q + m]: column 4L + m of rows 4Q .. 4Q + 3 in lane L */
-        u[4 * Q] = _mm512_unpacklo_epi64(t[4 * Q], t[4 * Q + 2]);
-        u[4 * Q + 1] = _mm512_unpackhi_epi64(t[4 * Q], t[4 * Q + 2]);
-        u[4 * Q + 2] = _mm512_unpacklo_epi64(t[4 * Q + 1], t[4 * Q + 3]);
-        u[4 * Q + 3] = _mm512_unpackhi_epi64(t[4 * Q + 1], t[4 * Q + 3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44), y1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-        r[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);      /* lane block L = 0 */
-        r[4 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);  /* 1 */
-        r[8 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);  /* 2 */
-        r[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD); /* 3 */
-    }
+/* Four keys' 64 K bytes r[0..4) -> u[m], m < 4, whose 128-bit lane L holds the four keys' dwords
+ * 4L + m (key k in dword k of the lane): two rounds of unpacks. */
+TARGET_VNNI static inline void transpose4x4(const __m512i *r, __m512i *u) {
+    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    u[0] = _mm512_unpacklo_epi64(t0, t2);
+    u[1] = _mm512_unpackhi_epi64(t0, t2);
+    u[2] = _mm512_unpacklo_epi64(t1, t3);
+    u[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* Scores of the nk <= 16 keys s .. s + nk - 1 for heads g0 .. g0 + gb - 1 (gb <= 4), one key per
- * lane: the keys' K bytes, 64 at a time, are transposed so that column j holds every key's bytes
- * 4j .. 4j + 3, and vpdpbusd adds column j times the head's four q8 bytes there (broadcast) into
- * the head's group sum. vpdpbusd multiplies unsigned by signed bytes: K is read as k + 128 (the
- * sign bit flipped) and 128 times the group's q8 sum comes back out, exactly. At the end of each
+/* a[Q], Q < 4, 128-bit lanes L -> out[L] = (a[0] lane L, a[1] lane L, a[2] lane L, a[3] lane L) */
+TARGET_VNNI static inline void transpose_lanes(const __m512i *a, __m512i *out) {
+    const __m512i x0 = _mm512_shuffle_i32x4(a[0], a[1], 0x44), x1 = _mm512_shuffle_i32x4(a[0], a[1], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(a[2], a[3], 0x44), y1 = _mm512_shuffle_i32x4(a[2], a[3], 0xEE);
+    out[0] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    out[1] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    out[2] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    out[3] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+}
+
+/* Scores of the nk <= 16 keys s .. s + nk - 1 for heads g0 .. g0 + gb - 1 (gb <= 4), key 4Q + k in
+ * lane 4Q + k. K is read 64 bytes of four keys at a time, transposed so that lane L of vector m
+ * holds each key's dword 4L + m; vpdpbusd against the head's q8 laid out alike (dword 4L + m
+ * repeated in lane L) sums, per key and 16-element chunk L, its 16 products in one lane; a lane
+ * transpose then gives each chunk's sums of the 16 keys in one vector, and the chunks of a scale
+ * group are added up. vpdpbusd multiplies unsigned by signed bytes: K is read as k + 128 (the sign
+ * bit flipped) and 128 times the group's q8 sum is taken back out, exactly. At the end of each
  * group, the float32 operations of kvref_attn_score_i8_ref, in its order, on 16 keys at once. */
 TARGET_VNNI __attribute__((always_inline)) static inline void score16_i8_vnni(
     const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t s, int64_t nk, int64_t g0, const int gb, float *p) {
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, ng = D / a->group_size, per_group = a->group_size / 4;
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
     const int8_t *kb = (const int8_t *)c->k;
-    const int64_t *row = c->row + s;
-    int64_t srow[16]; /* keys past nk read key s's scales */
-    for (int i = 0; i < 16; i++) srow[i] = c->srow[s + (i < nk ? i : 0)];
+    const __m512i lane_base = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    int64_t row[16], srow[16]; /* keys past nk read key s's K and scales (their lanes are not stored) */
+    for (int i = 0; i < 16; i++) {
+        row[i] = c->row[s + (i < nk ? i : 0)];
+        srow[i] = c->srow[s + (i < nk ? i : 0)];
+    }
     const __m512i slo = _mm512_loadu_si512(srow), shi = _mm512_loadu_si512(srow + 8);
-    __m512i dot[4];
+    __m512i gsum[4];
     __m512 score[4];
     for (int g = 0; g < gb; g++) {
-        dot[g] = _mm512_setzero_si512();
+        gsum[g] = _mm512_set1_epi32(-128 * c->qsum[(g0 + g) * ng]);
         score[g] = _mm512_setzero_ps();
     }
-    int64_t b = 0, left = per_group;
+    int64_t b = 0;
     for (int64_t e0 = 0; e0 < D; e0 += 64) {
         const __mmask64 mk = D - e0 >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (D - e0)) - 1;
-        __m512i col[16];
-        for (int i = 0; i < 16; i++)
-            col[i] = i < nk ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, kb + row[i] + e0), _mm512_set1_epi8(-128))
-                            : _mm512_setzero_si512();
-        transpose16x16(col);
-        const int64_t ncol = (D - e0) / 4 < 16 ? (D - e0) / 4 : 16;
-        for (int64_t j = 0; j < ncol; j++) {
-            for (int g = 0; g < gb; g++) {
-                int32_t q4;
-                memcpy(&q4, c->q8 + (g0 + g) * D + e0 + 4 * j, 4);
-                dot[g] = _mm512_dpbusd_epi32(dot[g], col[j], _mm512_set1_epi32(q4));
+        __m512i qv[4][4], acc[4][4];
+        for (int g = 0; g < gb; g++) {
+            const __m512i q = _mm512_maskz_loadu_epi8(mk, c->q8 + (g0 + g) * D + e0);
+            for (int m = 0; m < 4; m++) {
+                qv[g][m] = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_base, _mm512_set1_epi32(m)), q);
+                acc[g][m] = _mm512_setzero_si512();
             }
-            if (--left > 0) continue;
-            const float *ks = c->k_scales + b;
-            const __m512 kd = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_i64gather_ps(slo, ks, 4)),
-                                                 _mm512_i64gather_ps(shi, ks, 4), 1);
+        }
+        for (int Q = 0; Q < 4; Q++) {
+            __m512i r[4], u[4];
+            for (int k = 0; k < 4; k++)
+                r[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, kb + row[4 * Q + k] + e0), _mm512_set1_epi8(-128));
+            transpose4x4(r, u);
+            for (int g = 0; g < gb; g++)
+                for (int m = 0; m < 4; m++) acc[g][Q] = _mm512_dpbusd_epi32(acc[g][Q], u[m], qv[g][m]);
+        }
+        __m512i chunk[4][4];
+        for (int g = 0; g < gb; g++) transpose_lanes(acc[g], chunk[g]);
+        for (int64_t L = 0; L < 4 && e0 + 16 * L < D; L++) {
+            for (int g = 0; g < gb; g++) gsum[g] = _mm512_add_epi32(gsum[g], chunk[g][L]);
+            if ((e0 + 16 * L + 16) % gs != 0) continue;
+            const float *kd = c->k_scales + b;
+            const __m512 ks = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_i64gather_ps(slo, kd, 4)),
+                                                 _mm512_i64gather_ps(shi, kd, 4), 1);
             for (int g = 0; g < gb; g++) {
                 const int64_t qg = (g0 + g) * ng + b;
-                const __m512i idot = _mm512_sub_epi32(dot[g], _mm512_set1_epi32(128 * c->qsum[qg]));
-                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->qe[qg]), kd);
-                score[g] = _mm512_add_ps(score[g], _mm512_mul_ps(_mm512_cvtepi32_ps(idot), scale));
-                dot[g] = _mm512_setzero_si512();
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->qe[qg]), ks);
+                score[g] = _mm512_add_ps(score[g], _mm512_mul_ps(_mm512_cvtepi32_ps(gsum[g]), scale));
+                gsum[g] = _mm512_set1_epi32(b + 1 < ng ? -128 * c->qsum[qg + 1] : 0);
             }
             b++;
-            left = per_group;
         }
     }
     const __mmask16 keep = tail_mask(nk);
@@ -1181,6 +1187,7 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
     for (int64_t s = 0; s < n; s += 16) {
         kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
         kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + 8 + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        kvref_attn_prefetch_scales(a, c, s + KVREF_ATTN_PREFETCH_KEYS);
         const int64_t nk = n - s < 16 ? n - s : 16;
         for (int64_t g0 = 0; g0 < a->G; g0 += 4)
             switch (a->G - g0) {
