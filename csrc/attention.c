@@ -43,6 +43,46 @@ static int64_t unit_scratch_floats(int64_t G) {
     return G * KVREF_ATTN_CHUNK + 2 * G + 4 * (KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD) + 64;
 }
 
+/* Per-thread scratch of an I8 K's rounded query (after the unit's and the online-softmax states' 2H
+ * floats): qe and qsum [H, D / group_size] each (at most [H, D]), then q8 [H, D] bytes. */
+static int64_t query_scratch_floats(int64_t H, int64_t D) { return 2 * H * D + (H * D + 3) / 4; }
+
+/* rintf(x) for |x| < 2**22 (ties to even), as two IEEE additions: x + 1.5 * 2**23 has a unit ulp.
+ * Baseline x86-64 (SSE2) has no rounding instruction, and rintf there is a library call. */
+static inline float round_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
+
+/* Heads h0 .. h1-1 of query row q [H, D] rounded for an I8 K's integer scoring (internal.h,
+ * kvref_attn_score_fn), group by group: q8 [H, D], qe and qsum [H, D / group_size]. A group holding
+ * a NaN or an infinity gets d = NaN (kvref_q8_scale), so every score of its head is NaN, as the
+ * float scores would be non-finite. */
+static void quantize_query(const kvref_attn_args *a, const float *q, int64_t h0, int64_t h1, int8_t *q8, float *qe,
+                           int32_t *qsum) {
+    const int64_t D = a->D, gs = a->group_size, ng = D / gs;
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t b = 0; b < ng; b++) {
+            const float *x = q + h * D + b * gs;
+            int8_t *xq = q8 + h * D + b * gs;
+            float amax = 0.0f, d, id;
+            int finite = 1;
+            for (int64_t j = 0; j < gs; j++) {
+                const float m = fabsf(x[j]);
+                amax = m > amax ? m : amax;
+                finite &= x[j] * 0.0f == 0.0f; /* NaN for NaN and infinities */
+            }
+            kvref_q8_scale(amax, finite, &d, &id);
+            int32_t sum = 0;
+            for (int64_t j = 0; j < gs; j++) {
+                float v = round_even(x[j] * id); /* |v| <= 127 for finite x (internal.h) */
+                v = v < 127.0f ? v : 127.0f;
+                v = v > -127.0f ? v : -127.0f;  /* NaN has gone to 127 on the line above */
+                xq[j] = (int8_t)v;
+                sum += xq[j];
+            }
+            qe[h * ng + b] = d * a->scale;
+            qsum[h * ng + b] = sum;
+        }
+}
+
 /* The online-softmax state of no key seen, for the G heads of a group: running max m = -inf, sum of
  * exponentials l = 0, unnormalised output acc = 0; m, l [G], acc [G, D] */
 static void state_init(int64_t G, int64_t D, float *m, float *l, float *acc) {
@@ -83,10 +123,13 @@ typedef struct {
     float *p, *mnew, *sum;     /* [G, CHUNK], [G], [G] */
     int64_t *row, *srow;       /* [CHUNK + LOOKAHEAD] each: c.row, c.srow */
     int64_t lookahead;         /* keys past a chunk whose rows the kernels get to prefetch */
+    int8_t *q8;                /* an I8 K's rounded query t, by head: [H, D] (NULL for other K types) */
+    float *qe;                 /* [H, D / group_size] */
+    int32_t *qsum;             /* [H, D / group_size] */
 } attn_cursor;
 
-/* scratch: unit_scratch_floats(G) floats, 8-byte aligned */
-static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, float *scratch) {
+/* scratch: unit_scratch_floats(G) floats, 8-byte aligned; qscratch: query_scratch_floats(H, D) floats */
+static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, float *scratch, float *qscratch) {
     const int64_t G = a->G, D = a->D;
     u->t = t;
     u->k_head = D * kvref_kv_element_bytes(a->k_type);
@@ -106,6 +149,12 @@ static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, flo
      * the prefetches only cost issue slots: Gemma 3's 512-query causal attention ran 5-9 % faster
      * without them, over 512 and over 4,096 cached positions. */
     u->lookahead = a->T <= KVREF_ATTN_SPLIT_MAX_T ? KVREF_ATTN_LOOKAHEAD : 0;
+    u->q8 = NULL;
+    if (a->k_type == KVREF_TYPE_I8) {
+        u->qe = qscratch;
+        u->qsum = (int32_t *)(void *)(qscratch + a->H * D);
+        u->q8 = (int8_t *)(void *)(qscratch + 2 * a->H * D);
+    }
 }
 
 /* Moves the cursor to the chunk of keys [c0, c0 + n): which are visible, and the rows of its keys
@@ -153,6 +202,11 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
     c->v = a->v + hk * u->v_head;
     c->k_scales = a->k_scales != NULL ? a->k_scales + hk * u->s_head : NULL;
     c->v_scales = a->v_scales != NULL ? a->v_scales + hk * u->s_head : NULL;
+    if (u->q8 != NULL) {
+        c->q8 = u->q8 + hk * G * D;
+        c->qe = u->qe + hk * G * u->s_head;
+        c->qsum = u->qsum + hk * G * u->s_head;
+    }
     ak->score(a, c, p); /* a seen -inf score is stored as NaN (kvref_attn_score_value) */
     if (!c->all) /* masked keys get probability exp(-inf) = 0 */
         for (int64_t s = 0; s < c->n; s++)
@@ -221,7 +275,8 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
     const int64_t seg1 = seg0 + c->span < c->seg_lo + c->nlive ? seg0 + c->span : c->seg_lo + c->nlive;
     float *scratch = kvref_pool_scratch(c->pool, thread), *ml = scratch + unit_scratch_floats(G), *m, *l, *acc;
     attn_cursor u;
-    cursor_init(&u, a, t, scratch);
+    cursor_init(&u, a, t, scratch, ml + 2 * a->H);
+    if (u.q8 != NULL) quantize_query(a, a->q + t * a->H * D, hk0 * G, hk1 * G, u.q8, u.qe, u.qsum);
     for (int64_t seg = seg0; seg < seg1; seg++) {
         const int64_t s0 = seg * KVREF_ATTN_SEGMENT < c->k_begin ? c->k_begin : seg * KVREF_ATTN_SEGMENT;
         const int64_t s1 = nseg == 1 || (seg + 1) * KVREF_ATTN_SEGMENT > c->k_end ? c->k_end : (seg + 1) * KVREF_ATTN_SEGMENT;
@@ -301,8 +356,8 @@ static int live_keys(const kvref_attn_args *a, int64_t *k_begin, int64_t *k_end)
     return first >= 0;
 }
 
-size_t kvref_attention_scratch_bytes(int64_t H, int64_t G) {
-    return (size_t)(unit_scratch_floats(G) + 2 * H) * sizeof(float);
+size_t kvref_attention_scratch_bytes(int64_t H, int64_t G, int64_t D) {
+    return (size_t)(unit_scratch_floats(G) + 2 * H + query_scratch_floats(H, D)) * sizeof(float);
 }
 
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S) {
@@ -368,7 +423,7 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
                          .G = G, .window = window, .scale = scale};
     kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
-    status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G));
+    status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G, D));
     float *partial = NULL;
     const int64_t np = kvref_attention_partial_floats(T, Hkv, G, D, S);
     if (status == KVREF_OK && np > 0) {

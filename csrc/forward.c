@@ -622,7 +622,7 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
     status = state_reserve(state, T, S);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM */
         const size_t scratch = kvref_matmul_scratch_bytes(T, model->max_k);
-        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads);
+        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads, c->head_dim);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }
     if (status == KVREF_OK && activations == KVREF_ACT_INT8 && T >= KVREF_GEMM_MIN_T && /* x in 8 bits */

@@ -181,6 +181,12 @@ typedef struct kvref_attn_chunk {
     const int64_t *kp;         /* [n]: the keys' positions; key s is visible iff klo <= kp[s] <= qpos */
     int64_t qpos, klo;         /* klo: the query's window start (INT64_MIN without a window) */
     int all;                   /* every key of the chunk is visible (none visible: never handed over) */
+    /* an I8 K's query, its G heads rounded per scale group (kvref_attn_score_fn): q8 [G, D], and per
+     * group b of each head qe [G, D / group_size] = d_b * scale and qsum [G, D / group_size] = the
+     * sum of its q8; unset for other K types */
+    const int8_t *q8;
+    const float *qe;
+    const int32_t *qsum;
 } kvref_attn_chunk;
 
 /* Whether key s of a chunk is masked for its query: kp[s] outside [klo, qpos], tested as one unsigned
@@ -192,7 +198,16 @@ static inline int kvref_attn_hidden(const kvref_attn_chunk *c, int64_t s) {
 /* p[g * C + s] = dot(q[g], k_s) * a->scale for every visible key s < n of the chunk and g < G, stored
  * through kvref_attn_score_value; p [G, C]. A masked key's entry may hold anything (the skeleton
  * overwrites it with -inf). Keys from n to nrows are the next chunk's: a kernel may prefetch their K
- * (and V) while it scores. */
+ * (and V) while it scores.
+ *
+ * An I8 K is scored with integer dot products (kvref.spec.ops.int8_key_scores): the skeleton rounds
+ * each query head to 8 bits per scale group b of group_size elements, as the int8 activation mode
+ * rounds its blocks (kvref_q8_scale: d_b = max|q| / 127, q8 = rint(q * (1 / d_b))), and sets
+ * e_b = d_b * scale (c->q8, c->qe). Then, with I_b = sum_j q8_j k8_j over the group (exact) and
+ * ks_b the key's scale,
+ *     score = sum over b, in order from 0, starting from 0, of (float)I_b * (e_b * ks_b)
+ * each product and each sum one float32 rounding (never fused): integers are exact in any order, so
+ * every instruction set computes the same bits. */
 typedef void (*kvref_attn_score_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
 /* A score as the kernels store it: NaN if it is not finite (inf x 0 is NaN), else itself, exactly
  * (score + score * 0 = score + 0). In p, -inf is the skeleton's mark of a masked key (probability
@@ -273,6 +288,18 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
         for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
 }
 
+/* Ask for the I8 scales of K and V (those that are I8) of keys i0 .. i0+15 of the nrows looked up,
+ * one 64-byte line per key: a slot's scales are a few floats, so nearby keys share lines, and a
+ * prefetch of a line already on its way costs little. Without it, the scale loads waited on memory
+ * where the K/V vectors, prefetched a chunk ahead, did not. */
+static inline void kvref_attn_prefetch_scales(const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t i0) {
+    const int64_t i1 = i0 + 16 < c->nrows ? i0 + 16 : c->nrows;
+    for (int64_t i = i0; i < i1; i++) {
+        if (c->k_scales != NULL) __builtin_prefetch(c->k_scales + c->srow[i], 0, 2);
+        if (c->v_scales != NULL) __builtin_prefetch(c->v_scales + c->srow[i], 0, 2);
+    }
+}
+
 /* ---- kernel table: one per instruction set -------------------------------------------------- */
 
 /* dot of one weight row (K values in `type` blocks) with x [K] */
@@ -343,10 +370,14 @@ float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w_row, const int8_t *
 float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 float kvref_avx2_vec_dot_q8_q5_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+/* the AVX2 score kernel of an I8 K (maddubs), which AVX-512 CPUs without VNNI use too */
+void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
 #endif
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
 void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out);
+/* the portable score kernel of an I8 K (kvref_attn_score_fn; the integer scoring above) */
+void kvref_attn_score_i8_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
 /* Whether the 8-bit GEMM takes weights of this type: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K (whose 32-value
  * sub-blocks have a scale and an offset each) and Q6_K (16-value sub-blocks with a scale each) */
 static inline int kvref_q8_tile_type(int32_t type) {
@@ -501,10 +532,10 @@ void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a);
 void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t position,
                     const float *k, const float *v);
 
-/* per-thread scratch bytes (H query heads, G per kv head), and shared floats for segment partials,
- * of kvref_attention_run; the partials of T queries suffice for any run of up to T of them over up to
- * S keys (the fused forward's sub-chunks of a ring layer) */
-size_t kvref_attention_scratch_bytes(int64_t H, int64_t G);
+/* per-thread scratch bytes (H query heads of D elements, G per kv head), and shared floats for
+ * segment partials, of kvref_attention_run; the partials of T queries suffice for any run of up to T of
+ * them over up to S keys (the fused forward's sub-chunks of a ring layer) */
+size_t kvref_attention_scratch_bytes(int64_t H, int64_t G, int64_t D);
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S);
 /* the work of kvref_attention for checked arguments (S > 0); partial holds
  * kvref_attention_partial_floats floats; out [T, H, D] must not overlap the inputs (it holds the

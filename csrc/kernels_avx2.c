@@ -387,30 +387,25 @@ TARGET static inline float load_kv1(const uint8_t *base, int32_t type, int64_t e
     }
 }
 
-/* Scores of 4 keys (K vectors at kb + row[0..4), I8 scales at ks + srow[0..4)) for the gb <= 3 heads
- * q[0..gb) of the group: each K vector is loaded (and widened) once for all gb heads, into 4 x gb
- * independent accumulators; two rounds of hadd give each head's 4 sums, to which the head dim's
- * last D % 8 products are added one by one. The vectors of one I8 scale group are consecutive (vpg
- * of them), so its scale is read once. */
+/* Scores of 4 keys (K vectors at kb + row[0..4)) for the gb <= 3 heads q[0..gb) of the group (float
+ * K types): each K vector is loaded (and widened) once for all gb heads, into 4 x gb independent
+ * accumulators; two rounds of hadd give each head's 4 sums, to which the head dim's last D % 8
+ * products are added one by one. */
 TARGET __attribute__((always_inline)) static inline void score4(
-    const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
-    const int64_t *srow, float *p, const int32_t k_type, const int gb) {
+    const kvref_attn_args *a, const float *q, const uint8_t *kb, const int64_t *row, float *p,
+    const int32_t k_type, const int gb) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
-    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
     __m256 d[3][4];
     for (int g = 0; g < gb; g++)
         for (int r = 0; r < 4; r++) d[g][r] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (int64_t jg = 0; i < Dv; jg++)
-        for (int64_t jj = 0; jj < vpg && i < Dv; jj++, i += 8) {
-            __m256 qv[3];
-            for (int g = 0; g < gb; g++) qv[g] = _mm256_loadu_ps(q + g * D + i);
-            for (int r = 0; r < 4; r++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
-                const __m256 kv = load_kv8(kb, k_type, row[r] + i, sc);
-                for (int g = 0; g < gb; g++) d[g][r] = _mm256_fmadd_ps(qv[g], kv, d[g][r]);
-            }
+    for (int64_t i = 0; i < Dv; i += 8) {
+        __m256 qv[3];
+        for (int g = 0; g < gb; g++) qv[g] = _mm256_loadu_ps(q + g * D + i);
+        for (int r = 0; r < 4; r++) {
+            const __m256 kv = load_kv8(kb, k_type, row[r] + i, 0.0f);
+            for (int g = 0; g < gb; g++) d[g][r] = _mm256_fmadd_ps(qv[g], kv, d[g][r]);
         }
+    }
     for (int g = 0; g < gb; g++) {
         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(d[g][0], d[g][1]), _mm256_hadd_ps(d[g][2], d[g][3]));
         float dots[4];
@@ -422,17 +417,16 @@ TARGET __attribute__((always_inline)) static inline void score4(
     }
 }
 
-/* p[g * C + s] = (q_g . k_s) * scale for the chunk's keys, 4 at a time for up to 3 heads, the last
- * n % 4 keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
- * skeleton hides them). Every 8 keys, asks for the K and V of the keys a chunk ahead. */
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's keys (float K types), 4 at a time for up to 3
+ * heads, the last n % 4 keys one by one; masked keys are scored like the rest (cheaper than testing
+ * each key; the skeleton hides them). Every 8 keys, asks for the K and V of the keys a chunk ahead. */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type) {
-    const float *q = c->q, *ks = c->k_scales;
+    const float *q = c->q;
     const uint8_t *kb = c->k;
-    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t *row = c->row;
     const int64_t n = c->n, nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
-    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 8 : Dv / 8 + 1;
     int64_t s = 0;
     for (; s + 4 <= n; s += 4) {
         if (s % 8 == 0) {
@@ -443,9 +437,9 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
             const float *qg = q + g0 * D;
             float *pg = p + g0 * C + s;
             switch (G - g0) {
-            case 1: score4(a, qg, kb, ks, row + s, srow + s, pg, k_type, 1); break;
-            case 2: score4(a, qg, kb, ks, row + s, srow + s, pg, k_type, 2); break;
-            default: score4(a, qg, kb, ks, row + s, srow + s, pg, k_type, 3);
+            case 1: score4(a, qg, kb, row + s, pg, k_type, 1); break;
+            case 2: score4(a, qg, kb, row + s, pg, k_type, 2); break;
+            default: score4(a, qg, kb, row + s, pg, k_type, 3);
             }
         }
     }
@@ -453,11 +447,7 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
         for (int64_t g = 0; g < G; g++) {
             __m256 d = _mm256_setzero_ps();
             int64_t i = 0;
-            for (int64_t jg = 0; i < Dv; jg++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[s] + jg] : 0.0f;
-                for (int64_t jj = 0; jj < vpg && i < Dv; jj++, i += 8)
-                    d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(kb, k_type, row[s] + i, sc), d);
-            }
+            for (; i < Dv; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), load_kv8(kb, k_type, row[s] + i, 0.0f), d);
             float dot = hsum8(d);
             for (; i < D; i++) dot += q[g * D + i] * load_kv1(kb, k_type, row[s] + i);
             p[g * C + s] = kvref_attn_score_value(dot * a->scale);
@@ -526,11 +516,58 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     }
 }
 
+/* sum_j q_j k_j over n bytes (a multiple of 8), exactly: maddubs multiplies unsigned by signed
+ * bytes, so |k| meets q with k's sign (sign_epi8), and its pairs of products, at most 2 x 128 x 127,
+ * fit int16; madd widens them to int32. */
+TARGET static inline int32_t idot_i8(const int8_t *q, const int8_t *k, int64_t n) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n;) {
+        __m256i kv, qv;
+        if (n - i >= 32) {
+            kv = _mm256_loadu_si256((const __m256i *)(const void *)(k + i));
+            qv = _mm256_loadu_si256((const __m256i *)(const void *)(q + i));
+            i += 32;
+        } else { /* 8 bytes, the rest zero */
+            kv = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadl_epi64((const __m128i *)(const void *)(k + i)), 0);
+            qv = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadl_epi64((const __m128i *)(const void *)(q + i)), 0);
+            i += 8;
+        }
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+}
+
+/* An I8 K's integer scoring (internal.h): key by key, each group's integer dot product for each
+ * head, then kvref_attn_score_i8_ref's float operations in its order. Every 8 keys, asks for the K
+ * and V of the keys a chunk ahead. AVX-512 CPUs without VNNI run this kernel too. */
+TARGET void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
+    const int8_t *k = (const int8_t *)c->k;
+    for (int64_t s = 0; s < c->n; s++) {
+        if (s % 8 == 0) {
+            kvref_attn_prefetch(c->k, a->k_type, D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+            kvref_attn_prefetch(c->v, a->v_type, D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        }
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const int8_t *ks = k + c->row[s];
+        const float *kd = c->k_scales + c->srow[s];
+        for (int64_t g = 0; g < G; g++) {
+            float score = 0.0f;
+            for (int64_t b = 0; b < ng; b++)
+                score += (float)idot_i8(c->q8 + g * D + b * gs, ks + b * gs, gs) * (c->qe[g * ng + b] * kd[b]);
+            p[g * C + s] = kvref_attn_score_value(score);
+        }
+    }
+}
+
 /* One instantiation per element type: the type must be a compile-time constant, or every K/V
  * load would test it. */
 TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, c, p, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_I8: kvref_avx2_attn_score_i8(a, c, p); break;
     case KVREF_TYPE_F16: score_typed(a, c, p, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: score_typed(a, c, p, KVREF_TYPE_BF16); break;
     default: score_typed(a, c, p, KVREF_TYPE_F32);

@@ -520,29 +520,25 @@ TARGET static inline __m256 reduce8(const __m512 *v) {
 }
 
 /* Scores of nk keys (rows row[0..nk)) for the gb heads q[0..gb) of the group, nk * gb <= 24 (8 x 3
- * or 4 x 4): nk dot-product vectors per head, each K vector loaded (and widened) once for all gb
- * heads, then one transposing reduction per head (of 8 vectors: zeros past nk). The vectors of
- * one I8 scale group are consecutive (vpg of them), so its scale is read once. */
+ * or 4 x 4), float K types: nk dot-product vectors per head, each K vector loaded (and widened)
+ * once for all gb heads, then one transposing reduction per head (of 8 vectors: zeros past nk). */
 TARGET __attribute__((always_inline)) static inline void score_keys(
-    const kvref_attn_args *a, const float *q, const uint8_t *kb, const float *ks, const int64_t *row,
-    const int64_t *srow, float *p, const int32_t k_type, const int full, const int gb, const int nk) {
+    const kvref_attn_args *a, const float *q, const uint8_t *kb, const int64_t *row, float *p,
+    const int32_t k_type, const int full, const int gb, const int nk) {
     const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     __m512 d[4][8];
     for (int g = 0; g < gb; g++)
         for (int r = 0; r < 8; r++) d[g][r] = _mm512_setzero_ps();
-    for (int64_t j = 0, jg = 0; j < nvec; jg++)
-        for (int64_t jj = 0; jj < vpg; jj++, j++) {
-            const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-            __m512 qv[4];
-            for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
-            for (int r = 0; r < nk; r++) {
-                const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[r] + jg] : 0.0f;
-                const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, sc);
-                for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
-            }
+    for (int64_t j = 0; j < nvec; j++) {
+        const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+        __m512 qv[4];
+        for (int g = 0; g < gb; g++) qv[g] = _mm512_maskz_loadu_ps(mk, q + g * D + 16 * j);
+        for (int r = 0; r < nk; r++) {
+            const __m512 kv = load_kv_m(kb, k_type, row[r] + 16 * j, mk, full, 0.0f);
+            for (int g = 0; g < gb; g++) d[g][r] = _mm512_fmadd_ps(qv[g], kv, d[g][r]);
         }
+    }
     for (int g = 0; g < gb; g++) {
         __m256 sg = _mm256_mul_ps(reduce8(d[g]), _mm256_set1_ps(a->scale));
         /* kvref_attn_score_value, 8 at a time: non-finite -> NaN */
@@ -552,19 +548,18 @@ TARGET __attribute__((always_inline)) static inline void score_keys(
     }
 }
 
-/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys, 8 keys at a time, the last n % 8
- * keys one by one; masked keys are scored like the rest (cheaper than testing each key; the
- * skeleton hides them), except the 8-key blocks after the last visible key (half the diagonal
+/* p[g * C + s] = (q_g . k_s) * scale for the chunk's n keys (float K types), 8 keys at a time, the
+ * last n % 8 keys one by one; masked keys are scored like the rest (cheaper than testing each key;
+ * the skeleton hides them), except the 8-key blocks after the last visible key (half the diagonal
  * chunk of a causal query): the cut is a multiple of 8, so a scored key keeps its block and its
  * score. Every 8 keys, asks for the K of the keys a chunk ahead (V: attn_values). */
 TARGET __attribute__((always_inline)) static inline void score_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t k_type, const int full) {
-    const float *q = c->q, *ks = c->k_scales;
+    const float *q = c->q;
     const uint8_t *kb = c->k;
-    const int64_t *row = c->row, *srow = c->srow;
+    const int64_t *row = c->row;
     const int64_t nrows = c->nrows;
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
-    const int64_t vpg = k_type == KVREF_TYPE_I8 ? a->group_size / 16 : nvec;
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     int64_t n = c->n, end = c->n;
     while (!c->all && kvref_attn_hidden(c, end - 1)) end--; /* some key is visible */
@@ -575,28 +570,26 @@ TARGET __attribute__((always_inline)) static inline void score_typed(
         if (G % 4 == 0) /* 4 heads x 4 keys: each K vector widened once per 4 heads, not 3 + 1 */
             for (int64_t g0 = 0; g0 < G; g0 += 4)
                 for (int64_t s4 = s; s4 < s + 8; s4 += 4)
-                    score_keys(a, q + g0 * D, kb, ks, row + s4, srow + s4, p + g0 * C + s4, k_type, full, 4, 4);
+                    score_keys(a, q + g0 * D, kb, row + s4, p + g0 * C + s4, k_type, full, 4, 4);
         else
             for (int64_t g0 = 0; g0 < G; g0 += 3) {
                 const float *qg = q + g0 * D;
                 float *pg = p + g0 * C + s;
                 switch (G - g0) {
-                case 1: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 1, 8); break;
-                case 2: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 2, 8); break;
-                default: score_keys(a, qg, kb, ks, row + s, srow + s, pg, k_type, full, 3, 8);
+                case 1: score_keys(a, qg, kb, row + s, pg, k_type, full, 1, 8); break;
+                case 2: score_keys(a, qg, kb, row + s, pg, k_type, full, 2, 8); break;
+                default: score_keys(a, qg, kb, row + s, pg, k_type, full, 3, 8);
                 }
             }
     }
     for (; s < n; s++)
         for (int64_t g = 0; g < G; g++) {
             __m512 d = _mm512_setzero_ps();
-            for (int64_t j = 0, jg = 0; j < nvec; jg++)
-                for (int64_t jj = 0; jj < vpg; jj++, j++) {
-                    const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
-                    const float sc = k_type == KVREF_TYPE_I8 ? ks[srow[s] + jg] : 0.0f;
-                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
-                                        load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, sc), d);
-                }
+            for (int64_t j = 0; j < nvec; j++) {
+                const __mmask16 mk = j == nvec - 1 ? last : (__mmask16)0xffff;
+                d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + g * D + 16 * j),
+                                    load_kv_m(kb, k_type, row[s] + 16 * j, mk, full, 0.0f), d);
+            }
             p[g * C + s] = kvref_attn_score_value(_mm512_reduce_add_ps(d) * a->scale);
         }
 }
@@ -711,11 +704,12 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
 }
 
 /* One instantiation per element type (and, for the float types, per `full`): the type must be a
- * compile-time constant, or every K/V load would test it. I8 always has 16 | D here. */
+ * compile-time constant, or every K/V load would test it. I8 always has 16 | D here; an I8 K is
+ * scored with integers (the AVX2 kernel here; attn_score_vnni where the CPU has VNNI). */
 TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     const int full = a->D % 16 == 0;
     switch (a->k_type) {
-    case KVREF_TYPE_I8: score_typed(a, c, p, KVREF_TYPE_I8, 1); break;
+    case KVREF_TYPE_I8: kvref_avx2_attn_score_i8(a, c, p); break;
     case KVREF_TYPE_F16:
         if (full) score_typed(a, c, p, KVREF_TYPE_F16, 1);
         else score_typed(a, c, p, KVREF_TYPE_F16, 0);
@@ -1091,6 +1085,120 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
     else GEMM_Q8_ROWS_OF(16);
 }
 
+/* ---- an I8 K's integer scoring with VNNI (internal.h, kvref_attn_score_fn) ------------------ */
+
+/* Four keys' 64 K bytes r[0..4) -> u[m], m < 4, whose 128-bit lane L holds the four keys' dwords
+ * 4L + m (key k in dword k of the lane): two rounds of unpacks. */
+TARGET_VNNI static inline void transpose4x4(const __m512i *r, __m512i *u) {
+    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    u[0] = _mm512_unpacklo_epi64(t0, t2);
+    u[1] = _mm512_unpackhi_epi64(t0, t2);
+    u[2] = _mm512_unpacklo_epi64(t1, t3);
+    u[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* a[Q], Q < 4, 128-bit lanes L -> out[L] = (a[0] lane L, a[1] lane L, a[2] lane L, a[3] lane L) */
+TARGET_VNNI static inline void transpose_lanes(const __m512i *a, __m512i *out) {
+    const __m512i x0 = _mm512_shuffle_i32x4(a[0], a[1], 0x44), x1 = _mm512_shuffle_i32x4(a[0], a[1], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(a[2], a[3], 0x44), y1 = _mm512_shuffle_i32x4(a[2], a[3], 0xEE);
+    out[0] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    out[1] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    out[2] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    out[3] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+}
+
+/* Scores of the nk <= 16 keys s .. s + nk - 1 for heads g0 .. g0 + gb - 1 (gb <= 4), key 4Q + k in
+ * lane 4Q + k. K is read 64 bytes of four keys at a time, transposed so that lane L of vector m
+ * holds each key's dword 4L + m; vpdpbusd against the head's q8 laid out alike (dword 4L + m
+ * repeated in lane L) sums, per key and 16-element chunk L, its 16 products in one lane; a lane
+ * transpose then gives each chunk's sums of the 16 keys in one vector, and the chunks of a scale
+ * group are added up. vpdpbusd multiplies unsigned by signed bytes: K is read as k + 128 (the sign
+ * bit flipped) and 128 times the group's q8 sum is taken back out, exactly. At the end of each
+ * group, the float32 operations of kvref_attn_score_i8_ref, in its order, on 16 keys at once. */
+TARGET_VNNI __attribute__((always_inline)) static inline void score16_i8_vnni(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t s, int64_t nk, int64_t g0, const int gb, float *p) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
+    const int8_t *kb = (const int8_t *)c->k;
+    const __m512i lane_base = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    int64_t row[16], srow[16]; /* keys past nk read key s's K and scales (their lanes are not stored) */
+    for (int i = 0; i < 16; i++) {
+        row[i] = c->row[s + (i < nk ? i : 0)];
+        srow[i] = c->srow[s + (i < nk ? i : 0)];
+    }
+    const __m512i slo = _mm512_loadu_si512(srow), shi = _mm512_loadu_si512(srow + 8);
+    __m512i gsum[4];
+    __m512 score[4];
+    for (int g = 0; g < gb; g++) {
+        gsum[g] = _mm512_set1_epi32(-128 * c->qsum[(g0 + g) * ng]);
+        score[g] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (int64_t e0 = 0; e0 < D; e0 += 64) {
+        const __mmask64 mk = D - e0 >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (D - e0)) - 1;
+        __m512i qv[4][4], acc[4][4];
+        for (int g = 0; g < gb; g++) {
+            const __m512i q = _mm512_maskz_loadu_epi8(mk, c->q8 + (g0 + g) * D + e0);
+            for (int m = 0; m < 4; m++) {
+                qv[g][m] = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_base, _mm512_set1_epi32(m)), q);
+                acc[g][m] = _mm512_setzero_si512();
+            }
+        }
+        for (int Q = 0; Q < 4; Q++) {
+            __m512i r[4], u[4];
+            for (int k = 0; k < 4; k++)
+                r[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, kb + row[4 * Q + k] + e0), _mm512_set1_epi8(-128));
+            transpose4x4(r, u);
+            for (int g = 0; g < gb; g++)
+                for (int m = 0; m < 4; m++) acc[g][Q] = _mm512_dpbusd_epi32(acc[g][Q], u[m], qv[g][m]);
+        }
+        __m512i chunk[4][4];
+        for (int g = 0; g < gb; g++) transpose_lanes(acc[g], chunk[g]);
+        for (int64_t L = 0; L < 4 && e0 + 16 * L < D; L++) {
+            for (int g = 0; g < gb; g++) gsum[g] = _mm512_add_epi32(gsum[g], chunk[g][L]);
+            if ((e0 + 16 * L + 16) % gs != 0) continue;
+            const float *kd = c->k_scales + b;
+            const __m512 ks = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_i64gather_ps(slo, kd, 4)),
+                                                 _mm512_i64gather_ps(shi, kd, 4), 1);
+            for (int g = 0; g < gb; g++) {
+                const int64_t qg = (g0 + g) * ng + b;
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->qe[qg]), ks);
+                score[g] = _mm512_add_ps(score[g], _mm512_mul_ps(_mm512_cvtepi32_ps(gsum[g]), scale));
+                gsum[g] = _mm512_set1_epi32(b + 1 < ng ? -128 * c->qsum[qg + 1] : 0);
+            }
+            b++;
+        }
+    }
+    const __mmask16 keep = tail_mask(nk);
+    for (int g = 0; g < gb; g++) /* kvref_attn_score_value: non-finite -> NaN */
+        _mm512_mask_storeu_ps(p + (g0 + g) * C + s, keep, _mm512_fmadd_ps(score[g], _mm512_setzero_ps(), score[g]));
+}
+
+/* An I8 K: the chunk's keys 16 at a time, up to the last visible one (every key's score is its own
+ * lane's, so where the cut falls changes none), heads 4 at a time; every 8 keys, asks for the K of
+ * the keys a chunk ahead. Float K types: attn_score. */
+TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    if (a->k_type != KVREF_TYPE_I8) {
+        attn_score(a, c, p);
+        return;
+    }
+    int64_t n = c->n;
+    while (!c->all && kvref_attn_hidden(c, n - 1)) n--; /* some key is visible */
+    for (int64_t s = 0; s < n; s += 16) {
+        kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + 8 + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        kvref_attn_prefetch_scales(a, c, s + KVREF_ATTN_PREFETCH_KEYS);
+        const int64_t nk = n - s < 16 ? n - s : 16;
+        for (int64_t g0 = 0; g0 < a->G; g0 += 4)
+            switch (a->G - g0) {
+            case 1: score16_i8_vnni(a, c, s, nk, g0, 1, p); break;
+            case 2: score16_i8_vnni(a, c, s, nk, g0, 2, p); break;
+            case 3: score16_i8_vnni(a, c, s, nk, g0, 3, p); break;
+            default: score16_i8_vnni(a, c, s, nk, g0, 4, p);
+            }
+    }
+}
+
 #define AVX512_TABLE_COMMON                                                                      \
     .vec_dot = {                                                                                 \
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                          \
@@ -1108,7 +1216,6 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
     .tile_columns = tile_columns,                                                                \
-    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
     .quantize_q8 = quantize_q8,                                                                  \
@@ -1119,6 +1226,7 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
 const kvref_kernels kvref_kernels_avx512 = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
         [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
@@ -1128,6 +1236,7 @@ const kvref_kernels kvref_kernels_avx512 = {
 const kvref_kernels kvref_kernels_avx512_vnni = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
+    .attn = {.score = attn_score_vnni, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,

@@ -201,7 +201,8 @@ static inline float kv_value(const uint8_t *base, const float *scales, int32_t t
  * loops are instantiated per element type (`type` a constant once inlined), so the element loads do
  * not test the type. */
 
-/* p[g * C + s] = (q_g . k_s) * scale, the visible keys only, each dot summed in element order */
+/* p[g * C + s] = (q_g . k_s) * scale, the visible keys only, each dot summed in element order (float
+ * K types; an I8 K is scored with integers, kvref_attn_score_i8_ref) */
 static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const int32_t type) {
     const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n;
     const float *q = c->q, *scales = c->k_scales;
@@ -235,11 +236,33 @@ static inline void values_ref(const kvref_attn_args *a, const kvref_attn_chunk *
     }
 }
 
+/* An I8 K's integer scoring (internal.h): per visible key and head, each group's exact integer dot,
+ * then the float32 operations in their defined order */
+void kvref_attn_score_i8_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
+    const int8_t *k = (const int8_t *)c->k;
+    for (int64_t s = 0; s < c->n; s++) {
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const int8_t *ks = k + c->row[s];
+        const float *kd = c->k_scales + c->srow[s];
+        for (int64_t g = 0; g < G; g++) {
+            const int8_t *q8 = c->q8 + g * D;
+            float score = 0.0f;
+            for (int64_t b = 0; b < ng; b++) {
+                int32_t dot = 0;
+                for (int64_t j = b * gs; j < (b + 1) * gs; j++) dot += (int32_t)q8[j] * ks[j];
+                score += (float)dot * (c->qe[g * ng + b] * kd[b]);
+            }
+            p[g * C + s] = kvref_attn_score_value(score);
+        }
+    }
+}
+
 static void attn_score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     switch (a->k_type) {
     case KVREF_TYPE_F16: score_ref(a, c, p, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: score_ref(a, c, p, KVREF_TYPE_BF16); break;
-    case KVREF_TYPE_I8: score_ref(a, c, p, KVREF_TYPE_I8); break;
+    case KVREF_TYPE_I8: kvref_attn_score_i8_ref(a, c, p); break;
     default: score_ref(a, c, p, KVREF_TYPE_F32);
     }
 }

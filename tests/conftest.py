@@ -109,10 +109,12 @@ ATTENTION_LANES = {"scalar": 1, "avx2": 8, "avx512": 16}
 
 def reads_like_float_kv(isa: str, cache) -> bool:
     """Whether attention reading `cache` in place is bit-identical to attention over its decoded
-    float K/V on this instruction set: yes unless an int8 group is narrower than its vectors."""
-    if "int8" not in (cache.k_dtype, cache.v_dtype):
-        return True
-    return cache.group_size % ATTENTION_LANES[isa] == 0
+    float K/V on this instruction set: no for an int8 K, which is scored with the query rounded to
+    8 bits (kvref.spec.ops.int8_key_scores); for an int8 V, yes unless its groups are narrower than
+    the vectors."""
+    if cache.k_dtype == "int8":
+        return False
+    return cache.v_dtype != "int8" or cache.group_size % ATTENTION_LANES[isa] == 0
 
 
 def guarded_copy(a):

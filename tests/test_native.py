@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvref import native
@@ -32,7 +32,7 @@ from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import ops as spec
 from kvref.spec import quants
 from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
-from kvref.tolerance import ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
+from kvref.tolerance import INT8_KEY_QUERY_ROUNDING, ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
 from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, misaligned, reads_like_float_kv, require
 
 if not native.available():
@@ -274,7 +274,7 @@ def visible(q_pos, k_pos, window=None):
     return vis if window is None else vis & (k_pos[None, :] > q_pos[:, None] - window)
 
 
-def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None):
+def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None, score_error=None):
     """Elementwise bound on |native - spec| for attention (first order, times 2 for safety).
 
     With a_s the exact score of key s and m the row max: each side computes a_s within
@@ -286,6 +286,7 @@ def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None):
         |out_i - out'_i| <= sum_s p_s |v_si| (2 delta + 2u|a_s - m| + 8u + 4 gamma(S + 1)).
     A fully masked row is zero on both sides, and its bound is 0. With an explicit scale c in place
     of 1/sqrt(D), every 1/sqrt(D) above becomes c (the scaling's rounding is the same 2u).
+    score_error [T, H, S]: what else may move the native side's scores (int8_key_score_error), added to e_s.
     """
     T, H, D = q.shape
     S, Hkv, _ = k.shape
@@ -308,10 +309,37 @@ def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None):
     total = e.sum(axis=-1, keepdims=True)
     p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
     err = np.where(visible, gamma(D) * mag + 2 * U * np.abs(np.where(visible, a, 0.0)), 0.0)
+    if score_error is not None:
+        err = err + np.where(visible, score_error, 0.0)
     delta = 2 * err.max(axis=-1, keepdims=True)  # [T, H, 1]
     shift = np.where(visible, np.abs(np.where(visible, a, 0.0) - m), 0.0)
     rel = 2 * delta + 2 * U * shift + 8 * U + 4 * gamma(S + 1)
     return 2 * np.einsum("ths,shd->thd", p * rel, vh) + UNDERFLOW_SLACK
+
+
+def int8_key_score_error(q, k8, k_scales, scale=None):
+    """[T, H, S]: how far the query's rounding (and the float32 steps after the exact group dot products)
+    may move int8-K scores from q . k over the decoded K: kvref.tolerance's INT8_KEY_QUERY_ROUNDING bound."""
+    T, H, D = q.shape
+    S, Hkv, ng = k_scales.shape
+    g = D // ng
+    c = np.float32(1 / np.sqrt(D) if scale is None else scale).astype(np.float64)
+    q8, d = spec.quantize_query(q, g)  # [T, H, D], [T, H, D/g]
+    heads = np.arange(H) // (H // Hkv)
+    ks = k_scales.astype(np.float64)[:, heads, :]  # [S, H, D/g]
+    k_abs = np.abs(k8.astype(np.float64)).reshape(S, Hkv, ng, g)[:, heads]  # [S, H, D/g, g]
+    q_abs = np.abs(q8.astype(np.float64)).reshape(T, H, ng, g)
+    rounding = np.einsum("thb,shb,shbj->ths", d * INT8_KEY_QUERY_ROUNDING, ks, k_abs)
+    products = np.einsum("thb,shb,thbj,shbj->ths", d.astype(np.float64), ks, q_abs, k_abs)
+    return c * (rounding + gamma(ng + 3) * products)
+
+
+def int8_key_attention_bound(q, cache, layer, q_pos, scale=None):
+    """Bound on |native - exact float64 attention over the decoded K/V| for a cache with an int8 K."""
+    k8, k_scales, _, _ = cache.read_raw(layer)
+    k, v = (a.astype(np.float64) for a in cache.read(layer))
+    k_pos = np.arange(cache.length)
+    return attention_bound(q, k, v, q_pos, k_pos, scale=scale, score_error=int8_key_score_error(q, k8, k_scales, scale))
 
 
 @given(attention_cases(), ISAS, THREADS)
@@ -367,14 +395,15 @@ def test_attention_over_a_long_cache_equals_spec_and_does_not_depend_on_threads(
 
 
 @st.composite
-def stored_caches(draw):
-    """(cache, layer, q, q_positions): a contiguous or paged cache with K and V stored in any type the
-    native attention reads in place (int8 with any group size), filled with random K/V. A paged
+def stored_caches(draw, k_dtypes=NATIVE_KV_DTYPES):
+    """(cache, layer, q, q_positions): a contiguous or paged cache with K (of k_dtypes) and V stored in
+    any type the native attention reads in place (int8 with any group size), filled with random K/V,
+    and 1 to 5 query heads per kv head (the AVX-512 int8-K kernel takes them 4 at a time). A paged
     cache has a random block size and shares its pool with another sequence written in between, so
     its blocks are neither in order nor adjacent."""
-    L, Hkv, G, T = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    D = draw(st.sampled_from([2, 8, 16, 24, 30, 64, 96, 128]))
-    k_dtype, v_dtype = draw(st.sampled_from(NATIVE_KV_DTYPES)), draw(st.sampled_from(NATIVE_KV_DTYPES))
+    L, Hkv, G, T = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    D = draw(st.sampled_from([2, 8, 16, 24, 30, 64, 96, 128, 256]))
+    k_dtype, v_dtype = draw(st.sampled_from(k_dtypes)), draw(st.sampled_from(NATIVE_KV_DTYPES))
     group = draw(st.sampled_from([g for g in (2, 8, 16, 32, D) if D % g == 0]))
     S = draw(st.integers(0, 700))
     rng = np.random.default_rng(draw(SEEDS))
@@ -407,9 +436,50 @@ def test_attention_reading_any_cache_layout_in_place_equals_attention_over_the_d
     want = ks(threads, isa).attention(q, k, v, q_pos, k_pos)
     if reads_like_float_kv(isa, cache):
         np.testing.assert_array_equal(got, want)  # the same float32 values, in the same order
-    else:
-        assert_within(got, want, 2 * attention_bound(q, k, v, q_pos, k_pos), what=f"{cache.stats()} {isa}")
+    else:  # an int8 K's scores round the query; an int8 V's narrow groups sum in another order
+        k8, k_scales, _, _ = cache.read_raw(layer)
+        moved = int8_key_score_error(q, k8, k_scales) if cache.k_dtype == "int8" else None
+        assert_within(got, want, 2 * attention_bound(q, k, v, q_pos, k_pos, score_error=moved),
+                      what=f"{cache.stats()} {isa}")
     np.testing.assert_array_equal(got, ks(3 - threads, isa).cache_attention(q, q_pos, cache, layer))
+
+
+@given(stored_caches(k_dtypes=("int8",)), ISAS, THREADS)
+def test_attention_over_an_int8_k_equals_the_spec_int8_key_attention_to_float32_rounding(case, isa, threads):
+    # The native scores are kvref.spec.ops.int8_key_scores bit for bit (exact integer dot products, then
+    # the same float32 operations in the same order on every instruction set); what is left is the
+    # softmax and value sum, within attention's bound.
+    cache, layer, q, q_pos = case
+    assume(cache.length > 0)  # the spec's softmax needs a key (an empty cache's zeros: test above)
+    got = ks(threads, isa).cache_attention(q, q_pos, cache, layer)
+    k8, k_scales, _, _ = cache.read_raw(layer)
+    k, v = (np.ascontiguousarray(a, np.float32) for a in cache.read(layer))
+    k_pos = np.arange(cache.length)
+    want = spec.attention_int8_keys(q, k8, k_scales, v, q_pos, k_pos)
+    assert_within(got, want, attention_bound(q, k, v, q_pos, k_pos), what=f"{cache.stats()} {isa}")
+
+
+@given(stored_caches(k_dtypes=("int8",)), ISAS)
+def test_attention_over_an_int8_k_is_within_the_query_rounding_bound_of_exact_attention(case, isa):
+    cache, layer, q, q_pos = case
+    assume(cache.length > 0)
+    got = ks(2, isa).cache_attention(q, q_pos, cache, layer)
+    k, v = (a.astype(np.float64) for a in cache.read(layer))
+    want = spec.attention(q.astype(np.float64), k, v, q_pos, np.arange(cache.length))
+    assert_within(got, want, int8_key_attention_bound(q, cache, layer, q_pos), what=f"{cache.stats()} {isa}")
+
+
+@pytest.mark.parametrize("isa", nops.supported_isas())
+def test_an_int8_k_group_holding_a_non_finite_query_element_makes_its_head_nan(isa):
+    # the group's d is NaN (as the int8 activation mode's), so every score of that head is NaN, as the
+    # float scores of a non-finite q are: the spec's rule, never a finite stand-in
+    cache = ContiguousCache(1, 1, 64, 8, "int8")
+    rng = np.random.default_rng(0)
+    cache.append(rng.standard_normal((1, 8, 1, 64)), rng.standard_normal((1, 8, 1, 64)))
+    q = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    q[0, 1, 40] = np.inf
+    out = ks(1, isa).cache_attention(q, [7], cache, 0)
+    assert np.isnan(out[0, 1]).all() and np.isfinite(out[0, 0]).all()
 
 
 @pytest.mark.parametrize("isa", nops.supported_isas())

@@ -28,8 +28,14 @@ K/V, another kernel set, ...).
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
-kernel set (any layout and K/V type: an int8 or bfloat16 element is decoded in registers to the
-float32 the cache's own decode gives); the bounds of tests/test_native.py carry over unchanged. A
+kernel set (any layout and K/V type: a bfloat16 element, or an int8 V element, is decoded in registers
+to the float32 the cache's own decode gives); the bounds of tests/test_native.py carry over unchanged.
+An int8 K is the exception, on every instruction set and in either mode: C scores it with each query
+head rounded to 8 bits per K scale group and exact integer dot products, the group scales applied once
+per group (kvref.spec.ops.int8_key_scores), where the decoder scores the decoded float K. A score moves
+by at most scale sum_b d_b (1/2 + 2**-16) ks_b sum_j |k8_j| (d_b = max|q| / 127 of the query's group)
+beyond float32 rounding (kvref.tolerance.INT8_KEY_QUERY_ROUNDING), and the logits stay within
+kvref.tolerance.INT8_KEY_LOGIT_BOUND of the decoder's. A
 ring layer's keys are in slot order rather than position order, so there the logits are the
 decoder's over a contiguous cache to float32 rounding (the online softmax sums in another order).
 With activations="int8",

@@ -17,7 +17,9 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K, multiplied straight from its blocks; an em
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
 arrays; `Kernels.cache_attention` reads a cache's K/V in place instead (any layout whose
 `cache.storage()` describes them: contiguous, paged, and per-layer rings), stored as float32,
-float16, bfloat16 or int8 (decoded in registers: the same float32 values NumPy decodes).
+float16, bfloat16 or int8 (decoded in registers: the same float32 values NumPy decodes), except that
+an int8 K is scored with integers against the query rounded to 8 bits per scale group: the
+attention of kvref.spec.ops.attention_int8_keys (bound in kvref.tolerance, INT8_KEY_QUERY_ROUNDING).
 
 RoPE takes the spec's frequency table (kvref.spec.ops.rope_frequencies, computed here and passed
 to C), so every base and scaling the spec knows runs natively, bit for bit the same table.

@@ -113,12 +113,18 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
     G = H // Hkv
     qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
     kh = k.transpose(1, 2, 0)  # [Hkv, D, S]
-    vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite scores: the rule below
         if scale is None:
             scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
         else:
             scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
+    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, D)
+
+
+def attend(scores, v, q_positions, k_positions, window=None):
+    # [Hkv, G, T, S] scores, [S, Hkv, D], [T], [S] -> [T, Hkv, G, D]: attention's masking, softmax and
+    # weighted sum of values, with its rule for non-finite values (see `attention`)
+    vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     k_pos, q_pos = np.asarray(k_positions)[None, :], np.asarray(q_positions)[:, None]
     visible = k_pos <= q_pos  # [T, S]
     if window is not None:
@@ -131,7 +137,54 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
     if bad_v.any():  # NaN where a seen key's value element is not finite
         seen_bad = visible.astype(np.float32) @ bad_v.astype(np.float32) > 0  # [Hkv, T, D]
         out = np.where(seen_bad[:, None], np.nan, out)
-    return out.transpose(2, 0, 1, 3).reshape(T, H, D)
+    return out.transpose(2, 0, 1, 3)
+
+
+def quantize_query(q, group_size):
+    # [..., D] float32 -> (q8 [..., D] int32 in [-127, 127], d [..., D/g] float32): q rounded to 8 bits
+    # per group of `group_size` elements as the int8 activation mode rounds its blocks: d = max|q| / 127,
+    # q8 = rint(q * (1/d)), ties to even, every step one float32 rounding. An all-zero group has d = 0
+    # and q8 = 0; a group holding a NaN or an infinity has d = NaN, which every score it enters keeps.
+    q = np.asarray(q, dtype=np.float32)
+    groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)  # [..., D/g, g]
+    finite = np.isfinite(groups).all(axis=-1)
+    with np.errstate(invalid="ignore"):
+        d = np.where(finite, np.abs(groups).max(axis=-1) / np.float32(127), np.float32(np.nan)).astype(np.float32)
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=finite & (d != 0))
+        q8 = np.where(finite[..., None], np.clip(np.rint(groups * inv[..., None]), -127, 127), 0)
+    return q8.astype(np.int32).reshape(q.shape), d
+
+
+def int8_key_scores(q, k8, k_scales, scale=None):
+    # [T, H, D] float32, [S, Hkv, D] int8, [S, Hkv, D/g] float32 -> [Hkv, G, T, S] float32
+    # Scores against K stored as int8 with one scale per group of g elements (kvref/cache/quant.py),
+    # computed with integers, as the native kernels compute them: q is rounded per group
+    # (quantize_query), the group's dot product I_b = sum_j q8_j k8_j is exact, and
+    #     score = sum over b, in order from 0, of fl(I_b) * (fl(d_b * scale) * k_scale_b)
+    # each operation one float32 rounding. scale None is fl(1/sqrt(D)), the scale C is given.
+    T, H, D = q.shape
+    S, Hkv, ng = k_scales.shape
+    G, g = H // Hkv, D // ng
+    scale = np.float32(1 / np.sqrt(D) if scale is None else scale)
+    q8, d = quantize_query(q, g)  # [T, H, D], [T, H, D/g]
+    qg = q8.reshape(T, Hkv, G, ng, g).astype(np.int64)
+    dot = np.einsum("thgbj,shbj->hgtsb", qg, k8.reshape(S, Hkv, ng, g).astype(np.int64))  # [Hkv, G, T, S, D/g]
+    e = (d * scale).reshape(T, Hkv, G, ng).transpose(1, 2, 0, 3)[:, :, :, None, :]  # [Hkv, G, T, 1, D/g]
+    ks = k_scales.transpose(1, 0, 2)[:, None, None]  # [Hkv, 1, 1, S, D/g]
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = dot.astype(np.float32) * (e * ks)
+        scores = np.zeros(terms.shape[:-1], np.float32)
+        for b in range(ng):
+            scores = scores + terms[..., b]
+    return scores
+
+
+def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None):
+    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, D] float, [T], [S] -> [T, H, D]
+    # The attention the native kernels compute over an int8 K: `attention` with the scores of
+    # int8_key_scores (the query rounded to 8 bits per group) in place of q . k over the decoded K.
+    T, H, D = q.shape
+    return attend(int8_key_scores(q, k8, k_scales, scale), v, q_positions, k_positions, window).reshape(T, H, D)
 
 
 def silu(x):
