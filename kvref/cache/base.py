@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CacheError, CacheFullError, ShapeError
-from .quant import ELEMENT_BYTES, Codec, SlotStore, dtype_name  # noqa: F401  (ELEMENT_BYTES, dtype_name re-exported)
+from .quant import ELEMENT_BYTES, KIVI, Codec, KiviResidual, SlotStore, dtype_name  # noqa: F401  (ELEMENT_BYTES, dtype_name re-exported)
 
 # K can be moved to another position (re-rotated) without rounding history a second time only when
 # it is stored at least as wide as the arithmetic that rotates it.
@@ -174,6 +174,9 @@ class KVCache:
     # that keeps what its attention may read; the StreamingLLM window is the exception: a query sees
     # what the ring held before its execution plus that execution's positions.
     chunking_invariant = True
+    # Whether the layout keeps kivi4 K (quantized per channel over groups of positions, with a float16
+    # residual): the contiguous and paged layouts; a ring overwrites positions inside a group.
+    kivi_k = False
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, *, v_dtype=None,
                  group_size=None, rope_theta=None, lock=None):
@@ -184,6 +187,14 @@ class KVCache:
         self.v_codec = Codec(dtype if v_dtype is None else v_dtype, head_dim, group_size)
         k, v = self.k_codec.name, self.v_codec.name
         self.dtype_name = k if k == v else f"{k}/{v}"
+        if k == KIVI:
+            if not self.kivi_k:
+                raise CacheError(f"the {self.layout} layout cannot store kivi4 K: its groups of positions "
+                                 f"would straddle what the ring overwrites; use the contiguous or paged layout "
+                                 f"(or kivi4 for V only: v_dtype='kivi4')")
+            # a query reads the groups its execution completed quantized: how an input is split into
+            # executions changes what earlier queries of a group saw (float16 or quantized K)
+            self.chunking_invariant = False
         self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
         self.sequence = Sequence()
         self._freed = False
@@ -324,6 +335,8 @@ class KVCache:
 
     def keys(self, layer: int) -> np.ndarray:
         # -> [length, Hkv, D], read-only, decoded to K's read dtype
+        if self.k_dtype == KIVI:  # groups and residual: read() assembles them
+            return _readonly(self.read(layer)[0])
         k, ks, _, _ = self.read_raw(layer)
         return _readonly(self.k_codec.decode(k, ks))
 
@@ -372,6 +385,11 @@ class KVCache:
         The layouts that keep every position (contiguous, paged) always can."""
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
             return f"n_new={n_new!r} must be an integer >= 0"
+        if self.k_dtype == KIVI:
+            g, end = self.k_codec.group_size, self.length + n_new
+            if end // g * g > self.length:  # the execution would quantize a group holding a position after length
+                return (f"the {n_new} positions would complete the kivi4 K group ending at position "
+                        f"{end // g * g - 1}; truncating into a quantized group is not exact")
         return None
 
     def can_fork(self) -> bool:
@@ -470,6 +488,8 @@ class KVCache:
             return f"n must be an integer, not {n!r}"
         if not 0 <= n <= self.length:
             return f"the cache holds {self.length} positions"
+        if self.k_dtype == KIVI:
+            return KiviResidual.truncate_problem(self.length, n, self.k_codec.group_size)
         return None
 
     def _shift_problem(self, n, keep):
