@@ -342,6 +342,8 @@ class KVCache:
 
     def values(self, layer: int) -> np.ndarray:
         # -> [length, Hkv, D], read-only, decoded to V's read dtype
+        if self.k_dtype == KIVI:  # no rows to read raw beside kivi4 K: read() decodes both
+            return _readonly(self.read(layer)[1].astype(self.v_codec.read_dtype, copy=False))
         _, _, v, vs = self.read_raw(layer)
         return _readonly(self.v_codec.decode(v, vs))
 

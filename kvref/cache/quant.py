@@ -218,7 +218,7 @@ def pack_nibbles(q):
 def unpack_nibbles(data):
     # [..., D/2] uint8 -> [..., D] uint8 levels 0..15
     data = np.asarray(data, dtype=np.uint8)
-    return np.stack([data & np.uint8(15), data >> np.uint8(4)], axis=-1).reshape(*data.shape[:-1], -1)
+    return np.stack([data & np.uint8(15), data >> np.uint8(4)], axis=-1).reshape(*data.shape[:-1], 2 * data.shape[-1])
 
 
 def readable_pair(k, v):
