@@ -74,11 +74,11 @@ def test_per_channel_groups_take_min_and_max_over_positions_not_elements(x):
     codec = Codec("kivi4", x.shape[-1], 2)
     data, params = codec.encode_channels(x)  # groups of 2 positions
     n = x.shape[0] // 2
-    assert data.shape == (x.shape[0], x.shape[1], x.shape[2] // 2) and params.shape == (n, x.shape[1], x.shape[2], 2)
+    assert data.shape == (x.shape[0], x.shape[1], x.shape[2] // 2) and params.shape == (n, x.shape[1], 2, x.shape[2])
     groups = x.reshape(n, 2, *x.shape[1:])  # [n, g, Hkv, D]
-    np.testing.assert_array_equal(params[..., 1], groups.min(1))
+    np.testing.assert_array_equal(params[..., 1, :], groups.min(1))
     err = np.abs(codec.decode_channels(data, params).reshape(groups.shape) - groups)
-    bound = (params[:, None, ..., 0] * KIVI4_KV_ROUNDING + np.abs(groups).max(1, keepdims=True) * FLOAT32.rtol
+    bound = (params[:, None, ..., 0, :] * KIVI4_KV_ROUNDING + np.abs(groups).max(1, keepdims=True) * FLOAT32.rtol
              + UNDERFLOW_SLACK)
     assert np.all(err <= bound)
 

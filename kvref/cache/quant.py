@@ -18,8 +18,8 @@ layout copies stored bytes as they are (a fork, a copy-on-write, a save) and onl
                                 float16 beside the store until the group completes (KiviResidual).
 
 Shapes (legend in kvref/spec/ops.py):  data [..., Hkv, D],  scales [..., Hkv, D / group_size];
-kivi4: data [..., Hkv, D/2] uint8, V params [..., Hkv, D/g, 2], K params [..., Hkv, D, 2] per group of
-positions, (scale, zero) float32 pairs.
+kivi4: data [..., Hkv, D/2] uint8; V params [..., Hkv, D/g, 2], a (scale, zero) float32 pair per group;
+K params [..., Hkv, 2, D] per group of positions: the D channels' scales, then their zeros.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class Codec:
             g = default_group_size(head_dim) if group_size is None else group_size
             if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g <= 0 or head_dim % g:
                 raise CacheError(f"group_size={g!r} must be a positive divisor of head_dim={head_dim}")
+            if self.name == KIVI and head_dim % 2:
+                raise CacheError(f"kivi4 packs two elements per byte: head_dim={head_dim} must be even")
             self.group_size = int(g)
         else:
             self.group_size = None
@@ -124,19 +126,19 @@ class Codec:
 
     def encode_channels(self, x):
         """kivi4 K: [n*g, ..., D] (n whole groups of g positions) -> (data [n*g, ..., D/2] uint8,
-        params [n, ..., D, 2] float32): each channel of each group gets its own (scale, zero)."""
+        params [n, ..., 2, D] float32): each channel of each group gets its own scale and zero."""
         x = np.asarray(x, dtype=np.float32)
         g = self.group_size
         groups = np.moveaxis(x.reshape(-1, g, *x.shape[1:]), 1, -1)  # [n, ..., D, g]
-        q, params = quantize_uint4_levels(groups)
-        return pack_nibbles(np.moveaxis(q, -1, 1).reshape(x.shape)), params
+        q, params = quantize_uint4_levels(groups)  # [n, ..., D, g], [n, ..., D, 2]
+        return pack_nibbles(np.moveaxis(q, -1, 1).reshape(x.shape)), np.swapaxes(params, -1, -2).copy()
 
     def decode_channels(self, data, params):
-        """kivi4 K: (data [n*g, ..., D/2], params [n, ..., D, 2]) -> [n*g, ..., D] float32."""
+        """kivi4 K: (data [n*g, ..., D/2], params [n, ..., 2, D]) -> [n*g, ..., D] float32."""
         q = unpack_nibbles(data).astype(np.float32)  # [n*g, ..., D]
         n = params.shape[0]
         q = q.reshape(n, self.group_size, *q.shape[1:])  # [n, g, ..., D]
-        return (q * params[:, None, ..., 0] + params[:, None, ..., 1]).reshape(-1, *q.shape[2:])
+        return (q * params[:, None, ..., 0, :] + params[:, None, ..., 1, :]).reshape(-1, *q.shape[2:])
 
     def roundtrip(self, x):
         """What a read returns for x after it was written: decode(encode(x))."""
@@ -232,7 +234,7 @@ class SlotStore:
 
     k, v          [L, *slots, Hkv, D]        storage dtype of each codec (kivi4: [L, *slots, Hkv, D/2])
     k_scales ...  [L, *slots, Hkv, D/g]      float32, only for int8 (else None); kivi4 V: [..., D/g, 2]
-    kivi4 K       k_scales [L, *group slots, Hkv, D, 2]: the slots' last axis in groups of g (the group
+    kivi4 K       k_scales [L, *group slots, Hkv, 2, D]: the slots' last axis in groups of g (the group
                   of slot (..., s) is (..., s // g)); the layouts keep the K of an unfilled group in a
                   KiviResidual and write whole groups (write_k_groups)
 
@@ -248,7 +250,7 @@ class SlotStore:
         self.k = np.zeros((*shape, k_codec.stored_dim), dtype=k_codec.storage_dtype)
         self.v = np.zeros((*shape, v_codec.stored_dim), dtype=v_codec.storage_dtype)
         if k_codec.name == KIVI:
-            groups = (n_layers, *slots[:-1], -(-slots[-1] // k_codec.group_size), n_kv_heads, head_dim, 2)
+            groups = (n_layers, *slots[:-1], -(-slots[-1] // k_codec.group_size), n_kv_heads, 2, head_dim)
             self.k_scales = np.zeros(groups, dtype=SCALE_DTYPE)
         else:
             self.k_scales = self._scales(k_codec, shape)
