@@ -712,9 +712,104 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
 
 /* One instantiation per element type (and, for the float types, per `full`): the type must be a
  * compile-time constant, or every K/V load would test it. I8 always has 16 | D here. */
+/* ---- KIVI4 (kvref/cache/quant.py; the skeleton hands them over when 32 divides head_dim and the
+ * group size, the table's kivi_lanes: 16 nibble bytes are 32 elements of one V group) ------------ */
+
+/* The 32 levels of nibble bytes b[0..16) in element order, as two vectors (elements 0-15, 16-31):
+ * widened to 16-bit lanes, each lane's low nibble stays its low byte and its high nibble becomes its
+ * high byte, so the bytes read in order are the elements in order. */
+TARGET static inline void kivi_levels32(const uint8_t *b, __m512 *lo, __m512 *hi) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)b));
+    const __m256i x = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(0x0f)),
+                                      _mm256_slli_epi16(_mm256_srli_epi16(w, 4), 8));
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(x)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(x, 1)));
+}
+
+/* Scores of a chunk's KIVI4 keys. A run of keys of one quantized group shares its channels' scales
+ * and zeros: per head, q' = q * scale and the constant q . zero are formed once, then each key is
+ * the dot of q' with its levels plus that constant. Keys past the last full group are float16
+ * residual rows. Every key is scored (the skeleton hides the masked ones). */
+TARGET static void score_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, HD = a->Hkv * D, nv = D / 16;
+    const int64_t c0 = c->kp - a->k_positions, nq = a->S - a->S % gs, n = c->n;
+    if (D > 256) { /* q' would not fit the registers below */
+        kvref_attn_score_kivi_ref(a, c, p);
+        return;
+    }
+    for (int64_t s = 0; s < n;) {
+        const int64_t key = c0 + s;
+        if (key >= nq) { /* a residual row */
+            const uint16_t *r = c->k_residual + (key % gs) * HD;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 d = _mm512_setzero_ps();
+                for (int64_t j = 0; j < nv; j++)
+                    d = _mm512_fmadd_ps(_mm512_loadu_ps(c->q + g * D + 16 * j),
+                                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(r + 16 * j))), d);
+                p[g * C + s] = kvref_attn_score_value(_mm512_reduce_add_ps(d) * a->scale);
+            }
+            s++;
+            continue;
+        }
+        const int64_t group_end = (key / gs + 1) * gs < nq ? (key / gs + 1) * gs : nq;
+        const int64_t end = group_end - c0 < n ? group_end - c0 : n;
+        const float *params = c->k_scales + (c->row[s] / HD / gs) * a->Hkv * 2 * D; /* [2, D] */
+        for (int64_t g = 0; g < G; g++) {
+            __m512 qs[16], z = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nv; j++) {
+                const __m512 qj = _mm512_loadu_ps(c->q + g * D + 16 * j);
+                qs[j] = _mm512_mul_ps(qj, _mm512_loadu_ps(params + 16 * j));
+                z = _mm512_fmadd_ps(qj, _mm512_loadu_ps(params + D + 16 * j), z);
+            }
+            const float zero = _mm512_reduce_add_ps(z);
+            for (int64_t t = s; t < end; t++) {
+                const uint8_t *kb = c->k + c->row[t] / 2;
+                if (g == 0 && t + KVREF_ATTN_PREFETCH_KEYS < c->nrows)
+                    __builtin_prefetch(c->k + c->row[t + KVREF_ATTN_PREFETCH_KEYS] / 2, 0, 2);
+                __m512 d = _mm512_setzero_ps();
+                for (int64_t j = 0; j < nv; j += 2) {
+                    __m512 lo, hi;
+                    kivi_levels32(kb + 8 * j, &lo, &hi);
+                    d = _mm512_fmadd_ps(qs[j], lo, _mm512_fmadd_ps(qs[j + 1], hi, d));
+                }
+                p[g * C + t] = kvref_attn_score_value((_mm512_reduce_add_ps(d) + zero) * a->scale);
+            }
+        }
+        s = end;
+    }
+}
+
+/* acc += p V for a chunk's KIVI4 values: each key's V decoded once, 32 elements (one group's) at a
+ * time, for all G heads */
+TARGET static void values_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, nv = D / 16;
+    for (int64_t s = 0; s < c->n; s++) {
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const uint8_t *vb = c->v + c->row[s] / 2;
+        const float *pairs = c->v_scales + 2 * c->srow[s]; /* [D / gs, 2] */
+        if (s + KVREF_ATTN_PREFETCH_KEYS < c->nrows)
+            __builtin_prefetch(c->v + c->row[s + KVREF_ATTN_PREFETCH_KEYS] / 2, 0, 2);
+        for (int64_t j = 0; j < nv; j += 2) {
+            const int64_t grp = 16 * j / gs;
+            const __m512 sc = _mm512_set1_ps(pairs[2 * grp]), zr = _mm512_set1_ps(pairs[2 * grp + 1]);
+            __m512 lo, hi;
+            kivi_levels32(vb + 8 * j, &lo, &hi);
+            lo = _mm512_fmadd_ps(lo, sc, zr);
+            hi = _mm512_fmadd_ps(hi, sc, zr);
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 pg = _mm512_set1_ps(p[g * C + s]);
+                float *ag = acc + g * D + 16 * j;
+                _mm512_storeu_ps(ag, _mm512_fmadd_ps(pg, lo, _mm512_loadu_ps(ag)));
+                _mm512_storeu_ps(ag + 16, _mm512_fmadd_ps(pg, hi, _mm512_loadu_ps(ag + 16)));
+            }
+        }
+    }
+}
+
 TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     const int full = a->D % 16 == 0;
     switch (a->k_type) {
+    case KVREF_TYPE_KIVI4: score_kivi(a, c, p); break;
     case KVREF_TYPE_I8: score_typed(a, c, p, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
         if (full) score_typed(a, c, p, KVREF_TYPE_F16, 1);
@@ -733,6 +828,7 @@ TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *
 TARGET static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     const int full = a->D % 16 == 0;
     switch (a->v_type) {
+    case KVREF_TYPE_KIVI4: values_kivi(a, c, p, acc); break;
     case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
         if (full) pv_typed(a, c, p, acc, KVREF_TYPE_F16, 1);
@@ -1108,7 +1204,8 @@ TARGET_VNNI static void gemm_q8_vnni(int64_t K, const uint8_t *xu, const float *
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
     .tile_columns = tile_columns,                                                                \
-    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},       \
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,        \
+             .kivi_lanes = 32},                                                                  \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
     .quantize_q8 = quantize_q8,                                                                  \

@@ -37,6 +37,7 @@ place says why through `storage_problem()`.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import weakref
@@ -145,6 +146,8 @@ class Storage:
                  are [1, sum of the layers' extents, Hkv, D] (scales likewise): layer l's slots follow
                  layer l-1's; a layer's extent is its R, or layer_slots for a layer without a ring
     layer_slots  slots of each layer without a ring (with layer_rings; else unused)
+    k_residual   kivi4 K: float16 [L, g, Hkv, D], the K of positions past the last full group (position
+                 p in row p % g; KiviResidual.rows, or an execution's staged copy); else None
     """
 
     store: SlotStore
@@ -152,6 +155,7 @@ class Storage:
     block_size: int = 1
     layer_rings: tuple | None = None
     layer_slots: int = 0
+    k_residual: np.ndarray | None = None
 
 
 class KVCache:
@@ -596,6 +600,8 @@ class Execution:
         written. CacheError if the layout cannot be used in place."""
         self._check_open()
         storage = self.cache.storage()
+        if storage.k_residual is not None:  # written in a copy the commit adopts, so an abort changes nothing
+            storage = dataclasses.replace(storage, k_residual=self.cache.residual.stage_in_place())
         self._written.update(range(self.cache.n_layers))
         return storage
 

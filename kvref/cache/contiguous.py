@@ -75,7 +75,8 @@ class ContiguousCache(KVCache):
             self.residual.abort()
 
     def _storage(self):
-        return Storage(self.store)  # position p in row p
+        # position p in row p; kivi4 K's unfilled group beside it
+        return Storage(self.store, k_residual=None if self.residual is None else self.residual.rows)
 
     def read(self, layer):
         if self.residual is not None:

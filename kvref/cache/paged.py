@@ -343,7 +343,8 @@ class PagedCache(KVCache):
         self._table = before
 
     def _storage(self):
-        return Storage(self.pool.store, np.asarray(self._table, dtype=np.int64), self.pool.block_size)
+        return Storage(self.pool.store, np.asarray(self._table, dtype=np.int64), self.pool.block_size,
+                       k_residual=None if self.residual is None else self.residual.rows)
 
     # ---- prefix reuse --------------------------------------------------------------------------------
 

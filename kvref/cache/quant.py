@@ -37,6 +37,7 @@ SCALE_DTYPE = np.dtype(np.float32)  # one per int8 group; 4 bytes
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never produced, so negation is exact
 NIBBLE_MAX = 15  # unsigned 4-bit levels 0..15
 RESIDUAL_DTYPE = np.dtype(np.float16)  # KIVI keeps the unfilled K group in half precision
+KIVI_MAX_GROUP = 256  # positions of a K group the native kernels quantize at once (csrc/internal.h)
 
 
 def dtype_name(dtype) -> str:
@@ -70,8 +71,9 @@ class Codec:
             g = default_group_size(head_dim) if group_size is None else group_size
             if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g <= 0 or head_dim % g:
                 raise CacheError(f"group_size={g!r} must be a positive divisor of head_dim={head_dim}")
-            if self.name == KIVI and head_dim % 2:
-                raise CacheError(f"kivi4 packs two elements per byte: head_dim={head_dim} must be even")
+            if self.name == KIVI and (head_dim % 2 or g > KIVI_MAX_GROUP):
+                raise CacheError(f"kivi4 packs two elements per byte and groups at most {KIVI_MAX_GROUP} "
+                                 f"positions: head_dim={head_dim} must be even and group_size={g} <= {KIVI_MAX_GROUP}")
             self.group_size = int(g)
         else:
             self.group_size = None
@@ -348,6 +350,7 @@ class KiviResidual:
         self.group_size = group_size
         self.rows = np.zeros((n_layers, group_size, n_kv_heads, head_dim), dtype=RESIDUAL_DTYPE)
         self.staged = {}  # layer -> rows [r, Hkv, D] an open execution leaves behind
+        self.staged_rows = None  # or all rows [L, g, Hkv, D], staged for a write in place
 
     def copy(self) -> "KiviResidual":
         child = KiviResidual(self.rows.shape[0], self.group_size, *self.rows.shape[2:])
@@ -379,13 +382,22 @@ class KiviResidual:
         v = store.v_codec.decode(store.v[layer][p], _at(store.v_scales, layer, p))
         return readable_pair(self.read_k(store, layer, end, slots, groups), v)
 
+    def stage_in_place(self):
+        """A copy of the rows for a caller that writes every layer's new K in place (the native
+        forward, which quantizes the groups it completes itself); the commit adopts it."""
+        self.staged_rows = self.rows.copy()
+        return self.staged_rows
+
     def commit(self):
+        if self.staged_rows is not None:
+            self.rows[...] = self.staged_rows
         for layer, rows in self.staged.items():
             self.rows[layer, :len(rows)] = rows
-        self.staged.clear()
+        self.abort()
 
     def abort(self):
         self.staged.clear()
+        self.staged_rows = None
 
     @staticmethod
     def truncate_problem(length, n, g):
