@@ -8,11 +8,16 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import kvref
+from kvref import native
 from kvref.cache.quant import (NIBBLE_MAX, Codec, dequantize_uint4, pack_nibbles, quantize_uint4,
                                unpack_nibbles)
 from kvref.errors import CacheError
+from kvref.spec import decoder
 from kvref.tolerance import FLOAT32, KIVI4_KV_ROUNDING, QUANTIZED_LOGIT_BOUNDS, UNDERFLOW_SLACK
 from tests.conftest import chunkings
+
+if native.available():  # the native section's bound (tests/test_native.py skips itself without the module)
+    from tests.test_native import assert_within, attention_bound
 
 G = 8  # a small group: tests cross several group boundaries in a few dozen positions
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64, vocab_size=64,
@@ -253,3 +258,104 @@ def test_the_native_backend_runs_kivi4_on_the_decoded_kv_within_the_kivi4_bound(
     for options in ({}, {"layout": "paged", "block_size": G}):
         got = native.forward(tokens, native.new_cache(kv_dtype="kivi4", group_size=G, **options), all_logits=True)
         assert np.all(np.abs(got - reference) <= QUANTIZED_LOGIT_BOUNDS["kivi4"] * scale + FLOAT32.atol)
+
+
+# ---- the native kernels ---------------------------------------------------------------------------
+
+def native_ops():
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    from kvref.native import ops
+
+    return ops
+
+
+@st.composite
+def kivi_caches(draw):
+    """(cache, layer, q, q_positions): a contiguous or paged cache with kivi4 K and/or V (the other
+    float16), group g in {2, 8, 16, 32, D}, filled in random chunks so that some K is in the float16
+    residual; a paged sequence shares its pool with another, so its blocks are out of order."""
+    from kvref.cache import BlockPool, ContiguousCache
+
+    L, Hkv, G, T = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    D = draw(st.sampled_from([2, 16, 32, 64, 96, 128]))
+    k_dtype, v_dtype = draw(st.sampled_from([("kivi4", "kivi4"), ("kivi4", "float16"), ("float16", "kivi4")]))
+    g = draw(st.sampled_from([x for x in (2, 8, 16, 32, D) if D % x == 0]))
+    S = draw(st.integers(0, 600))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if draw(st.booleans()):
+        cache, others = ContiguousCache(L, Hkv, D, S + 3, k_dtype, v_dtype=v_dtype, group_size=g), []
+    else:
+        bs = g * draw(st.integers(1, 3))
+        pool = BlockPool(L, Hkv, D, num_blocks=2 * (S // bs + 2), block_size=bs, k_dtype=k_dtype, v_dtype=v_dtype,
+                         group_size=g)
+        cache, others = pool.new_cache(), [pool.new_cache()]
+    done = 0
+    while done < S:
+        n = min(S - done, int(rng.integers(1, 90)))
+        cache.append(rng.standard_normal((L, n, Hkv, D)), rng.standard_normal((L, n, Hkv, D)))
+        for other in others:
+            other.append(np.ones((L, 1, Hkv, D)), np.ones((L, 1, Hkv, D)))
+        done += n
+    q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
+    q_pos = rng.integers(-2, S + 2, size=T) if draw(st.booleans()) else np.arange(S - T, S)
+    return cache, draw(st.integers(0, L - 1)), q, q_pos
+
+
+@given(kivi_caches(), st.data())
+def test_native_attention_reading_kivi4_in_place_equals_attention_over_the_decoded_kv(case, data):
+    ops = native_ops()
+    isa, threads = data.draw(st.sampled_from(ops.supported_isas())), data.draw(st.sampled_from([1, 2]))
+    cache, layer, q, q_pos = case
+    got = ops.kernels(threads, isa).cache_attention(q, q_pos, cache, layer)
+    k, v = (np.ascontiguousarray(a, np.float32) for a in cache.read(layer))  # the spec's decode
+    k_pos = np.arange(cache.length)
+    want = ops.kernels(threads, isa).attention(q, k, v, q_pos, k_pos)
+    # the kernels decode in registers (q * scale + zero, possibly fused) and sum in their own order
+    assert_within(got, want, 2 * attention_bound(q, k, v, q_pos, k_pos), what=f"{cache.stats()} {isa}")
+    np.testing.assert_array_equal(got, ops.kernels(3 - threads, isa).cache_attention(q, q_pos, cache, layer))
+
+
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_native_kivi4_attention_reads_nothing_past_the_end_of_the_stored_arrays(D):
+    from kvref.cache import ContiguousCache
+    from tests.conftest import guarded_copy
+
+    ops = native_ops()
+    L, Hkv, S = 2, 2, 70  # 2 full groups of 32 and 6 residual positions (D = 16: groups of 16)
+    cache = ContiguousCache(L, Hkv, D, S, "kivi4")
+    rng = np.random.default_rng(D)
+    cache.append(rng.standard_normal((L, S, Hkv, D)), rng.standard_normal((L, S, Hkv, D)))
+    q = rng.standard_normal((1, 3 * Hkv, D)).astype(np.float32)
+    for isa in ops.supported_isas():
+        want = ops.kernels(1, isa).cache_attention(q, [S - 1], cache, L - 1)
+        for name, a in cache.store.arrays():
+            setattr(cache.store, name, guarded_copy(a))
+        cache.residual.rows = guarded_copy(cache.residual.rows)
+        np.testing.assert_array_equal(ops.kernels(1, isa).cache_attention(q, [S - 1], cache, L - 1), want)
+
+
+@given(st.data())
+def test_the_fused_forward_writes_the_bytes_the_cache_layout_writes(data):
+    # layer 0's K/V do not depend on attention, so the C forward and the layouts' encoding meet byte
+    # for byte there (later layers' inputs differ by the kernels' rounding)
+    ops = native_ops()
+    isa = data.draw(st.sampled_from(ops.supported_isas()))
+    m = kvref.Model.random(kvref.ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=64,
+                                             vocab_size=64, max_seq_len=128), seed=data.draw(st.integers(0, 99)),
+                           backend="c")
+    m.ops = ops.kernels(1, isa)
+    tokens = tokens_of(data.draw, 1, 100)
+    sizes = data.draw(chunkings(len(tokens)))
+    block = data.draw(st.sampled_from([None, G, 4 * G]))
+    fused, layered = kivi_cache(m, block), kivi_cache(m, block)
+    assert m.fused.fallback_reason(m.ops, m.config, m.weights, fused) is None
+    start = 0
+    for n in sizes:
+        m.forward(tokens[start:start + n], fused)  # the C forward
+        decoder.forward(m.ops, m.config, m.weights, tokens[start:start + n], layered)  # kernel by kernel
+        start += n
+    np.testing.assert_array_equal(fused.keys(0), layered.keys(0))
+    np.testing.assert_array_equal(fused.values(0), layered.values(0))
+    live = len(tokens) % G
+    np.testing.assert_array_equal(fused.residual.rows[0, :live], layered.residual.rows[0, :live])
