@@ -106,7 +106,7 @@ class Model:
             return self._sequence_in_pool(pool, kv_dtype, k_dtype, v_dtype, group_size, given)
         k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
         if group_size is not None and not {"int8", "kivi4"} & {k_name, v_name}:
-            raise CacheError(f"group_size={group_size!r} applies to int8 and kivi4 K/V; these are {k_name}/{v_name}")
+            raise CacheError(f"group_size={group_size!r} applies to int8 K/V and kivi4; these are {k_name}/{v_name}")
         common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
         if layout in ("contiguous", "hybrid"):
             if capacity is None:
