@@ -388,7 +388,8 @@ class KVCache:
     def rollback_problem(self, n_new: int) -> str | None:
         """Why the positions of an execution of n_new positions, run now, could not all be truncated away
         again exactly (a ring would overwrite a position the rollback needs); None when they could.
-        The layouts that keep every position (contiguous, paged) always can."""
+        The layouts that keep every position (contiguous, paged) always can, unless kivi4 K would
+        complete a group of positions (a quantized group cannot give back its float16 K)."""
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
             return f"n_new={n_new!r} must be an integer >= 0"
         if self.k_dtype == KIVI:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import CacheError, CacheFullError
 from .base import KVCache, Storage
-from .quant import KiviResidual, SlotStore
+from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
 
 
 class ContiguousCache(KVCache):
@@ -84,13 +84,9 @@ class ContiguousCache(KVCache):
         return self.store.read(layer, slice(0, self._length))
 
     def read_raw(self, layer):
-        self._check_rows_raw()
-        return self.store.read_raw(layer, slice(0, self._length))
-
-    def _check_rows_raw(self):
         if self.residual is not None:
-            raise CacheError("kivi4 K is stored per group of positions (and a float16 residual), not row by "
-                             "row: read() decodes it")
+            raise CacheError(KIVI_NO_ROWS)
+        return self.store.read_raw(layer, slice(0, self._length))
 
     def _truncate(self, n):
         self._length = n  # rows past n become unreachable

@@ -32,7 +32,7 @@ the free list hands it out again, so a system prompt stays reusable after the re
 it finished. Token ids reach the layout with each commit (`cache.sequence.token_ids`).
 
 kivi4 K: the pool keeps one (scale, zero) per channel for each group of g positions of a block
-(`store.k_scales` [L, num_blocks, block_size / g, Hkv, D, 2]), so block_size must be a multiple of g
+(`store.k_scales` [L, num_blocks, block_size / g, Hkv, 2, D]), so block_size must be a multiple of g
 and a group never straddles two blocks; each sequence keeps the K of its unfilled last group in
 float16 (its own KiviResidual, copied by a fork). Full blocks are wholly quantized, so prefix reuse
 shares them as they are; an adopted prefix ends on a group boundary.
@@ -49,7 +49,7 @@ import numpy as np
 
 from ..errors import CacheError, CacheFullError, TokenError
 from .base import KVCache, Storage
-from .quant import KIVI, Codec, KiviResidual, SlotStore
+from .quant import KIVI, KIVI_NO_ROWS, Codec, KiviResidual, SlotStore
 
 DEFAULT_BLOCK_SIZE = 16
 _ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0
@@ -424,8 +424,7 @@ class PagedCache(KVCache):
 
     def read_raw(self, layer):
         if self.residual is not None:
-            raise CacheError("kivi4 K is stored per group of positions (and a float16 residual), not row by "
-                             "row: read() decodes it")
+            raise CacheError(KIVI_NO_ROWS)
         return self._gather(layer, self._length)
 
     # ---- operations ----------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def dequantize_int8(q, scales, group_size: int):
 
 def quantize_uint4_levels(groups):
     # [..., n] -> (q [..., n] uint8 levels 0..15, params [..., 2] float32 (scale, zero)) over the last axis:
-    # zero = min, scale = (max - min) / 15, q = rint((x - zero) / scale), so min and max are exact
+    # zero = min, scale = (max - min) / 15, q = rint((x - zero) / scale): the min is stored exactly
     lo = np.min(groups, axis=-1)
     scale = ((np.max(groups, axis=-1) - lo) / np.float32(NIBBLE_MAX)).astype(np.float32)
     # a constant group has scale 0 and stores zeros; dividing by 1 there avoids 0/0
@@ -331,6 +331,10 @@ class SlotStore:
         out = [("k", self.k), ("v", self.v)]
         out += [(n, a) for n, a in (("k_scales", self.k_scales), ("v_scales", self.v_scales)) if a is not None]
         return out
+
+
+# why a kivi4 K cache has no rows to read raw (read() decodes it)
+KIVI_NO_ROWS = "kivi4 K is stored per group of positions (and a float16 residual), not row by row: read() decodes it"
 
 
 class KiviResidual:
