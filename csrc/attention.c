@@ -120,6 +120,7 @@ typedef struct {
     int64_t t;
     int64_t k_head, v_head;    /* bytes from one kv head's K (V) vector to the next one's in a slot */
     int64_t s_head;            /* I8 scales from one kv head's to the next one's */
+    int64_t ks_head, vs_head;  /* KIVI4: K group params, V pairs, from one kv head's to the next one's */
     float *p, *mnew, *sum;     /* [G, CHUNK], [G], [G] */
     int64_t *row, *srow;       /* [CHUNK + LOOKAHEAD] each: c.row, c.srow */
     int64_t lookahead;         /* keys past a chunk whose rows the kernels get to prefetch */
@@ -132,9 +133,11 @@ typedef struct {
 static void cursor_init(attn_cursor *u, const kvref_attn_args *a, int64_t t, float *scratch, float *qscratch) {
     const int64_t G = a->G, D = a->D;
     u->t = t;
-    u->k_head = D * kvref_kv_element_bytes(a->k_type);
-    u->v_head = D * kvref_kv_element_bytes(a->v_type);
+    u->k_head = kvref_kv_vector_bytes(a->k_type, D);
+    u->v_head = kvref_kv_vector_bytes(a->v_type, D);
     u->s_head = a->group_size > 0 ? D / a->group_size : 0;
+    u->ks_head = a->k_type == KVREF_TYPE_KIVI4 ? 2 * D : u->s_head;
+    u->vs_head = a->v_type == KVREF_TYPE_KIVI4 ? 2 * u->s_head : u->s_head;
     u->p = scratch;
     u->mnew = u->p + G * KVREF_ATTN_CHUNK;
     u->sum = u->mnew + G;
@@ -200,8 +203,9 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
     c->q = a->q + (u->t * a->H + hk * G) * D;
     c->k = a->k + hk * u->k_head;
     c->v = a->v + hk * u->v_head;
-    c->k_scales = a->k_scales != NULL ? a->k_scales + hk * u->s_head : NULL;
-    c->v_scales = a->v_scales != NULL ? a->v_scales + hk * u->s_head : NULL;
+    c->k_scales = a->k_scales != NULL ? a->k_scales + hk * u->ks_head : NULL;
+    c->v_scales = a->v_scales != NULL ? a->v_scales + hk * u->vs_head : NULL;
+    c->k_residual = a->k_residual != NULL ? a->k_residual + hk * D : NULL;
     if (u->q8 != NULL) {
         c->q8 = u->q8 + hk * G * D;
         c->qe = u->qe + hk * G * u->s_head;
@@ -382,6 +386,10 @@ void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *part
     c.kernels = &kvref_pool_kernels(pool)->attn;
     const int i8 = a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8;
     if (i8 && a->group_size % c.kernels->i8_lanes != 0) c.kernels = &kvref_kernels_scalar.attn;
+    const int kivi = a->k_type == KVREF_TYPE_KIVI4 || a->v_type == KVREF_TYPE_KIVI4;
+    if (kivi && (c.kernels->kivi_lanes == 0 || a->group_size % c.kernels->kivi_lanes != 0 ||
+                 a->D % c.kernels->kivi_lanes != 0))
+        c.kernels = &kvref_kernels_scalar.attn;
     const int64_t threads = kvref_pool_threads(pool);
     c.heads = 1; /* a unit per (query, kv head, segment) */
     c.span = 1;

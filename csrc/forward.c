@@ -326,6 +326,9 @@ static void store_and_attend_sequence(fw *f, int64_t b) {
     if (ring == 0) {
         if (f->B == 1) for_each_row(f, store_row);
         else for (int64_t t = r0; t < r1; t++) store_row(f, t);
+        if (kv->k_type == KVREF_TYPE_KIVI4) /* in position order: a group is quantized as it completes */
+            kvref_kv_store_kivi_k(kv, f->kk, f->layer, length, f->s->k + r0 * f->c->n_kv_heads * f->c->head_dim,
+                                  r1 - r0);
         f->s->ns[FAM_OTHER] += now_ns() - t0;
         attend(f, kv, r0, r1 - r0, length + r1 - r0, f->s->k_positions);
         return;

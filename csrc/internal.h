@@ -151,7 +151,9 @@ static inline void kvref_q8_scale(float amax, int finite, float *d, float *id) {
 typedef struct kvref_attn_args {
     const float *q;            /* [T, H, D] */
     const uint8_t *k, *v;      /* the layer's slots [n_slots, Hkv, D] of k_type / v_type */
-    const float *k_scales, *v_scales; /* the layer's I8 scales [n_slots, Hkv, D / group_size] or NULL */
+    const float *k_scales, *v_scales; /* the layer's I8 scales [n_slots, Hkv, D / group_size] or NULL;
+                                         KIVI4: V's (scale, zero) pairs, K's group params (kvref.h) */
+    const uint16_t *k_residual; /* KIVI4 K: the layer's float16 rows [group_size, Hkv, D], else NULL */
     int32_t k_type, v_type;
     int64_t group_size;
     const int64_t *block_table; /* key s is in slot table[s / block_size] * block_size + s % block_size */
@@ -175,6 +177,7 @@ typedef struct kvref_attn_chunk {
     const float *q;            /* [G, D]: the query's G heads that share kv head hk */
     const uint8_t *k, *v;      /* kv head hk's vector in slot 0 of the layer's K and V */
     const float *k_scales, *v_scales; /* kv head hk's I8 scales in slot 0, or NULL */
+    const uint16_t *k_residual; /* KIVI4 K: kv head hk's vector in residual row 0, else NULL */
     const int64_t *row, *srow; /* [nrows] from kvref_attn_rows: the chunk's n keys, then keys ahead */
     int64_t n, nrows;          /* n <= nrows <= n + KVREF_ATTN_LOOKAHEAD; nrows = n (nothing to
                                   prefetch) for runs of many queries (attention.c) */
@@ -232,6 +235,8 @@ typedef struct kvref_attn_kernels {
     kvref_attn_exp_fn exp;
     kvref_attn_values_fn values;
     int64_t i8_lanes;          /* 1 for kernels that take any group size */
+    int64_t kivi_lanes;        /* KIVI4 taken when kivi_lanes divides group_size and head_dim (1: any);
+                                  0: never (the scalar table's kernels run instead) */
 } kvref_attn_kernels;
 
 /* Where the slots of keys c0 .. c0+n-1 are: row[i] is the element offset of key c0 + i's slot in the
@@ -267,9 +272,23 @@ static inline int64_t kvref_kv_element_bytes(int32_t type) {
     case KVREF_TYPE_F32: return 4;
     case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 2;
     case KVREF_TYPE_I8: return 1;
+    case KVREF_TYPE_KIVI4: return 1; /* per two elements: see kvref_kv_vector_bytes */
     default: return -1;
     }
 }
+
+/* The most positions a KIVI4 K group may hold (kvref/cache/quant.py's KIVI_MAX_GROUP) */
+#define KVREF_KIVI_MAX_GROUP 256
+
+/* Bytes of one stored head vector of D elements of `type` (a KIVI4 byte holds two) */
+static inline int64_t kvref_kv_vector_bytes(int32_t type, int64_t D) {
+    return type == KVREF_TYPE_KIVI4 ? D / 2 : D * kvref_kv_element_bytes(type);
+}
+
+/* The KIVI4 kernels (csrc/scalar.c, the reference; csrc/kernels_avx512.c). Key s of a chunk is key
+ * kp - k_positions + s of the layer; keys from S - S % group_size on are K residual rows. */
+void kvref_attn_score_kivi_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
+void kvref_attn_values_kivi_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc);
 
 /* Ask for the K or V vectors (base and type: a chunk's k or v, kv head hk's part of each slot;
  * rows from kvref_attn_rows) of keys i0 .. i0+7, those of the nrows looked up, to be brought into
@@ -531,6 +550,12 @@ void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a);
  * (slot position % R of a ring layer) */
 void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t position,
                     const float *k, const float *v);
+/* KIVI4 K of positions p0 .. p0+n-1 (k [n, Hkv, D] float32) into `layer`, in position order (kvref_kv_store
+ * leaves KIVI4 K to this): each position's float16 row into the residual, and every group of
+ * group_size positions this completes quantized per channel from those rows into its slots
+ * (kvref/cache/quant.py's KiviResidual.write, byte for byte) */
+void kvref_kv_store_kivi_k(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, int64_t p0,
+                           const float *k, int64_t n);
 
 /* per-thread scratch bytes (H query heads of D elements, G per kv head), and shared floats for
  * segment partials, of kvref_attention_run; the partials of T queries suffice for any run of up to T of

@@ -703,12 +703,208 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     }
 }
 
+/* ---- KIVI4 (kvref/cache/quant.py; the skeleton hands them over when 32 divides head_dim and the
+ * group size, the table's kivi_lanes: 16 nibble bytes are 32 elements of one V group) ------------
+ * They work in "split order": the 32 elements of 16 nibble bytes as two vectors, the even elements
+ * (low nibbles) then the odd ones (high nibbles), one widening and a mask or a shift each; q' and the
+ * V accumulators are permuted into that order once per run of keys instead. */
+
+/* The levels of nibble bytes b[0..16) in split order: even = elements 0, 2, .., 30; odd = 1, 3, .., 31 */
+TARGET static inline void kivi_levels(const uint8_t *b, __m512 *even, __m512 *odd) {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)b));
+    *even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+    *odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+}
+
+/* natural order (x0 = elements 0-15, x1 = 16-31) <-> split order (even, odd) */
+TARGET static inline void kivi_split(__m512 x0, __m512 x1, __m512 *even, __m512 *odd) {
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *even = _mm512_permutex2var_ps(x0, ie, x1);
+    *odd = _mm512_permutex2var_ps(x0, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), x1);
+}
+
+TARGET static inline void kivi_merge(__m512 even, __m512 odd, __m512 *x0, __m512 *x1) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    *x0 = _mm512_permutex2var_ps(even, lo, odd);
+    *x1 = _mm512_permutex2var_ps(even, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), odd);
+}
+
+#define KIVI_MAX_VECTORS 16 /* D <= 256: 16 vectors of q' per head */
+
+/* Scores of nk keys (rows row[0..nk)) of one quantized group for gb heads: q' [gb][nv] in split order,
+ * zero[gb] = q . zero; each key's levels widened once for the gb heads, one transposing reduction per
+ * head (of 8 vectors: zeros past nk). */
+TARGET __attribute__((always_inline)) static inline void kivi_score_keys(
+    const kvref_attn_args *a, const __m512 qs[3][KIVI_MAX_VECTORS], const float *zero, const uint8_t *kb,
+    const int64_t *row, float *p, const int gb, const int nk, const int64_t nv) {
+    const int64_t C = KVREF_ATTN_CHUNK;
+    __m512 d[3][8];
+    for (int g = 0; g < gb; g++)
+        for (int r = 0; r < 8; r++) d[g][r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nv; j += 2)
+        for (int r = 0; r < nk; r++) {
+            __m512 even, odd;
+            kivi_levels(kb + row[r] / 2 + 8 * j, &even, &odd);
+            for (int g = 0; g < gb; g++)
+                d[g][r] = _mm512_fmadd_ps(qs[g][j + 1], odd, _mm512_fmadd_ps(qs[g][j], even, d[g][r]));
+        }
+    for (int g = 0; g < gb; g++) {
+        __m256 sg = _mm256_mul_ps(_mm256_add_ps(reduce8(d[g]), _mm256_set1_ps(zero[g])), _mm256_set1_ps(a->scale));
+        sg = _mm256_fmadd_ps(sg, _mm256_setzero_ps(), sg); /* kvref_attn_score_value: non-finite -> NaN */
+        float out[8];
+        _mm256_storeu_ps(out, sg);
+        for (int r = 0; r < nk; r++) p[g * C + r] = out[r];
+    }
+}
+
+/* Scores of the keys s .. end-1 of a chunk, one quantized group (params [2, D]: its channels' scales,
+ * then zeros), for the G heads: per block of up to 3 heads, q' = q * scale (split order) and q . zero
+ * once, then 8 keys at a time. nv = D / 16, a constant where it matters (the vectors stay in registers). */
+TARGET __attribute__((always_inline)) static inline void kivi_score_run(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *params, int64_t s, int64_t end, float *p,
+    const int64_t nv) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int gb = G - g0 < 3 ? (int)(G - g0) : 3;
+        __m512 qs[3][KIVI_MAX_VECTORS];
+        float zero[3];
+        for (int g = 0; g < gb; g++) {
+            const float *q = c->q + (g0 + g) * D;
+            __m512 z = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nv; j += 2) {
+                const __m512 q0 = _mm512_loadu_ps(q + 16 * j), q1 = _mm512_loadu_ps(q + 16 * j + 16);
+                z = _mm512_fmadd_ps(q0, _mm512_loadu_ps(params + D + 16 * j), z);
+                z = _mm512_fmadd_ps(q1, _mm512_loadu_ps(params + D + 16 * j + 16), z);
+                kivi_split(_mm512_mul_ps(q0, _mm512_loadu_ps(params + 16 * j)),
+                           _mm512_mul_ps(q1, _mm512_loadu_ps(params + 16 * j + 16)), &qs[g][j], &qs[g][j + 1]);
+            }
+            zero[g] = _mm512_reduce_add_ps(z);
+        }
+        float *pg = p + g0 * C;
+        int64_t t = s;
+        for (; t + 8 <= end; t += 8) {
+            if (g0 == 0) /* the keys a chunk ahead */
+                for (int64_t r = t + KVREF_ATTN_PREFETCH_KEYS; r < t + KVREF_ATTN_PREFETCH_KEYS + 8 && r < c->nrows; r++)
+                    __builtin_prefetch(c->k + c->row[r] / 2, 0, 2);
+            switch (gb) {
+            case 1: kivi_score_keys(a, qs, zero, c->k, c->row + t, pg + t, 1, 8, nv); break;
+            case 2: kivi_score_keys(a, qs, zero, c->k, c->row + t, pg + t, 2, 8, nv); break;
+            default: kivi_score_keys(a, qs, zero, c->k, c->row + t, pg + t, 3, 8, nv);
+            }
+        }
+        for (; t < end; t++) switch (gb) {
+            case 1: kivi_score_keys(a, qs, zero, c->k, c->row + t, pg + t, 1, 1, nv); break;
+            case 2: kivi_score_keys(a, qs, zero, c->k, c->row + t, pg + t, 2, 1, nv); break;
+            default: kivi_score_keys(a, qs, zero, c->k, c->row + t, pg + t, 3, 1, nv);
+            }
+    }
+}
+
+/* Scores of a chunk's KIVI4 keys: runs of keys of one quantized group (kivi_score_run), and keys past
+ * the last full group, float16 residual rows. Every key is scored (the skeleton hides the masked ones). */
+TARGET static void score_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, HD = a->Hkv * D, nv = D / 16;
+    const int64_t c0 = c->kp - a->k_positions, nq = a->S - a->S % gs, n = c->n;
+    if (nv > KIVI_MAX_VECTORS) {
+        kvref_attn_score_kivi_ref(a, c, p);
+        return;
+    }
+    for (int64_t s = 0; s < n;) {
+        const int64_t key = c0 + s;
+        if (key >= nq) { /* a residual row */
+            const uint16_t *r = c->k_residual + (key % gs) * HD;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 d = _mm512_setzero_ps();
+                for (int64_t j = 0; j < nv; j++)
+                    d = _mm512_fmadd_ps(_mm512_loadu_ps(c->q + g * D + 16 * j),
+                                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(r + 16 * j))), d);
+                p[g * C + s] = kvref_attn_score_value(_mm512_reduce_add_ps(d) * a->scale);
+            }
+            s++;
+            continue;
+        }
+        const int64_t group_end = (key / gs + 1) * gs < nq ? (key / gs + 1) * gs : nq;
+        const int64_t end = group_end - c0 < n ? group_end - c0 : n;
+        const float *params = c->k_scales + (c->row[s] / HD / gs) * a->Hkv * 2 * D;
+        switch (nv) {
+        case 2: kivi_score_run(a, c, params, s, end, p, 2); break;
+        case 4: kivi_score_run(a, c, params, s, end, p, 4); break;
+        case 8: kivi_score_run(a, c, params, s, end, p, 8); break;
+        default: kivi_score_run(a, c, params, s, end, p, nv);
+        }
+        s = end;
+    }
+}
+
+/* acc += p V over a chunk's KIVI4 values for heads g0 .. g0+gb-1: their accumulators held in
+ * registers in split order over the chunk's keys, each key's V widened once (its group's scale and zero
+ * applied), added to acc at the end. gb and nv = D / 16 are constants where it matters. */
+TARGET __attribute__((always_inline)) static inline void kivi_values_heads(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, int64_t g0, const int gb,
+    const int64_t nv) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size;
+    __m512 sum[3][KIVI_MAX_VECTORS];
+    for (int g = 0; g < gb; g++)
+        for (int64_t j = 0; j < nv; j++) sum[g][j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < c->n; s++) {
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const uint8_t *vb = c->v + c->row[s] / 2;
+        const float *pairs = c->v_scales + 2 * c->srow[s]; /* [D / gs, 2] */
+        if (g0 == 0 && s + KVREF_ATTN_PREFETCH_KEYS < c->nrows)
+            __builtin_prefetch(c->v + c->row[s + KVREF_ATTN_PREFETCH_KEYS] / 2, 0, 2);
+        __m512 pg[3];
+        for (int g = 0; g < gb; g++) pg[g] = _mm512_set1_ps(p[(g0 + g) * C + s]);
+        for (int64_t j = 0; j < nv; j += 2) {
+            const int64_t grp = 16 * j / gs;
+            const __m512 sc = _mm512_set1_ps(pairs[2 * grp]), zr = _mm512_set1_ps(pairs[2 * grp + 1]);
+            __m512 even, odd;
+            kivi_levels(vb + 8 * j, &even, &odd);
+            even = _mm512_fmadd_ps(even, sc, zr);
+            odd = _mm512_fmadd_ps(odd, sc, zr);
+            for (int g = 0; g < gb; g++) {
+                sum[g][j] = _mm512_fmadd_ps(pg[g], even, sum[g][j]);
+                sum[g][j + 1] = _mm512_fmadd_ps(pg[g], odd, sum[g][j + 1]);
+            }
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int64_t j = 0; j < nv; j += 2) {
+            float *ag = acc + (g0 + g) * D + 16 * j;
+            __m512 x0, x1;
+            kivi_merge(sum[g][j], sum[g][j + 1], &x0, &x1);
+            _mm512_storeu_ps(ag, _mm512_add_ps(_mm512_loadu_ps(ag), x0));
+            _mm512_storeu_ps(ag + 16, _mm512_add_ps(_mm512_loadu_ps(ag + 16), x1));
+        }
+}
+
+TARGET __attribute__((always_inline)) static inline void kivi_values_nv(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int64_t nv) {
+    for (int64_t g0 = 0; g0 < a->G; g0 += 3) switch (a->G - g0) {
+        case 1: kivi_values_heads(a, c, p, acc, g0, 1, nv); break;
+        case 2: kivi_values_heads(a, c, p, acc, g0, 2, nv); break;
+        default: kivi_values_heads(a, c, p, acc, g0, 3, nv);
+        }
+}
+
+/* acc += p V for a chunk's KIVI4 values, per block of up to 3 heads */
+TARGET static void values_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
+    switch (a->D / 16) {
+    case 2: kivi_values_nv(a, c, p, acc, 2); break;
+    case 4: kivi_values_nv(a, c, p, acc, 4); break;
+    case 8: kivi_values_nv(a, c, p, acc, 8); break;
+    default:
+        if (a->D / 16 > KIVI_MAX_VECTORS) kvref_attn_values_kivi_ref(a, c, p, acc);
+        else kivi_values_nv(a, c, p, acc, a->D / 16);
+    }
+}
+
 /* One instantiation per element type (and, for the float types, per `full`): the type must be a
  * compile-time constant, or every K/V load would test it. I8 always has 16 | D here; an I8 K is
  * scored with integers (the AVX2 kernel here; attn_score_vnni where the CPU has VNNI). */
 TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     const int full = a->D % 16 == 0;
     switch (a->k_type) {
+    case KVREF_TYPE_KIVI4: score_kivi(a, c, p); break;
     case KVREF_TYPE_I8: kvref_avx2_attn_score_i8(a, c, p); break;
     case KVREF_TYPE_F16:
         if (full) score_typed(a, c, p, KVREF_TYPE_F16, 1);
@@ -727,6 +923,7 @@ TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *
 TARGET static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     const int full = a->D % 16 == 0;
     switch (a->v_type) {
+    case KVREF_TYPE_KIVI4: values_kivi(a, c, p, acc); break;
     case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8, 1); break;
     case KVREF_TYPE_F16:
         if (full) pv_typed(a, c, p, acc, KVREF_TYPE_F16, 1);
@@ -1226,7 +1423,8 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
 const kvref_kernels kvref_kernels_avx512 = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
-    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,
+             .kivi_lanes = 32},
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
         [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
@@ -1236,7 +1434,8 @@ const kvref_kernels kvref_kernels_avx512 = {
 const kvref_kernels kvref_kernels_avx512_vnni = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
-    .attn = {.score = attn_score_vnni, .exp = attn_exp, .values = attn_values, .i8_lanes = 16},
+    .attn = {.score = attn_score_vnni, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,
+             .kivi_lanes = 32},
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,

@@ -64,6 +64,7 @@ enum kvref_type {
     KVREF_TYPE_Q4_K = 12,
     KVREF_TYPE_Q6_K = 14,
     KVREF_TYPE_I8 = 24,        /* K/V only: int8 elements, each group read as value * its float32 scale */
+    KVREF_TYPE_KIVI4 = 25,     /* K/V only: 4-bit KIVI, two unsigned nibbles a byte, read as q * scale + zero */
     KVREF_TYPE_BF16 = 30
 };
 
@@ -182,7 +183,15 @@ int kvref_geglu(kvref_pool *pool,
  * Per-layer rings (a hybrid cache): with layer_ring, layer l with layer_ring[l] = R > 0 is a ring of
  * R slots, position p in its slot p % R, and a layer with 0 keeps position p in its slot p, n_slots
  * of them. Layer l's slots then follow layer l-1's: the arrays hold the sum of the layers' extents
- * (R, or n_slots) slots, [sum, n_kv_heads, head_dim] (scales likewise), and block_table is NULL. */
+ * (R, or n_slots) slots, [sum, n_kv_heads, head_dim] (scales likewise), and block_table is NULL.
+ * KIVI4 (kvref/cache/quant.py): k, v uint8 [n_layers, n_slots, n_kv_heads, head_dim / 2], element
+ * 2i in the low nibble of byte i; V per token: v_scales [n_layers, n_slots, n_kv_heads,
+ * head_dim / group_size, 2] (scale, zero) pairs; K per channel over the group_size positions of a
+ * group: k_scales [n_layers, ceil(n_slots / group_size), n_kv_heads, 2, head_dim] (the channels'
+ * scales, then their zeros), the group of slot s being s / group_size (a block holds whole groups),
+ * and the K of positions past the last full group in k_residual, float16 [n_layers, group_size,
+ * n_kv_heads, head_dim], position p in row p % group_size. With S positions stored, positions
+ * below S - S % group_size are quantized. KIVI4 K takes no rings. */
 typedef struct kvref_kv {
     void *k, *v;
     float *k_scales, *v_scales;
@@ -191,6 +200,7 @@ typedef struct kvref_kv {
     const int64_t *block_table;  /* [n_blocks] or NULL */
     int64_t n_blocks, block_size;
     const int64_t *layer_ring;   /* [n_layers], each >= 0, or NULL (every layer as above) */
+    uint16_t *k_residual;        /* KIVI4 K: float16 [n_layers, group_size, n_kv_heads, head_dim]; else NULL */
 } kvref_kv;
 
 /* Causal grouped-query attention by position with a single-pass (online) softmax, reading layer

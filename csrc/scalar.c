@@ -258,8 +258,50 @@ void kvref_attn_score_i8_ref(const kvref_attn_args *a, const kvref_attn_chunk *c
     }
 }
 
+/* ---- KIVI4 (kvref/cache/quant.py): nibbles read as q * scale + zero, K per channel over a group of
+ * positions (its float16 residual past the last full group), V per token over a group of elements */
+
+/* level of element e of the nibbles at b (element e in the low nibble of byte e / 2 when e is even) */
+static inline float kivi_level(const uint8_t *b, int64_t e) { return (float)((b[e / 2] >> (4 * (e % 2))) & 15); }
+
+/* p[g * C + s] = (q_g . k_s) * scale, k_s decoded element by element, summed in element order */
+void kvref_attn_score_kivi_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, HD = a->Hkv * D;
+    const int64_t c0 = c->kp - a->k_positions, nq = a->S - a->S % gs; /* keys below nq are quantized */
+    for (int64_t s = 0; s < c->n; s++) {
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const int64_t key = c0 + s;
+        const uint8_t *kb = c->k + c->row[s] / 2;
+        const float *params = c->k_scales + (c->row[s] / HD / gs) * a->Hkv * 2 * D; /* [2, D]: its group's */
+        const uint16_t *res = c->k_residual + (key % gs) * HD;
+        for (int64_t g = 0; g < G; g++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < D; i++) {
+                const float k = key < nq ? kivi_level(kb, i) * params[i] + params[D + i] : kvref_fp16_to_fp32(res[i]);
+                dot += c->q[g * D + i] * k;
+            }
+            p[g * C + s] = kvref_attn_score_value(dot * a->scale);
+        }
+    }
+}
+
+/* acc += p V, V decoded element by element with its group's (scale, zero) */
+void kvref_attn_values_kivi_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size;
+    for (int64_t s = 0; s < c->n; s++) {
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const uint8_t *vb = c->v + c->row[s] / 2;
+        const float *pairs = c->v_scales + 2 * c->srow[s]; /* [D / gs, 2] */
+        for (int64_t i = 0; i < D; i++) {
+            const float vi = kivi_level(vb, i) * pairs[2 * (i / gs)] + pairs[2 * (i / gs) + 1];
+            for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
+        }
+    }
+}
+
 static void attn_score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     switch (a->k_type) {
+    case KVREF_TYPE_KIVI4: kvref_attn_score_kivi_ref(a, c, p); break;
     case KVREF_TYPE_F16: score_ref(a, c, p, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: score_ref(a, c, p, KVREF_TYPE_BF16); break;
     case KVREF_TYPE_I8: kvref_attn_score_i8_ref(a, c, p); break;
@@ -269,6 +311,7 @@ static void attn_score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, 
 
 static void attn_values_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     switch (a->v_type) {
+    case KVREF_TYPE_KIVI4: kvref_attn_values_kivi_ref(a, c, p, acc); break;
     case KVREF_TYPE_F16: values_ref(a, c, p, acc, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: values_ref(a, c, p, acc, KVREF_TYPE_BF16); break;
     case KVREF_TYPE_I8: values_ref(a, c, p, acc, KVREF_TYPE_I8); break;
@@ -426,7 +469,7 @@ const kvref_kernels kvref_kernels_scalar = {
     },
     .gemm_f32 = gemm_f32,
     .tile_columns = tile_columns,
-    .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1},
+    .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1, .kivi_lanes = 1},
     .swiglu = swiglu_scalar,
     .geglu = geglu_scalar,
     .vec_dot_q8 = {

@@ -27,10 +27,11 @@ BACKENDS = ("auto", "numpy", "c")
 NATIVE_FAMILY_FIELDS = FAMILY_FIELDS
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
-# bfloat16 and int8 to float32 for it; the C forward reads all of its types in place (any layout it
-# does not take in place, such as the window, is decoded for the native attention kernel the same way)
-KV_DTYPES = {"numpy": ("float64", "float32", "float16", "bfloat16", "int8"),
-             "c": ("float32", "float16", "bfloat16", "int8")}
+# bfloat16, int8 and kivi4 to float32 for it; the C forward reads its types in place (any layout or
+# type it does not take in place, such as the window or kivi4, is decoded for the native attention
+# kernel the same way)
+KV_DTYPES = {"numpy": ("float64", "float32", "float16", "bfloat16", "int8", "kivi4"),
+             "c": ("float32", "float16", "bfloat16", "int8", "kivi4")}
 _fallback_reported = []  # which of the reasons to run the spec were said already
 
 

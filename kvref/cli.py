@@ -179,7 +179,7 @@ def add_chat_template_argument(p):
                    help="a Jinja chat template to use instead of the model's own (or where it has none)")
 
 
-KV_DTYPES = ("float16", "bfloat16", "float32", "int8")
+KV_DTYPES = ("float16", "bfloat16", "float32", "int8", "kivi4")
 OVERFLOW = ("error", "truncate", "shift")
 
 

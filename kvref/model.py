@@ -82,9 +82,10 @@ class Model:
                    (block_size=16, num_blocks = enough for one max_seq_len sequence,
                    prefix_reuse=False; or pool= an existing BlockPool to add a sequence to) |
                    "window" (window=W required, sinks=0)
-        kv_dtype   None (model dtype) | "float32" | "float16" | "bfloat16" | "int8" for K and V;
-                   k_dtype / v_dtype set one of them; group_size: elements per int8 scale (default
-                   32 when head_dim allows, else head_dim)
+        kv_dtype   None (model dtype) | "float32" | "float16" | "bfloat16" | "int8" | "kivi4" for K
+                   and V; k_dtype / v_dtype set one of them; group_size: elements per int8 scale, and
+                   kivi4's group (positions per K scale, elements per V scale) (default 32 when
+                   head_dim allows, else head_dim); kivi4 K needs the contiguous or paged layout
         An option that does not apply to the layout is an error, never ignored.
         """
         if not isinstance(layout, str) or layout not in LAYOUTS:
@@ -103,8 +104,8 @@ class Model:
         if pool is not None:
             return self._sequence_in_pool(pool, kv_dtype, k_dtype, v_dtype, group_size, given)
         k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
-        if group_size is not None and "int8" not in (k_name, v_name):
-            raise CacheError(f"group_size={group_size!r} applies to int8 K/V; these are {k_name}/{v_name}")
+        if group_size is not None and not {"int8", "kivi4"} & {k_name, v_name}:
+            raise CacheError(f"group_size={group_size!r} applies to int8 K/V and kivi4; these are {k_name}/{v_name}")
         common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
         if layout in ("contiguous", "hybrid"):
             if capacity is None:

@@ -37,6 +37,7 @@ place says why through `storage_problem()`.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import weakref
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CacheError, CacheFullError, ShapeError
-from .quant import ELEMENT_BYTES, Codec, SlotStore, dtype_name  # noqa: F401  (ELEMENT_BYTES, dtype_name re-exported)
+from .quant import ELEMENT_BYTES, KIVI, Codec, KiviResidual, SlotStore, dtype_name  # noqa: F401  (ELEMENT_BYTES, dtype_name re-exported)
 
 # K can be moved to another position (re-rotated) without rounding history a second time only when
 # it is stored at least as wide as the arithmetic that rotates it.
@@ -145,6 +146,8 @@ class Storage:
                  are [1, sum of the layers' extents, Hkv, D] (scales likewise): layer l's slots follow
                  layer l-1's; a layer's extent is its R, or layer_slots for a layer without a ring
     layer_slots  slots of each layer without a ring (with layer_rings; else unused)
+    k_residual   kivi4 K: float16 [L, g, Hkv, D], the K of positions past the last full group (position
+                 p in row p % g; KiviResidual.rows, or an execution's staged copy); else None
     """
 
     store: SlotStore
@@ -152,6 +155,7 @@ class Storage:
     block_size: int = 1
     layer_rings: tuple | None = None
     layer_slots: int = 0
+    k_residual: np.ndarray | None = None
 
 
 class KVCache:
@@ -174,6 +178,9 @@ class KVCache:
     # that keeps what its attention may read; the StreamingLLM window is the exception: a query sees
     # what the ring held before its execution plus that execution's positions.
     chunking_invariant = True
+    # Whether the layout keeps kivi4 K (quantized per channel over groups of positions, with a float16
+    # residual): the contiguous and paged layouts; a ring overwrites positions inside a group.
+    kivi_k = False
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, *, v_dtype=None,
                  group_size=None, rope_theta=None, lock=None):
@@ -184,6 +191,14 @@ class KVCache:
         self.v_codec = Codec(dtype if v_dtype is None else v_dtype, head_dim, group_size)
         k, v = self.k_codec.name, self.v_codec.name
         self.dtype_name = k if k == v else f"{k}/{v}"
+        if k == KIVI:
+            if not self.kivi_k:
+                raise CacheError(f"the {self.layout} layout cannot store kivi4 K: its groups of positions "
+                                 f"would straddle what the ring overwrites; use the contiguous or paged layout "
+                                 f"(or kivi4 for V only: v_dtype='kivi4')")
+            # a query reads the groups its execution completed quantized: how an input is split into
+            # executions changes what earlier queries of a group saw (float16 or quantized K)
+            self.chunking_invariant = False
         self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
         self.sequence = Sequence()
         self._freed = False
@@ -324,11 +339,15 @@ class KVCache:
 
     def keys(self, layer: int) -> np.ndarray:
         # -> [length, Hkv, D], read-only, decoded to K's read dtype
+        if self.k_dtype == KIVI:  # groups and residual: read() assembles them
+            return _readonly(self.read(layer)[0])
         k, ks, _, _ = self.read_raw(layer)
         return _readonly(self.k_codec.decode(k, ks))
 
     def values(self, layer: int) -> np.ndarray:
         # -> [length, Hkv, D], read-only, decoded to V's read dtype
+        if self.k_dtype == KIVI:  # no rows to read raw beside kivi4 K: read() decodes both
+            return _readonly(self.read(layer)[1].astype(self.v_codec.read_dtype, copy=False))
         _, _, v, vs = self.read_raw(layer)
         return _readonly(self.v_codec.decode(v, vs))
 
@@ -369,9 +388,15 @@ class KVCache:
     def rollback_problem(self, n_new: int) -> str | None:
         """Why the positions of an execution of n_new positions, run now, could not all be truncated away
         again exactly (a ring would overwrite a position the rollback needs); None when they could.
-        The layouts that keep every position (contiguous, paged) always can."""
+        The layouts that keep every position (contiguous, paged) always can, unless kivi4 K would
+        complete a group of positions (a quantized group cannot give back its float16 K)."""
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
             return f"n_new={n_new!r} must be an integer >= 0"
+        if self.k_dtype == KIVI:
+            g, end = self.k_codec.group_size, self.length + n_new
+            if end // g * g > self.length:  # the execution would quantize a group holding a position after length
+                return (f"the {n_new} positions would complete the kivi4 K group ending at position "
+                        f"{end // g * g - 1}; truncating into a quantized group is not exact")
         return None
 
     def can_fork(self) -> bool:
@@ -470,6 +495,8 @@ class KVCache:
             return f"n must be an integer, not {n!r}"
         if not 0 <= n <= self.length:
             return f"the cache holds {self.length} positions"
+        if self.k_dtype == KIVI:
+            return KiviResidual.truncate_problem(self.length, n, self.k_codec.group_size)
         return None
 
     def _shift_problem(self, n, keep):
@@ -574,6 +601,8 @@ class Execution:
         written. CacheError if the layout cannot be used in place."""
         self._check_open()
         storage = self.cache.storage()
+        if storage.k_residual is not None:  # written in a copy the commit adopts, so an abort changes nothing
+            storage = dataclasses.replace(storage, k_residual=self.cache.residual.stage_in_place())
         self._written.update(range(self.cache.n_layers))
         return storage
 

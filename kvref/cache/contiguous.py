@@ -6,20 +6,23 @@ Position p of the sequence lives in row p. Every other layout is checked against
                     [p0] [p1] [p2] [p3] [  ] [  ] ... [  ]      length = 4, next_position = 4
 
 With kv_dtype "bfloat16" or "int8" the rows hold the encoded form (kvref/cache/quant.py) and
-`k_scales`/`v_scales` hold int8 scales row for row; a read decodes.
+`k_scales`/`v_scales` hold int8 scales row for row; a read decodes. With kivi4 K, `k_scales` holds
+one (scale, zero) per channel for each group of g rows, and the K of the rows past length // g * g
+stays in float16 in `residual` (kvref/cache/quant.py, KiviResidual).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CacheFullError
+from ..errors import CacheError, CacheFullError
 from .base import KVCache, Storage
-from .quant import SlotStore
+from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
 
 
 class ContiguousCache(KVCache):
     layout = "contiguous"
+    kivi_k = True
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
@@ -30,6 +33,8 @@ class ContiguousCache(KVCache):
         self.k = self.store.k  # [L, capacity, Hkv, D] stored form
         self.v = self.store.v  # [L, capacity, Hkv, D]
         self._length = 0
+        self.residual = (KiviResidual(n_layers, self.k_codec.group_size, n_kv_heads, head_dim)
+                         if self.store.per_channel_k else None)
 
     @property
     def length(self) -> int:
@@ -53,20 +58,34 @@ class ContiguousCache(KVCache):
 
     def _write(self, n_new, layer, k, v):
         end = self._length + n_new
+        if self.residual is not None:  # position p in row p, group i in group slot i
+            self.residual.write(self.store, layer, self._length, k, v, _same, _same)
+            return (*self.residual.read(self.store, layer, end, _same, _same), np.arange(end))
         self.store.write(layer, slice(self._length, end), k, v)
         k_all, v_all = self.store.read(layer, slice(0, end))  # float types: views, no copy
         return k_all, v_all, np.arange(end)
 
     def _commit(self, n_new):
         self._length += n_new
+        if self.residual is not None:
+            self.residual.commit()
+
+    def _release(self, n_new):
+        if self.residual is not None:
+            self.residual.abort()
 
     def _storage(self):
-        return Storage(self.store)  # position p in row p
+        # position p in row p; kivi4 K's unfilled group beside it
+        return Storage(self.store, k_residual=None if self.residual is None else self.residual.rows)
 
     def read(self, layer):
+        if self.residual is not None:
+            return self.residual.read(self.store, layer, self._length, _same, _same)
         return self.store.read(layer, slice(0, self._length))
 
     def read_raw(self, layer):
+        if self.residual is not None:
+            raise CacheError(KIVI_NO_ROWS)
         return self.store.read_raw(layer, slice(0, self._length))
 
     def _truncate(self, n):
@@ -79,6 +98,8 @@ class ContiguousCache(KVCache):
         for name, a in self.store.arrays():
             getattr(child.store, name)[:, rows] = a[:, rows]  # stored bytes, never re-encoded
         child._length = self._length
+        if self.residual is not None:
+            child.residual = self.residual.copy()
         return child
 
     def _shift(self, n, keep):
@@ -100,3 +121,8 @@ class ContiguousCache(KVCache):
 
     def layout_options(self):
         return {"capacity": self._capacity}
+
+
+def _same(index):
+    # contiguous: position p lives in slot p, group i in group slot i
+    return index

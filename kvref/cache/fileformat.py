@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import CacheError
 from ..limits import MAX_POOL_BLOCKS, bounded_int, bounded_json, open_regular_file, read_exactly
+from .quant import KIVI
 
 MAGIC = b"KVREFKV\x00"
 FORMAT_VERSION = 1
@@ -58,6 +59,10 @@ def save_cache(cache, path) -> None:
     if sequence.model is None:
         raise CacheError("this cache was not made by model.new_cache(), so it cannot name its model; "
                          "only such caches can be saved")
+    if KIVI in (cache.k_dtype, cache.v_dtype):
+        raise CacheError(f"a {cache.dtype_name} cache cannot be saved: format version {FORMAT_VERSION} stores K/V "
+                         f"row by row, and kivi4 K lives in groups of positions with a float16 residual; "
+                         f"save a float16 or int8 cache")
     positions = cache.positions().astype(np.int64)
     arrays = [("positions", positions)]
     raw = [cache.read_raw(layer) for layer in range(cache.n_layers)]

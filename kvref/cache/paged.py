@@ -30,6 +30,12 @@ The pool indexes full blocks by key, and `prefill_reuse(ids)` lets a new sequenc
 of the longest indexed prefix of ids instead of computing them. A freed block keeps its key until
 the free list hands it out again, so a system prompt stays reusable after the request that computed
 it finished. Token ids reach the layout with each commit (`cache.sequence.token_ids`).
+
+kivi4 K: the pool keeps one (scale, zero) per channel for each group of g positions of a block
+(`store.k_scales` [L, num_blocks, block_size / g, Hkv, 2, D]), so block_size must be a multiple of g
+and a group never straddles two blocks; each sequence keeps the K of its unfilled last group in
+float16 (its own KiviResidual, copied by a fork). Full blocks are wholly quantized, so prefix reuse
+shares them as they are; an adopted prefix ends on a group boundary.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import numpy as np
 
 from ..errors import CacheError, CacheFullError, TokenError
 from .base import KVCache, Storage
-from .quant import Codec, SlotStore
+from .quant import KIVI, KIVI_NO_ROWS, Codec, KiviResidual, SlotStore
 
 DEFAULT_BLOCK_SIZE = 16
 _ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0
@@ -73,6 +79,9 @@ class BlockPool:
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
         self.k_codec = Codec(k_dtype, head_dim, group_size)
         self.v_codec = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
+        if self.k_codec.name == KIVI and self.block_size % self.k_codec.group_size:
+            raise CacheError(f"block_size={self.block_size} must be a multiple of the kivi4 group of "
+                             f"{self.k_codec.group_size} positions, so that a K group never straddles two blocks")
         self.rope_theta = rope_theta
         self.max_positions = max_positions  # the model's max_seq_len: no sequence grows past it
         self.prefix_reuse = prefix_reuse
@@ -198,6 +207,7 @@ class PagedCache(KVCache):
     """One sequence in a BlockPool: a block table, a length, and (for prefix reuse) its blocks' keys."""
 
     layout = "paged"
+    kivi_k = True
 
     def __init__(self, pool: BlockPool):
         super().__init__(pool.n_layers, pool.n_kv_heads, pool.head_dim, pool.k_codec.name,
@@ -208,6 +218,8 @@ class PagedCache(KVCache):
         self._table: list[int] = []
         self._length = 0
         self._chain: list[bytes] = []  # prefix keys of this sequence's full blocks (when ids are known)
+        self.residual = (KiviResidual(pool.n_layers, self.k_codec.group_size, pool.n_kv_heads, pool.head_dim)
+                         if pool.store.per_channel_k else None)
 
     # ---- accounting ----------------------------------------------------------------------------------
 
@@ -306,6 +318,10 @@ class PagedCache(KVCache):
         bs, end = self.pool.block_size, self._length + reservation[0]
         new = np.arange(self._length, end)
         table = np.asarray(self._table, dtype=np.int64)
+        if self.residual is not None:
+            slots, groups = self._kivi_index(table)
+            self.residual.write(self.pool.store, layer, self._length, k, v, slots, groups)
+            return (*self.residual.read(self.pool.store, layer, end, slots, groups), np.arange(end))
         self.pool.store.write(layer, (table[new // bs], new % bs), k, v)  # each position into its block slot
         k_all, v_all = self.pool.store.decode_raw(self._gather(layer, end))
         return k_all, v_all, np.arange(end)
@@ -316,14 +332,19 @@ class PagedCache(KVCache):
             self.pool._decref(cow)  # the copy replaces it in this sequence's table for good
         self._length += n_new
         self._index_full_blocks()
+        if self.residual is not None:
+            self.residual.commit()
 
     def _release(self, reservation):
         _, before, _, taken = reservation
+        if self.residual is not None:
+            self.residual.abort()
         self.pool._give_back(taken)
         self._table = before
 
     def _storage(self):
-        return Storage(self.pool.store, np.asarray(self._table, dtype=np.int64), self.pool.block_size)
+        return Storage(self.pool.store, np.asarray(self._table, dtype=np.int64), self.pool.block_size,
+                       k_residual=None if self.residual is None else self.residual.rows)
 
     # ---- prefix reuse --------------------------------------------------------------------------------
 
@@ -358,6 +379,8 @@ class PagedCache(KVCache):
             found.append(b)
             keys.append(key)
         n = min(len(found) * bs, len(ids) - 1)
+        if self.residual is not None:  # a kivi4 K residual holds no adopted position: start on a group
+            n -= n % self.k_codec.group_size
         if n <= 0:
             return 0
         self._table = found[:blocks_for(n, bs)]
@@ -388,10 +411,20 @@ class PagedCache(KVCache):
         raw = self.pool.store.read_raw(layer, table)  # [blocks, block_size, ...] each
         return tuple(None if a is None else a.reshape(-1, *a.shape[2:])[:end] for a in raw)
 
+    def _kivi_index(self, table):
+        # (slots, groups): position p -> its block slot; K group i -> the group slot of its block
+        bs, g = self.pool.block_size, self.k_codec.group_size
+        return (lambda p: (table[p // bs], p % bs)), (lambda i: (table[i * g // bs], i * g % bs // g))
+
     def read(self, layer):
+        if self.residual is not None:
+            slots, groups = self._kivi_index(np.asarray(self._table, dtype=np.int64))
+            return self.residual.read(self.pool.store, layer, self._length, slots, groups)
         return self.pool.store.decode_raw(self._gather(layer, self._length))
 
     def read_raw(self, layer):
+        if self.residual is not None:
+            raise CacheError(KIVI_NO_ROWS)
         return self._gather(layer, self._length)
 
     # ---- operations ----------------------------------------------------------------------------------
@@ -411,6 +444,8 @@ class PagedCache(KVCache):
             self.pool._incref(b)
         child._length = self._length
         child._chain = list(self._chain)
+        if self.residual is not None:
+            child.residual = self.residual.copy()
         return child
 
     def _shift(self, n, keep):

@@ -10,9 +10,10 @@ all_logits, else [1, V] for the last position. It runs in C (csrc/forward.c) whe
   - `ops` is a native kernel set (kvref.native.ops.Kernels): its thread pool runs the forward;
   - `config` and `weights` are the ones this object was built from (every tensor, by identity);
   - `cache` describes its storage (`cache.storage()`: contiguous and paged layouts, and per-layer
-    rings: `Storage.layer_rings`) with K and V stored as float32, float16, bfloat16 or int8 (K and V
-    may differ): C writes the new positions' K/V into their slots in the stored form
-    (kvref/cache/quant.py's encoding, byte for byte) and attention reads the stored form in place,
+    rings: `Storage.layer_rings`) with K and V stored as float32, float16, bfloat16, int8 or kivi4 (K
+    and V may differ): C writes the new positions' K/V into their slots in the stored form
+    (kvref/cache/quant.py's encoding, byte for byte; kivi4 K through the residual rows of
+    `Storage.k_residual`, each group quantized as it completes) and attention reads the stored form in place,
     through the block table of a paged cache (kvref.native.ops.cache_descriptor). A ring layer of R
     slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
     then attend), so no query reads a slot a later position overwrote.

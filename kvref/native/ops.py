@@ -55,7 +55,7 @@ import warnings
 
 import numpy as np
 
-from ..cache.quant import SCALE_DTYPE
+from ..cache.quant import KIVI, RESIDUAL_DTYPE, SCALE_DTYPE
 from ..errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
 from ..spec import ops as spec_ops
 from ..spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
@@ -73,7 +73,7 @@ WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLTy
 
 #: K/V storage types (kvref.cache codec names) the native kernels read, and write, in place
 KV_TYPES = {"float32": lib.KVREF_TYPE_F32, "float16": lib.KVREF_TYPE_F16, "bfloat16": lib.KVREF_TYPE_BF16,
-            "int8": lib.KVREF_TYPE_I8}
+            "int8": lib.KVREF_TYPE_I8, "kivi4": lib.KVREF_TYPE_KIVI4}
 
 ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.KVREF_ISA_AVX2,
         "avx512": lib.KVREF_ISA_AVX512}
@@ -226,13 +226,15 @@ def check_weight(w, name):
 class _KV:
     """A kvref_kv descriptor (csrc/kvref.h) and the arrays it points into, kept alive with it.
     Without rings the arrays are [L, *slots, Hkv, D]; with layer_ring (int64 [L]) they are
-    [1, sum of extents, Hkv, D] and n_slots is the extent of a layer without a ring."""
+    [1, sum of extents, Hkv, D] and n_slots is the extent of a layer without a ring. kivi4 K/V hold
+    D / 2 bytes a vector (head_dim says D) and kivi4 K its float16 residual rows (k_residual)."""
 
     def __init__(self, k, v, k_scales, v_scales, k_type, v_type, group_size, block_table=None, block_size=1,
-                 layer_ring=None, n_slots=None):
-        L, Hkv, D = k.shape[0] if layer_ring is None else layer_ring.shape[0], k.shape[-2], k.shape[-1]
+                 layer_ring=None, n_slots=None, head_dim=None, k_residual=None):
+        L, Hkv = k.shape[0] if layer_ring is None else layer_ring.shape[0], k.shape[-2]
+        D = k.shape[-1] if head_dim is None else head_dim
         self._keep = [ffi.from_buffer(a, require_writable=a.flags.writeable) if a is not None else ffi.NULL
-                      for a in (k, v, k_scales, v_scales, block_table, layer_ring)]  # pinned with us
+                      for a in (k, v, k_scales, v_scales, block_table, layer_ring, k_residual)]  # pinned with us
         d = self.ptr = ffi.new("kvref_kv *")
         d.k, d.v = self._keep[0], self._keep[1]
         d.k_scales, d.v_scales = ffi.cast("float *", self._keep[2]), ffi.cast("float *", self._keep[3])
@@ -243,6 +245,7 @@ class _KV:
         d.n_blocks = 0 if block_table is None else block_table.shape[0]
         d.block_size = block_size
         d.layer_ring = ffi.cast("const int64_t *", self._keep[5])
+        d.k_residual = ffi.cast("uint16_t *", self._keep[6])
 
 
 def in_place_problem(cache) -> str | None:
@@ -267,11 +270,11 @@ def cache_descriptor(cache, storage=None) -> _KV:
     layers = L if rings is None else 1
     if rings is not None:
         slots = (int(sum(r if r > 0 else storage.layer_slots for r in rings.tolist())),)
-    expected = {"k": (store.k_codec.storage_dtype, D), "v": (store.v_codec.storage_dtype, D),
-                "k_scales": (SCALE_DTYPE, store.k_codec.n_groups), "v_scales": (SCALE_DTYPE, store.v_codec.n_groups)}
-    for name, a in store.arrays():
-        dtype, last = expected[name]
-        shape = (layers, *slots, Hkv, last)
+    arrays = store.arrays()
+    if storage.k_residual is not None:
+        arrays.append(("k_residual", storage.k_residual))
+    for name, a in arrays:
+        dtype, shape = _stored_shape(store, name, (layers, *slots, Hkv), D)
         if (a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned
                 or not a.flags.writeable):
             raise CacheError(f"cache {name} must be a writeable C-contiguous {dtype} array of shape {shape}; got "
@@ -286,7 +289,20 @@ def cache_descriptor(cache, storage=None) -> _KV:
     group = store.k_codec.group_size or store.v_codec.group_size
     return _KV(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
                KV_TYPES[store.v_codec.name], group, table, storage.block_size, rings,
-               None if rings is None else storage.layer_slots)
+               None if rings is None else storage.layer_slots, D, storage.k_residual)
+
+
+def _stored_shape(store, name, grid, D):
+    """(dtype, shape) a slot store's array `name` must have; grid = (layers, *slots, Hkv)."""
+    codec = store.v_codec if name.startswith("v") else store.k_codec
+    if name in ("k", "v"):
+        return codec.storage_dtype, (*grid, codec.stored_dim)
+    g = codec.group_size
+    if name == "k_residual":  # kivi4 K: the unfilled group's float16 rows
+        return RESIDUAL_DTYPE, (grid[0], g, grid[-1], D)
+    if codec.name == KIVI and name == "k_scales":  # per group of g slots: scales [D], then zeros [D]
+        return SCALE_DTYPE, (*grid[:-2], -(-grid[-2] // g), grid[-1], 2, D)
+    return SCALE_DTYPE, (*grid, codec.n_groups, *((2,) if codec.name == KIVI else ()))
 
 
 def _layer_rings(storage, n_layers):
