@@ -120,6 +120,12 @@ int kvref_matmul_int8(kvref_pool *pool,
  * weights, with the instruction set's widest vector loads; *checksum = the wrapping sum of its
  * 64-bit words, so no load can be skipped. */
 enum { KVREF_PROBE_UNIT = 1048576 };
+
+/* From this many rows of x on, a projection dequantizes tiles of weight rows for a GEMM (each weight
+ * block decoded once per call); below it, each weight row is decoded in registers once for all rows
+ * of x (the decode path, batched decode included). Measured on SmolLM2's shapes: the in-register
+ * path is faster up to 8 rows (docs/benchmarks.md). */
+enum { KVREF_GEMM_MIN_T = 9 };
 int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum);
 
 /* out[t] = row ids[t] of the table, dequantized to float32.
