@@ -465,7 +465,7 @@ size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K);
 /* y [T, N] = x [T, K] @ W.T with x rounded to 8-bit blocks: the work of kvref_matmul_int8 (any T) */
 void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                            int32_t type, int64_t N, float *y);
-/* Up to three weights that share one input, for T < KVREF_GEMM_MIN_T rows of x (decode): one
+/* Up to three weights that share one input, for few rows of x (decode, below the GEMM switch): one
  * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
  * the residual add). With xqs/xds (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2]), weights that
  * have an 8-bit kernel read those instead of x. With

@@ -49,6 +49,9 @@ TARGET static inline __m512 iota16(void) {
  * same order, so a row's result does not depend on R. The rows share the weight loads and decoding. */
 #define ROWS_MAX 8
 #define ALWAYS_INLINE __attribute__((always_inline)) inline
+/* GCC keeps a row loop's accumulators in registers only once the loop is unrolled, which it does by
+ * itself for small bodies only (the 8-bit kernels' spilled to the stack) */
+#define UNROLL_ROWS _Pragma("GCC unroll 8")
 
 /* vec_dot_<name> (R = 1) and vec_dot_rows_<name> (blocks of RB rows, then 2, then 1) from dot_<name> */
 #define DOT_KERNELS(name, RB)                                                                            \
@@ -961,32 +964,47 @@ TARGET_VNNI static ALWAYS_INLINE float q8_last_block(int32_t type, const uint8_t
     }
 }
 
+/* Pair p (blocks 2p, 2p+1) of a weight row against the R rows of x in 8-bit blocks, into chain c of
+ * each row's accumulators: a[r][c] += the pair's block sums times their scales d_w d_x, m[r][c] += the
+ * scales (lanes 1, 3: m_w s_x, Q4_1's offset term). c is a constant once inlined. */
+TARGET_VNNI static ALWAYS_INLINE void q8_pair_rows(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
+                                                   const float *ds, int64_t p, const int R, const int c,
+                                                   __m512 a[][2], __m128 m[][2]) {
+    const int64_t bytes = kvref_q8_block_bytes(type), nds = K / 16;
+    __m512i u;
+    __mmask64 neg;
+    __m128 ws;
+    q8_pair_weights(type, w + 2 * p * bytes, w + (2 * p + 1) * bytes, &u, &neg, &ws);
+    UNROLL_ROWS
+    for (int r = 0; r < R; r++) {
+        const __m512i isum = q8_pair_sums(type, u, neg, _mm512_loadu_si512(qs + r * K + 64 * p));
+        const __m128 sc = _mm_mul_ps(ws, _mm_loadu_ps(ds + r * nds + 4 * p));
+        a[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), spread02(sc), a[r][c]);
+        m[r][c] = _mm_add_ps(m[r][c], sc);
+    }
+}
+
 /* The dot of one weight row with the R rows of x in 8-bit blocks (qs [R, K], ds [R, K/32, 2]):
- * pairs of blocks, accumulated into two chains per row (pairs alternate, so consecutive FMAs do
- * not wait on each other); each row's operations are those of R = 1, as for the float kernels. */
+ * pairs of blocks, alternating between two chains per row so consecutive FMAs do not wait on each
+ * other; each row's operations are those of R = 1, as for the float kernels. */
 TARGET_VNNI static ALWAYS_INLINE void dot_q8_vnni(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
                                                   const float *ds, const int R, float *out, int64_t ldo) {
-    const int64_t bytes = kvref_q8_block_bytes(type), nb = K / 32, nds = nb * 2;
+    const int64_t bytes = kvref_q8_block_bytes(type), nb = K / 32, nds = K / 16;
     __m512 a[ROWS_MAX][2];
     __m128 m[ROWS_MAX][2];
+    UNROLL_ROWS
     for (int r = 0; r < R; r++) {
         a[r][0] = a[r][1] = _mm512_setzero_ps();
         m[r][0] = m[r][1] = _mm_setzero_ps();
     }
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const int c = (int)(b / 2 % 2); /* the chain */
-        __m512i u;
-        __mmask64 neg;
-        __m128 ws;
-        q8_pair_weights(type, w + b * bytes, w + (b + 1) * bytes, &u, &neg, &ws);
-        for (int r = 0; r < R; r++) {
-            const __m512i isum = q8_pair_sums(type, u, neg, _mm512_loadu_si512(qs + r * K + 32 * b));
-            const __m128 sc = _mm_mul_ps(ws, _mm_loadu_ps(ds + r * nds + 2 * b));
-            a[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), spread02(sc), a[r][c]);
-            m[r][c] = _mm_add_ps(m[r][c], sc);
-        }
+    int64_t p = 0;
+    for (; 2 * p + 4 <= nb; p += 2) {
+        q8_pair_rows(type, K, w, qs, ds, p, R, 0, a, m);
+        q8_pair_rows(type, K, w, qs, ds, p + 1, R, 1, a, m);
     }
+    if (2 * p + 2 <= nb) q8_pair_rows(type, K, w, qs, ds, p++, R, 0, a, m);
+    const int64_t b = 2 * p;
+    UNROLL_ROWS
     for (int r = 0; r < R; r++) {
         float acc = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1])) + lanes13(_mm_add_ps(m[r][0], m[r][1]));
         if (b < nb) acc += q8_last_block(type, w + b * bytes, qs + r * K + 32 * b, ds + r * nds + 2 * b);
@@ -994,7 +1012,7 @@ TARGET_VNNI static ALWAYS_INLINE void dot_q8_vnni(int32_t type, int64_t K, const
     }
 }
 
-/* vec_dot_q8_<name>_vnni (R = 1) and vec_dot_q8_rows_<name>_vnni (blocks of 6 rows: 24 accumulators,
+/* vec_dot_q8_<name>_vnni (R = 1) and vec_dot_q8_rows_<name>_vnni (blocks of 4 rows: 16 accumulators,
  * then 2, then 1) */
 #define DOT_Q8_KERNELS(name, type)                                                                        \
     TARGET_VNNI static float vec_dot_q8_##name##_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) { \
@@ -1006,7 +1024,7 @@ TARGET_VNNI static ALWAYS_INLINE void dot_q8_vnni(int32_t type, int64_t K, const
                                                           const float *ds, int64_t T, float *out, int64_t ldo) { \
         const int64_t nds = K / 16;                                                                       \
         int64_t t = 0;                                                                                    \
-        for (; t + 6 <= T; t += 6) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 6, out + t * ldo, ldo); \
+        for (; t + 4 <= T; t += 4) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 4, out + t * ldo, ldo); \
         for (; t + 2 <= T; t += 2) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 2, out + t * ldo, ldo); \
         for (; t < T; t++) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 1, out + t * ldo, ldo);       \
     }

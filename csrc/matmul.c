@@ -187,9 +187,15 @@ size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K) {
 void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                            int32_t type, int64_t N, float *y) {
     const kvref_kernels *kk = kvref_pool_kernels(pool);
-    const int gemm = T >= KVREF_GEMM_MIN_T && kk->gemm_q8 != NULL && kvref_q8_tile_type(type);
-    if (T == 0 || N == 0 || K == 0 || (!gemm && kk->vec_dot_q8[type] == NULL)) {
+    const int gemm = T >= KVREF_GEMM_Q8_MIN_T && kk->gemm_q8 != NULL && kvref_q8_tile_type(type);
+    const int dots = !gemm && kk->vec_dot_q8[type] != NULL;
+    if (T == 0 || N == 0 || K == 0 || (!gemm && !dots && T >= KVREF_GEMM_Q8_MIN_T)) {
         kvref_matmul_run(pool, x, T, K, w, type, N, y);
+        return;
+    }
+    if (!gemm && !dots) { /* a weight without 8-bit kernels below the switch: the fused forward's decode path */
+        const kvref_mv mv = {x, NULL, NULL, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
+        kvref_mv_run(pool, &mv);
         return;
     }
     int8_t *xqs = kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)); /* reserved: no allocation */
@@ -226,14 +232,14 @@ int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
  * table) the single-row kernel per row, which defines it */
 static inline void dot_rows(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const float *x,
                             int64_t T, float *r) {
-    if (kk->vec_dot_rows[type] != NULL) kk->vec_dot_rows[type](K, w, x, T, r, 1);
+    if (T > 1 && kk->vec_dot_rows[type] != NULL) kk->vec_dot_rows[type](K, w, x, T, r, 1);
     else for (int64_t t = 0; t < T; t++) r[t] = kk->vec_dot[type](K, w, x + t * K);
 }
 
 /* the same with x in 8-bit blocks: qs [T, K], ds [T, K/32, 2] */
 static inline void dot_rows_q8(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
                                const float *ds, int64_t T, float *r) {
-    if (kk->vec_dot_q8_rows[type] != NULL) kk->vec_dot_q8_rows[type](K, w, qs, ds, T, r, 1);
+    if (T > 1 && kk->vec_dot_q8_rows[type] != NULL) kk->vec_dot_q8_rows[type](K, w, qs, ds, T, r, 1);
     else for (int64_t t = 0; t < T; t++) r[t] = kk->vec_dot_q8[type](K, w, qs + t * K, ds + t * (K / 16));
 }
 

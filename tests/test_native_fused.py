@@ -53,7 +53,7 @@ PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
 INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)  # 8-bit kernels at any T
-GEMM_TYPES = INT8_TYPES + (GGMLType.Q4_K, GGMLType.Q6_K)  # ... and in the 8-bit GEMM (GEMM_MIN_T rows of x on)
+GEMM_TYPES = INT8_TYPES + (GGMLType.Q4_K, GGMLType.Q6_K)  # ... and in the 8-bit GEMM (GEMM_Q8_MIN_T rows of x on)
 
 
 # ---- random models with weights in every format ------------------------------------------------
@@ -291,11 +291,11 @@ def decode_alone_and_batched(ff, ops, config, weights, caches, ids):
 @given(st.data(), ISAS, THREADS, st.sampled_from(["float32", "int8"]))
 def test_fused_batched_decode_below_the_gemm_switch_equals_each_sequence_alone_bit_for_bit(data, isa, threads,
                                                                                           activations):
-    # Up to GEMM_MIN_T - 1 sequences, a decode step's projections are the multi-row dot kernels, which
-    # give each row of x its single-row result, and everything else works per row or per sequence:
-    # each sequence gets its logits and K/V alone, bit for bit, whatever else is in the batch.
+    # Below the activation mode's GEMM switch, a decode step's projections are the multi-row dot
+    # kernels, which give each row of x its single-row result, and everything else works per row or
+    # per sequence: each sequence gets its logits and K/V alone, bit for bit, whatever else is in the batch.
     config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
-    n = data.draw(st.integers(2, nops.GEMM_MIN_T - 1))
+    n = data.draw(st.integers(2, (nops.GEMM_Q8_MIN_T if activations == "int8" else nops.GEMM_MIN_T) - 1))
     prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=8)) for _ in range(n)]
     kv_dtype = data.draw(st.sampled_from(NATIVE_KV_DTYPES))
     ops = nops.kernels(threads, isa)
@@ -476,8 +476,8 @@ def block_offsets(w):
 def int8_cases(draw):
     gtype = draw(st.sampled_from(GEMM_TYPES))
     K = 256 * draw(st.integers(1, 2)) if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32 * draw(st.integers(1, 8))
-    # T from GEMM_MIN_T on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1), below it the multi-row dot
-    # kernels (blocks of 6, 2, 1); N past 32 spans tiles
+    # T from GEMM_Q8_MIN_T on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1), below it the multi-row
+    # dot kernels (blocks of 4, 2, 1); N past 32 spans tiles
     N, T = draw(st.integers(1, 70)), draw(st.integers(1, 20))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     W = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
@@ -511,7 +511,7 @@ GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and ha
 def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(case, isa, threads):
     w, x = case
     N, K = w.shape
-    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= nops.GEMM_MIN_T and isa in GEMM_ISAS))  # else K-quants are exact
+    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= nops.GEMM_Q8_MIN_T and isa in GEMM_ISAS))  # else K-quants are exact
     y = nops.kernels(threads, isa).matmul_int8(x, w)
     d, q, s = q8_blocks(x)
     Wd = quants.dequantize(w.ggml_type, w.data, w.shape).astype(np.float64)  # [N, K]
@@ -553,7 +553,7 @@ def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread
     # order, on every instruction set; only the block sums s of x are summed in another order, so
     # x here takes values whose sums are exact in any order (multiples of 1/8 below 2**10).
     w, x = case
-    assume(x.shape[0] >= nops.GEMM_MIN_T)
+    assume(x.shape[0] >= nops.GEMM_Q8_MIN_T)
     x = np.round(np.clip(x / (np.abs(x).max() + 1e-30), -1, 1) * 2**12).astype(np.float32) / 8
     want = nops.kernels(1, "scalar").matmul_int8(x, w)
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
@@ -564,7 +564,7 @@ def test_int8_matmul_below_the_gemm_switch_gives_each_row_of_x_its_single_row_re
     # the 8-bit multi-row dot kernels decode a weight block's integers once for every row of x, and
     # each row keeps the single-row kernel's operations
     w, x = case
-    x = x[:nops.GEMM_MIN_T - 1]
+    x = x[:nops.GEMM_Q8_MIN_T - 1]
     y = nops.kernels(threads, isa).matmul_int8(x, w)
     for t in range(len(x)):
         np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x[t:t + 1], w), y[t:t + 1])
