@@ -258,6 +258,16 @@ static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t
     const kvref_mv *mv = c->mv;
     const int64_t rb = kvref_row_nbytes(p->type, mv->K), K = mv->K;
     const int q8 = mv->xqs != NULL && c->kk->vec_dot_q8[p->type] != NULL;
+    if (mv->T == 1) { /* single-stream decode: the single-row kernel straight into y, no staging (~10 % faster) */
+        const kvref_vec_dot_q8_fn dq = c->kk->vec_dot_q8[p->type];
+        const kvref_vec_dot_fn dot = c->kk->vec_dot[p->type];
+        for (int64_t n = n0; n < n1; n++) {
+            prefetch_row(p->w, n, n1, rb);
+            const float r = q8 ? dq(K, p->w + n * rb, mv->xqs, mv->xds) : dot(K, p->w + n * rb, mv->x);
+            p->y[n] = mv->accumulate ? p->y[n] + r : r;
+        }
+        return;
+    }
     for (int64_t n = n0; n < n1; n++) {
         prefetch_row(p->w, n, n1, rb);
         const uint8_t *w = p->w + n * rb;
