@@ -228,19 +228,19 @@ int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
 
 /* ---- several weights sharing one input, decode path --------------------------------------- */
 
-/* r[t] = the dot of the weight row w with row t of x [T, K]: the multi-row kernel, or (NULL in the
- * table) the single-row kernel per row, which defines it */
+/* out[t * ldo] = the dot of the weight row w with row t of x [T, K]: the multi-row kernel, or (NULL in
+ * the table) the single-row kernel per row, which defines it */
 static inline void dot_rows(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const float *x,
-                            int64_t T, float *r) {
-    if (T > 1 && kk->vec_dot_rows[type] != NULL) kk->vec_dot_rows[type](K, w, x, T, r, 1);
-    else for (int64_t t = 0; t < T; t++) r[t] = kk->vec_dot[type](K, w, x + t * K);
+                            int64_t T, float *out, int64_t ldo) {
+    if (kk->vec_dot_rows[type] != NULL) kk->vec_dot_rows[type](K, w, x, T, out, ldo);
+    else for (int64_t t = 0; t < T; t++) out[t * ldo] = kk->vec_dot[type](K, w, x + t * K);
 }
 
 /* the same with x in 8-bit blocks: qs [T, K], ds [T, K/32, 2] */
 static inline void dot_rows_q8(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
-                               const float *ds, int64_t T, float *r) {
-    if (T > 1 && kk->vec_dot_q8_rows[type] != NULL) kk->vec_dot_q8_rows[type](K, w, qs, ds, T, r, 1);
-    else for (int64_t t = 0; t < T; t++) r[t] = kk->vec_dot_q8[type](K, w, qs + t * K, ds + t * (K / 16));
+                               const float *ds, int64_t T, float *out, int64_t ldo) {
+    if (kk->vec_dot_q8_rows[type] != NULL) kk->vec_dot_q8_rows[type](K, w, qs, ds, T, out, ldo);
+    else for (int64_t t = 0; t < T; t++) out[t * ldo] = kk->vec_dot_q8[type](K, w, qs + t * K, ds + t * (K / 16));
 }
 
 typedef struct {
@@ -273,13 +273,13 @@ static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t
         const uint8_t *w = p->w + n * rb;
         for (int64_t t0 = 0; t0 < mv->T; t0 += MV_ROWS) {
             const int64_t nt = mv->T - t0 < MV_ROWS ? mv->T - t0 : MV_ROWS;
-            float r[MV_ROWS]; /* [nt] */
-            if (q8) dot_rows_q8(c->kk, p->type, K, w, mv->xqs + t0 * K, mv->xds + t0 * (K / 16), nt, r);
-            else dot_rows(c->kk, p->type, K, w, mv->x + t0 * K, nt, r);
-            for (int64_t t = 0; t < nt; t++) {
-                float *y = p->y + (t0 + t) * p->ldy + n;
-                *y = mv->accumulate ? *y + r[t] : r[t];
-            }
+            float r[MV_ROWS]; /* [nt]: the sums to add, with accumulate */
+            float *out = mv->accumulate ? r : p->y + t0 * p->ldy + n;
+            const int64_t ldo = mv->accumulate ? 1 : p->ldy;
+            if (q8) dot_rows_q8(c->kk, p->type, K, w, mv->xqs + t0 * K, mv->xds + t0 * (K / 16), nt, out, ldo);
+            else dot_rows(c->kk, p->type, K, w, mv->x + t0 * K, nt, out, ldo);
+            if (mv->accumulate)
+                for (int64_t t = 0; t < nt; t++) p->y[(t0 + t) * p->ldy + n] += r[t];
         }
     }
 }
