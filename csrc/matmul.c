@@ -1,8 +1,9 @@
 /* matmul.c: projections on weights in their file format, and embedding lookup.
  *
  * Two strategies, chosen by shape only (never by thread count, so results do not depend on it):
- *   - few rows of x (decode): each weight row is read once per x row and dotted in registers,
- *     straight from its blocks (vec_dot);
+ *   - few rows of x (decode, batched decode): each weight row is read and decoded in registers
+ *     once for all rows of x and dotted with each (vec_dot_rows), every row of x getting exactly its
+ *     single-row result (vec_dot);
  *   - many rows of x (prefill): a tile of KVREF_TILE_N weight rows is dequantized into the
  *     thread's scratch (bit-identical to the NumPy dequantizer), stored transposed, and multiplied
  *     against every row of x with a float32 GEMM kernel, so each weight block is decoded once per
@@ -250,7 +251,7 @@ typedef struct {
     int64_t first_unit[4];     /* units of part p are [first_unit[p], first_unit[p + 1]) */
 } mv_ctx;
 
-#define MV_ROWS 8 /* rows of x per multi-row dot call (their results wait in a local array) */
+#define MV_ROWS 8 /* rows of x per multi-row dot call: a batch below either GEMM switch is one call */
 
 /* y_p[t, n0:n1] (=, or +=) the dot products of rows n0..n1 of part p: each weight row is dotted with
  * up to MV_ROWS rows of x per call, which decodes its blocks once for all of them */
