@@ -7,10 +7,11 @@ Run it on an otherwise idle machine: with two cores, any other busy process halv
 figures (the header prints the load average, and the forward section the clock it measured).
 
 Section "kernels":
-Matmul on the model's Q4_1 projections, decode (T = 1) and prefill (T = 512):
+Matmul on the model's Q4_1 projections, decode (T = 1), a batch of 8 decode steps (T = 8: the
+multi-row dot kernels in the int8 mode, the GEMM in the exact one) and prefill (T = 512):
     ffn_gate [1536, 576], ffn_down [576, 1536], attn_q [576, 576], and the LM head [49152, 576]
     (Q8_0 in the file; also requantized to Q4_1 with the `gguf` package when it is installed);
-    at T = 1 also the int8-activation projection (Kernels.matmul_int8).
+    at T = 1 and 8 also the int8-activation projection (Kernels.matmul_int8).
 Attention at S = 4096 cached positions, H = 9, Hkv = 3, D = 64 (decode, float32 and float16 K/V)
 and a 512-position prefill. The spec column is the NumPy spec with the weights dequantized to
 float32 beforehand (the dequantization is not timed), i.e. a plain BLAS sgemm: the best case for
@@ -145,16 +146,16 @@ def bench_kernels(args, repeat, results):
 
     print("\nmatmul  y = x @ W.T                       T   spec (f32 BLAS)   " +
           "   ".join(f"native {t}T     x spec" for t in args.threads))
-    for T in ([1] if args.quick else [1, 512]):
+    for T in ([1] if args.quick else [1, 8, 512]):
         for label, w, W in cases:
             x = rng.standard_normal((T, w.shape[1])).astype(np.float32)
             Wf = np.ascontiguousarray(W, dtype=np.float32)
-            rep = repeat if T == 1 else max(3, repeat // 5)
+            rep = repeat if T < 512 else max(3, repeat // 5)
             row = {"weight": label, "N": w.shape[0], "K": w.shape[1], "T": T}
             for th in args.threads:
                 ks = nops.kernels(th)
                 row[f"native_{th}t_s"] = median_seconds(lambda: ks.matmul(x, w), rep)
-                if T == 1:
+                if T < 512:
                     row[f"int8_{th}t_s"] = median_seconds(lambda: ks.matmul_int8(x, w), rep)
             row["spec_s"] = t_spec = median_seconds(lambda: spec.matmul(x, Wf), rep)
             time.sleep(0.2)  # let OpenBLAS's spinning threads go to sleep
@@ -162,7 +163,7 @@ def bench_kernels(args, repeat, results):
             for th in args.threads:
                 t = row[f"native_{th}t_s"]
                 line += f"   {fmt_time(t)} {t_spec / t:5.1f}x"
-            if T == 1:
+            if T < 512:
                 line += "   int8: " + "  ".join(f"{th}T {fmt_time(row[f'int8_{th}t_s'])}" for th in args.threads)
             results["matmul"].append(row)
             print(line)

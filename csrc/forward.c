@@ -52,8 +52,8 @@ struct kvref_state {
     double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
     int64_t *q_positions;      /* [rows] each new position's own position */
     int64_t *row_seq;          /* [rows] the sequence each new position belongs to */
-    int8_t *xqs;               /* [KVREF_GEMM_MIN_T - 1, max_k]        8-bit copy of a matmul input: */
-    float *xds;                /* [KVREF_GEMM_MIN_T - 1, max_k / 32, 2] values, block (d, s) */
+    int8_t *xqs;               /* [KVREF_GEMM_Q8_MIN_T - 1, max_k]        8-bit copy of a matmul input: */
+    float *xds;                /* [KVREF_GEMM_Q8_MIN_T - 1, max_k / 32, 2] values, block (d, s) */
     int64_t keys;              /* k_positions holds 0 .. keys-1 */
     int64_t *k_positions;      /* [keys] */
     int64_t ring_keys;
@@ -197,7 +197,11 @@ static kvref_mv_part part(const kvref_tensor *w, float *y, int64_t ldy) {
     return (kvref_mv_part){(const uint8_t *)w->data, w->type, w->rows, y, ldy};
 }
 
-/* y [T, N] = x [T, K] @ W.T on the prefill path (T >= KVREF_GEMM_MIN_T) */
+/* Whether a projection of T rows of x takes the decode path (kvref_mv) rather than the GEMM: the
+ * switch of the activation mode's matmul (kvref.h) */
+static int decode_path(const fw *f, int64_t T) { return T < (f->int8 ? KVREF_GEMM_Q8_MIN_T : KVREF_GEMM_MIN_T); }
+
+/* y [T, N] = x [T, K] @ W.T on the prefill path (T from the GEMM switch on) */
 static void matmul(const fw *f, const float *x, int64_t T, const kvref_tensor *w, float *y) {
     if (f->int8) kvref_matmul_int8_run(f->pool, x, T, w->cols, (const uint8_t *)w->data, w->type, w->rows, y);
     else kvref_matmul_run(f->pool, x, T, w->cols, (const uint8_t *)w->data, w->type, w->rows, y);
@@ -209,7 +213,7 @@ static void qkv_projections(fw *f) {
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model;
-    if (f->T < KVREF_GEMM_MIN_T) {
+    if (decode_path(f, f->T)) {
         kvref_mv mv = matvec(f, s->xb, f->T, E, &lw->wq, &lw->wk, &lw->wv);
         mv.nparts = 3;
         mv.part[0] = part(&lw->wq, s->q, lw->wq.rows);
@@ -229,7 +233,7 @@ static void qkv_projections(fw *f) {
 static void residual_projection(fw *f, const float *in, const kvref_tensor *w, const float *post_norm) {
     int64_t t0 = now_ns();
     kvref_state *s = f->s;
-    if (f->T < KVREF_GEMM_MIN_T) {
+    if (decode_path(f, f->T)) {
         kvref_mv mv = matvec(f, in, f->T, w->cols, w, NULL, NULL);
         mv.nparts = 1;
         mv.part[0] = part(w, post_norm != NULL ? s->tmp : s->x, w->rows);
@@ -248,7 +252,7 @@ static void residual_projection(fw *f, const float *in, const kvref_tensor *w, c
         s->ns[FAM_OTHER] += now_ns() - t0;
         t0 = now_ns();
     }
-    if (post_norm != NULL || f->T >= KVREF_GEMM_MIN_T) for_each_row(f, residual_row);
+    if (post_norm != NULL || !decode_path(f, f->T)) for_each_row(f, residual_row);
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
@@ -258,7 +262,7 @@ static void gate_up_projections(fw *f) {
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model, F = f->c->d_ff;
-    if (f->T < KVREF_GEMM_MIN_T) {
+    if (decode_path(f, f->T)) {
         kvref_mv mv = matvec(f, s->xb, f->T, E, &lw->w_gate, &lw->w_up, NULL);
         mv.nparts = 2;
         mv.part[0] = part(&lw->w_gate, s->gate, F);
@@ -362,7 +366,7 @@ static void final_logits(fw *f) {
     }
     s->ns[FAM_OTHER] += now_ns() - t0;
     t0 = now_ns();
-    if (n < KVREF_GEMM_MIN_T) {
+    if (decode_path(f, n)) {
         kvref_mv mv = matvec(f, s->xb, n, E, &c->output, NULL, NULL);
         mv.nparts = 1;
         mv.part[0] = part(&c->output, f->logits, V);
@@ -476,8 +480,8 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
     if (s == NULL) return KVREF_ERR_NOMEM;
     s->model = model;
     s->fail_layer = -1;
-    s->xqs = aligned_alloc(64, ((size_t)(KVREF_GEMM_MIN_T - 1) * (size_t)model->max_k + 63) & ~(size_t)63);
-    s->xds = alloc_floats((KVREF_GEMM_MIN_T - 1) * (model->max_k / 32 + 1) * 2);
+    s->xqs = aligned_alloc(64, ((size_t)(KVREF_GEMM_Q8_MIN_T - 1) * (size_t)model->max_k + 63) & ~(size_t)63);
+    s->xds = alloc_floats((KVREF_GEMM_Q8_MIN_T - 1) * (model->max_k / 32 + 1) * 2);
     if (s->xqs == NULL || s->xds == NULL) {
         kvref_state_destroy(s);
         return KVREF_ERR_NOMEM;
@@ -628,7 +632,7 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
         const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads, c->head_dim);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }
-    if (status == KVREF_OK && activations == KVREF_ACT_INT8 && T >= KVREF_GEMM_MIN_T && /* x in 8 bits */
+    if (status == KVREF_OK && activations == KVREF_ACT_INT8 && T >= KVREF_GEMM_Q8_MIN_T && /* x in 8 bits */
         kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, model->max_k)) == NULL)
         status = KVREF_ERR_NOMEM;
     if (status != KVREF_OK) {

@@ -327,6 +327,15 @@ typedef float (*kvref_vec_dot_fn)(int64_t K, const uint8_t *w_row, const float *
 typedef void (*kvref_dequant_fn)(int64_t K, const uint8_t *w_row, float *out);
 /* dot of one weight row (K values in `type` blocks) with x [K] in 8-bit blocks (qs [K], ds [K/32, 2]) */
 typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+/* out[t * ldo] = vec_dot(K, w_row, x + t * K) for t < T, bit for bit: x [T, K]. Each weight block is
+ * loaded and decoded once for all T rows of x; every row keeps the single-row kernel's accumulators
+ * and reduction. NULL in a table: one vec_dot call per row (the definition). */
+typedef void (*kvref_vec_dot_rows_fn)(int64_t K, const uint8_t *w_row, const float *x, int64_t T, float *out,
+                                      int64_t ldo);
+/* out[t * ldo] = vec_dot_q8(K, w_row, qs + t * K, ds + t * (K / 16)) for t < T, bit for bit: qs [T, K],
+ * ds [T, K/32, 2]; as above */
+typedef void (*kvref_vec_dot_q8_rows_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds, int64_t T,
+                                         float *out, int64_t ldo);
 /* x [K] (K a multiple of 32) -> qs [K], ds [K/32, 2] */
 typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, float *ds);
 /* y[t * ldy + n] = sum over k of x[t, k] * tile[k, n] for t < T, n < nw, each a chain of
@@ -362,6 +371,7 @@ typedef void (*kvref_glu_fn)(int64_t n, const float *gate, const float *up, floa
 typedef struct kvref_kernels {
     int32_t isa;
     kvref_vec_dot_fn vec_dot[KVREF_TYPE_SLOTS];
+    kvref_vec_dot_rows_fn vec_dot_rows[KVREF_TYPE_SLOTS]; /* several rows of x (NULL: vec_dot per row) */
     kvref_dequant_fn dequant[KVREF_TYPE_SLOTS];
     kvref_gemm_fn gemm_f32;
     kvref_tile_columns_fn tile_columns;
@@ -370,6 +380,7 @@ typedef struct kvref_kernels {
     kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
     /* 8-bit activations: a dot kernel for the weight types that have one (NULL: use vec_dot) */
     kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
+    kvref_vec_dot_q8_rows_fn vec_dot_q8_rows[KVREF_TYPE_SLOTS]; /* NULL: vec_dot_q8 per row */
     kvref_quantize_q8_fn quantize_q8;
     kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
     kvref_q8_tile_fn q8_tile;  /* 8-bit tiles of a 32-value type (NULL: matmul.c's portable decoder) */
@@ -493,7 +504,6 @@ void kvref_rope_row(const float *x, int64_t nh, int64_t D, const double *cs, flo
 
 /* ---- matmul and attention bodies (arguments checked, the pool lock held) -------------------- */
 
-#define KVREF_GEMM_MIN_T 4     /* from this many x rows on, matmul dequantizes tiles for a GEMM */
 #define KVREF_TILE_N 32        /* weight rows per unit (one dequantized tile) on the GEMM path: two
                                   AVX-512 vectors (four AVX2) of outputs per row of x */
 
@@ -508,7 +518,7 @@ size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K);
 /* y [T, N] = x [T, K] @ W.T with x rounded to 8-bit blocks: the work of kvref_matmul_int8 (any T) */
 void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                            int32_t type, int64_t N, float *y);
-/* Up to three weights that share one input, for T < KVREF_GEMM_MIN_T rows of x (decode): one
+/* Up to three weights that share one input, for few rows of x (decode, below the GEMM switch): one
  * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
  * the residual add). With xqs/xds (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2]), weights that
  * have an 8-bit kernel read those instead of x. With

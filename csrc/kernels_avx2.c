@@ -36,91 +36,139 @@ TARGET static inline float load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4
 TARGET static inline __m256i bytes8_u(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 TARGET static inline __m256i bytes8_s(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
+/* ---- dot kernels, written once for R rows of x ------------------------------------------------
+ *
+ * As in kernels_avx512.c: dot_<type>(K, w, x, R, out, ldo) sets out[r * ldo] to the dot of the weight
+ * row w with row r of x [R, K]; R is a constant once inlined, each row has its own accumulators and
+ * the operations of R = 1, so a row's result does not depend on R, and the rows share the weight
+ * loads and decoding. */
+#define ROWS_MAX 4
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+
+/* vec_dot_<name> (R = 1) and vec_dot_rows_<name> (blocks of RB rows, then 2, then 1) from dot_<name> */
+#define DOT_KERNELS(name, RB)                                                                            \
+    TARGET static float vec_dot_##name(int64_t K, const uint8_t *w, const float *x) {                    \
+        float r;                                                                                         \
+        dot_##name(K, w, x, 1, &r, 0);                                                                   \
+        return r;                                                                                        \
+    }                                                                                                    \
+    TARGET static void vec_dot_rows_##name(int64_t K, const uint8_t *w, const float *x, int64_t T, float *out, \
+                                           int64_t ldo) {                                                \
+        int64_t t = 0;                                                                                   \
+        for (; t + (RB) <= T; t += (RB)) dot_##name(K, w, x + t * K, (RB), out + t * ldo, ldo);          \
+        for (; t + 2 <= T; t += 2) dot_##name(K, w, x + t * K, 2, out + t * ldo, ldo);                   \
+        for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
+    }
+
+/* acc[r][j] = fma(v, x[r * K + i], acc[r][j]) for the R rows */
+#define FMA_ROWS(acc, j, v, x, i)                                                                        \
+    for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps((x) + r * K + (i)), acc[r][j])
+
+#define ZERO_ROWS(acc, n)                                                                                \
+    for (int r = 0; r < R; r++)                                                                          \
+        for (int j = 0; j < (n); j++) acc[r][j] = _mm256_setzero_ps()
+
 /* ---- float rows ---------------------------------------------------------------------------- */
 
-TARGET static float vec_dot_f32(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_f32(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const float *wf = (const float *)(const void *)w;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 a[ROWS_MAX][4];
+    ZERO_ROWS(a, 4);
     int64_t i = 0;
-    for (; i + 32 <= K; i += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    for (; i + 32 <= K; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = _mm256_loadu_ps(wf + i + 8 * j);
+            FMA_ROWS(a, j, v, x, i + 8 * j);
+        }
+    for (; i + 8 <= K; i += 8) {
+        const __m256 v = _mm256_loadu_ps(wf + i);
+        FMA_ROWS(a, 0, v, x, i);
     }
-    for (; i + 8 <= K; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i), _mm256_loadu_ps(x + i), a0);
-    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < K; i++) acc += load_f32(w + 4 * i) * x[i];
-    return acc;
-}
-
-TARGET static float vec_dot_f16(int64_t K, const uint8_t *w, const float *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= K; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i + 16))), _mm256_loadu_ps(x + i + 8), a1);
+    for (int r = 0; r < R; r++) {
+        float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+        for (int64_t k = i; k < K; k++) acc += load_f32(w + 4 * k) * x[r * K + k];
+        out[r * ldo] = acc;
     }
-    float acc = hsum8(_mm256_add_ps(a0, a1));
-    for (; i < K; i++) acc += fp16_load(w + 2 * i) * x[i];
-    return acc;
 }
 
-TARGET static inline __m256 bf16x8(const uint8_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+/* 8 half-precision weights at p: float16, or bfloat16 with bf16 */
+TARGET static ALWAYS_INLINE __m256 half8(const uint8_t *p, const int bf16) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
 }
 
-TARGET static float vec_dot_bf16(int64_t K, const uint8_t *w, const float *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+TARGET static ALWAYS_INLINE void dot_half(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo,
+                                          const int bf16) {
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     int64_t i = 0;
     for (; i + 16 <= K; i += 16) {
-        a0 = _mm256_fmadd_ps(bf16x8(w + 2 * i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(bf16x8(w + 2 * i + 16), _mm256_loadu_ps(x + i + 8), a1);
+        const __m256 v0 = half8(w + 2 * i, bf16), v1 = half8(w + 2 * i + 16, bf16);
+        FMA_ROWS(a, 0, v0, x, i);
+        FMA_ROWS(a, 1, v1, x, i + 8);
     }
-    float acc = hsum8(_mm256_add_ps(a0, a1));
-    for (; i < K; i++) acc += kvref_bf16_to_fp32(kvref_load_u16(w + 2 * i)) * x[i];
-    return acc;
+    for (int r = 0; r < R; r++) {
+        float acc = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+        for (int64_t k = i; k < K; k++)
+            acc += (bf16 ? kvref_bf16_to_fp32(kvref_load_u16(w + 2 * k)) : fp16_load(w + 2 * k)) * x[r * K + k];
+        out[r * ldo] = acc;
+    }
+}
+
+TARGET static ALWAYS_INLINE void dot_f16(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    dot_half(K, w, x, R, out, ldo, 0);
+}
+
+TARGET static ALWAYS_INLINE void dot_bf16(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    dot_half(K, w, x, R, out, ldo, 1);
+}
+
+TARGET static ALWAYS_INLINE void store_sum2(const int R, __m256 acc[][2], float *out, int64_t ldo) {
+    for (int r = 0; r < R; r++) out[r * ldo] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 /* ---- 32-value blocks: two 8-byte halves of qs, low and high nibbles ------------------------ */
 
-TARGET static float vec_dot_q4_0(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q4_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x += QK4_0) {
         const __m256 d = _mm256_set1_ps(fp16_load(w));
         for (int h = 0; h < 2; h++) {
             const __m256i q = bytes8_u(w + 2 + 8 * h);
             const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, low4), eight)), d);
             const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight)), d);
-            a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + 8 * h), a0);
-            a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 16 + 8 * h), a1);
+            FMA_ROWS(a, 0, lo, x, 8 * h);
+            FMA_ROWS(a, 1, hi, x, 16 + 8 * h);
         }
     }
-    return hsum8(_mm256_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
-TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q4_1(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK4_1; b++, w += BYTES_Q4_1, x += QK4_1) {
         const __m256 d = _mm256_set1_ps(fp16_load(w)), m = _mm256_set1_ps(fp16_load(w + 2));
         for (int h = 0; h < 2; h++) {
             const __m256i q = bytes8_u(w + 4 + 8 * h);
             const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low4)), d, m);
             const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, m);
-            a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + 8 * h), a0);
-            a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 16 + 8 * h), a1);
+            FMA_ROWS(a, 0, lo, x, 8 * h);
+            FMA_ROWS(a, 1, hi, x, 16 + 8 * h);
         }
     }
-    return hsum8(_mm256_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
 /* Q5_0: the Q4_0 nibbles, each with its fifth bit from qh (a variable shift per lane) */
-TARGET static float vec_dot_q5_0(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q5_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF), one = _mm256_set1_epi32(1), sixteen = _mm256_set1_epi32(16);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, x += 32) {
         const __m256 d = _mm256_set1_ps(fp16_load(w));
         const __m256i qh = _mm256_set1_epi32((int)kvref_q5_high_bits(w));
@@ -130,28 +178,33 @@ TARGET static float vec_dot_q5_0(int64_t K, const uint8_t *w, const float *x) {
             const __m256i hhi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(16 + 8 * h))), one), 4);
             const __m256i qlo = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(q, low4), hlo), sixteen);
             const __m256i qhi = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(q, 4), hhi), sixteen);
-            a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qlo), d), _mm256_loadu_ps(x + 8 * h), a0);
-            a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qhi), d), _mm256_loadu_ps(x + 16 + 8 * h), a1);
+            const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(qlo), d), hi = _mm256_mul_ps(_mm256_cvtepi32_ps(qhi), d);
+            FMA_ROWS(a, 0, lo, x, 8 * h);
+            FMA_ROWS(a, 1, hi, x, 16 + 8 * h);
         }
     }
-    return hsum8(_mm256_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
-TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+TARGET static ALWAYS_INLINE void dot_q8_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
         const __m256 d = _mm256_set1_ps(fp16_load(w));
         for (int h = 0; h < 4; h += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 2 + 8 * h)), d), _mm256_loadu_ps(x + 8 * h), a0);
-            a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 10 + 8 * h)), d), _mm256_loadu_ps(x + 8 * h + 8), a1);
+            const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 2 + 8 * h)), d);
+            const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 10 + 8 * h)), d);
+            FMA_ROWS(a, 0, v0, x, 8 * h);
+            FMA_ROWS(a, 1, v1, x, 8 * h + 8);
         }
     }
-    return hsum8(_mm256_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
-TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q4_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
         const float d = fp16_load(w), dmin = fp16_load(w + 2);
         const uint8_t *scales = w + 4, *qs = w + 16;
@@ -165,17 +218,18 @@ TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
                 const __m256i q = bytes8_u(qs + 32 * c + 8 * g);
                 const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low4)), d0, n0);
                 const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, n1);
-                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + 64 * c + 8 * g), a0);
-                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 64 * c + 32 + 8 * g), a1);
+                FMA_ROWS(a, 0, lo, x, 64 * c + 8 * g);
+                FMA_ROWS(a, 1, hi, x, 64 * c + 32 + 8 * g);
             }
         }
     }
-    return hsum8(_mm256_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
-TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q6_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 a[ROWS_MAX][4];
+    ZERO_ROWS(a, 4);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
         const int8_t *scales = (const int8_t *)(w + 192);
         const float d = fp16_load(w + 208);
@@ -188,16 +242,29 @@ TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
                 q[1] = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), two), 4));
                 q[2] = _mm256_or_si256(_mm256_srli_epi32(la, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), two), 4));
                 q[3] = _mm256_or_si256(_mm256_srli_epi32(lb, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 6), two), 4));
-                for (int r = 0; r < 4; r++) {
-                    const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16];
-                    const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[r], off)), _mm256_set1_ps(ds));
-                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
+                for (int j = 0; j < 4; j++) {
+                    const float ds = d * (float)scales[8 * half + 2 * j + l0 / 16];
+                    const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], off)), _mm256_set1_ps(ds));
+                    FMA_ROWS(a, j, wv, x, 128 * half + 32 * j + l0);
                 }
             }
         }
     }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (int r = 0; r < R; r++)
+        out[r * ldo] = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
 }
+
+/* sixteen registers: two accumulators a row, four rows of x per block; four, two */
+DOT_KERNELS(f32, 2)
+DOT_KERNELS(f16, 4)
+DOT_KERNELS(bf16, 4)
+DOT_KERNELS(q4_0, 4)
+DOT_KERNELS(q4_1, 4)
+DOT_KERNELS(q5_0, 4)
+DOT_KERNELS(q8_0, 4)
+DOT_KERNELS(q4_k, 4)
+DOT_KERNELS(q6_k, 2)
+
 
 /* ---- tiles: the scalar dequantizers (already exact); the GEMM is where the time goes ------- */
 
@@ -625,57 +692,7 @@ TARGET static inline __m256 idot_ps(__m256i u, __m256i s) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-/* signed w times signed x: move w's sign onto x, so |w| can be the unsigned operand */
-TARGET static inline __m256 idot_signed_ps(__m256i w, __m256i x) {
-    return idot_ps(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
 TARGET static inline __m256i load_qs(const int8_t *qs) { return _mm256_loadu_si256((const __m256i *)qs); }
-
-/* [d_w * d_x, m_w * s_x, 0, 0] for a weight block starting with float16 (d, m) and a block's (d, s) */
-TARGET static inline __m128 block_scales(const uint8_t *w_dm, const float *ds) {
-    uint32_t dm;
-    memcpy(&dm, w_dm, 4);
-    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)ds)));
-}
-
-TARGET float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const int64_t nb = K / QK4_0;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_0, qs += 64, ds += 4) {
-        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        const __m256i q1 = _mm256_sub_epi8(nibbles32(w + BYTES_Q4_0 + 2), _mm256_set1_epi8(8));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(qs + 32)), _mm256_set1_ps(fp16_load(w + BYTES_Q4_0) * ds[2]), a1);
-    }
-    if (b < nb) {
-        const __m256i q0 = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
-    }
-    return hsum8(_mm256_add_ps(a0, a1));
-}
-
-TARGET float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(); /* lane 1: the sum of m_w * s_x */
-    const int64_t nb = K / QK4_1;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q4_1, qs += 64, ds += 4) {
-        const __m128 s0 = block_scales(w, ds), s1 = block_scales(w + BYTES_Q4_1, ds + 2);
-        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(qs)), _mm256_broadcastss_ps(s0), a0);
-        a1 = _mm256_fmadd_ps(idot_ps(nibbles32(w + BYTES_Q4_1 + 4), load_qs(qs + 32)), _mm256_broadcastss_ps(s1), a1);
-        m0 = _mm_add_ps(m0, s0);
-        m1 = _mm_add_ps(m1, s1);
-    }
-    if (b < nb) {
-        const __m128 s0 = block_scales(w, ds);
-        a0 = _mm256_fmadd_ps(idot_ps(nibbles32(w + 4), load_qs(qs)), _mm256_broadcastss_ps(s0), a0);
-        m0 = _mm_add_ps(m0, s0);
-    }
-    const __m128 m = _mm_add_ps(m0, m1);
-    return hsum8(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
-}
 
 /* a Q5_0 block's 32 bit qh -> 32 bytes, byte j 16 where bit j is set, else 0 (llama.cpp's
  * bytes_from_bits_32: each byte of qh copied to 8 lanes, then one bit tested per lane) */
@@ -691,35 +708,96 @@ TARGET static inline __m256i q5_0_values(const uint8_t *w) {
     return _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), high_bits32(kvref_q5_high_bits(w))), _mm256_set1_epi8(16));
 }
 
-TARGET float kvref_avx2_vec_dot_q8_q5_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const int64_t nb = K / 32;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q5_0, qs += 64, ds += 4) {
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q5_0_values(w), load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q5_0_values(w + BYTES_Q5_0), load_qs(qs + 32)),
-                             _mm256_set1_ps(fp16_load(w + BYTES_Q5_0) * ds[2]), a1);
+/* The weight half of block b's 8-bit dot, decoded once for every row of x: u, the unsigned operand
+ * (|q| for the signed types, whose signs sgn move onto x, so |q| can be maddubs's unsigned operand;
+ * Q4_1's q in 0..15), and dm = [d, m] (m for Q4_1 only) */
+TARGET static ALWAYS_INLINE void q8_block_weights(int32_t type, const uint8_t *w, __m256i *u, __m256i *sgn, __m128 *dm) {
+    __m256i q;
+    switch (type) {
+    case KVREF_TYPE_Q4_1: {
+        uint32_t v;
+        memcpy(&v, w, 4);
+        *u = nibbles32(w + 4);
+        *sgn = _mm256_setzero_si256();
+        *dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
+        return;
     }
-    if (b < nb) a0 = _mm256_fmadd_ps(idot_signed_ps(q5_0_values(w), load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
-    return hsum8(_mm256_add_ps(a0, a1));
+    case KVREF_TYPE_Q4_0: q = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); break;
+    case KVREF_TYPE_Q5_0: q = q5_0_values(w); break;
+    default: q = _mm256_loadu_si256((const __m256i *)(w + 2)); /* Q8_0 */
+    }
+    *u = _mm256_sign_epi8(q, q);
+    *sgn = q;
+    *dm = _mm_set_ss(fp16_load(w));
 }
 
-TARGET float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const int64_t nb = K / QK8_0;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * BYTES_Q8_0, qs += 64, ds += 4) {
-        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + BYTES_Q8_0 + 2));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
-        a1 = _mm256_fmadd_ps(idot_signed_ps(q1, load_qs(qs + 32)), _mm256_set1_ps(fp16_load(w + BYTES_Q8_0) * ds[2]), a1);
+/* Block b of a weight row against the R rows of x in 8-bit blocks, into chain c of each row's
+ * accumulators (c a constant once inlined): a[r][c] += the block sum times d_w d_x, and for Q4_1
+ * m[r][c] += [d_w d_x, m_w s_x] (lane 1: the offset term) */
+TARGET static ALWAYS_INLINE void q8_block_rows(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
+                                               const float *ds, int64_t b, const int R, const int c,
+                                               __m256 a[][2], __m128 m[][2]) {
+    const int64_t nds = K / 16;
+    __m256i u, sgn;
+    __m128 dm;
+    q8_block_weights(type, w + b * kvref_q8_block_bytes(type), &u, &sgn, &dm);
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        const __m256i xq = load_qs(qs + r * K + 32 * b);
+        const float *dx = ds + r * nds + 2 * b;
+        if (type == KVREF_TYPE_Q4_1) {
+            const __m128 s = _mm_mul_ps(dm, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)dx)));
+            a[r][c] = _mm256_fmadd_ps(idot_ps(u, xq), _mm256_broadcastss_ps(s), a[r][c]);
+            m[r][c] = _mm_add_ps(m[r][c], s);
+        } else {
+            a[r][c] = _mm256_fmadd_ps(idot_ps(u, _mm256_sign_epi8(xq, sgn)), _mm256_set1_ps(_mm_cvtss_f32(dm) * dx[0]), a[r][c]);
+        }
     }
-    if (b < nb) {
-        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2));
-        a0 = _mm256_fmadd_ps(idot_signed_ps(q0, load_qs(qs)), _mm256_set1_ps(fp16_load(w) * ds[0]), a0);
-    }
-    return hsum8(_mm256_add_ps(a0, a1));
 }
+
+/* The dot of one weight row with the R rows of x in 8-bit blocks (qs [R, K], ds [R, K/32, 2]):
+ * blocks alternate between two chains per row; each row's operations are those of R = 1. */
+TARGET static ALWAYS_INLINE void dot_q8_avx2(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
+                                             const float *ds, const int R, float *out, int64_t ldo) {
+    const int64_t nb = K / 32;
+    __m256 a[ROWS_MAX][2];
+    __m128 m[ROWS_MAX][2];
+    for (int r = 0; r < R; r++) {
+        a[r][0] = a[r][1] = _mm256_setzero_ps();
+        m[r][0] = m[r][1] = _mm_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        q8_block_rows(type, K, w, qs, ds, b, R, 0, a, m);
+        q8_block_rows(type, K, w, qs, ds, b + 1, R, 1, a, m);
+    }
+    if (b < nb) q8_block_rows(type, K, w, qs, ds, b, R, 0, a, m);
+    for (int r = 0; r < R; r++) {
+        const float sum = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+        out[r * ldo] = type == KVREF_TYPE_Q4_1 ? sum + _mm_cvtss_f32(_mm_movehdup_ps(_mm_add_ps(m[r][0], m[r][1]))) : sum;
+    }
+}
+
+/* kvref_avx2_vec_dot_q8_<name> (R = 1) and vec_dot_q8_rows_<name> (blocks of RB rows, then 1) */
+#define DOT_Q8_KERNELS(name, type, RB)                                                                    \
+    TARGET float kvref_avx2_vec_dot_q8_##name(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) { \
+        float r;                                                                                          \
+        dot_q8_avx2(type, K, w, qs, ds, 1, &r, 0);                                                        \
+        return r;                                                                                         \
+    }                                                                                                     \
+    TARGET static void vec_dot_q8_rows_##name(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds, \
+                                              int64_t T, float *out, int64_t ldo) {                       \
+        const int64_t nds = K / 16;                                                                       \
+        int64_t t = 0;                                                                                    \
+        for (; t + (RB) <= T; t += (RB)) dot_q8_avx2(type, K, w, qs + t * K, ds + t * nds, (RB), out + t * ldo, ldo); \
+        for (; t < T; t++) dot_q8_avx2(type, K, w, qs + t * K, ds + t * nds, 1, out + t * ldo, ldo);      \
+    }
+
+/* Q4_1 keeps four accumulators a row (two rows per block), the others two (four rows) */
+DOT_Q8_KERNELS(q4_0, KVREF_TYPE_Q4_0, 4)
+DOT_Q8_KERNELS(q4_1, KVREF_TYPE_Q4_1, 2)
+DOT_Q8_KERNELS(q5_0, KVREF_TYPE_Q5_0, 4)
+DOT_Q8_KERNELS(q8_0, KVREF_TYPE_Q8_0, 4)
 
 /* the scalar kernel's blocks: the same d, 1/d and rint (cvtps rounds to nearest even) */
 TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds) {
@@ -764,6 +842,12 @@ const kvref_kernels kvref_kernels_avx2 = {
         [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
         [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
     },
+    .vec_dot_rows = {
+        [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,
+        [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,
+        [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,
+        [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,
+    },
     .dequant = {
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
@@ -778,6 +862,10 @@ const kvref_kernels kvref_kernels_avx2 = {
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
         [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
+    },
+    .vec_dot_q8_rows = {
+        [KVREF_TYPE_Q4_0] = vec_dot_q8_rows_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_rows_q4_1,
+        [KVREF_TYPE_Q5_0] = vec_dot_q8_rows_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_rows_q8_0,
     },
     .quantize_q8 = quantize_q8,
     .read_sum = read_sum,

@@ -41,56 +41,108 @@ TARGET static inline __m512 iota16(void) {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-/* ---- float rows ---------------------------------------------------------------------------- */
+/* ---- dot kernels, written once for R rows of x ------------------------------------------------
+ *
+ * dot_<type>(K, w, x, R, out, ldo): out[r * ldo] = the dot of the weight row w with row r of x [R, K].
+ * R is a constant once inlined (1 for vec_dot, up to ROWS_MAX for vec_dot_rows), so the accumulators
+ * live in registers; each row of x has its own accumulators and gets the operations of R = 1 in the
+ * same order, so a row's result does not depend on R. The rows share the weight loads and decoding. */
+#define ROWS_MAX 8
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+/* GCC keeps a row loop's accumulators in registers only once the loop is unrolled, which it does by
+ * itself for small bodies only (the 8-bit kernels' spilled to the stack) */
+#define UNROLL_ROWS _Pragma("GCC unroll 8")
 
-TARGET static float vec_dot_f32(int64_t K, const uint8_t *w, const float *x) {
-    const float *wf = (const float *)(const void *)w; /* loadu: any alignment */
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 64 <= K; i += 64) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i), _mm512_loadu_ps(x + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+/* vec_dot_<name> (R = 1) and vec_dot_rows_<name> (blocks of RB rows, then 2, then 1) from dot_<name> */
+#define DOT_KERNELS(name, RB)                                                                            \
+    TARGET static float vec_dot_##name(int64_t K, const uint8_t *w, const float *x) {                    \
+        float r;                                                                                         \
+        dot_##name(K, w, x, 1, &r, 0);                                                                   \
+        return r;                                                                                        \
+    }                                                                                                    \
+    TARGET static void vec_dot_rows_##name(int64_t K, const uint8_t *w, const float *x, int64_t T, float *out, \
+                                           int64_t ldo) {                                                \
+        int64_t t = 0;                                                                                   \
+        for (; t + (RB) <= T; t += (RB)) dot_##name(K, w, x + t * K, (RB), out + t * ldo, ldo);          \
+        for (; t + 2 <= T; t += 2) dot_##name(K, w, x + t * K, 2, out + t * ldo, ldo);                   \
+        for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
     }
-    for (; i + 16 <= K; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i), _mm512_loadu_ps(x + i), a0);
-    if (i < K) {
-        const __mmask16 mk = tail_mask(K - i);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, wf + i), _mm512_maskz_loadu_ps(mk, x + i), a1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+
+/* acc[r][j] = fma(v, x[r * K + i], acc[r][j]) for the R rows */
+#define FMA_ROWS(acc, j, v, x, i)                                                                        \
+    for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(v, _mm512_loadu_ps((x) + r * K + (i)), acc[r][j])
+
+#define ZERO_ROWS(acc, n)                                                                                \
+    for (int r = 0; r < R; r++)                                                                          \
+        for (int j = 0; j < (n); j++) acc[r][j] = _mm512_setzero_ps()
+
+TARGET static ALWAYS_INLINE void store_sum4(const int R, __m512 acc[][4], float *out, int64_t ldo) {
+    for (int r = 0; r < R; r++)
+        out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
 }
 
-TARGET static float vec_dot_f16(int64_t K, const uint8_t *w, const float *x) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+TARGET static ALWAYS_INLINE void store_sum2(const int R, __m512 acc[][2], float *out, int64_t ldo) {
+    for (int r = 0; r < R; r++) out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* ---- float rows ---------------------------------------------------------------------------- */
+
+TARGET static ALWAYS_INLINE void dot_f32(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    const float *wf = (const float *)(const void *)w; /* loadu: any alignment */
+    __m512 a[ROWS_MAX][4];
+    ZERO_ROWS(a, 4);
     int64_t i = 0;
-    for (; i + 32 <= K; i += 32) {
-        a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i))), _mm512_loadu_ps(x + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i + 32))), _mm512_loadu_ps(x + i + 16), a1);
+    for (; i + 64 <= K; i += 64)
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = _mm512_loadu_ps(wf + i + 16 * j);
+            FMA_ROWS(a, j, v, x, i + 16 * j);
+        }
+    for (; i + 16 <= K; i += 16) {
+        const __m512 v = _mm512_loadu_ps(wf + i);
+        FMA_ROWS(a, 0, v, x, i);
     }
-    for (; i < K; i += 16) {
-        const __mmask16 mk = K - i >= 16 ? (__mmask16)0xffff : tail_mask(K - i);
-        a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, w + 2 * i)), _mm512_maskz_loadu_ps(mk, x + i), a0);
+    if (i < K) {
+        const __mmask16 mk = tail_mask(K - i);
+        const __m512 v = _mm512_maskz_loadu_ps(mk, wf + i);
+        for (int r = 0; r < R; r++) a[r][1] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mk, x + r * K + i), a[r][1]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    store_sum4(R, a, out, ldo);
 }
 
 TARGET static inline __m512 bf16_to_ps(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-TARGET static float vec_dot_bf16(int64_t K, const uint8_t *w, const float *x) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+/* 16 half-precision weights (float16, or bfloat16 with bf16) at p, the first n of them (others 0) */
+TARGET static ALWAYS_INLINE __m512 half16(const uint8_t *p, __mmask16 mk, const int bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mk, p);
+    return bf16 ? bf16_to_ps(h) : _mm512_cvtph_ps(h);
+}
+
+TARGET static ALWAYS_INLINE void dot_half(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo,
+                                          const int bf16) {
+    __m512 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     int64_t i = 0;
     for (; i + 32 <= K; i += 32) {
-        a0 = _mm512_fmadd_ps(bf16_to_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i))), _mm512_loadu_ps(x + i), a0);
-        a1 = _mm512_fmadd_ps(bf16_to_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i + 32))), _mm512_loadu_ps(x + i + 16), a1);
+        const __m512 v0 = half16(w + 2 * i, 0xffff, bf16), v1 = half16(w + 2 * i + 32, 0xffff, bf16);
+        FMA_ROWS(a, 0, v0, x, i);
+        FMA_ROWS(a, 1, v1, x, i + 16);
     }
     for (; i < K; i += 16) {
         const __mmask16 mk = K - i >= 16 ? (__mmask16)0xffff : tail_mask(K - i);
-        a0 = _mm512_fmadd_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(mk, w + 2 * i)), _mm512_maskz_loadu_ps(mk, x + i), a0);
+        const __m512 v = half16(w + 2 * i, mk, bf16);
+        for (int r = 0; r < R; r++) a[r][0] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mk, x + r * K + i), a[r][0]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
+}
+
+TARGET static ALWAYS_INLINE void dot_f16(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    dot_half(K, w, x, R, out, ldo, 0);
+}
+
+TARGET static ALWAYS_INLINE void dot_bf16(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    dot_half(K, w, x, R, out, ldo, 1);
 }
 
 /* ---- 32-value blocks --------------------------------------------------------------------- */
@@ -100,26 +152,29 @@ TARGET static inline __m512i load_nibble_bytes(const uint8_t *qs) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
 }
 
-TARGET static float vec_dot_q4_0(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q4_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m512 centred = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK4_0; b++, w += BYTES_Q4_0, x += QK4_0) {
         const __m512 table = _mm512_mul_ps(centred, bcast_fp16(w)); /* d * (q - 8), exact */
         const __m512i q = load_nibble_bytes(w + 2);
-        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), _mm512_loadu_ps(x), a0);
-        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), _mm512_loadu_ps(x + 16), a1);
+        const __m512 v0 = _mm512_permutexvar_ps(q, table), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+        FMA_ROWS(a, 0, v0, x, 0);
+        FMA_ROWS(a, 1, v1, x, 16);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
 /* The row's (d, m) pairs are converted to float32 first, 64 blocks at a time, so each block's
  * table is built from two broadcast loads instead of a broadcast and two lane shuffles (shuffles
  * are the scarce resource here: the nibble widening and the two table lookups need them too). */
-TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q4_1(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m512 iota = iota16();
     const int64_t nb = K / QK4_1;
     float dm[2 * 64];
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    __m512 a[ROWS_MAX][4];
+    ZERO_ROWS(a, 4);
     for (int64_t b0 = 0; b0 < nb; b0 += 64) {
         const int64_t n = nb - b0 < 64 ? nb - b0 : 64;
         const uint8_t *wb = w + b0 * BYTES_Q4_1;
@@ -135,19 +190,22 @@ TARGET static float vec_dot_q4_1(int64_t K, const uint8_t *w, const float *x) {
             const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * b]), _mm512_set1_ps(dm[2 * b + 1]));
             const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * b + 2]), _mm512_set1_ps(dm[2 * b + 3]));
             const __m512i q0 = load_nibble_bytes(wb + 4), q1 = load_nibble_bytes(wb + BYTES_Q4_1 + 4);
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xb), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t0), _mm512_loadu_ps(xb + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q1, t1), _mm512_loadu_ps(xb + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1), _mm512_loadu_ps(xb + 48), a3);
+            const __m512 v0 = _mm512_permutexvar_ps(q0, t0), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t0);
+            const __m512 v2 = _mm512_permutexvar_ps(q1, t1), v3 = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1);
+            FMA_ROWS(a, 0, v0, xb, 0);
+            FMA_ROWS(a, 1, v1, xb, 16);
+            FMA_ROWS(a, 2, v2, xb, 32);
+            FMA_ROWS(a, 3, v3, xb, 48);
         }
         if (b < n) {
             const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * b]), _mm512_set1_ps(dm[2 * b + 1]));
             const __m512i q0 = load_nibble_bytes(wb + 4);
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, t0), _mm512_loadu_ps(xb), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t0), _mm512_loadu_ps(xb + 16), a1);
+            const __m512 v0 = _mm512_permutexvar_ps(q0, t0), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t0);
+            FMA_ROWS(a, 0, v0, xb, 0);
+            FMA_ROWS(a, 1, v1, xb, 16);
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    store_sum4(R, a, out, ldo);
 }
 
 /* Q5_0 has 32 possible values per block: d * (q - 16) for q < 16 in one table, q >= 16 in the other,
@@ -165,28 +223,31 @@ TARGET static inline void q5_0_block(const uint8_t *w, const __m512 iota, __m512
     *hi = _mm512_permutex2var_ps(t0, i1, t1);
 }
 
-TARGET static float vec_dot_q5_0(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q5_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m512 iota = iota16();
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, x += 32) {
         __m512 lo, hi;
         q5_0_block(w, iota, &lo, &hi);
-        a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), a0);
-        a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), a1);
+        FMA_ROWS(a, 0, lo, x, 0);
+        FMA_ROWS(a, 1, hi, x, 16);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
-TARGET static float vec_dot_q8_0(int64_t K, const uint8_t *w, const float *x) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+TARGET static ALWAYS_INLINE void dot_q8_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    __m512 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK8_0; b++, w += BYTES_Q8_0, x += QK8_0) {
         const __m512 d = bcast_fp16(w);
         const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2))));
         const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 18))));
-        a0 = _mm512_fmadd_ps(_mm512_mul_ps(q0, d), _mm512_loadu_ps(x), a0); /* d * q exact */
-        a1 = _mm512_fmadd_ps(_mm512_mul_ps(q1, d), _mm512_loadu_ps(x + 16), a1);
+        const __m512 v0 = _mm512_mul_ps(q0, d), v1 = _mm512_mul_ps(q1, d); /* d * q exact */
+        FMA_ROWS(a, 0, v0, x, 0);
+        FMA_ROWS(a, 1, v1, x, 16);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    store_sum2(R, a, out, ldo);
 }
 
 /* ---- 256-value super-blocks ------------------------------------------------------------------ */
@@ -207,22 +268,19 @@ TARGET static inline void q4_k_values(const uint8_t *w, float d, float dmin, int
     v[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1);
 }
 
-TARGET static float vec_dot_q4_k(int64_t K, const uint8_t *w, const float *x) {
+TARGET static ALWAYS_INLINE void dot_q4_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m512 iota = iota16();
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    __m512 a[ROWS_MAX][4];
+    ZERO_ROWS(a, 4);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
         const float d = fp16_load(w), dmin = fp16_load(w + 2);
         for (int c = 0; c < 4; c++) {
             __m512 v[4];
             q4_k_values(w, d, dmin, c, iota, v);
-            const float *xc = x + 64 * c;
-            a0 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xc), a0);
-            a1 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xc + 16), a1);
-            a2 = _mm512_fmadd_ps(v[2], _mm512_loadu_ps(xc + 32), a2);
-            a3 = _mm512_fmadd_ps(v[3], _mm512_loadu_ps(xc + 48), a3);
+            for (int j = 0; j < 4; j++) FMA_ROWS(a, j, v[j], x, 64 * c + 16 * j);
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    store_sum4(R, a, out, ldo);
 }
 
 /* v[r] = the 16 values at 128 * half + 32 * r + l0 of the Q6_K super-block w (d its scale), r < 4:
@@ -245,19 +303,31 @@ TARGET static inline void q6_k_values(const uint8_t *w, float d, int half, int l
     }
 }
 
-TARGET static float vec_dot_q6_k(int64_t K, const uint8_t *w, const float *x) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+TARGET static ALWAYS_INLINE void dot_q6_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    __m512 a[ROWS_MAX][4];
+    ZERO_ROWS(a, 4);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
         const float d = fp16_load(w + 208);
         for (int half = 0; half < 2; half++)
             for (int l0 = 0; l0 < 32; l0 += 16) {
                 __m512 v[4];
                 q6_k_values(w, d, half, l0, v);
-                for (int r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(v[r], _mm512_loadu_ps(x + 128 * half + 32 * r + l0), acc[r]);
+                for (int j = 0; j < 4; j++) FMA_ROWS(a, j, v[j], x, 128 * half + 32 * j + l0);
             }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    store_sum4(R, a, out, ldo);
 }
+
+/* four accumulators a row: four rows of x per block (16 accumulators); two: eight */
+DOT_KERNELS(f32, 4)
+DOT_KERNELS(f16, 8)
+DOT_KERNELS(bf16, 8)
+DOT_KERNELS(q4_0, 8)
+DOT_KERNELS(q4_1, 4)
+DOT_KERNELS(q5_0, 8)
+DOT_KERNELS(q8_0, 8)
+DOT_KERNELS(q4_k, 4)
+DOT_KERNELS(q6_k, 4)
 
 /* ---- dequantize a row to memory (GEMM tiles); same values as the dot kernels use ----------- */
 
@@ -1029,97 +1099,131 @@ TARGET_VNNI static inline __m128 d_pair(const uint8_t *wa, const uint8_t *wb) {
     return _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(kvref_load_u16(wa)), (short)kvref_load_u16(wb), 2));
 }
 
-/* signed w times signed x: w's sign moves onto x, |w| is the unsigned operand (|-128| = 128) */
-TARGET_VNNI static inline __m512i idot_signed(__m512i w, __m512i x) {
-    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
-}
-
 TARGET_VNNI static inline float lanes13(__m128 v) {
     return _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
 }
 
-/* The block pairs of a row: PAIR(w_a, w_b, qs, ds) -> (int32 sums [16], scales [4]) accumulated into
- * two chains (pairs alternate), so consecutive FMAs do not wait on each other. */
-#define Q8_PAIRS(BYTES, PAIR)                                                                       \
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                      \
-    __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps();                                            \
-    const int64_t nb = K / 32;                                                                      \
-    int64_t b = 0;                                                                                  \
-    for (; b + 4 <= nb; b += 4, w += 4 * (BYTES), qs += 128, ds += 8) {                             \
-        __m512i i0, i1;                                                                             \
-        __m128 s0, s1;                                                                              \
-        PAIR(w, w + (BYTES), qs, ds, i0, s0);                                                       \
-        PAIR(w + 2 * (BYTES), w + 3 * (BYTES), qs + 64, ds + 4, i1, s1);                            \
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread02(s0), a0);                             \
-        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), spread02(s1), a1);                             \
-        m0 = _mm_add_ps(m0, s0);                                                                    \
-        m1 = _mm_add_ps(m1, s1);                                                                    \
-    }                                                                                               \
-    if (b + 2 <= nb) {                                                                              \
-        __m512i i0;                                                                                 \
-        __m128 s0;                                                                                  \
-        PAIR(w, w + (BYTES), qs, ds, i0, s0);                                                       \
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread02(s0), a0);                             \
-        m0 = _mm_add_ps(m0, s0);                                                                    \
-        b += 2, w += 2 * (BYTES), qs += 64, ds += 4;                                                \
-    }                                                                                               \
-    float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + lanes13(_mm_add_ps(m0, m1))
-
-/* Q4_1: values q in 0..15 (unsigned operand), scale d_w d_x, offset term m_w s_x in lanes 1, 3 */
-#define PAIR_Q4_1(wa, wb, qs, ds, isum, sc)                                                         \
-    isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles64((wa) + 4, (wb) + 4), _mm512_loadu_si512(qs)); \
-    sc = _mm_mul_ps(dm_pair(wa, wb), _mm_loadu_ps(ds))
-
-/* Q4_0: values q - 8: sum (q - 8) x = sum q x - sum 8 x */
-#define PAIR_Q4_0(wa, wb, qs, ds, isum, sc)                                                         \
-    do {                                                                                            \
-        const __m512i xv = _mm512_loadu_si512(qs);                                                  \
-        isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles64((wa) + 2, (wb) + 2), xv), \
-                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), xv)); \
-        sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds)); /* lanes 1, 3: 0 * s */               \
-    } while (0)
-
-/* Q5_0: values q - 16, q = nibble | fifth bit (one bit of qh_a, qh_b per byte): sum q x - sum 16 x */
-#define PAIR_Q5_0(wa, wb, qs, ds, isum, sc)                                                         \
-    do {                                                                                            \
-        const __m512i xv = _mm512_loadu_si512(qs);                                                  \
-        const __mmask64 hb = (__mmask64)kvref_q5_high_bits(wa) | (__mmask64)kvref_q5_high_bits(wb) << 32; \
-        const __m512i nib = nibbles64((wa) + 6, (wb) + 6);                                          \
-        isum = _mm512_sub_epi32(                                                                    \
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_mask_add_epi8(nib, hb, nib, _mm512_set1_epi8(16)), xv), \
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));                 \
-        sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds)); /* lanes 1, 3: 0 * s */               \
-    } while (0)
-
-/* Q8_0: signed values */
-#define PAIR_Q8_0(wa, wb, qs, ds, isum, sc)                                                         \
-    isum = idot_signed(load2x32((wa) + 2, (wb) + 2), _mm512_loadu_si512(qs));                       \
-    sc = _mm_mul_ps(d_pair(wa, wb), _mm_loadu_ps(ds))
-
-TARGET_VNNI static float vec_dot_q8_q4_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    Q8_PAIRS(BYTES_Q4_0, PAIR_Q4_0);
-    if (b < nb) acc += kvref_avx2_vec_dot_q8_q4_0(32, w, qs, ds); /* an odd last block */
-    return acc;
+/* The weight half of a pair of blocks at wa, wb (decoded once for every row of x): u, the unsigned
+ * operand of the four-byte dot products (Q8_0: |w|, its signs in neg move onto x; |-128| = 128), and
+ * the scales [d_a, m_a, d_b, m_b] (m = 0 but for Q4_1). */
+TARGET_VNNI static ALWAYS_INLINE void q8_pair_weights(int32_t type, const uint8_t *wa, const uint8_t *wb, __m512i *u,
+                                                      __mmask64 *neg, __m128 *ws) {
+    *neg = 0;
+    switch (type) {
+    case KVREF_TYPE_Q4_1: /* values q in 0..15 */
+        *u = nibbles64(wa + 4, wb + 4);
+        *ws = dm_pair(wa, wb);
+        return;
+    case KVREF_TYPE_Q4_0: /* values q - 8: the 8 comes off in q8_pair_sums */
+        *u = nibbles64(wa + 2, wb + 2);
+        break;
+    case KVREF_TYPE_Q5_0: { /* values q - 16, q = nibble | fifth bit (one bit of qh_a, qh_b per byte) */
+        const __mmask64 hb = (__mmask64)kvref_q5_high_bits(wa) | (__mmask64)kvref_q5_high_bits(wb) << 32;
+        const __m512i nib = nibbles64(wa + 6, wb + 6);
+        *u = _mm512_mask_add_epi8(nib, hb, nib, _mm512_set1_epi8(16));
+        break;
+    }
+    default: { /* Q8_0: signed values */
+        const __m512i v = load2x32(wa + 2, wb + 2);
+        *neg = _mm512_movepi8_mask(v);
+        *u = _mm512_abs_epi8(v);
+    }
+    }
+    *ws = d_pair(wa, wb); /* lanes 1, 3: 0, so 0 * s */
 }
 
-TARGET_VNNI static float vec_dot_q8_q4_1_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    Q8_PAIRS(BYTES_Q4_1, PAIR_Q4_1);
-    if (b < nb) acc += kvref_avx2_vec_dot_q8_q4_1(32, w, qs, ds);
-    return acc;
+/* the pair's int32 block sums (lanes 0-7 block a's, 8-15 block b's) against x's 64 bytes xv */
+TARGET_VNNI static ALWAYS_INLINE __m512i q8_pair_sums(int32_t type, __m512i u, __mmask64 neg, __m512i xv) {
+    const __m512i zero = _mm512_setzero_si512();
+    switch (type) {
+    case KVREF_TYPE_Q4_1: return _mm512_dpbusd_epi32(zero, u, xv);
+    case KVREF_TYPE_Q4_0: /* sum (q - 8) x = sum q x - sum 8 x */
+        return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv), _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(8), xv));
+    case KVREF_TYPE_Q5_0:
+        return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv), _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(16), xv));
+    default: return _mm512_dpbusd_epi32(zero, u, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+    }
 }
 
-TARGET_VNNI static float vec_dot_q8_q5_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    Q8_PAIRS(BYTES_Q5_0, PAIR_Q5_0);
-    if (b < nb) acc += kvref_avx2_vec_dot_q8_q5_0(32, w, qs, ds);
-    return acc;
+/* the AVX2 kernel of one 32-value block: an odd last block */
+TARGET_VNNI static ALWAYS_INLINE float q8_last_block(int32_t type, const uint8_t *w, const int8_t *qs, const float *ds) {
+    switch (type) {
+    case KVREF_TYPE_Q4_0: return kvref_avx2_vec_dot_q8_q4_0(32, w, qs, ds);
+    case KVREF_TYPE_Q4_1: return kvref_avx2_vec_dot_q8_q4_1(32, w, qs, ds);
+    case KVREF_TYPE_Q5_0: return kvref_avx2_vec_dot_q8_q5_0(32, w, qs, ds);
+    default: return kvref_avx2_vec_dot_q8_q8_0(32, w, qs, ds);
+    }
 }
 
-TARGET_VNNI static float vec_dot_q8_q8_0_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    Q8_PAIRS(BYTES_Q8_0, PAIR_Q8_0);
-    if (b < nb) acc += kvref_avx2_vec_dot_q8_q8_0(32, w, qs, ds);
-    return acc;
+/* Pair p (blocks 2p, 2p+1) of a weight row against the R rows of x in 8-bit blocks, into chain c of
+ * each row's accumulators: a[r][c] += the pair's block sums times their scales d_w d_x, m[r][c] += the
+ * scales (lanes 1, 3: m_w s_x, Q4_1's offset term). c is a constant once inlined. */
+TARGET_VNNI static ALWAYS_INLINE void q8_pair_rows(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
+                                                   const float *ds, int64_t p, const int R, const int c,
+                                                   __m512 a[][2], __m128 m[][2]) {
+    const int64_t bytes = kvref_q8_block_bytes(type), nds = K / 16;
+    __m512i u;
+    __mmask64 neg;
+    __m128 ws;
+    q8_pair_weights(type, w + 2 * p * bytes, w + (2 * p + 1) * bytes, &u, &neg, &ws);
+    UNROLL_ROWS
+    for (int r = 0; r < R; r++) {
+        const __m512i isum = q8_pair_sums(type, u, neg, _mm512_loadu_si512(qs + r * K + 64 * p));
+        const __m128 sc = _mm_mul_ps(ws, _mm_loadu_ps(ds + r * nds + 4 * p));
+        a[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), spread02(sc), a[r][c]);
+        m[r][c] = _mm_add_ps(m[r][c], sc);
+    }
 }
+
+/* The dot of one weight row with the R rows of x in 8-bit blocks (qs [R, K], ds [R, K/32, 2]):
+ * pairs of blocks, alternating between two chains per row so consecutive FMAs do not wait on each
+ * other; each row's operations are those of R = 1, as for the float kernels. */
+TARGET_VNNI static ALWAYS_INLINE void dot_q8_vnni(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
+                                                  const float *ds, const int R, float *out, int64_t ldo) {
+    const int64_t bytes = kvref_q8_block_bytes(type), nb = K / 32, nds = K / 16;
+    __m512 a[ROWS_MAX][2];
+    __m128 m[ROWS_MAX][2];
+    UNROLL_ROWS
+    for (int r = 0; r < R; r++) {
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+        m[r][0] = m[r][1] = _mm_setzero_ps();
+    }
+    int64_t p = 0;
+    for (; 2 * p + 4 <= nb; p += 2) {
+        q8_pair_rows(type, K, w, qs, ds, p, R, 0, a, m);
+        q8_pair_rows(type, K, w, qs, ds, p + 1, R, 1, a, m);
+    }
+    if (2 * p + 2 <= nb) q8_pair_rows(type, K, w, qs, ds, p++, R, 0, a, m);
+    const int64_t b = 2 * p;
+    UNROLL_ROWS
+    for (int r = 0; r < R; r++) {
+        float acc = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1])) + lanes13(_mm_add_ps(m[r][0], m[r][1]));
+        if (b < nb) acc += q8_last_block(type, w + b * bytes, qs + r * K + 32 * b, ds + r * nds + 2 * b);
+        out[r * ldo] = acc;
+    }
+}
+
+/* vec_dot_q8_<name>_vnni (R = 1) and vec_dot_q8_rows_<name>_vnni (blocks of 4 rows: 16 accumulators,
+ * then 2, then 1) */
+#define DOT_Q8_KERNELS(name, type)                                                                        \
+    TARGET_VNNI static float vec_dot_q8_##name##_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) { \
+        float r;                                                                                          \
+        dot_q8_vnni(type, K, w, qs, ds, 1, &r, 0);                                                        \
+        return r;                                                                                         \
+    }                                                                                                     \
+    TARGET_VNNI static void vec_dot_q8_rows_##name##_vnni(int64_t K, const uint8_t *w, const int8_t *qs, \
+                                                          const float *ds, int64_t T, float *out, int64_t ldo) { \
+        const int64_t nds = K / 16;                                                                       \
+        int64_t t = 0;                                                                                    \
+        for (; t + 4 <= T; t += 4) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 4, out + t * ldo, ldo); \
+        for (; t + 2 <= T; t += 2) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 2, out + t * ldo, ldo); \
+        for (; t < T; t++) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 1, out + t * ldo, ldo);       \
+    }
+
+DOT_Q8_KERNELS(q4_0, KVREF_TYPE_Q4_0)
+DOT_Q8_KERNELS(q4_1, KVREF_TYPE_Q4_1)
+DOT_Q8_KERNELS(q5_0, KVREF_TYPE_Q5_0)
+DOT_Q8_KERNELS(q8_0, KVREF_TYPE_Q8_0)
 
 /* ---- 8-bit GEMM on 8-bit tiles (internal.h) ---------------------------------------------- */
 
@@ -1404,6 +1508,13 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
         [KVREF_TYPE_Q8_0] = vec_dot_q8_0,                                                        \
         [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,                      \
     },                                                                                           \
+    .vec_dot_rows = {                                                                            \
+        [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,                \
+        [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,            \
+        [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0,            \
+        [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,                                                   \
+        [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,            \
+    },                                                                                           \
     .dequant = {                                                                                 \
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,                          \
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,                      \
@@ -1439,6 +1550,10 @@ const kvref_kernels kvref_kernels_avx512_vnni = {
     .vec_dot_q8 = {
         [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
         [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
+    },
+    .vec_dot_q8_rows = {
+        [KVREF_TYPE_Q4_0] = vec_dot_q8_rows_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_rows_q4_1_vnni,
+        [KVREF_TYPE_Q5_0] = vec_dot_q8_rows_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_rows_q8_0_vnni,
     },
     .gemm_q8 = gemm_q8_vnni,
     .q8_tile = q8_tile_vnni,

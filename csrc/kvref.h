@@ -122,6 +122,15 @@ int kvref_matmul_int8(kvref_pool *pool,
  * weights, with the instruction set's widest vector loads; *checksum = the wrapping sum of its
  * 64-bit words, so no load can be skipped. */
 enum { KVREF_PROBE_UNIT = 1048576 };
+
+/* From this many rows of x on, a projection dequantizes tiles of weight rows for a GEMM (each weight
+ * block decoded once per call); below it, each weight row is decoded in registers once for all rows
+ * of x (the decode path, batched decode included). Chosen by shape (rows of x, activation mode),
+ * never by thread count, from measurements on SmolLM2's shapes (docs/benchmarks.md): the float
+ * dot kernels load a vector of x per fused multiply-add, so from 5 rows on the GEMM (one broadcast
+ * per row and weight tile row) is as fast; the 8-bit dots (kvref_matmul_int8) do 64 products per
+ * instruction and stay faster than the 8-bit GEMM through 8 rows. */
+enum { KVREF_GEMM_MIN_T = 5, KVREF_GEMM_Q8_MIN_T = 9 };
 int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum);
 
 /* out[t] = row ids[t] of the table, dequantized to float32.

@@ -1,8 +1,9 @@
 /* matmul.c: projections on weights in their file format, and embedding lookup.
  *
  * Two strategies, chosen by shape only (never by thread count, so results do not depend on it):
- *   - few rows of x (decode): each weight row is read once per x row and dotted in registers,
- *     straight from its blocks (vec_dot);
+ *   - few rows of x (decode, batched decode): each weight row is read and decoded in registers
+ *     once for all rows of x and dotted with each (vec_dot_rows), every row of x getting exactly its
+ *     single-row result (vec_dot);
  *   - many rows of x (prefill): a tile of KVREF_TILE_N weight rows is dequantized into the
  *     thread's scratch (bit-identical to the NumPy dequantizer), stored transposed, and multiplied
  *     against every row of x with a float32 GEMM kernel, so each weight block is decoded once per
@@ -45,21 +46,8 @@ typedef struct {
     const uint8_t *w;          /* [N, rb] */
     int32_t type;
     int64_t T, K, N, rb;
-    int64_t unit_rows;         /* vec_dot path: rows per unit */
     float *y;                  /* [T, N] */
 } mm_ctx;
-
-static void mm_vec_unit(void *vctx, int64_t unit, int thread) {
-    const mm_ctx *c = vctx;
-    (void)thread;
-    const kvref_vec_dot_fn dot = c->kk->vec_dot[c->type];
-    const int64_t n0 = unit * c->unit_rows;
-    const int64_t n1 = n0 + c->unit_rows < c->N ? n0 + c->unit_rows : c->N;
-    for (int64_t n = n0; n < n1; n++) {
-        prefetch_row(c->w, n, n1, c->rb);
-        for (int64_t t = 0; t < c->T; t++) c->y[t * c->N + n] = dot(c->K, c->w + n * c->rb, c->x + t * c->K);
-    }
-}
 
 /* The tile is k-major, tile[k, i] = W[n0 + i, k]: the GEMM kernels' inner step multiplies one x
  * value by a contiguous row of KVREF_TILE_N weights (outer products, no horizontal sums). Sixteen
@@ -95,10 +83,13 @@ void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
         for (int64_t i = 0; i < T * N; i++) y[i] = 0.0f; /* an empty sum */
         return;
     }
-    mm_ctx c = {kvref_pool_kernels(pool), pool, x, w, type, T, K, N, kvref_row_nbytes(type, K),
-                vec_unit_rows(pool, N), y};
-    if (T < KVREF_GEMM_MIN_T) kvref_pool_run(pool, mm_vec_unit, &c, (N + c.unit_rows - 1) / c.unit_rows);
-    else kvref_pool_run(pool, mm_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);
+    if (T < KVREF_GEMM_MIN_T) {
+        const kvref_mv mv = {x, NULL, NULL, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
+        kvref_mv_run(pool, &mv);
+        return;
+    }
+    mm_ctx c = {kvref_pool_kernels(pool), pool, x, w, type, T, K, N, kvref_row_nbytes(type, K), y};
+    kvref_pool_run(pool, mm_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);
 }
 
 static int check_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
@@ -197,9 +188,15 @@ size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K) {
 void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                            int32_t type, int64_t N, float *y) {
     const kvref_kernels *kk = kvref_pool_kernels(pool);
-    const int gemm = T >= KVREF_GEMM_MIN_T && kk->gemm_q8 != NULL && kvref_q8_tile_type(type);
-    if (T == 0 || N == 0 || K == 0 || (!gemm && kk->vec_dot_q8[type] == NULL)) {
+    const int gemm = T >= KVREF_GEMM_Q8_MIN_T && kk->gemm_q8 != NULL && kvref_q8_tile_type(type);
+    const int dots = !gemm && kk->vec_dot_q8[type] != NULL;
+    if (T == 0 || N == 0 || K == 0 || (!gemm && !dots && T >= KVREF_GEMM_Q8_MIN_T)) {
         kvref_matmul_run(pool, x, T, K, w, type, N, y);
+        return;
+    }
+    if (!gemm && !dots) { /* a weight without 8-bit kernels below the switch: the fused forward's decode path */
+        const kvref_mv mv = {x, NULL, NULL, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
+        kvref_mv_run(pool, &mv);
         return;
     }
     int8_t *xqs = kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)); /* reserved: no allocation */
@@ -232,6 +229,21 @@ int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
 
 /* ---- several weights sharing one input, decode path --------------------------------------- */
 
+/* out[t * ldo] = the dot of the weight row w with row t of x [T, K]: the multi-row kernel, or (NULL in
+ * the table) the single-row kernel per row, which defines it */
+static inline void dot_rows(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const float *x,
+                            int64_t T, float *out, int64_t ldo) {
+    if (kk->vec_dot_rows[type] != NULL) kk->vec_dot_rows[type](K, w, x, T, out, ldo);
+    else for (int64_t t = 0; t < T; t++) out[t * ldo] = kk->vec_dot[type](K, w, x + t * K);
+}
+
+/* the same with x in 8-bit blocks: qs [T, K], ds [T, K/32, 2] */
+static inline void dot_rows_q8(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
+                               const float *ds, int64_t T, float *out, int64_t ldo) {
+    if (kk->vec_dot_q8_rows[type] != NULL) kk->vec_dot_q8_rows[type](K, w, qs, ds, T, out, ldo);
+    else for (int64_t t = 0; t < T; t++) out[t * ldo] = kk->vec_dot_q8[type](K, w, qs + t * K, ds + t * (K / 16));
+}
+
 typedef struct {
     const kvref_mv *mv;
     const kvref_kernels *kk;
@@ -239,20 +251,36 @@ typedef struct {
     int64_t first_unit[4];     /* units of part p are [first_unit[p], first_unit[p + 1]) */
 } mv_ctx;
 
-/* y_p[t, n0:n1] (=, or +=) the dot products of rows n0..n1 of part p */
+#define MV_ROWS 8 /* rows of x per multi-row dot call: a batch below either GEMM switch is one call */
+
+/* y_p[t, n0:n1] (=, or +=) the dot products of rows n0..n1 of part p: each weight row is dotted with
+ * up to MV_ROWS rows of x per call, which decodes its blocks once for all of them */
 static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t n1) {
     const kvref_mv *mv = c->mv;
-    const int64_t rb = kvref_row_nbytes(p->type, mv->K);
-    const kvref_vec_dot_q8_fn dq = mv->xqs != NULL ? c->kk->vec_dot_q8[p->type] : NULL;
-    const kvref_vec_dot_fn dot = c->kk->vec_dot[p->type];
-    const int64_t nds = mv->K / 32 * 2;
+    const int64_t rb = kvref_row_nbytes(p->type, mv->K), K = mv->K;
+    const int q8 = mv->xqs != NULL && c->kk->vec_dot_q8[p->type] != NULL;
+    if (mv->T == 1) { /* single-stream decode: the single-row kernel straight into y, no staging (~10 % faster) */
+        const kvref_vec_dot_q8_fn dq = c->kk->vec_dot_q8[p->type];
+        const kvref_vec_dot_fn dot = c->kk->vec_dot[p->type];
+        for (int64_t n = n0; n < n1; n++) {
+            prefetch_row(p->w, n, n1, rb);
+            const float r = q8 ? dq(K, p->w + n * rb, mv->xqs, mv->xds) : dot(K, p->w + n * rb, mv->x);
+            p->y[n] = mv->accumulate ? p->y[n] + r : r;
+        }
+        return;
+    }
     for (int64_t n = n0; n < n1; n++) {
         prefetch_row(p->w, n, n1, rb);
-        for (int64_t t = 0; t < mv->T; t++) {
-            const float r = dq != NULL ? dq(mv->K, p->w + n * rb, mv->xqs + t * mv->K, mv->xds + t * nds)
-                                       : dot(mv->K, p->w + n * rb, mv->x + t * mv->K);
-            float *y = p->y + t * p->ldy + n;
-            *y = mv->accumulate ? *y + r : r;
+        const uint8_t *w = p->w + n * rb;
+        for (int64_t t0 = 0; t0 < mv->T; t0 += MV_ROWS) {
+            const int64_t nt = mv->T - t0 < MV_ROWS ? mv->T - t0 : MV_ROWS;
+            float r[MV_ROWS]; /* [nt]: the sums to add, with accumulate */
+            float *out = mv->accumulate ? r : p->y + t0 * p->ldy + n;
+            const int64_t ldo = mv->accumulate ? 1 : p->ldy;
+            if (q8) dot_rows_q8(c->kk, p->type, K, w, mv->xqs + t0 * K, mv->xds + t0 * (K / 16), nt, out, ldo);
+            else dot_rows(c->kk, p->type, K, w, mv->x + t0 * K, nt, out, ldo);
+            if (mv->accumulate)
+                for (int64_t t = 0; t < nt; t++) p->y[(t0 + t) * p->ldy + n] += r[t];
         }
     }
 }

@@ -107,7 +107,7 @@ def dequantized(w):
 
 
 @st.composite
-def weight_shapes(draw, types=tuple(nops.WEIGHT_TYPES), max_T=9):
+def weight_shapes(draw, types=tuple(nops.WEIGHT_TYPES), max_T=nops.GEMM_MIN_T + 2):
     gtype = draw(st.sampled_from(types))
     block_values = BLOCK_LAYOUT[gtype][0]
     if block_values == 1:
@@ -115,8 +115,8 @@ def weight_shapes(draw, types=tuple(nops.WEIGHT_TYPES), max_T=9):
     else:
         K = block_values * draw(st.integers(1, 2 if block_values == 256 else 5))
     # N crosses the 16-row vec_dot units and 32-row tiles (and a tile's two 16-row halves); T crosses
-    # the GEMM switch (4) and, with a larger max_T, the kernels' blocks of x rows (8, 4, 1 on AVX-512;
-    # 6, 2, 1 on AVX2)
+    # the multi-row dot kernels' blocks of x rows (8 or 4, 2, 1), the GEMM switch (nops.GEMM_MIN_T)
+    # and, with a larger max_T, the GEMM kernels' blocks of x rows (8, 4, 1 on AVX-512; 6, 2, 1 on AVX2)
     return gtype, draw(st.integers(1, 70)), K, draw(st.integers(1, max_T))
 
 
@@ -153,7 +153,7 @@ def test_matmul_equals_spec_on_dequantized_weights_within_the_float32_dot_bound(
 @given(weight_shapes(), ISAS, THREADS, SEEDS)
 def test_matmul_by_one_hot_rows_reproduces_every_dequantized_weight_bit_for_bit(shape, isa, threads, seed):
     # x = rows of the identity: y = W.T exactly (one product by 1, the rest by 0), so this checks the
-    # in-register decoding (vec_dot path, T < 4) and the tile decoding (GEMM path, T >= 4) value by value
+    # in-register decoding (vec_dot path, T < GEMM_MIN_T) and the tile decoding (GEMM path) value by value
     gtype, N, K, _ = shape
     rng = np.random.default_rng(seed)
     w = random_weight(gtype, N, K, rng)
@@ -175,16 +175,30 @@ def test_matmul_is_bit_identical_for_1_and_2_threads(shape, isa, seed):
 @given(weight_shapes(max_T=40), ISAS, THREADS, SEEDS, st.data())
 def test_matmul_gemm_rows_do_not_depend_on_the_other_rows(shape, isa, threads, seed, data):
     # the GEMM path computes each y[t, n] with the same operations wherever its row falls in the
-    # kernel's blocks of x rows and its column in a tile: any T >= 4 rows of x, in any order, give
-    # their rows of the full product bit for bit (the property that makes results independent of
-    # the thread count and of how a prefill is batched)
+    # kernel's blocks of x rows and its column in a tile: any T >= GEMM_MIN_T rows of x, in any
+    # order, give their rows of the full product bit for bit (the property that makes results
+    # independent of the thread count and of how a prefill is batched)
     gtype, N, K, T = shape
     rng = np.random.default_rng(seed)
     w = random_weight(gtype, N, K, rng)
-    x = rng.standard_normal((max(T, 4), K)).astype(np.float32)
-    rows = data.draw(st.lists(st.integers(0, len(x) - 1), min_size=4, max_size=len(x) + 3))
+    x = rng.standard_normal((max(T, nops.GEMM_MIN_T), K)).astype(np.float32)
+    rows = data.draw(st.lists(st.integers(0, len(x) - 1), min_size=nops.GEMM_MIN_T, max_size=len(x) + 3))
     y = ks(threads, isa).matmul(x, w)
     np.testing.assert_array_equal(ks(threads, isa).matmul(x[rows], w), y[rows])
+
+
+@given(weight_shapes(max_T=nops.GEMM_MIN_T - 1), ISAS, THREADS, SEEDS)
+def test_matmul_below_the_gemm_switch_gives_each_row_of_x_its_single_row_result_bit_for_bit(shape, isa, threads, seed):
+    # the multi-row dot kernels decode a weight row once for every row of x, and each row of x keeps
+    # the single-row kernel's accumulators and reduction: a batch of decode steps (T < GEMM_MIN_T
+    # rows) gives each sequence exactly its logits alone
+    gtype, N, K, T = shape
+    rng = np.random.default_rng(seed)
+    w = random_weight(gtype, N, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    y = ks(threads, isa).matmul(x, w)
+    for t in range(T):
+        np.testing.assert_array_equal(ks(threads, isa).matmul(x[t:t + 1], w), y[t:t + 1])
 
 
 @given(st.sampled_from(FLOAT_TYPES + BLOCK_TYPES), ISAS, SEEDS, st.integers(1, 3))
@@ -212,7 +226,7 @@ def test_projections_and_embed_read_nothing_past_the_end_of_the_weights(gtype, i
     for K in ([7, 16, 37] if block_values == 1 else [block_values, 2 * block_values]):
         w = random_weight(gtype, 3, K, rng)
         guarded = QuantizedTensor(w.ggml_type, w.shape, guarded_copy(w.data))
-        for T in (1, 2, 6):  # decode dots, and the tiled path from KVREF_GEMM_MIN_T rows on
+        for T in (1, 2, 6, nops.GEMM_MIN_T):  # decode dots, and the tiled path from GEMM_MIN_T rows on
             x = rng.standard_normal((T, K)).astype(np.float32)
             np.testing.assert_array_equal(ks(1, isa).matmul(x, guarded), ks(1, isa).matmul(x, w))
             np.testing.assert_array_equal(ks(1, isa).matmul_int8(x, guarded), ks(1, isa).matmul_int8(x, w))

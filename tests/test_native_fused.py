@@ -57,7 +57,7 @@ PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
 INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)  # 8-bit kernels at any T
-GEMM_TYPES = INT8_TYPES + (GGMLType.Q4_K, GGMLType.Q6_K)  # ... and in the 8-bit GEMM (4 rows of x or more)
+GEMM_TYPES = INT8_TYPES + (GGMLType.Q4_K, GGMLType.Q6_K)  # ... and in the 8-bit GEMM (GEMM_Q8_MIN_T rows of x on)
 
 
 # ---- random models with weights in every format ------------------------------------------------
@@ -290,6 +290,44 @@ def test_fused_batch_is_bit_identical_to_the_decoder_batch_on_the_same_native_ke
                 np.testing.assert_array_equal(a, b)
 
 
+def decode_alone_and_batched(ff, ops, config, weights, caches, ids):
+    """One decode step of each sequence: [its logits alone] with caches[0], [the batch's] with caches[1]."""
+    alone = []
+    for cache, t in zip(caches[0], ids):
+        with begin_all([cache], [np.array(t)]) as executions:
+            alone.extend(ff.forward_batch(ops, config, weights, executions, True))
+    with begin_all(caches[1], [np.array(t) for t in ids]) as executions:
+        return alone, ff.forward_batch(ops, config, weights, executions, True)
+
+
+@given(st.data(), ISAS, THREADS, st.sampled_from(["float32", "int8"]))
+def test_fused_batched_decode_below_the_gemm_switch_equals_each_sequence_alone_bit_for_bit(data, isa, threads,
+                                                                                          activations):
+    # Below the activation mode's GEMM switch, a decode step's projections are the multi-row dot
+    # kernels, which give each row of x its single-row result, and everything else works per row or
+    # per sequence: each sequence gets its logits and K/V alone, bit for bit, whatever else is in the batch.
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
+    n = data.draw(st.integers(2, (nops.GEMM_Q8_MIN_T if activations == "int8" else nops.GEMM_MIN_T) - 1))
+    prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=8)) for _ in range(n)]
+    kv_dtype = data.draw(st.sampled_from(NATIVE_KV_DTYPES))
+    ops = nops.kernels(threads, isa)
+    ff = fused.FusedForward(config, weights, activations)
+    caches = [batch_caches(config, kv_dtype, "contiguous", n) for _ in range(2)]
+    for group in caches:  # prefilled alone: the prompts' rows are the same computation in both
+        for cache, p in zip(group, prompts):
+            with begin_all([cache], [np.array(p)]) as executions:
+                ff.forward_batch(ops, config, weights, executions, True)
+    ids = [[p[-1]] for p in prompts]
+    for _ in range(data.draw(st.integers(1, 3))):
+        alone, batched = decode_alone_and_batched(ff, ops, config, weights, caches, ids)
+        for a, b in zip(alone, batched):
+            np.testing.assert_array_equal(b, a)
+        ids = [[int(np.argmax(b[-1]))] for b in batched]
+    for a, b in zip(caches[0], caches[1]):
+        for x, y in zip(stored(a), stored(b)):
+            np.testing.assert_array_equal(y, x)
+
+
 @given(st.data())
 def test_batched_decode_equals_each_sequence_alone_within_the_float32_tolerance(data):
     # A batch's projections run over all its rows at once (another matmul path than one row's), so
@@ -450,7 +488,8 @@ def block_offsets(w):
 def int8_cases(draw):
     gtype = draw(st.sampled_from(GEMM_TYPES))
     K = 256 * draw(st.integers(1, 2)) if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32 * draw(st.integers(1, 8))
-    # T from 4 on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1); N past 32 spans tiles
+    # T from GEMM_Q8_MIN_T on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1), below it the multi-row
+    # dot kernels (blocks of 4, 2, 1); N past 32 spans tiles
     N, T = draw(st.integers(1, 70)), draw(st.integers(1, 20))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     W = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
@@ -484,7 +523,7 @@ GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and ha
 def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(case, isa, threads):
     w, x = case
     N, K = w.shape
-    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= 4 and isa in GEMM_ISAS))  # else the K-quants are exact
+    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= nops.GEMM_Q8_MIN_T and isa in GEMM_ISAS))  # else K-quants are exact
     y = nops.kernels(threads, isa).matmul_int8(x, w)
     d, q, s = q8_blocks(x)
     Wd = quants.dequantize(w.ggml_type, w.data, w.shape).astype(np.float64)  # [N, K]
@@ -524,9 +563,20 @@ def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread
     # The GEMM computes the same integers, block sums s and fused multiply-adds per block, in block
     # order, on every instruction set.
     w, x = case
-    assume(x.shape[0] >= 4)
+    assume(x.shape[0] >= nops.GEMM_Q8_MIN_T)
     want = nops.kernels(1, "scalar").matmul_int8(x, w)
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
+
+
+@given(int8_cases(), ISAS, THREADS)
+def test_int8_matmul_below_the_gemm_switch_gives_each_row_of_x_its_single_row_result_bit_for_bit(case, isa, threads):
+    # the 8-bit multi-row dot kernels decode a weight block's integers once for every row of x, and
+    # each row keeps the single-row kernel's operations
+    w, x = case
+    x = x[:nops.GEMM_Q8_MIN_T - 1]
+    y = nops.kernels(threads, isa).matmul_int8(x, w)
+    for t in range(len(x)):
+        np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x[t:t + 1], w), y[t:t + 1])
 
 
 @given(int8_cases(), ISAS, st.sampled_from([np.nan, np.inf, -np.inf]), st.data())

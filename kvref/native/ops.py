@@ -81,6 +81,8 @@ _ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 _F32 = np.dtype(np.float32)
 PROBE_UNIT = lib.KVREF_PROBE_UNIT  # bytes the read-bandwidth probe reads per unit of work
+GEMM_MIN_T = lib.KVREF_GEMM_MIN_T  # rows of x from which matmul takes the tiled GEMM path
+GEMM_Q8_MIN_T = lib.KVREF_GEMM_Q8_MIN_T  # ... and matmul_int8 its 8-bit GEMM
 _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
 _I64 = np.dtype(np.int64)
