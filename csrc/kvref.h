@@ -106,9 +106,9 @@ int kvref_matmul(kvref_pool *pool,
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block; a block
  * offset m (Q4_1's) multiplies x~'s block sum d_b * sum q[j], so y is x~ @ W.T up to float32
- * rounding. This holds for
- * Q4_0, Q4_1, Q5_0 and Q8_0 weights always, and for Q4_K (its 32-value sub-blocks' offsets as Q4_1's)
- * where the integer GEMM runs: from 4 rows of x on, with the scalar kernels or AVX-512 VNNI, the
+ * rounding. This holds for Q4_0, Q4_1, Q5_0 and Q8_0 weights always, and for Q4_K (its 32-value
+ * sub-blocks' offsets as Q4_1's) and Q6_K where the integer GEMM runs: from KVREF_GEMM_Q8_MIN_T rows
+ * of x on, with the scalar kernels or AVX-512 VNNI, the
  * weights are decoded to 8-bit tiles and multiplied as an integer GEMM; elsewhere each row is a dot
  * product per weight row. Every other case gives exactly kvref_matmul's result. Arguments as
  * kvref_matmul. */

@@ -479,10 +479,12 @@ def _rate(n, seconds) -> dict:
 
 
 def _cache_bytes(model, positions, kv_dtype) -> int:
-    from .cache import cache_bytes
+    # what `positions` positions of this K/V type occupy and a step reads: elements plus int8 scales
+    # and kivi4 (scale, zero) pairs at the default group size
+    from .cache import bytes_per_position
 
     c = model.config
-    return cache_bytes(c.n_layers, positions, c.n_kv_heads, c.head_dim, kv_dtype)
+    return positions * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype)
 
 
 def _version():
