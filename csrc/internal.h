@@ -332,6 +332,24 @@ typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const int8
  * and reduction. NULL in a table: one vec_dot call per row (the definition). */
 typedef void (*kvref_vec_dot_rows_fn)(int64_t K, const uint8_t *w_row, const float *x, int64_t T, float *out,
                                       int64_t ldo);
+
+/* A SIMD file's vec_dot_<name> (one row of x) and vec_dot_rows_<name> (blocks of RB rows of x, then
+ * 2, then 1) from its dot_<name>(K, w, x, R, out, ldo), which dots weight row w with rows 0..R-1 of x
+ * [R, K] into out[r * ldo], R a constant once inlined; TARGET is the including file's. */
+#define KVREF_DOT_KERNELS(name, RB)                                                                      \
+    TARGET static float vec_dot_##name(int64_t K, const uint8_t *w, const float *x) {                    \
+        float r;                                                                                         \
+        dot_##name(K, w, x, 1, &r, 0);                                                                   \
+        return r;                                                                                        \
+    }                                                                                                    \
+    TARGET static void vec_dot_rows_##name(int64_t K, const uint8_t *w, const float *x, int64_t T, float *out, \
+                                           int64_t ldo) {                                                \
+        int64_t t = 0;                                                                                   \
+        for (; t + (RB) <= T; t += (RB)) dot_##name(K, w, x + t * K, (RB), out + t * ldo, ldo);          \
+        for (; t + 2 <= T; t += 2) dot_##name(K, w, x + t * K, 2, out + t * ldo, ldo);                   \
+        for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
+    }
+
 /* out[t * ldo] = vec_dot_q8(K, w_row, qs + t * K, ds + t * (K / 16)) for t < T, bit for bit: qs [T, K],
  * ds [T, K/32, 2]; as above */
 typedef void (*kvref_vec_dot_q8_rows_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds, int64_t T,

@@ -53,21 +53,6 @@ TARGET static inline __m512 iota16(void) {
  * itself for small bodies only (the 8-bit kernels' spilled to the stack) */
 #define UNROLL_ROWS _Pragma("GCC unroll 8")
 
-/* vec_dot_<name> (R = 1) and vec_dot_rows_<name> (blocks of RB rows, then 2, then 1) from dot_<name> */
-#define DOT_KERNELS(name, RB)                                                                            \
-    TARGET static float vec_dot_##name(int64_t K, const uint8_t *w, const float *x) {                    \
-        float r;                                                                                         \
-        dot_##name(K, w, x, 1, &r, 0);                                                                   \
-        return r;                                                                                        \
-    }                                                                                                    \
-    TARGET static void vec_dot_rows_##name(int64_t K, const uint8_t *w, const float *x, int64_t T, float *out, \
-                                           int64_t ldo) {                                                \
-        int64_t t = 0;                                                                                   \
-        for (; t + (RB) <= T; t += (RB)) dot_##name(K, w, x + t * K, (RB), out + t * ldo, ldo);          \
-        for (; t + 2 <= T; t += 2) dot_##name(K, w, x + t * K, 2, out + t * ldo, ldo);                   \
-        for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
-    }
-
 /* acc[r][j] = fma(v, x[r * K + i], acc[r][j]) for the R rows */
 #define FMA_ROWS(acc, j, v, x, i)                                                                        \
     for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(v, _mm512_loadu_ps((x) + r * K + (i)), acc[r][j])
@@ -319,15 +304,15 @@ TARGET static ALWAYS_INLINE void dot_q6_k(int64_t K, const uint8_t *w, const flo
 }
 
 /* four accumulators a row: four rows of x per block (16 accumulators); two: eight */
-DOT_KERNELS(f32, 4)
-DOT_KERNELS(f16, 8)
-DOT_KERNELS(bf16, 8)
-DOT_KERNELS(q4_0, 8)
-DOT_KERNELS(q4_1, 4)
-DOT_KERNELS(q5_0, 8)
-DOT_KERNELS(q8_0, 8)
-DOT_KERNELS(q4_k, 4)
-DOT_KERNELS(q6_k, 4)
+KVREF_DOT_KERNELS(f32, 4)
+KVREF_DOT_KERNELS(f16, 8)
+KVREF_DOT_KERNELS(bf16, 8)
+KVREF_DOT_KERNELS(q4_0, 8)
+KVREF_DOT_KERNELS(q4_1, 4)
+KVREF_DOT_KERNELS(q5_0, 8)
+KVREF_DOT_KERNELS(q8_0, 8)
+KVREF_DOT_KERNELS(q4_k, 4)
+KVREF_DOT_KERNELS(q6_k, 4)
 
 /* ---- dequantize a row to memory (GEMM tiles); same values as the dot kernels use ----------- */
 

@@ -117,6 +117,20 @@ def reads_like_float_kv(isa: str, cache) -> bool:
     return cache.v_dtype != "int8" or cache.group_size % ATTENTION_LANES[isa] == 0
 
 
+def fill_interleaved(cache, others, S, rng):
+    """Append S random positions to `cache` in chunks of 1..89, and one position to each of `others`
+    after every chunk: caches of one paged pool then take its blocks in turn, so a sequence's blocks
+    are not consecutive."""
+    L, Hkv, D = cache.n_layers, cache.n_kv_heads, cache.head_dim
+    done = 0
+    while done < S:
+        n = min(S - done, int(rng.integers(1, 90)))
+        cache.append(rng.standard_normal((L, n, Hkv, D)), rng.standard_normal((L, n, Hkv, D)))
+        for other in others:
+            other.append(np.ones((L, 1, Hkv, D)), np.ones((L, 1, Hkv, D)))
+        done += n
+
+
 def guarded_copy(a):
     """A copy of `a` whose last byte is the last one before a page that cannot be read: a kernel that
     loads one element past the end crashes here instead of reading allocator slack."""

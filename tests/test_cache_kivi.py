@@ -14,7 +14,7 @@ from kvref.cache.quant import (NIBBLE_MAX, Codec, dequantize_uint4, pack_nibbles
 from kvref.errors import CacheError
 from kvref.spec import decoder
 from kvref.tolerance import FLOAT32, KIVI4_KV_ROUNDING, QUANTIZED_LOGIT_BOUNDS, UNDERFLOW_SLACK
-from tests.conftest import chunkings
+from tests.conftest import chunkings, fill_interleaved
 
 if native.available():  # the native section's bound (tests/test_native.py skips itself without the module)
     from tests.test_native import assert_within, attention_bound
@@ -290,13 +290,7 @@ def kivi_caches(draw):
         pool = BlockPool(L, Hkv, D, num_blocks=2 * (S // bs + 2), block_size=bs, k_dtype=k_dtype, v_dtype=v_dtype,
                          group_size=g)
         cache, others = pool.new_cache(), [pool.new_cache()]
-    done = 0
-    while done < S:
-        n = min(S - done, int(rng.integers(1, 90)))
-        cache.append(rng.standard_normal((L, n, Hkv, D)), rng.standard_normal((L, n, Hkv, D)))
-        for other in others:
-            other.append(np.ones((L, 1, Hkv, D)), np.ones((L, 1, Hkv, D)))
-        done += n
+    fill_interleaved(cache, others, S, rng)
     q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
     q_pos = rng.integers(-2, S + 2, size=T) if draw(st.booleans()) else np.arange(S - T, S)
     return cache, draw(st.integers(0, L - 1)), q, q_pos

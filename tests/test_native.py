@@ -33,7 +33,7 @@ from kvref.spec import ops as spec
 from kvref.spec import quants
 from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
 from kvref.tolerance import INT8_KEY_QUERY_ROUNDING, ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
-from tests.conftest import NATIVE_KV_DTYPES, guarded_copy, misaligned, reads_like_float_kv, require
+from tests.conftest import NATIVE_KV_DTYPES, fill_interleaved, guarded_copy, misaligned, reads_like_float_kv, require
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -429,13 +429,7 @@ def stored_caches(draw, k_dtypes=NATIVE_KV_DTYPES):
         pool = BlockPool(L, Hkv, D, num_blocks=2 * (S // bs + 2), block_size=bs, k_dtype=k_dtype, v_dtype=v_dtype,
                          group_size=group)
         cache, others = pool.new_cache(), [pool.new_cache()]
-    done = 0
-    while done < S:
-        n = min(S - done, int(rng.integers(1, 90)))
-        cache.append(rng.standard_normal((L, n, Hkv, D)), rng.standard_normal((L, n, Hkv, D)))
-        for other in others:
-            other.append(np.ones((L, 1, Hkv, D)), np.ones((L, 1, Hkv, D)))  # takes a block now and then
-        done += n
+    fill_interleaved(cache, others, S, rng)
     q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
     q_pos = rng.integers(-2, S + 2, size=T) if draw(st.booleans()) else np.arange(S - T, S)
     return cache, draw(st.integers(0, L - 1)), q, q_pos
