@@ -81,7 +81,7 @@ KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "ot
                  "rope": "other", "swiglu": "other", "geglu": "other"}
 READ_TRIES = 7  # reads of the cache's K/V whose median rate times one read (kv_read)
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
-BUDGET_SLACK = 100 * 10**6  # memory budget: peak RSS <= file + KV cache + 100 MB (interpreter, NumPy, scratch)
+BUDGET_SLACK = 60 * 10**6  # memory budget: peak RSS <= file + KV cache + 60 MB (interpreter, NumPy, tokenizer, scratch)
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 
 # Real text for prompts: repeated to any length, the same for every engine (benchmarks/compare.py)
