@@ -43,12 +43,12 @@ struct kvref_state {
     const kvref_model *model;
     int64_t rows;              /* positions every row buffer below holds */
     float *x;                  /* [rows, E]     residual stream */
-    float *xb;                 /* [rows, E]     a block's normed input */
+    float *xb;                 /* [rows, E]     a block's normed input; once its projections have read it,
+                                *                the block's output before the residual add */
     float *q;                  /* [rows, H*D]   queries (rotated in place) */
     float *k, *v;              /* [rows, Hkv*D] new keys (rotated in place) and values */
     float *att;                /* [rows, H*D]   attention output */
     float *gate, *up;          /* [rows, F]     MLP hidden; gate becomes silu(gate) * up */
-    float *tmp;                /* [rows, E]     a block's output before the residual add (prefill) */
     double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
     int64_t *q_positions;      /* [rows] each new position's own position */
     int64_t *row_seq;          /* [rows] the sequence each new position belongs to */
@@ -162,11 +162,11 @@ static void store_row(const fw *f, int64_t t) {
                    f->s->v + t * kvd);
 }
 
-/* x[t] += tmp[t] */
+/* x[t] += xb[t] */
 static void residual_row(const fw *f, int64_t t) {
     const int64_t E = f->c->d_model;
     float *x = f->s->x + t * E;
-    const float *y = f->s->tmp + t * E;
+    const float *y = f->s->xb + t * E;
     for (int64_t i = 0; i < E; i++) x[i] = x[i] + y[i];
 }
 
@@ -229,24 +229,25 @@ static void qkv_projections(fw *f) {
 }
 
 /* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
- * Wd after the MLP); with a sandwich norm gain, x += rms_norm(in @ W.T) * gain */
+ * Wd after the MLP); with a sandwich norm gain, x += rms_norm(in @ W.T) * gain. The block's normed
+ * input xb is dead by now (its projections read it), so the output goes there before the add. */
 static void residual_projection(fw *f, const float *in, const kvref_tensor *w, const float *post_norm) {
     int64_t t0 = now_ns();
     kvref_state *s = f->s;
     if (decode_path(f, f->T)) {
         kvref_mv mv = matvec(f, in, f->T, w->cols, w, NULL, NULL);
         mv.nparts = 1;
-        mv.part[0] = part(w, post_norm != NULL ? s->tmp : s->x, w->rows);
+        mv.part[0] = part(w, post_norm != NULL ? s->xb : s->x, w->rows);
         mv.accumulate = post_norm == NULL;
         kvref_mv_run(f->pool, &mv);
     } else {
-        matmul(f, in, f->T, w, s->tmp);
+        matmul(f, in, f->T, w, s->xb);
     }
     if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
         s->ns[FAM_PROJ] += now_ns() - t0;
         t0 = now_ns();
         f->gain = post_norm;
-        f->norm_rows = s->tmp;
+        f->norm_rows = s->xb;
         for_each_row(f, norm_row);
         f->norm_rows = NULL;
         s->ns[FAM_OTHER] += now_ns() - t0;
@@ -464,9 +465,9 @@ void kvref_model_destroy(kvref_model *model) {
 static void *alloc_floats(int64_t n) { return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63); }
 
 static void free_rows(kvref_state *s) {
-    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->tmp, s->cs, s->q_positions, s->row_seq};
+    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->cs, s->q_positions, s->row_seq};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
-    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->tmp = NULL;
+    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = NULL;
     s->cs = NULL;
     s->q_positions = s->row_seq = NULL;
     s->rows = 0;
@@ -517,11 +518,10 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
         s->att = alloc_floats(rows * QD);
         s->gate = alloc_floats(rows * c->d_ff);
         s->up = alloc_floats(rows * c->d_ff);
-        s->tmp = alloc_floats(rows * E);
         s->cs = malloc((size_t)(s->model->n_tables * rows * c->head_dim) * sizeof(double));
         s->q_positions = malloc((size_t)rows * sizeof(int64_t));
         s->row_seq = malloc((size_t)rows * sizeof(int64_t));
-        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->tmp || !s->cs ||
+        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->cs ||
             !s->q_positions || !s->row_seq) {
             free_rows(s);
             return KVREF_ERR_NOMEM;

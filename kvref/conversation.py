@@ -24,8 +24,8 @@ next turn), and the next turn reuses every committed position.
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 from dataclasses import dataclass
 
 from .errors import CacheFullError, KVRefError, TokenizerError
@@ -54,8 +54,9 @@ class Conversation:
         self.drop_oldest = drop_oldest
         self.last_turn: TurnStats | None = None
         # stands in for the content of a message given as ids while the template renders; random, so
-        # no text a user types can pass for it
-        self._placeholder = f"\x00kvref-{secrets.token_hex(8)}-"
+        # no text a user types can pass for it (os.urandom, as secrets.token_hex, whose hmac import
+        # loads OpenSSL's libcrypto)
+        self._placeholder = f"\x00kvref-{os.urandom(8).hex()}-"
 
     def prompt_ids(self) -> list[int]:
         """The conversation so far, rendered with the template and ending in the assistant's cue;

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from contextlib import contextmanager
 
@@ -14,6 +13,7 @@ from .cache import BlockPool, ContiguousCache, HybridCache, KVCache, WindowCache
 from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
+from .digest import sha256
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .generation_config import GenerationConfig
 from .limits import DEFAULT_CACHE_BUDGET
@@ -189,12 +189,12 @@ class Model:
             sample = [w.output_norm, *(g for lw in w.layers for g in (lw.attn_norm, lw.ffn_norm)),
                       self.ops.embed(w.tok_embeddings, np.array([0, self.config.vocab_size // 2,
                                                                  self.config.vocab_size - 1]))]
-            digest = hashlib.sha256()
+            digest = sha256()
             for a in sample:
                 digest.update(np.ascontiguousarray(a, dtype=np.float64).tobytes())
             self._fingerprint = {
                 "config": config,
-                "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+                "config_sha256": sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
                 "weights_sha256": digest.hexdigest(),
             }
         return self._fingerprint

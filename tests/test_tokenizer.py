@@ -2,6 +2,7 @@
 decode inverts encode, streaming decode equals decode, and SmolLM2's known prompt ids."""
 
 import functools
+import itertools
 import json
 import tracemalloc
 from pathlib import Path
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvref.errors import TokenError, TokenizerError
 from kvref.tokenizer import CONTROL, PRE_TOKENIZERS, USER_DEFINED, StreamDecoder, Tokenizer
+from kvref.tokenizer.vocab import MergeRanks, token_ids
 
 from tests.conftest import gguf_metadata, require
 
@@ -294,11 +296,11 @@ def test_llama_bpe_encodes_as_hf_tokenizers_with_llama3s_pre_tokenizer(data):
 
 
 # Bytes of Python objects a GGUF tokenizer allocates per vocabulary entry, the metadata's strings aside
-# (SmolLM2: 49,152 tokens and 48,900 merges; 255 on CPython 3.11): an id, the token's bytes, a merge
-# pair of the vocabulary's own strings and its rank. Copies of each merge's two strings (401) or a
-# bytes object per token would exceed it: at 8K positions `kvref run`'s memory budget
-# (file + cache + 60 MB) leaves no room for them.
-TOKENIZER_BYTES_PER_TOKEN = 300
+# (SmolLM2: 49,152 tokens and 48,900 merges; 106 on CPython 3.11): an id, the token's bytes, its
+# merge's rank and split in MergeRanks' arrays. A dict of merge pairs (255), copies of each merge's
+# two strings (401) or a bytes object per token would exceed it: at 8K positions `kvref run`'s memory
+# budget (file + cache + 60 MB) leaves no room for them.
+TOKENIZER_BYTES_PER_TOKEN = 150
 
 
 def test_a_gguf_tokenizer_allocates_few_bytes_per_vocabulary_entry():
@@ -312,3 +314,20 @@ def test_a_gguf_tokenizer_allocates_few_bytes_per_vocabulary_entry():
     assert held / tok.vocab_size < TOKENIZER_BYTES_PER_TOKEN
     ends = (0, 1, tok.vocab_size // 2, tok.vocab_size - 1)  # the shared bytes object, cut at its ends too
     assert [tok.token_bytes(i) for i in ends] == [tok.model.token_bytes(tok.tokens[i], tok.token_types[i]) for i in ends]
+
+
+PARTS = ("a", "aa", "b", "ab", "ba", "aab", "bab")
+
+
+@given(st.lists(st.tuples(st.sampled_from(PARTS), st.sampled_from(PARTS)), max_size=12))
+def test_merge_ranks_are_the_first_rank_of_each_listed_pair_whatever_split_makes_a_token(pairs):
+    # every text up to 6 letters: "aab" is "a" + "ab" and "aa" + "b", a token two splits produce;
+    # "ab" is listed twice, and a later duplicate is the id the text maps to (token_ids)
+    tokens = [*("".join(w) for n in range(1, 7) for w in itertools.product("ab", repeat=n)), "ab"]
+    ranks = MergeRanks(pairs, token_ids(tokens), len(tokens))
+    expected = {}
+    for rank, pair in enumerate(pairs):
+        expected.setdefault(pair, rank)
+    for left in PARTS:
+        for right in PARTS:
+            assert ranks.rank(left, right) == expected.get((left, right))

@@ -29,7 +29,6 @@ cache behind (nor blocks taken from a shared pool).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..digest import sha256_bulk
 from ..errors import CacheError
 from ..limits import MAX_POOL_BLOCKS, bounded_int, bounded_json, open_regular_file, read_exactly
 from .quant import KIVI
@@ -108,7 +108,7 @@ def save_cache(cache, path) -> None:
     for entry, blob in zip(header["arrays"], blobs):
         body += bytes(entry["offset"] - len(body))
         body += blob.tobytes()
-    body += hashlib.sha256(body).digest()
+    body += sha256_bulk(body).digest()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(body)
@@ -138,7 +138,7 @@ def read_cache_file(path, max_bytes=None):
         if max_bytes is not None and size > max_bytes:
             raise CacheError(f"{where} has {size:,} bytes; a cache of this model takes at most {max_bytes:,}")
         data = head + read_exactly(f, size - len(head), where, CacheError)
-    if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
+    if sha256_bulk(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
         raise CacheError(f"{where} is corrupt or truncated: its sha256 checksum does not match")
     arrays = {name: np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=nbytes // dtype.itemsize,
                                   offset=offset).reshape(shape).astype(dtype)

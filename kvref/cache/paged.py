@@ -40,13 +40,13 @@ shares them as they are; an adopted prefix ends on a group boundary.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 import threading
 
 import numpy as np
 
+from ..digest import sha256
 from ..errors import CacheError, CacheFullError, TokenError
 from .base import KVCache, Storage
 from .quant import KIVI, KIVI_NO_ROWS, Codec, KiviResidual, SlotStore
@@ -57,7 +57,7 @@ _ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0
 
 def block_key(previous: bytes, token_ids) -> bytes:
     """The prefix key of a full block: sha256(previous block's key + the block's token ids as int64)."""
-    return hashlib.sha256(previous + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
+    return sha256(previous + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
 
 
 def blocks_for(n_positions: int, block_size: int) -> int:

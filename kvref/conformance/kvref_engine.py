@@ -9,8 +9,6 @@ behind zeros.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import weakref
 
 from ..batch import forward_batch
@@ -44,6 +42,9 @@ class KVRefEngine(Engine):
             caps.add("context_shift")
         self.free(probe)
         self.capabilities = frozenset(caps)
+        import shutil  # here, not with the CLI: shutil and tempfile load bz2, lzma and random (~0.5 MiB)
+        import tempfile
+
         self._saved = tempfile.mkdtemp(prefix="kvref-conformance-")
         # the saved caches go with the engine, whether or not close() is called
         self._remove_saved = weakref.finalize(self, shutil.rmtree, self._saved, True)

@@ -17,7 +17,7 @@ import regex
 
 from ..errors import TokenizerError
 from .pieces import merge_adjacent, split_isolated
-from .vocab import SPECIAL_TYPES, merge_ranks, token_ids
+from .vocab import SPECIAL_TYPES, MergeRanks, token_ids
 
 # GPT-2's pre-tokenizer regex as llama.cpp writes it. HF's ByteLevel adds a final `|\s+`; it changes
 # nothing here, because split_isolated keeps unmatched text as its own piece, which is exactly the
@@ -77,7 +77,7 @@ class ByteLevelBPE:
                  nfc: bool = False, ignore_merges: bool = False):
         self.ids = token_ids(tokens)
         self.pre = pre
-        self._ranks = merge_ranks(merges, self.ids, tokens)
+        self._ranks = MergeRanks(merges, self.ids, len(tokens))
         self._patterns = tuple(_compile(p) for p in split_patterns)
         self._nfc = nfc
         self._ignore_merges = ignore_merges
@@ -110,7 +110,7 @@ class ByteLevelBPE:
         chars = raw.decode("latin-1").translate(_LATIN1_TO_BYTE_CHAR)
         if self._ignore_merges and chars in self.ids:
             return (self.ids[chars],)
-        symbols = merge_adjacent(list(chars), lambda a, b: self._ranks.get((a, b)))
+        symbols = merge_adjacent(list(chars), self._ranks.rank)
         try:
             return tuple(self.ids[s] for s in symbols)
         except KeyError as e:

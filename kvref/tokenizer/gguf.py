@@ -56,7 +56,7 @@ def _byte_level(metadata: dict, tokens: list[str], pre: str) -> ByteLevelBPE:
     if pre not in PRE_TOKENIZERS:
         raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                              f"expected one of {sorted(PRE_TOKENIZERS)}")
-    # a generator: each split pair lives only until merge_ranks keeps the vocabulary's strings
+    # a generator: each split pair lives only until MergeRanks has read it
     merges = (_merge_pair(m) for m in _string_list(metadata, "tokenizer.ggml.merges"))
     # llama.cpp takes a word that is a token whole for Llama 3 (its tokenizer.json's ignore_merges)
     return ByteLevelBPE(tokens, merges, PRE_TOKENIZERS[pre], pre, ignore_merges=pre == "llama-bpe")
@@ -116,11 +116,12 @@ def _token_types(values, n_tokens: int) -> list[int]:
     if types.shape != (n_tokens,) or types.dtype.kind not in "iu":
         raise TokenizerError(f"tokenizer.ggml.token_type should be {n_tokens} integers (one per token), "
                              f"got shape {types.shape} of {types.dtype}")
-    unknown = set(np.unique(types).tolist()) - TOKEN_TYPES
+    token_types = types.tolist()
+    unknown = set(token_types) - TOKEN_TYPES  # not np.unique, which imports numpy.ma (~1.3 MiB resident)
     if unknown:
         raise TokenizerError(f"tokenizer.ggml.token_type has unknown values {sorted(unknown)}; "
                              f"expected {sorted(TOKEN_TYPES)}")
-    return types.tolist()
+    return token_types
 
 
 def _scores(metadata: dict, n_tokens: int) -> np.ndarray:

@@ -22,7 +22,7 @@ import unicodedata
 
 from ..errors import TokenizerError
 from .pieces import merge_adjacent
-from .vocab import BYTE, NORMAL, UNUSED, merge_ranks, token_ids
+from .vocab import BYTE, NORMAL, UNUSED, MergeRanks, token_ids
 
 SPACE = "\u2581"  # "▁", SentencePiece's visible space
 # when a stretch of text between special tokens gets SPACE prepended:
@@ -60,8 +60,7 @@ class SentencePieceBPE:
         if scores is not None:
             self._rank = self._score_rank(scores)
         else:
-            ranks = merge_ranks(merges, self.ids, tokens)
-            self._rank = lambda a, b: ranks.get((a, b))
+            self._rank = MergeRanks(merges, self.ids, len(tokens)).rank
         self._word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._encode_word)
 
     def encode(self, text: str, first: bool) -> list[int]:
