@@ -311,7 +311,7 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
  * one 64-byte line per key: a slot's scales are a few floats, so nearby keys share lines, and a
  * prefetch of a line already on its way costs little. Without it, the scale loads waited on memory
  * where the K/V vectors, prefetched a chunk ahead, did not. */
-static inline void kvref_attn_prefetch_scales(const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t i0) {
+static inline void kvref_attn_prefetch_scales(const kvref_attn_chunk *c, int64_t i0) {
     const int64_t i1 = i0 + 16 < c->nrows ? i0 + 16 : c->nrows;
     for (int64_t i = i0; i < i1; i++) {
         if (c->k_scales != NULL) __builtin_prefetch(c->k_scales + c->srow[i], 0, 2);

@@ -1473,7 +1473,7 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
     for (int64_t s = 0; s < n; s += 16) {
         kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
         kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + 8 + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
-        kvref_attn_prefetch_scales(a, c, s + KVREF_ATTN_PREFETCH_KEYS);
+        kvref_attn_prefetch_scales(c, s + KVREF_ATTN_PREFETCH_KEYS);
         const int64_t nk = n - s < 16 ? n - s : 16;
         for (int64_t g0 = 0; g0 < a->G; g0 += 4)
             switch (a->G - g0) {
