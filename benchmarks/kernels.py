@@ -8,10 +8,12 @@ figures (the header prints the load average, and the forward section the clock i
 
 Section "kernels":
 Matmul on the model's Q4_1 projections, decode (T = 1), a batch of 8 decode steps (T = 8: the
-multi-row dot kernels in the int8 mode, the GEMM in the exact one) and prefill (T = 512):
+weights packed per call in the int8 mode, the GEMM in the exact one) and prefill (T = 512):
     ffn_gate [1536, 576], ffn_down [576, 1536], attn_q [576, 576], and the LM head [49152, 576]
     (Q8_0 in the file; also requantized to Q4_1 with the `gguf` package when it is installed);
-    at T = 1 and 8 also the int8-activation projection (Kernels.matmul_int8).
+    at T = 1 and 8 also the int8-activation projection (Kernels.matmul_int8, which packs the
+    weights on every call: the fused forward packs them once, at load, so the forward section has
+    the int8 mode's decode speed).
 Attention at S = 4096 cached positions, H = 9, Hkv = 3, D = 64 (decode, float32 and float16 K/V)
 and a 512-position prefill. The spec column is the NumPy spec with the weights dequantized to
 float32 beforehand (the dequantization is not timed), i.e. a plain BLAS sgemm: the best case for

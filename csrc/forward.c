@@ -29,9 +29,14 @@
 #define ROWS_PARALLEL_MIN 16   /* from this many new positions on, row-wise steps use the pool */
 #define ROWS_PER_UNIT 4
 
+/* the projections: a layer's, then the LM head */
+enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, W_HEAD };
+
 struct kvref_model {
     kvref_model_desc desc;     /* config and pointers; desc.layers points at `layers` */
     kvref_layer_desc *layers;  /* [n_layers] */
+    int int8;                  /* every Q4_0, Q4_1, Q5_0 and Q8_0 projection and the LM head packed:
+                                  KVREF_ACT_INT8 executions can run */
     int64_t max_k;             /* widest matmul input: max(E, H*D, F) */
     int64_t n_tables;          /* distinct RoPE frequency tables among the layers' */
     int64_t *table_of;         /* [n_layers] the index of each layer's table among those */
@@ -52,8 +57,6 @@ struct kvref_state {
     double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
     int64_t *q_positions;      /* [rows] each new position's own position */
     int64_t *row_seq;          /* [rows] the sequence each new position belongs to */
-    int8_t *xqs;               /* [KVREF_GEMM_Q8_MIN_T - 1, max_k]        8-bit copy of a matmul input: */
-    float *xds;                /* [KVREF_GEMM_Q8_MIN_T - 1, max_k / 32, 2] values, block (d, s) */
     int64_t keys;              /* k_positions holds 0 .. keys-1 */
     int64_t *k_positions;      /* [keys] */
     int64_t ring_keys;
@@ -178,28 +181,43 @@ static void glu_row(const fw *f, int64_t t) {
 
 /* ---- projections ------------------------------------------------------------------------- */
 
-/* A decode-path projection of x [T, K] into up to three weights: with int8 activations, and when
- * one of the weights has an 8-bit kernel, x is rounded to 8-bit blocks first (the state's xqs/xds). */
-static kvref_mv matvec(const fw *f, const float *x, int64_t T, int64_t K, const kvref_tensor *w0,
-                       const kvref_tensor *w1, const kvref_tensor *w2) {
-    kvref_mv mv = {x, NULL, f->s->xds, T, K, 0, {{0}}, 0, NULL};
-    const kvref_tensor *ws[3] = {w0, w1, w2};
+/* projection `which` of layer lw, or the LM head */
+static const kvref_tensor *projection(const kvref_model_desc *c, const kvref_layer_desc *lw, int which) {
+    const kvref_tensor *w[W_HEAD + 1] = {&lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->w_gate, &lw->w_up, &lw->w_down,
+                                         &c->output};
+    return w[which];
+}
+
+/* its packed copy when an int8 execution reads one, else NULL */
+static const uint8_t *packed(const fw *f, int which) { return f->int8 ? projection(f->c, f->lw, which)->packed : NULL; }
+
+/* projection `which` into y [T, ldy] */
+static kvref_mv_part part(const fw *f, int which, float *y, int64_t ldy) {
+    const kvref_tensor *w = projection(f->c, f->lw, which);
+    return (kvref_mv_part){(const uint8_t *)w->data, packed(f, which), w->type, w->rows, y, ldy};
+}
+
+/* A decode-path projection of x [T, K] into up to three weights (parts, set by the caller): with
+ * int8 activations, and when one of them is packed, x is rounded to 8-bit blocks first (into the
+ * pool's shared buffer, reserved for the execution). */
+static kvref_mv matvec(const fw *f, const float *x, int64_t T, int64_t K, int nparts, kvref_mv_part p0,
+                       kvref_mv_part p1, kvref_mv_part p2) {
+    kvref_mv mv = {x, NULL, NULL, NULL, T, K, nparts, {p0, p1, p2}, 0, NULL};
     int any = 0;
-    for (int i = 0; i < 3; i++) any |= ws[i] != NULL && f->kk->vec_dot_q8[ws[i]->type] != NULL;
-    if (f->int8 && any) {
-        for (int64_t t = 0; t < T; t++) f->kk->quantize_q8(K, x + t * K, f->s->xqs + t * K, f->s->xds + t * (K / 16));
-        mv.xqs = f->s->xqs;
-    }
+    for (int i = 0; i < nparts; i++) any |= mv.part[i].packed != NULL;
+    if (any) kvref_quantize_rows(f->pool, x, T, K, &mv.xqs, &mv.xds, &mv.xsum);
     return mv;
 }
 
-static kvref_mv_part part(const kvref_tensor *w, float *y, int64_t ldy) {
-    return (kvref_mv_part){(const uint8_t *)w->data, w->type, w->rows, y, ldy};
+/* Whether a projection of T rows of x into the n weights `which` takes the decode path (kvref_mv)
+ * rather than the GEMM: below the switch of the activation mode's matmul (kvref.h), and with int8
+ * activations at any T where each weight is packed (the packed kernel computes the 8-bit GEMM's
+ * sums, and reads only the packed copy) */
+static int decode_path(const fw *f, int64_t T, int n, const int *which) {
+    int packed_all = f->int8;
+    for (int i = 0; i < n; i++) packed_all &= packed(f, which[i]) != NULL;
+    return packed_all || T < (f->int8 ? KVREF_GEMM_Q8_MIN_T : KVREF_GEMM_MIN_T);
 }
-
-/* Whether a projection of T rows of x takes the decode path (kvref_mv) rather than the GEMM: the
- * switch of the activation mode's matmul (kvref.h) */
-static int decode_path(const fw *f, int64_t T) { return T < (f->int8 ? KVREF_GEMM_Q8_MIN_T : KVREF_GEMM_MIN_T); }
 
 /* y [T, N] = x [T, K] @ W.T on the prefill path (T from the GEMM switch on) */
 static void matmul(const fw *f, const float *x, int64_t T, const kvref_tensor *w, float *y) {
@@ -213,12 +231,9 @@ static void qkv_projections(fw *f) {
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model;
-    if (decode_path(f, f->T)) {
-        kvref_mv mv = matvec(f, s->xb, f->T, E, &lw->wq, &lw->wk, &lw->wv);
-        mv.nparts = 3;
-        mv.part[0] = part(&lw->wq, s->q, lw->wq.rows);
-        mv.part[1] = part(&lw->wk, s->k, lw->wk.rows);
-        mv.part[2] = part(&lw->wv, s->v, lw->wv.rows);
+    if (decode_path(f, f->T, 3, (const int[]){W_Q, W_K, W_V})) {
+        const kvref_mv mv = matvec(f, s->xb, f->T, E, 3, part(f, W_Q, s->q, lw->wq.rows),
+                                   part(f, W_K, s->k, lw->wk.rows), part(f, W_V, s->v, lw->wv.rows));
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->xb, f->T, &lw->wq, s->q);
@@ -231,13 +246,15 @@ static void qkv_projections(fw *f) {
 /* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
  * Wd after the MLP); with a sandwich norm gain, x += rms_norm(in @ W.T) * gain. The block's normed
  * input xb is dead by now (its projections read it), so the output goes there before the add. */
-static void residual_projection(fw *f, const float *in, const kvref_tensor *w, const float *post_norm) {
+static void residual_projection(fw *f, const float *in, int which, const float *post_norm) {
     int64_t t0 = now_ns();
+    const kvref_tensor *w = projection(f->c, f->lw, which);
     kvref_state *s = f->s;
-    if (decode_path(f, f->T)) {
-        kvref_mv mv = matvec(f, in, f->T, w->cols, w, NULL, NULL);
-        mv.nparts = 1;
-        mv.part[0] = part(w, post_norm != NULL ? s->xb : s->x, w->rows);
+    const int decode = decode_path(f, f->T, 1, &which);
+    if (decode) {
+        const kvref_mv_part none = {0};
+        kvref_mv mv = matvec(f, in, f->T, w->cols, 1, part(f, which, post_norm != NULL ? s->xb : s->x, w->rows),
+                             none, none);
         mv.accumulate = post_norm == NULL;
         kvref_mv_run(f->pool, &mv);
     } else {
@@ -253,7 +270,7 @@ static void residual_projection(fw *f, const float *in, const kvref_tensor *w, c
         s->ns[FAM_OTHER] += now_ns() - t0;
         t0 = now_ns();
     }
-    if (post_norm != NULL || !decode_path(f, f->T)) for_each_row(f, residual_row);
+    if (post_norm != NULL || !decode) for_each_row(f, residual_row);
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
@@ -263,11 +280,10 @@ static void gate_up_projections(fw *f) {
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model, F = f->c->d_ff;
-    if (decode_path(f, f->T)) {
-        kvref_mv mv = matvec(f, s->xb, f->T, E, &lw->w_gate, &lw->w_up, NULL);
-        mv.nparts = 2;
-        mv.part[0] = part(&lw->w_gate, s->gate, F);
-        mv.part[1] = part(&lw->w_up, s->up, F);
+    if (decode_path(f, f->T, 2, (const int[]){W_GATE, W_UP})) {
+        const kvref_mv_part none = {0};
+        kvref_mv mv = matvec(f, s->xb, f->T, E, 2, part(f, W_GATE, s->gate, F),
+                             part(f, W_UP, s->up, F), none);
         mv.glu = f->glu;
         kvref_mv_run(f->pool, &mv);
     } else {
@@ -367,10 +383,9 @@ static void final_logits(fw *f) {
     }
     s->ns[FAM_OTHER] += now_ns() - t0;
     t0 = now_ns();
-    if (decode_path(f, n)) {
-        kvref_mv mv = matvec(f, s->xb, n, E, &c->output, NULL, NULL);
-        mv.nparts = 1;
-        mv.part[0] = part(&c->output, f->logits, V);
+    if (decode_path(f, n, 1, (const int[]){W_HEAD})) {
+        const kvref_mv_part none = {0};
+        const kvref_mv mv = matvec(f, s->xb, n, E, 1, part(f, W_HEAD, f->logits, V), none, none);
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->xb, n, &c->output, f->logits);
@@ -393,6 +408,24 @@ static int check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
 
 #define KVREF_MAX_DIM (INT64_C(1) << 24) /* every config number; keeps every product below 2**63 */
 
+/* a projection or LM head: packed, if at all, in the layout and bytes kvref_pack_int8 writes */
+static int check_packed(const kvref_tensor *t) {
+    if (t->packed == NULL) return KVREF_OK;
+    if (!kvref_packable(t->type)) return KVREF_ERR_TYPE;
+    return (uintptr_t)t->packed % 64 == 0 ? KVREF_OK : KVREF_ERR_VALUE;
+}
+
+/* whether every tensor that has a packed form has it: the model can run int8 executions */
+static int all_packed(const kvref_model_desc *c) {
+    int all = 1;
+    for (int64_t l = 0; l < c->n_layers; l++)
+        for (int which = 0; which <= W_HEAD; which++) {
+            const kvref_tensor *w = projection(c, &c->layers[l], which);
+            all &= !kvref_packable(w->type) || w->packed != NULL;
+        }
+    return all;
+}
+
 int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     if (out == NULL) return KVREF_ERR_NULL;
     *out = NULL;
@@ -409,6 +442,7 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
     int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
     if (status == KVREF_OK) status = check_tensor(&c->output, c->vocab_size, E);
+    if (status == KVREF_OK) status = c->tok_embeddings.packed == NULL ? check_packed(&c->output) : KVREF_ERR_VALUE;
     for (int64_t l = 0; status == KVREF_OK && l < c->n_layers; l++) {
         const kvref_layer_desc *lw = &c->layers[l];
         if (lw->attn_norm == NULL || lw->ffn_norm == NULL || lw->rope_freqs == NULL) return KVREF_ERR_NULL;
@@ -422,8 +456,10 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
         const struct { const kvref_tensor *t; int64_t rows, cols; } expect[] = {
             {&lw->wq, QD, E}, {&lw->wk, KVD, E}, {&lw->wv, KVD, E}, {&lw->wo, E, QD},
             {&lw->w_gate, F, E}, {&lw->w_up, F, E}, {&lw->w_down, E, F}};
-        for (size_t i = 0; status == KVREF_OK && i < sizeof expect / sizeof expect[0]; i++)
+        for (size_t i = 0; status == KVREF_OK && i < sizeof expect / sizeof expect[0]; i++) {
             status = check_tensor(expect[i].t, expect[i].rows, expect[i].cols);
+            if (status == KVREF_OK) status = check_packed(expect[i].t);
+        }
     }
     if (status != KVREF_OK) return status;
 
@@ -451,6 +487,7 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     m->desc.layers = m->layers;
     m->max_k = E > QD ? E : QD;
     m->max_k = m->max_k > F ? m->max_k : F;
+    m->int8 = all_packed(c);
     *out = m;
     return KVREF_OK;
 }
@@ -481,12 +518,6 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
     if (s == NULL) return KVREF_ERR_NOMEM;
     s->model = model;
     s->fail_layer = -1;
-    s->xqs = aligned_alloc(64, ((size_t)(KVREF_GEMM_Q8_MIN_T - 1) * (size_t)model->max_k + 63) & ~(size_t)63);
-    s->xds = alloc_floats((KVREF_GEMM_Q8_MIN_T - 1) * (model->max_k / 32 + 1) * 2);
-    if (s->xqs == NULL || s->xds == NULL) {
-        kvref_state_destroy(s);
-        return KVREF_ERR_NOMEM;
-    }
     *out = s;
     return KVREF_OK;
 }
@@ -494,8 +525,6 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
 void kvref_state_destroy(kvref_state *state) {
     if (state == NULL) return;
     free_rows(state);
-    free(state->xqs);
-    free(state->xds);
     free(state->k_positions);
     free(state->slot_positions);
     free(state->partial);
@@ -620,6 +649,7 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
     if (status != KVREF_OK) return status;
     if ((activations != KVREF_ACT_F32 && activations != KVREF_ACT_INT8) || (all_logits != 0 && all_logits != 1))
         return KVREF_ERR_VALUE;
+    if (activations == KVREF_ACT_INT8 && !model->int8) return KVREF_ERR_VALUE; /* its weights are not packed */
     if (token_ids == NULL || logits == NULL) return KVREF_ERR_NULL;
     for (int64_t t = 0; t < T; t++)
         if (token_ids[t] < 0 || token_ids[t] >= c->vocab_size) return KVREF_ERR_VALUE;
@@ -628,11 +658,12 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
     const int64_t t_start = now_ns();
     status = state_reserve(state, T, S);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM */
-        const size_t scratch = kvref_matmul_scratch_bytes(T, model->max_k);
+        const size_t scratch = activations == KVREF_ACT_INT8 ? kvref_matmul_int8_scratch_bytes(T, model->max_k)
+                                                             : kvref_matmul_scratch_bytes(T, model->max_k);
         const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads, c->head_dim);
         status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
     }
-    if (status == KVREF_OK && activations == KVREF_ACT_INT8 && T >= KVREF_GEMM_Q8_MIN_T && /* x in 8 bits */
+    if (status == KVREF_OK && activations == KVREF_ACT_INT8 && /* x in 8 bits */
         kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, model->max_k)) == NULL)
         status = KVREF_ERR_NOMEM;
     if (status != KVREF_OK) {
@@ -670,11 +701,11 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
         qkv_projections(&f);                              /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
         prepare_qk(&f);                                   /* + biases; q, k: QK-norm, rotated for their positions */
         store_and_attend(&f);                             /* k, v -> cache; att = softmax(q . K * scale) V, by position */
-        residual_projection(&f, state->att, &f.lw->wo, f.lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
+        residual_projection(&f, state->att, W_O, f.lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
         /* MLP block: x += act(...) @ Wd.T, position by position */
         rms_norm(&f, f.lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
         gate_up_projections(&f);                          /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
-        residual_projection(&f, state->gate, &f.lw->w_down, f.lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
+        residual_projection(&f, state->gate, W_DOWN, f.lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
     }
     final_logits(&f);                                     /* logits = rms_norm(x) @ output.T */
     state->calls++;

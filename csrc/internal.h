@@ -325,8 +325,6 @@ static inline void kvref_attn_prefetch_scales(const kvref_attn_chunk *c, int64_t
 typedef float (*kvref_vec_dot_fn)(int64_t K, const uint8_t *w_row, const float *x);
 /* one weight row (K values) -> float32 [K], each value rounded exactly as the NumPy dequantizer does */
 typedef void (*kvref_dequant_fn)(int64_t K, const uint8_t *w_row, float *out);
-/* dot of one weight row (K values in `type` blocks) with x [K] in 8-bit blocks (qs [K], ds [K/32, 2]) */
-typedef float (*kvref_vec_dot_q8_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
 /* out[t * ldo] = vec_dot(K, w_row, x + t * K) for t < T, bit for bit: x [T, K]. Each weight block is
  * loaded and decoded once for all T rows of x; every row keeps the single-row kernel's accumulators
  * and reduction. NULL in a table: one vec_dot call per row (the definition). */
@@ -350,10 +348,12 @@ typedef void (*kvref_vec_dot_rows_fn)(int64_t K, const uint8_t *w_row, const flo
         for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
     }
 
-/* out[t * ldo] = vec_dot_q8(K, w_row, qs + t * K, ds + t * (K / 16)) for t < T, bit for bit: qs [T, K],
- * ds [T, K/32, 2]; as above */
-typedef void (*kvref_vec_dot_q8_rows_fn)(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds, int64_t T,
-                                         float *out, int64_t ldo);
+/* out[t * 16 + r] = row r of a packed group (K values; the layout is below) dotted with row t of x
+ * in 8-bit blocks, for t < T <= 8, r < 16: the 8-bit GEMM's sum (kvref_gemm_q8_fn) over blocks b in order from 0 of
+ * fl(d_x d_w) I_b, then (Q4_1) m_w s_x, each a fused multiply-add, bit for bit. qs [T, K], ds
+ * [T, K/32, 2], xsum [T, K/32]: x's 8-bit values, their blocks' (d_x, s_x) and integer sums. */
+typedef void (*kvref_packed_dot_fn)(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
+                                    const int32_t *xsum, int64_t T, float *out);
 /* x [K] (K a multiple of 32) -> qs [K], ds [K/32, 2] */
 typedef void (*kvref_quantize_q8_fn)(int64_t K, const float *x, int8_t *qs, float *ds);
 /* y[t * ldy + n] = sum over k of x[t, k] * tile[k, n] for t < T, n < nw, each a chain of
@@ -396,9 +396,8 @@ typedef struct kvref_kernels {
     kvref_attn_kernels attn;
     kvref_glu_fn swiglu;       /* silu(g) * u */
     kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
-    /* 8-bit activations: a dot kernel for the weight types that have one (NULL: use vec_dot) */
-    kvref_vec_dot_q8_fn vec_dot_q8[KVREF_TYPE_SLOTS];
-    kvref_vec_dot_q8_rows_fn vec_dot_q8_rows[KVREF_TYPE_SLOTS]; /* NULL: vec_dot_q8 per row */
+    /* 8-bit activations */
+    kvref_packed_dot_fn packed_dot; /* packed Q4_0, Q4_1, Q5_0, Q8_0 weights, few rows of x */
     kvref_quantize_q8_fn quantize_q8;
     kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
     kvref_q8_tile_fn q8_tile;  /* 8-bit tiles of a 32-value type (NULL: matmul.c's portable decoder) */
@@ -413,11 +412,9 @@ extern const kvref_kernels kvref_kernels_scalar;
 extern const kvref_kernels kvref_kernels_avx2;
 extern const kvref_kernels kvref_kernels_avx512;
 extern const kvref_kernels kvref_kernels_avx512_vnni; /* avx512 plus VNNI 8-bit dot products */
-/* the AVX2 8-bit dot kernels (maddubs), which AVX-512 CPUs without VNNI use too */
-float kvref_avx2_vec_dot_q8_q4_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
-float kvref_avx2_vec_dot_q8_q4_1(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
-float kvref_avx2_vec_dot_q8_q8_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
-float kvref_avx2_vec_dot_q8_q5_0(int64_t K, const uint8_t *w_row, const int8_t *qs, const float *ds);
+/* the AVX2 kernel of packed weights (maddubs), which AVX-512 CPUs without VNNI use too */
+void kvref_avx2_packed_dot(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
+                           const int32_t *xsum, int64_t T, float *out);
 /* the AVX2 score kernel of an I8 K (maddubs), which AVX-512 CPUs without VNNI use too */
 void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
 #endif
@@ -508,6 +505,38 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
         memcpy(q, w + 2, 32);
     }
 }
+/* ---- packed weights of the int8 activation mode ---------------------------------------------
+ * Q4_0, Q4_1, Q5_0 and Q8_0 weight rows packed 16 at a time (kvref_pack_int8), so that one
+ * 4-byte dot product instruction (VNNI vpdpbusd, AVX2 maddubs) multiplies 16 weight rows by the
+ * same 4 bytes of x, each lane its own row: no horizontal sums, and a block's values are decoded
+ * once for every row of x. A record is one 32-value block of the 16 rows, in the file's bytes (16
+ * blocks' worth): the rows' float16 scales d [16], Q4_1's offsets m [16] (Q5_0: its fifth bits,
+ * below), then the values as unsigned bytes u = q + bias (q the signed integer of
+ * kvref_q8_weight_block; bias 8 for Q4_0, 0 for Q4_1, 16 for Q5_0, 128 for Q8_0), in 8 vectors of
+ * 64 bytes: vector v holds values 4v .. 4v+3 of row r at bytes 4r .. 4r+3. The 4-bit types store
+ * vectors v and v + 4 as the low and high nibbles of one (4 vectors of bytes); Q5_0's fifth bits
+ * are 8 masks of 64 bits (bit 4r + i of mask v: the fifth bit of value 4v + i of row r); Q8_0
+ * stores the 8 vectors of bytes. A group of 16 rows is its K / 32 records in block order, and a
+ * packed matrix its N / 16 groups. The dot products count u x, and q x = u x - bias sum(x) takes
+ * the bias off with x's block sums (kvref_mv.xsum). */
+#define KVREF_PACK_ROWS 16
+static inline int kvref_packable(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 || type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q5_0 || type == KVREF_TYPE_Q8_0;
+}
+static inline int32_t kvref_pack_bias(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 ? 8 : type == KVREF_TYPE_Q4_1 ? 0 : type == KVREF_TYPE_Q5_0 ? 16 : 128;
+}
+/* bytes of one record, and where its value bytes start */
+static inline int64_t kvref_pack_record_bytes(int32_t type) { return KVREF_PACK_ROWS * kvref_q8_block_bytes(type); }
+static inline int64_t kvref_pack_values_at(int32_t type) {
+    return type == KVREF_TYPE_Q4_1 ? 64 : type == KVREF_TYPE_Q5_0 ? 96 : 32; /* after d [16] (and m [16], or 8 masks) */
+}
+/* rows 0 .. nr-1 of w (nr <= 16, rb bytes each, K values of a packable type) -> one packed group,
+ * rows nr .. 15 zero */
+void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group);
+/* xsum [K/32] = the integer sums of the 32-value blocks of qs [K] */
+void kvref_block_sums(int64_t K, const int8_t *qs, int32_t *xsum);
+
 float kvref_silu_ref(float g);
 void kvref_to_fp16_ref(int64_t n, const float *x, uint16_t *out);
 
@@ -533,17 +562,25 @@ void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
 
 /* bytes of the pool's shared buffer kvref_matmul_int8_run needs (the caller reserves them) */
 size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K);
+/* x [T, K] rounded to 8-bit blocks for the packed kernels, in the pool's shared buffer
+ * (kvref_matmul_int8_shared_bytes(T, K), reserved by the caller): qs [T, K], ds [T, K/32, 2] and
+ * xsum [T, K/32] */
+void kvref_quantize_rows(kvref_pool *pool, const float *x, int64_t T, int64_t K, const int8_t **qs, const float **ds,
+                         const int32_t **xsum);
+/* per-thread scratch bytes kvref_matmul_int8_run needs for T rows of x of K columns */
+size_t kvref_matmul_int8_scratch_bytes(int64_t T, int64_t K);
 /* y [T, N] = x [T, K] @ W.T with x rounded to 8-bit blocks: the work of kvref_matmul_int8 (any T) */
 void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                            int32_t type, int64_t N, float *y);
 /* Up to three weights that share one input, for few rows of x (decode, below the GEMM switch): one
  * dispatch computes every part's rows. y_p[t * ldy + n] = dot(x[t], W_p[n]) (+= with accumulate:
- * the residual add). With xqs/xds (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2]), weights that
- * have an 8-bit kernel read those instead of x. With
- * glu, parts 0 and 1 are gate and up of equal N, and each unit finishes its rows with
- * y_0 = glu(y_0, y_1). Every element is one dot product whatever the split. */
+ * the residual add). With xqs (x in 8-bit blocks: qs [T, K], ds [T, K/32, 2], xsum [T, K/32]),
+ * packed parts read those with the packed kernel; the others read x. With glu, parts 0 and 1 are
+ * gate and up of equal N, and each unit finishes its rows with y_0 = glu(y_0, y_1). Every element
+ * is one dot product whatever the split. */
 typedef struct kvref_mv_part {
     const uint8_t *w;          /* [N, kvref_row_nbytes(type, K)] */
+    const uint8_t *packed;     /* the same rows packed (kvref_pack_group, group after group), or NULL */
     int32_t type;
     int64_t N;
     float *y;                  /* [T, ldy], columns [0, N) written */
@@ -554,6 +591,7 @@ typedef struct kvref_mv {
     const float *x;            /* [T, K] */
     const int8_t *xqs;         /* [T, K] or NULL */
     const float *xds;          /* [T, K / 32, 2] */
+    const int32_t *xsum;       /* [T, K / 32] */
     int64_t T, K;
     int nparts;
     kvref_mv_part part[3];

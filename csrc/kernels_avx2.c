@@ -665,124 +665,114 @@ TARGET static void attn_exp(int64_t G, int64_t n, const float *m, float *p, floa
 
 /* ---- 8-bit activations: integer dot products with maddubs ---------------------------------- */
 
-/* a block's 16 nibble bytes -> its 32 values 0..15 as bytes, in value order */
-TARGET static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-}
-
-/* unsigned bytes u times signed bytes s, summed in 8 int32 lanes and converted (exact: each lane
- * is at most 4 * 128 * 127 in magnitude; maddubs pairs stay below its int16 saturation) */
-TARGET static inline __m256 idot_ps(__m256i u, __m256i s) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
-TARGET static inline __m256i load_qs(const int8_t *qs) { return _mm256_loadu_si256((const __m256i *)qs); }
-
-/* a Q5_0 block's 32 bit qh -> 32 bytes, byte j 16 where bit j is set, else 0 (llama.cpp's
- * bytes_from_bits_32: each byte of qh copied to 8 lanes, then one bit tested per lane) */
-TARGET static inline __m256i high_bits32(uint32_t qh) {
+/* 32 bits -> 32 bytes, byte j 16 where bit j is set, else 0 (llama.cpp's bytes_from_bits_32: each
+ * byte of the bits copied to 8 lanes, then one bit tested per lane) */
+TARGET static inline __m256i high_bits32(uint32_t bits) {
     const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
-    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
-/* a Q5_0 block's 32 values q - 16 as signed bytes, in value order */
-TARGET static inline __m256i q5_0_values(const uint8_t *w) {
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), high_bits32(kvref_q5_high_bits(w))), _mm256_set1_epi8(16));
-}
-
-/* The weight half of block b's 8-bit dot, decoded once for every row of x: u, the unsigned operand
- * (|q| for the signed types, whose signs sgn move onto x, so |q| can be maddubs's unsigned operand;
- * Q4_1's q in 0..15), and dm = [d, m] (m for Q4_1 only) */
-TARGET static ALWAYS_INLINE void q8_block_weights(int32_t type, const uint8_t *w, __m256i *u, __m256i *sgn, __m128 *dm) {
-    __m256i q;
-    switch (type) {
-    case KVREF_TYPE_Q4_1: {
-        uint32_t v;
-        memcpy(&v, w, 4);
-        *u = nibbles32(w + 4);
-        *sgn = _mm256_setzero_si256();
-        *dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
+/* The 8 value vectors of rows 8h .. 8h+7 of a packed record (internal.h): u[v] holds values 4v ..
+ * 4v+3 of row 8h + r in lane r, unsigned, but for Q8_0 the signed q (u - 128: maddubs's unsigned
+ * operand must stay below 128 for its int16 pair sums, so Q8_0's signs move onto x). */
+TARGET static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec, int h, __m256i u[8]) {
+    const uint8_t *vals = rec + kvref_pack_values_at(type) + 32 * h;
+    if (type == KVREF_TYPE_Q8_0) {
+        for (int v = 0; v < 8; v++)
+            u[v] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(vals + 64 * v)), _mm256_set1_epi8(-128));
         return;
     }
-    case KVREF_TYPE_Q4_0: q = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); break;
-    case KVREF_TYPE_Q5_0: q = q5_0_values(w); break;
-    default: q = _mm256_loadu_si256((const __m256i *)(w + 2)); /* Q8_0 */
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(vals + 64 * j));
+        u[j] = _mm256_and_si256(b, low4);
+        u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
     }
-    *u = _mm256_sign_epi8(q, q);
-    *sgn = q;
-    *dm = _mm_set_ss(fp16_load(w));
+    if (type == KVREF_TYPE_Q5_0)
+        for (int v = 0; v < 8; v++) {
+            uint64_t high;
+            memcpy(&high, rec + 32 + 8 * v, 8);
+            u[v] = _mm256_or_si256(u[v], high_bits32((uint32_t)(high >> (32 * h))));
+        }
 }
 
-/* Block b of a weight row against the R rows of x in 8-bit blocks, into chain c of each row's
- * accumulators (c a constant once inlined): a[r][c] += the block sum times d_w d_x, and for Q4_1
- * m[r][c] += [d_w d_x, m_w s_x] (lane 1: the offset term) */
-TARGET static ALWAYS_INLINE void q8_block_rows(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
-                                               const float *ds, int64_t b, const int R, const int c,
-                                               __m256 a[][2], __m128 m[][2]) {
-    const int64_t nds = K / 16;
-    __m256i u, sgn;
-    __m128 dm;
-    q8_block_weights(type, w + b * kvref_q8_block_bytes(type), &u, &sgn, &dm);
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++) {
-        const __m256i xq = load_qs(qs + r * K + 32 * b);
-        const float *dx = ds + r * nds + 2 * b;
-        if (type == KVREF_TYPE_Q4_1) {
-            const __m128 s = _mm_mul_ps(dm, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)dx)));
-            a[r][c] = _mm256_fmadd_ps(idot_ps(u, xq), _mm256_broadcastss_ps(s), a[r][c]);
-            m[r][c] = _mm_add_ps(m[r][c], s);
-        } else {
-            a[r][c] = _mm256_fmadd_ps(idot_ps(u, _mm256_sign_epi8(xq, sgn)), _mm256_set1_ps(_mm_cvtss_f32(dm) * dx[0]), a[r][c]);
+/* one row of x's integer block sums against the 8 value vectors: maddubs pairs, then int32 lanes.
+ * A 4-bit or 5-bit u gives pairs of at most 2 * 31 * 127, so four add up in int16; a Q8_0 pair
+ * |q| |x| reaches 2 * 128 * 127 and widens at once. */
+TARGET static ALWAYS_INLINE __m256i packed_isum(int32_t type, const __m256i u[8], const int8_t *x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_setzero_si256();
+    if (type == KVREF_TYPE_Q8_0) {
+        for (int v = 0; v < 8; v++) {
+            int32_t x4;
+            memcpy(&x4, x + 4 * v, 4);
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), u[v]);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[v], u[v]), xs), ones));
+        }
+        return sum;
+    }
+    for (int half = 0; half < 8; half += 4) {
+        __m256i pairs = _mm256_setzero_si256();
+        for (int v = half; v < half + 4; v++) {
+            int32_t x4;
+            memcpy(&x4, x + 4 * v, 4);
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[v], _mm256_set1_epi32(x4)));
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
+    return sum;
+}
+
+/* R rows of x against rows 8h .. 8h+7 of one packed group: the scalar kernel's operations per lane
+ * (Q8_0's sums are q x directly, the others' u x less the bias times x's block sum) */
+TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
+                                                 const float *ds, const int32_t *xsum, const int R, int h, float *out) {
+    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
+    const int32_t bias = type == KVREF_TYPE_Q8_0 ? 0 : kvref_pack_bias(type);
+    __m256 acc[4];
+    for (int t = 0; t < R; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = group + b * rec_bytes;
+        __m256i u[8];
+        packed_values(type, rec, h, u);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(rec + 16 * h)));
+        for (int t = 0; t < R; t++) {
+            __m256i isum = packed_isum(type, u, qs + t * K + 32 * b);
+            if (bias != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(bias * xsum[t * nb + b]));
+            const float *xd = ds + (t * nb + b) * 2;
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(xd[0]), d), acc[t]);
+            if (type == KVREF_TYPE_Q4_1) {
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(rec + 32 + 16 * h)));
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xd[1]), acc[t]);
+            }
         }
     }
+    for (int t = 0; t < R; t++) _mm256_storeu_ps(out + KVREF_PACK_ROWS * t + 8 * h, acc[t]);
 }
 
-/* The dot of one weight row with the R rows of x in 8-bit blocks (qs [R, K], ds [R, K/32, 2]):
- * blocks alternate between two chains per row; each row's operations are those of R = 1. */
-TARGET static ALWAYS_INLINE void dot_q8_avx2(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
-                                             const float *ds, const int R, float *out, int64_t ldo) {
+/* T <= 8 rows of x in blocks of 4, 2, 1, each half of the group's rows in turn */
+TARGET static ALWAYS_INLINE void packed_dot_type(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
+                                                 const float *ds, const int32_t *xsum, int64_t T, float *out) {
     const int64_t nb = K / 32;
-    __m256 a[ROWS_MAX][2];
-    __m128 m[ROWS_MAX][2];
-    for (int r = 0; r < R; r++) {
-        a[r][0] = a[r][1] = _mm256_setzero_ps();
-        m[r][0] = m[r][1] = _mm_setzero_ps();
-    }
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        q8_block_rows(type, K, w, qs, ds, b, R, 0, a, m);
-        q8_block_rows(type, K, w, qs, ds, b + 1, R, 1, a, m);
-    }
-    if (b < nb) q8_block_rows(type, K, w, qs, ds, b, R, 0, a, m);
-    for (int r = 0; r < R; r++) {
-        const float sum = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
-        out[r * ldo] = type == KVREF_TYPE_Q4_1 ? sum + _mm_cvtss_f32(_mm_movehdup_ps(_mm_add_ps(m[r][0], m[r][1]))) : sum;
+    for (int h = 0; h < 2; h++) {
+        int64_t t = 0;
+        for (; t + 4 <= T; t += 4) packed_dot_half(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 4, h, out + 16 * t);
+        for (; t + 2 <= T; t += 2) packed_dot_half(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 2, h, out + 16 * t);
+        for (; t < T; t++) packed_dot_half(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 1, h, out + 16 * t);
     }
 }
 
-/* kvref_avx2_vec_dot_q8_<name> (R = 1) and vec_dot_q8_rows_<name> (blocks of RB rows, then 1) */
-#define DOT_Q8_KERNELS(name, type, RB)                                                                    \
-    TARGET float kvref_avx2_vec_dot_q8_##name(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) { \
-        float r;                                                                                          \
-        dot_q8_avx2(type, K, w, qs, ds, 1, &r, 0);                                                        \
-        return r;                                                                                         \
-    }                                                                                                     \
-    TARGET static void vec_dot_q8_rows_##name(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds, \
-                                              int64_t T, float *out, int64_t ldo) {                       \
-        const int64_t nds = K / 16;                                                                       \
-        int64_t t = 0;                                                                                    \
-        for (; t + (RB) <= T; t += (RB)) dot_q8_avx2(type, K, w, qs + t * K, ds + t * nds, (RB), out + t * ldo, ldo); \
-        for (; t < T; t++) dot_q8_avx2(type, K, w, qs + t * K, ds + t * nds, 1, out + t * ldo, ldo);      \
+TARGET void kvref_avx2_packed_dot(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
+                                  const int32_t *xsum, int64_t T, float *out) {
+    switch (type) { /* the type a constant in each copy */
+    case KVREF_TYPE_Q4_0: packed_dot_type(KVREF_TYPE_Q4_0, K, group, qs, ds, xsum, T, out); break;
+    case KVREF_TYPE_Q4_1: packed_dot_type(KVREF_TYPE_Q4_1, K, group, qs, ds, xsum, T, out); break;
+    case KVREF_TYPE_Q5_0: packed_dot_type(KVREF_TYPE_Q5_0, K, group, qs, ds, xsum, T, out); break;
+    default: packed_dot_type(KVREF_TYPE_Q8_0, K, group, qs, ds, xsum, T, out);
     }
-
-/* Q4_1 keeps four accumulators a row (two rows per block), the others two (four rows) */
-DOT_Q8_KERNELS(q4_0, KVREF_TYPE_Q4_0, 4)
-DOT_Q8_KERNELS(q4_1, KVREF_TYPE_Q4_1, 2)
-DOT_Q8_KERNELS(q5_0, KVREF_TYPE_Q5_0, 4)
-DOT_Q8_KERNELS(q8_0, KVREF_TYPE_Q8_0, 4)
+}
 
 /* the scalar kernel's blocks: the same d, 1/d and rint (cvtps rounds to nearest even) */
 TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds) {
@@ -844,14 +834,7 @@ const kvref_kernels kvref_kernels_avx2 = {
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8},
     .swiglu = swiglu,
     .geglu = geglu,
-    .vec_dot_q8 = {
-        [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
-        [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
-    },
-    .vec_dot_q8_rows = {
-        [KVREF_TYPE_Q4_0] = vec_dot_q8_rows_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_rows_q4_1,
-        [KVREF_TYPE_Q5_0] = vec_dot_q8_rows_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_rows_q8_0,
-    },
+    .packed_dot = kvref_avx2_packed_dot,
     .quantize_q8 = quantize_q8,
     .read_sum = read_sum,
     .to_fp16 = to_fp16,

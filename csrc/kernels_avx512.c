@@ -1047,168 +1047,92 @@ TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
     for (; i < n; i++) out[i] = kvref_fp32_to_fp16(x[i]);
 }
 
-/* VNNI: vpdpbusd sums four unsigned x signed byte products per int32 lane in one instruction. The
- * kernels take two 32-value blocks per 512-bit vector: lanes 0-7 hold block b's partial sums,
- * lanes 8-15 block b+1's, and one vector of scales [s_b x 8, s_b+1 x 8] weights them. */
+/* VNNI: vpdpbusd sums four unsigned x signed byte products per int32 lane in one instruction. */
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-/* the nibble bytes of two blocks (16 each, at qa and qb) -> their 64 values 0..15 as bytes, in order */
-TARGET_VNNI static inline __m512i nibbles64(const uint8_t *qa, const uint8_t *qb) {
-    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
-                                              _mm_loadu_si128((const __m128i *)qb), 1);
-    const __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1); /* lo_a lo_b hi_a hi_b */
-    return _mm512_and_si512(_mm512_shuffle_i64x2(qq, qq, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
-}
+/* ---- packed weights (internal.h): 16 rows per vector, one lane each -------------------------- */
 
-/* 32 bytes at a, then 32 at b */
-TARGET_VNNI static inline __m512i load2x32(const uint8_t *a, const uint8_t *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-
-/* lanes 0-7 <- v[0], lanes 8-15 <- v[2] */
-TARGET_VNNI static inline __m512 spread02(__m128 v) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), _mm512_castps128_ps512(v));
-}
-
-/* the float16 pairs (d, m) at wa and wb -> [d_a, m_a, d_b, m_b] */
-TARGET_VNNI static inline __m128 dm_pair(const uint8_t *wa, const uint8_t *wb) {
-    uint32_t a, b;
-    memcpy(&a, wa, 4);
-    memcpy(&b, wb, 4);
-    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)a), (int)b, 1));
-}
-
-/* the float16 scales at wa and wb -> [d_a, 0, d_b, 0] */
-TARGET_VNNI static inline __m128 d_pair(const uint8_t *wa, const uint8_t *wb) {
-    return _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(kvref_load_u16(wa)), (short)kvref_load_u16(wb), 2));
-}
-
-TARGET_VNNI static inline float lanes13(__m128 v) {
-    return _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
-}
-
-/* The weight half of a pair of blocks at wa, wb (decoded once for every row of x): u, the unsigned
- * operand of the four-byte dot products (Q8_0: |w|, its signs in neg move onto x; |-128| = 128), and
- * the scales [d_a, m_a, d_b, m_b] (m = 0 but for Q4_1). */
-TARGET_VNNI static ALWAYS_INLINE void q8_pair_weights(int32_t type, const uint8_t *wa, const uint8_t *wb, __m512i *u,
-                                                      __mmask64 *neg, __m128 *ws) {
-    *neg = 0;
-    switch (type) {
-    case KVREF_TYPE_Q4_1: /* values q in 0..15 */
-        *u = nibbles64(wa + 4, wb + 4);
-        *ws = dm_pair(wa, wb);
+/* the 8 value vectors of a packed record: u[v] holds values 4v .. 4v+3 of row r in lane r */
+TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec, __m512i u[8]) {
+    const uint8_t *vals = rec + kvref_pack_values_at(type);
+    if (type == KVREF_TYPE_Q8_0) {
+        for (int v = 0; v < 8; v++) u[v] = _mm512_loadu_si512(vals + 64 * v);
         return;
-    case KVREF_TYPE_Q4_0: /* values q - 8: the 8 comes off in q8_pair_sums */
-        *u = nibbles64(wa + 2, wb + 2);
-        break;
-    case KVREF_TYPE_Q5_0: { /* values q - 16, q = nibble | fifth bit (one bit of qh_a, qh_b per byte) */
-        const __mmask64 hb = (__mmask64)kvref_q5_high_bits(wa) | (__mmask64)kvref_q5_high_bits(wb) << 32;
-        const __m512i nib = nibbles64(wa + 6, wb + 6);
-        *u = _mm512_mask_add_epi8(nib, hb, nib, _mm512_set1_epi8(16));
-        break;
     }
-    default: { /* Q8_0: signed values */
-        const __m512i v = load2x32(wa + 2, wb + 2);
-        *neg = _mm512_movepi8_mask(v);
-        *u = _mm512_abs_epi8(v);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i b = _mm512_loadu_si512(vals + 64 * j);
+        u[j] = _mm512_and_si512(b, low4);
+        u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
-    }
-    *ws = d_pair(wa, wb); /* lanes 1, 3: 0, so 0 * s */
+    if (type == KVREF_TYPE_Q5_0)
+        for (int v = 0; v < 8; v++) {
+            uint64_t high;
+            memcpy(&high, rec + 32 + 8 * v, 8);
+            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)high, u[v], _mm512_set1_epi8(16));
+        }
 }
 
-/* the pair's int32 block sums (lanes 0-7 block a's, 8-15 block b's) against x's 64 bytes xv */
-TARGET_VNNI static ALWAYS_INLINE __m512i q8_pair_sums(int32_t type, __m512i u, __mmask64 neg, __m512i xv) {
-    const __m512i zero = _mm512_setzero_si512();
-    switch (type) {
-    case KVREF_TYPE_Q4_1: return _mm512_dpbusd_epi32(zero, u, xv);
-    case KVREF_TYPE_Q4_0: /* sum (q - 8) x = sum q x - sum 8 x */
-        return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv), _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(8), xv));
-    case KVREF_TYPE_Q5_0:
-        return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv), _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(16), xv));
-    default: return _mm512_dpbusd_epi32(zero, u, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-    }
-}
-
-/* the AVX2 kernel of one 32-value block: an odd last block */
-TARGET_VNNI static ALWAYS_INLINE float q8_last_block(int32_t type, const uint8_t *w, const int8_t *qs, const float *ds) {
-    switch (type) {
-    case KVREF_TYPE_Q4_0: return kvref_avx2_vec_dot_q8_q4_0(32, w, qs, ds);
-    case KVREF_TYPE_Q4_1: return kvref_avx2_vec_dot_q8_q4_1(32, w, qs, ds);
-    case KVREF_TYPE_Q5_0: return kvref_avx2_vec_dot_q8_q5_0(32, w, qs, ds);
-    default: return kvref_avx2_vec_dot_q8_q8_0(32, w, qs, ds);
-    }
-}
-
-/* Pair p (blocks 2p, 2p+1) of a weight row against the R rows of x in 8-bit blocks, into chain c of
- * each row's accumulators: a[r][c] += the pair's block sums times their scales d_w d_x, m[r][c] += the
- * scales (lanes 1, 3: m_w s_x, Q4_1's offset term). c is a constant once inlined. */
-TARGET_VNNI static ALWAYS_INLINE void q8_pair_rows(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
-                                                   const float *ds, int64_t p, const int R, const int c,
-                                                   __m512 a[][2], __m128 m[][2]) {
-    const int64_t bytes = kvref_q8_block_bytes(type), nds = K / 16;
-    __m512i u;
-    __mmask64 neg;
-    __m128 ws;
-    q8_pair_weights(type, w + 2 * p * bytes, w + (2 * p + 1) * bytes, &u, &neg, &ws);
+/* R rows of x against one packed group: per block, the record's values decoded once, then per row
+ * of x eight four-byte dot products (x's four bytes broadcast, in two chains), the bias off, and
+ * the scalar kernel's fused multiply-adds, lane r for weight row r. */
+TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
+                                                      const float *ds, const int32_t *xsum, const int R, float *out) {
+    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
+    const int32_t bias = kvref_pack_bias(type);
+    __m512 acc[8];
     UNROLL_ROWS
-    for (int r = 0; r < R; r++) {
-        const __m512i isum = q8_pair_sums(type, u, neg, _mm512_loadu_si512(qs + r * K + 64 * p));
-        const __m128 sc = _mm_mul_ps(ws, _mm_loadu_ps(ds + r * nds + 4 * p));
-        a[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), spread02(sc), a[r][c]);
-        m[r][c] = _mm_add_ps(m[r][c], sc);
+    for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = group + b * rec_bytes;
+        __m512i u[8];
+        packed_values(type, rec, u);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)rec));
+        UNROLL_ROWS
+        for (int t = 0; t < R; t++) {
+            const int8_t *x = qs + t * K + 32 * b;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v += 2) {
+                int32_t x0, x1;
+                memcpy(&x0, x + 4 * v, 4);
+                memcpy(&x1, x + 4 * v + 4, 4);
+                s0 = _mm512_dpbusd_epi32(s0, u[v], _mm512_set1_epi32(x0));
+                s1 = _mm512_dpbusd_epi32(s1, u[v + 1], _mm512_set1_epi32(x1));
+            }
+            __m512i isum = _mm512_add_epi32(s0, s1);
+            if (bias != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(bias * xsum[t * nb + b]));
+            const float *xd = ds + (t * nb + b) * 2;
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(xd[0]), d), acc[t]);
+            if (type == KVREF_TYPE_Q4_1) {
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(rec + 32)));
+                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xd[1]), acc[t]);
+            }
+        }
     }
+    UNROLL_ROWS
+    for (int t = 0; t < R; t++) _mm512_storeu_ps(out + KVREF_PACK_ROWS * t, acc[t]);
 }
 
-/* The dot of one weight row with the R rows of x in 8-bit blocks (qs [R, K], ds [R, K/32, 2]):
- * pairs of blocks, alternating between two chains per row so consecutive FMAs do not wait on each
- * other; each row's operations are those of R = 1, as for the float kernels. */
-TARGET_VNNI static ALWAYS_INLINE void dot_q8_vnni(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
-                                                  const float *ds, const int R, float *out, int64_t ldo) {
-    const int64_t bytes = kvref_q8_block_bytes(type), nb = K / 32, nds = K / 16;
-    __m512 a[ROWS_MAX][2];
-    __m128 m[ROWS_MAX][2];
-    UNROLL_ROWS
-    for (int r = 0; r < R; r++) {
-        a[r][0] = a[r][1] = _mm512_setzero_ps();
-        m[r][0] = m[r][1] = _mm_setzero_ps();
-    }
-    int64_t p = 0;
-    for (; 2 * p + 4 <= nb; p += 2) {
-        q8_pair_rows(type, K, w, qs, ds, p, R, 0, a, m);
-        q8_pair_rows(type, K, w, qs, ds, p + 1, R, 1, a, m);
-    }
-    if (2 * p + 2 <= nb) q8_pair_rows(type, K, w, qs, ds, p++, R, 0, a, m);
-    const int64_t b = 2 * p;
-    UNROLL_ROWS
-    for (int r = 0; r < R; r++) {
-        float acc = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1])) + lanes13(_mm_add_ps(m[r][0], m[r][1]));
-        if (b < nb) acc += q8_last_block(type, w + b * bytes, qs + r * K + 32 * b, ds + r * nds + 2 * b);
-        out[r * ldo] = acc;
-    }
+/* T <= 8 rows of x in blocks of 8, 4, 2, 1 (each row's operations are the same in any) */
+TARGET_VNNI static ALWAYS_INLINE void packed_dot_type(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
+                                                      const float *ds, const int32_t *xsum, int64_t T, float *out) {
+    const int64_t nb = K / 32;
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 8, out + 16 * t);
+    for (; t + 4 <= T; t += 4) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 4, out + 16 * t);
+    for (; t + 2 <= T; t += 2) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 2, out + 16 * t);
+    for (; t < T; t++) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 1, out + 16 * t);
 }
 
-/* vec_dot_q8_<name>_vnni (R = 1) and vec_dot_q8_rows_<name>_vnni (blocks of 4 rows: 16 accumulators,
- * then 2, then 1) */
-#define DOT_Q8_KERNELS(name, type)                                                                        \
-    TARGET_VNNI static float vec_dot_q8_##name##_vnni(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) { \
-        float r;                                                                                          \
-        dot_q8_vnni(type, K, w, qs, ds, 1, &r, 0);                                                        \
-        return r;                                                                                         \
-    }                                                                                                     \
-    TARGET_VNNI static void vec_dot_q8_rows_##name##_vnni(int64_t K, const uint8_t *w, const int8_t *qs, \
-                                                          const float *ds, int64_t T, float *out, int64_t ldo) { \
-        const int64_t nds = K / 16;                                                                       \
-        int64_t t = 0;                                                                                    \
-        for (; t + 4 <= T; t += 4) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 4, out + t * ldo, ldo); \
-        for (; t + 2 <= T; t += 2) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 2, out + t * ldo, ldo); \
-        for (; t < T; t++) dot_q8_vnni(type, K, w, qs + t * K, ds + t * nds, 1, out + t * ldo, ldo);       \
+TARGET_VNNI static void packed_dot_vnni(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
+                                        const float *ds, const int32_t *xsum, int64_t T, float *out) {
+    switch (type) { /* the type a constant in each copy */
+    case KVREF_TYPE_Q4_0: packed_dot_type(KVREF_TYPE_Q4_0, K, group, qs, ds, xsum, T, out); break;
+    case KVREF_TYPE_Q4_1: packed_dot_type(KVREF_TYPE_Q4_1, K, group, qs, ds, xsum, T, out); break;
+    case KVREF_TYPE_Q5_0: packed_dot_type(KVREF_TYPE_Q5_0, K, group, qs, ds, xsum, T, out); break;
+    default: packed_dot_type(KVREF_TYPE_Q8_0, K, group, qs, ds, xsum, T, out);
     }
-
-DOT_Q8_KERNELS(q4_0, KVREF_TYPE_Q4_0)
-DOT_Q8_KERNELS(q4_1, KVREF_TYPE_Q4_1)
-DOT_Q8_KERNELS(q5_0, KVREF_TYPE_Q5_0)
-DOT_Q8_KERNELS(q8_0, KVREF_TYPE_Q8_0)
+}
 
 /* ---- 8-bit GEMM on 8-bit tiles (internal.h) ---------------------------------------------- */
 
@@ -1515,16 +1439,13 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
     .read_sum = read_sum,                                                                        \
     .to_fp16 = to_fp16
 
-/* AVX-512 without VNNI: the 8-bit dots are the AVX2 kernels (kernels_avx2.c) */
+/* AVX-512 without VNNI: the packed 8-bit kernel is AVX2's (kernels_avx2.c) */
 const kvref_kernels kvref_kernels_avx512 = {
     .isa = KVREF_ISA_AVX512,
     AVX512_TABLE_COMMON,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,
              .kivi_lanes = 32},
-    .vec_dot_q8 = {
-        [KVREF_TYPE_Q4_0] = kvref_avx2_vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = kvref_avx2_vec_dot_q8_q4_1,
-        [KVREF_TYPE_Q5_0] = kvref_avx2_vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = kvref_avx2_vec_dot_q8_q8_0,
-    },
+    .packed_dot = kvref_avx2_packed_dot,
 };
 
 const kvref_kernels kvref_kernels_avx512_vnni = {
@@ -1532,14 +1453,7 @@ const kvref_kernels kvref_kernels_avx512_vnni = {
     AVX512_TABLE_COMMON,
     .attn = {.score = attn_score_vnni, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,
              .kivi_lanes = 32},
-    .vec_dot_q8 = {
-        [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1_vnni,
-        [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0_vnni,
-    },
-    .vec_dot_q8_rows = {
-        [KVREF_TYPE_Q4_0] = vec_dot_q8_rows_q4_0_vnni, [KVREF_TYPE_Q4_1] = vec_dot_q8_rows_q4_1_vnni,
-        [KVREF_TYPE_Q5_0] = vec_dot_q8_rows_q5_0_vnni, [KVREF_TYPE_Q8_0] = vec_dot_q8_rows_q8_0_vnni,
-    },
+    .packed_dot = packed_dot_vnni,
     .gemm_q8 = gemm_q8_vnni,
     .q8_tile = q8_tile_vnni,
 };

@@ -106,12 +106,13 @@ int kvref_matmul(kvref_pool *pool,
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block; a block
  * offset m (Q4_1's) multiplies x~'s block sum d_b * sum q[j], so y is x~ @ W.T up to float32
- * rounding. This holds for Q4_0, Q4_1, Q5_0 and Q8_0 weights always, and for Q4_K (its 32-value
- * sub-blocks' offsets as Q4_1's) and Q6_K where the integer GEMM runs: from KVREF_GEMM_Q8_MIN_T rows
- * of x on, with the scalar kernels or AVX-512 VNNI, the
- * weights are decoded to 8-bit tiles and multiplied as an integer GEMM; elsewhere each row is a dot
- * product per weight row. Every other case gives exactly kvref_matmul's result. Arguments as
- * kvref_matmul. */
+ * rounding. Each output is the sum over blocks b, in order, of fl(d_x d_w) I_b and then (with an
+ * offset) m_w s_x, each a fused multiply-add into a float32 sum, I_b the exact integer dot product:
+ * for Q4_0, Q4_1, Q5_0 and Q8_0 weights always, bit for bit whatever T, the instruction set or the
+ * thread count (from KVREF_GEMM_Q8_MIN_T rows of x on, with the scalar kernels or AVX-512 VNNI, as
+ * an integer GEMM on 8-bit tiles, else on weights packed per call as kvref_pack_int8 packs them);
+ * and for Q4_K (its 32-value sub-blocks' offsets as Q4_1's) and Q6_K where the integer GEMM runs.
+ * Every other case gives exactly kvref_matmul's result. Arguments as kvref_matmul. */
 int kvref_matmul_int8(kvref_pool *pool,
                       const float *x, int64_t T, int64_t K,
                       const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
@@ -128,8 +129,9 @@ enum { KVREF_PROBE_UNIT = 1048576 };
  * of x (the decode path, batched decode included). Chosen by shape (rows of x, activation mode),
  * never by thread count, from measurements on SmolLM2's shapes (docs/benchmarks.md): the float
  * dot kernels load a vector of x per fused multiply-add, so from 5 rows on the GEMM (one broadcast
- * per row and weight tile row) is as fast; the 8-bit dots (kvref_matmul_int8) do 64 products per
- * instruction and stay faster than the 8-bit GEMM through 8 rows. */
+ * per row and weight tile row) is as fast. With int8 activations, Q4_0, Q4_1, Q5_0 and Q8_0 give
+ * the same sums on either side (kvref_matmul_int8), and the fused forward runs them on its packed
+ * copies at every T; the switch decides where Q4_K and Q6_K become 8-bit. */
 enum { KVREF_GEMM_MIN_T = 5, KVREF_GEMM_Q8_MIN_T = 9 };
 int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum);
 
@@ -243,7 +245,20 @@ typedef struct kvref_tensor {
     int64_t nbytes;            /* rows * kvref_row_nbytes(type, cols) */
     int32_t type;              /* a kvref_type */
     int64_t rows, cols;
+    const void *packed;        /* NULL, or the same matrix packed by kvref_pack_int8, which the int8
+                                  activation mode reads instead of data (a projection or the LM head) */
 } kvref_tensor;
+
+/* Bytes of a [rows, cols] weight of `type` packed for the int8 activation mode: Q4_0, Q4_1, Q5_0
+ * and Q8_0 weights are, in as many bytes as the file's (rows rounded up to 16); 0 for the other
+ * types, which that mode reads in file layout. */
+int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols);
+/* w (as kvref_matmul takes it) -> out [out_nbytes = kvref_packed_nbytes(...)], 64-byte aligned: its
+ * rows 16 at a time in the layout of the int8 mode's kernels, whose every 4-byte dot product
+ * instruction multiplies 16 weight rows by the same 4 bytes of x. KVREF_ERR_TYPE for a type
+ * kvref_packed_nbytes gives 0. */
+int kvref_pack_int8(const void *w, int32_t w_type, int64_t w_nbytes, int64_t rows, int64_t cols, void *out,
+                    int64_t out_nbytes);
 
 /* One transformer block's weights (shapes in the legend above; F = d_ff) and its attention's
  * per-layer settings. The optional fields are those of the families besides Llama (ModelConfig's

@@ -31,12 +31,13 @@ static inline void prefetch_row(const uint8_t *w, int64_t n, int64_t n1, int64_t
     }
 }
 
-/* rows per vec_dot unit for `rows` rows in all: units only schedule rows, each y[t, n] is the
- * same dot product whatever the unit size */
+/* rows per vec_dot unit for `rows` rows in all, whole packed groups (internal.h): units only
+ * schedule rows, each y[t, n] is the same dot product whatever the unit size */
 static int64_t vec_unit_rows(kvref_pool *pool, int64_t rows) {
     const int64_t parts = kvref_pool_threads(pool) * KVREF_VEC_UNITS_PER_THREAD;
     const int64_t per_unit = (rows + parts - 1) / parts;
-    return per_unit < KVREF_VEC_UNIT_MIN ? KVREF_VEC_UNIT_MIN : per_unit;
+    _Static_assert(KVREF_VEC_UNIT_MIN % KVREF_PACK_ROWS == 0, "units of whole groups");
+    return per_unit < KVREF_VEC_UNIT_MIN ? KVREF_VEC_UNIT_MIN : (per_unit + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS * KVREF_PACK_ROWS;
 }
 
 typedef struct {
@@ -84,7 +85,7 @@ void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
         return;
     }
     if (T < KVREF_GEMM_MIN_T) {
-        const kvref_mv mv = {x, NULL, NULL, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
+        const kvref_mv mv = {x, NULL, NULL, NULL, T, K, 1, {{w, NULL, type, N, y, N}}, 0, NULL};
         kvref_mv_run(pool, &mv);
         return;
     }
@@ -169,48 +170,176 @@ typedef struct {
     int64_t T, K;
     int8_t *qs;                /* [T, K] */
     float *ds;                 /* [T, K/32, 2] */
+    int32_t *xsum;             /* [T, K/32], or NULL: q stored + 128 for the GEMM */
 } quantize_ctx;
 
-/* rows of x -> 8-bit blocks, stored + 128 as the GEMM reads them */
+void kvref_block_sums(int64_t K, const int8_t *qs, int32_t *xsum) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) sum += qs[32 * b + j];
+        xsum[b] = sum;
+    }
+}
+
+/* rows of x -> 8-bit blocks: with their integer sums for the packed kernels, or stored + 128 as
+ * the GEMM reads them */
 static void quantize_unit(void *vctx, int64_t unit, int thread) {
     const quantize_ctx *c = vctx;
     (void)thread;
     const int64_t t0 = unit * Q8_ROWS_PER_UNIT, t1 = t0 + Q8_ROWS_PER_UNIT < c->T ? t0 + Q8_ROWS_PER_UNIT : c->T;
-    for (int64_t t = t0; t < t1; t++) c->kk->quantize_q8(c->K, c->x + t * c->K, c->qs + t * c->K, c->ds + t * (c->K / 16));
+    for (int64_t t = t0; t < t1; t++) {
+        c->kk->quantize_q8(c->K, c->x + t * c->K, c->qs + t * c->K, c->ds + t * (c->K / 16));
+        if (c->xsum != NULL) kvref_block_sums(c->K, c->qs + t * c->K, c->xsum + t * (c->K / 32));
+    }
+    if (c->xsum != NULL) return;
     uint8_t *xu = (uint8_t *)c->qs;
     for (int64_t i = t0 * c->K; i < t1 * c->K; i++) xu[i] ^= 0x80; /* q + 128 in two's complement */
 }
 
 size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K) {
-    return (size_t)T * (size_t)K * 2; /* qs [T, K] int8, then ds [T, K/32, 2] float32 (8 bytes per 32 values) */
+    /* qs [T, K] int8, ds [T, K/32, 2] float32 and xsum [T, K/32] int32: 12 bytes per 32 values */
+    return (size_t)T * (size_t)K * 2;
+}
+
+void kvref_quantize_rows(kvref_pool *pool, const float *x, int64_t T, int64_t K, const int8_t **qs, const float **ds,
+                         const int32_t **xsum) {
+    int8_t *q = kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)); /* reserved: no allocation */
+    float *d = (float *)(void *)(q + T * K);
+    int32_t *sums = (int32_t *)(void *)(d + T * (K / 16));
+    quantize_ctx qc = {kvref_pool_kernels(pool), x, T, K, q, d, sums};
+    if (T < Q8_ROWS_PER_UNIT) quantize_unit(&qc, 0, 0); /* decode: not worth a dispatch */
+    else kvref_pool_run(pool, quantize_unit, &qc, (T + Q8_ROWS_PER_UNIT - 1) / Q8_ROWS_PER_UNIT);
+    *qs = q, *ds = d, *xsum = sums;
+}
+
+/* ---- packed weights (internal.h) ------------------------------------------------------------ */
+
+void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group) {
+    const int64_t rec_bytes = kvref_pack_record_bytes(type), bytes = kvref_q8_block_bytes(type);
+    const int32_t bias = kvref_pack_bias(type);
+    memset(group, 0, (size_t)(K / 32 * rec_bytes));
+    for (int64_t b = 0; b < K / 32; b++) {
+        uint8_t *rec = group + b * rec_bytes, *vals = rec + kvref_pack_values_at(type);
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *block = w + r * rb + b * bytes;
+            int8_t q[32];
+            float d, m;
+            kvref_q8_weight_block(type, w + r * rb, b, q, &d, &m);
+            memcpy(rec + 2 * r, block, 2); /* d, and Q4_1's m, stay float16 */
+            if (type == KVREF_TYPE_Q4_1) memcpy(rec + 32 + 2 * r, block + 2, 2);
+            for (int k = 0; k < 32; k++) {
+                const int v = k / 4, lane = 4 * (int)r + k % 4;
+                const uint8_t u = (uint8_t)(q[k] + bias);
+                if (type == KVREF_TYPE_Q8_0) {
+                    vals[64 * v + lane] = u;
+                    continue;
+                }
+                vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
+                if (u >> 4) rec[32 + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8)); /* Q5_0's fifth bit */
+            }
+        }
+    }
+}
+
+int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols) {
+    if (!kvref_packable(type) || rows < 0 || cols < 0 || cols % 32 != 0) return 0;
+    const int64_t groups = (rows + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS, group = cols / 32 * kvref_pack_record_bytes(type);
+    if (group > 0 && groups > INT64_MAX / group) return 0;
+    return groups * group;
+}
+
+int kvref_pack_int8(const void *w, int32_t w_type, int64_t w_nbytes, int64_t rows, int64_t cols, void *out,
+                    int64_t out_nbytes) {
+    if (rows < 0 || cols < 0 || w_nbytes < 0 || out_nbytes < 0) return KVREF_ERR_DIM;
+    if (!kvref_packable(w_type)) return KVREF_ERR_TYPE;
+    const int64_t rb = kvref_row_nbytes(w_type, cols);
+    if (rb < 0) return KVREF_ERR_SHAPE;
+    if (rows > 0 && rb > 0 && rows > INT64_MAX / rb) return KVREF_ERR_SIZE;
+    if (w_nbytes != rows * rb || out_nbytes != kvref_packed_nbytes(w_type, rows, cols)) return KVREF_ERR_SIZE;
+    if (out_nbytes == 0) return KVREF_OK;
+    if (w == NULL || out == NULL) return KVREF_ERR_NULL;
+    if ((uintptr_t)out % 64 != 0) return KVREF_ERR_VALUE;
+    const int64_t gb = KVREF_PACK_ROWS * rb;
+    for (int64_t n = 0; n < rows; n += KVREF_PACK_ROWS)
+        kvref_pack_group(w_type, cols, (const uint8_t *)w + n * rb, rb, rows - n < KVREF_PACK_ROWS ? rows - n : KVREF_PACK_ROWS,
+                         (uint8_t *)out + n / KVREF_PACK_ROWS * gb);
+    return KVREF_OK;
+}
+
+#define MV_ROWS 8 /* rows of x per multi-row dot call: a batch below either GEMM switch is one call */
+
+/* y[t * ldy + i] (=, or += with accumulate) rows i < nr of a packed group dotted with the T rows
+ * of x in 8-bit blocks, MV_ROWS rows of x per kernel call */
+static void packed_group_rows(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *group,
+                              const int8_t *qs, const float *ds, const int32_t *xsum, int64_t T, float *y,
+                              int64_t ldy, int64_t nr, int accumulate) {
+    float r[MV_ROWS * KVREF_PACK_ROWS];
+    for (int64_t t0 = 0; t0 < T; t0 += MV_ROWS) {
+        const int64_t nt = T - t0 < MV_ROWS ? T - t0 : MV_ROWS;
+        kk->packed_dot(type, K, group, qs + t0 * K, ds + t0 * (K / 16), xsum + t0 * (K / 32), nt, r);
+        for (int64_t t = 0; t < nt; t++) {
+            float *out = y + (t0 + t) * ldy;
+            for (int64_t i = 0; i < nr; i++)
+                out[i] = accumulate ? out[i] + r[t * KVREF_PACK_ROWS + i] : r[t * KVREF_PACK_ROWS + i];
+        }
+    }
+}
+
+typedef struct {
+    const kvref_kernels *kk;
+    kvref_pool *pool;
+    const int8_t *qs;          /* [T, K] */
+    const float *ds;           /* [T, K/32, 2] */
+    const int32_t *xsum;       /* [T, K/32] */
+    const uint8_t *w;          /* [N, rb] in the file's layout */
+    int32_t type;
+    int64_t T, K, N, rb;
+    float *y;                  /* [T, N] */
+} pack_ctx;
+
+/* one group of 16 weight rows packed into the thread's scratch, then multiplied */
+static void packed_unit(void *vctx, int64_t unit, int thread) {
+    const pack_ctx *c = vctx;
+    const int64_t n0 = unit * KVREF_PACK_ROWS, nr = c->N - n0 < KVREF_PACK_ROWS ? c->N - n0 : KVREF_PACK_ROWS;
+    uint8_t *group = kvref_pool_scratch(c->pool, thread);
+    kvref_pack_group(c->type, c->K, c->w + n0 * c->rb, c->rb, nr, group);
+    packed_group_rows(c->kk, c->type, c->K, group, c->qs, c->ds, c->xsum, c->T, c->y + n0, c->N, nr, 0);
+}
+
+size_t kvref_matmul_int8_scratch_bytes(int64_t T, int64_t K) {
+    const size_t group = (size_t)KVREF_PACK_ROWS * (size_t)(K / 32) * BYTES_Q8_0; /* the largest record */
+    const size_t tile = kvref_matmul_scratch_bytes(T, K);
+    return group > tile ? group : tile;
 }
 
 void kvref_matmul_int8_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, const uint8_t *w,
                            int32_t type, int64_t N, float *y) {
     const kvref_kernels *kk = kvref_pool_kernels(pool);
     const int gemm = T >= KVREF_GEMM_Q8_MIN_T && kk->gemm_q8 != NULL && kvref_q8_tile_type(type);
-    const int dots = !gemm && kk->vec_dot_q8[type] != NULL;
-    if (T == 0 || N == 0 || K == 0 || (!gemm && !dots && T >= KVREF_GEMM_Q8_MIN_T)) {
+    if (T == 0 || N == 0 || K == 0 || (!gemm && !kvref_packable(type) && T >= KVREF_GEMM_Q8_MIN_T)) {
         kvref_matmul_run(pool, x, T, K, w, type, N, y);
         return;
     }
-    if (!gemm && !dots) { /* a weight without 8-bit kernels below the switch: the fused forward's decode path */
-        const kvref_mv mv = {x, NULL, NULL, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
+    if (!gemm && !kvref_packable(type)) { /* a weight without 8-bit kernels below the switch: the fused forward's decode path */
+        const kvref_mv mv = {x, NULL, NULL, NULL, T, K, 1, {{w, NULL, type, N, y, N}}, 0, NULL};
         kvref_mv_run(pool, &mv);
         return;
     }
-    int8_t *xqs = kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)); /* reserved: no allocation */
-    float *xds = (float *)(void *)(xqs + T * K);
     if (gemm) {
-        quantize_ctx qc = {kk, x, T, K, xqs, xds};
+        int8_t *xqs = kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)); /* reserved: no allocation */
+        float *xds = (float *)(void *)(xqs + T * K);
+        quantize_ctx qc = {kk, x, T, K, xqs, xds, NULL};
         kvref_pool_run(pool, quantize_unit, &qc, (T + Q8_ROWS_PER_UNIT - 1) / Q8_ROWS_PER_UNIT);
         q8_ctx c = {kk, pool, (const uint8_t *)xqs, xds, w, type, T, K, N, kvref_row_nbytes(type, K), y};
         kvref_pool_run(pool, mm_q8_tile_unit, &c, (N + KVREF_TILE_N - 1) / KVREF_TILE_N);
         return;
     }
-    for (int64_t t = 0; t < T; t++) kk->quantize_q8(K, x + t * K, xqs + t * K, xds + t * (K / 16));
-    const kvref_mv mv = {x, xqs, xds, T, K, 1, {{w, type, N, y, N}}, 0, NULL};
-    kvref_mv_run(pool, &mv);
+    const int8_t *xqs;
+    const float *xds;
+    const int32_t *xsum;
+    kvref_quantize_rows(pool, x, T, K, &xqs, &xds, &xsum);
+    pack_ctx c = {kk, pool, xqs, xds, xsum, w, type, T, K, N, kvref_row_nbytes(type, K), y};
+    kvref_pool_run(pool, packed_unit, &c, (N + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS);
 }
 
 int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, const void *w,
@@ -219,7 +348,7 @@ int kvref_matmul_int8(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
     if (checked >= 0) return checked;
     if (K > 0 && T > INT64_MAX / 2 / K) return KVREF_ERR_DIM;
     kvref_pool_lock(pool);
-    int status = kvref_pool_reserve(pool, kvref_matmul_scratch_bytes(T, K));
+    int status = kvref_pool_reserve(pool, kvref_matmul_int8_scratch_bytes(T, K));
     if (status == KVREF_OK && kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, K)) == NULL)
         status = KVREF_ERR_NOMEM;
     if (status == KVREF_OK) kvref_matmul_int8_run(pool, x, T, K, (const uint8_t *)w, w_type, N, y);
@@ -237,13 +366,6 @@ static inline void dot_rows(const kvref_kernels *kk, int32_t type, int64_t K, co
     else for (int64_t t = 0; t < T; t++) out[t * ldo] = kk->vec_dot[type](K, w, x + t * K);
 }
 
-/* the same with x in 8-bit blocks: qs [T, K], ds [T, K/32, 2] */
-static inline void dot_rows_q8(const kvref_kernels *kk, int32_t type, int64_t K, const uint8_t *w, const int8_t *qs,
-                               const float *ds, int64_t T, float *out, int64_t ldo) {
-    if (kk->vec_dot_q8_rows[type] != NULL) kk->vec_dot_q8_rows[type](K, w, qs, ds, T, out, ldo);
-    else for (int64_t t = 0; t < T; t++) out[t * ldo] = kk->vec_dot_q8[type](K, w, qs + t * K, ds + t * (K / 16));
-}
-
 typedef struct {
     const kvref_mv *mv;
     const kvref_kernels *kk;
@@ -251,20 +373,26 @@ typedef struct {
     int64_t first_unit[4];     /* units of part p are [first_unit[p], first_unit[p + 1]) */
 } mv_ctx;
 
-#define MV_ROWS 8 /* rows of x per multi-row dot call: a batch below either GEMM switch is one call */
-
 /* y_p[t, n0:n1] (=, or +=) the dot products of rows n0..n1 of part p: each weight row is dotted with
- * up to MV_ROWS rows of x per call, which decodes its blocks once for all of them */
+ * up to MV_ROWS rows of x per call, which decodes its blocks once for all of them; a packed part
+ * (n0 a multiple of 16) group by group with x in 8-bit blocks */
 static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t n1) {
     const kvref_mv *mv = c->mv;
     const int64_t rb = kvref_row_nbytes(p->type, mv->K), K = mv->K;
-    const int q8 = mv->xqs != NULL && c->kk->vec_dot_q8[p->type] != NULL;
+    if (mv->xqs != NULL && p->packed != NULL) {
+        const int64_t gb = KVREF_PACK_ROWS * rb; /* a group's bytes */
+        for (int64_t n = n0; n < n1; n += KVREF_PACK_ROWS) {
+            packed_group_rows(c->kk, p->type, K, p->packed + n / KVREF_PACK_ROWS * gb, mv->xqs, mv->xds, mv->xsum,
+                              mv->T, p->y + n, p->ldy, n1 - n < KVREF_PACK_ROWS ? n1 - n : KVREF_PACK_ROWS,
+                              mv->accumulate);
+        }
+        return;
+    }
     if (mv->T == 1) { /* single-stream decode: the single-row kernel straight into y, no staging (~10 % faster) */
-        const kvref_vec_dot_q8_fn dq = c->kk->vec_dot_q8[p->type];
         const kvref_vec_dot_fn dot = c->kk->vec_dot[p->type];
         for (int64_t n = n0; n < n1; n++) {
             prefetch_row(p->w, n, n1, rb);
-            const float r = q8 ? dq(K, p->w + n * rb, mv->xqs, mv->xds) : dot(K, p->w + n * rb, mv->x);
+            const float r = dot(K, p->w + n * rb, mv->x);
             p->y[n] = mv->accumulate ? p->y[n] + r : r;
         }
         return;
@@ -277,8 +405,7 @@ static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t
             float r[MV_ROWS]; /* [nt]: the sums to add, with accumulate */
             float *out = mv->accumulate ? r : p->y + t0 * p->ldy + n;
             const int64_t ldo = mv->accumulate ? 1 : p->ldy;
-            if (q8) dot_rows_q8(c->kk, p->type, K, w, mv->xqs + t0 * K, mv->xds + t0 * (K / 16), nt, out, ldo);
-            else dot_rows(c->kk, p->type, K, w, mv->x + t0 * K, nt, out, ldo);
+            dot_rows(c->kk, p->type, K, w, mv->x + t0 * K, nt, out, ldo);
             if (mv->accumulate)
                 for (int64_t t = 0; t < nt; t++) p->y[(t0 + t) * p->ldy + n] += r[t];
         }

@@ -364,37 +364,36 @@ static void quantize_q8_scalar(int64_t K, const float *x, int8_t *qs, float *ds)
     }
 }
 
-/* one block's integer dot product: sum_j wq[j] * xq[j], exact in int32 */
-static int32_t idot32(const int8_t *wq, const int8_t *xq) {
-    int32_t sum = 0;
-    for (int j = 0; j < 32; j++) sum += (int32_t)wq[j] * (int32_t)xq[j];
-    return sum;
+/* value i of vector v of row r in a packed record (internal.h): the unsigned u = q + bias */
+static int32_t packed_value(int32_t type, const uint8_t *rec, int v, int r, int i) {
+    const uint8_t *vals = rec + kvref_pack_values_at(type);
+    if (type == KVREF_TYPE_Q8_0) return vals[64 * v + 4 * r + i];
+    const uint8_t byte = vals[64 * (v % 4) + 4 * r + i];
+    int32_t u = v < 4 ? byte & 15 : byte >> 4;
+    if (type == KVREF_TYPE_Q5_0) u |= (rec[32 + 8 * v + (4 * r + i) / 8] >> ((4 * r + i) % 8) & 1) << 4;
+    return u;
 }
 
-/* sum_b d_w d_x sum_j q_j qx_j (+ m_w s_x for Q4_1: the offset m meets the rounded block's sum s) */
-static float vec_dot_q8_blocks(int32_t type, int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < K / 32; b++, qs += 32, ds += 2) {
-        int8_t q[32];
-        float d, m;
-        kvref_q8_weight_block(type, w, b, q, &d, &m);
-        const float r = (d * ds[0]) * (float)idot32(q, qs);
-        acc += type == KVREF_TYPE_Q4_1 ? r + m * ds[1] : r;
-    }
-    return acc;
-}
-
-static float vec_dot_q8_q4_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    return vec_dot_q8_blocks(KVREF_TYPE_Q4_0, K, w, qs, ds);
-}
-static float vec_dot_q8_q4_1(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    return vec_dot_q8_blocks(KVREF_TYPE_Q4_1, K, w, qs, ds);
-}
-static float vec_dot_q8_q5_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    return vec_dot_q8_blocks(KVREF_TYPE_Q5_0, K, w, qs, ds);
-}
-static float vec_dot_q8_q8_0(int64_t K, const uint8_t *w, const int8_t *qs, const float *ds) {
-    return vec_dot_q8_blocks(KVREF_TYPE_Q8_0, K, w, qs, ds);
+/* the definition of the packed kernels (internal.h, kvref_packed_dot_fn) */
+static void packed_dot(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
+                       const int32_t *xsum, int64_t T, float *out) {
+    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
+    const int32_t bias = kvref_pack_bias(type);
+    for (int64_t t = 0; t < T; t++)
+        for (int r = 0; r < KVREF_PACK_ROWS; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *rec = group + b * rec_bytes;
+                const int8_t *x = qs + t * K + 32 * b;
+                const float *xd = ds + (t * nb + b) * 2;
+                int32_t isum = -bias * xsum[t * nb + b];
+                for (int v = 0; v < 8; v++)
+                    for (int i = 0; i < 4; i++) isum += packed_value(type, rec, v, r, i) * (int32_t)x[4 * v + i];
+                acc = fmaf((float)isum, xd[0] * kvref_load_fp16(rec + 2 * r), acc);
+                if (type == KVREF_TYPE_Q4_1) acc = fmaf(kvref_load_fp16(rec + 32 + 2 * r), xd[1], acc);
+            }
+            out[t * KVREF_PACK_ROWS + r] = acc;
+        }
 }
 
 /* the definition the SIMD 8-bit GEMMs reproduce bit for bit (internal.h) */
@@ -472,10 +471,7 @@ const kvref_kernels kvref_kernels_scalar = {
     .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1, .kivi_lanes = 1},
     .swiglu = swiglu_scalar,
     .geglu = geglu_scalar,
-    .vec_dot_q8 = {
-        [KVREF_TYPE_Q4_0] = vec_dot_q8_q4_0, [KVREF_TYPE_Q4_1] = vec_dot_q8_q4_1,
-        [KVREF_TYPE_Q5_0] = vec_dot_q8_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_q8_0,
-    },
+    .packed_dot = packed_dot,
     .quantize_q8 = quantize_q8_scalar,
     .gemm_q8 = gemm_q8,
     .read_sum = read_sum,

@@ -117,6 +117,20 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
     return Weights(tok_embeddings, layers, output_norm, output)
 
 
+def release_pages(a) -> None:
+    """Drop the pages of an array of a read-only mapped file from this process's resident set: the OS
+    keeps them cached, and a later read faults them back in unchanged. For weights C has copied (the
+    int8 mode's packed projections), so their file pages are not counted twice. Other arrays: nothing."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, mmap.mmap) or base.closed or a.nbytes == 0:
+        return
+    offset = a.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data
+    start = offset - offset % mmap.PAGESIZE
+    base.madvise(mmap.MADV_DONTNEED, start, offset + a.nbytes - start)
+
+
 def pin(a):
     """What keeps a's memory alive and unchanged while held, when nothing public can free, resize or
     write it; None otherwise. That memory is a read-only, aligned array whose chain of bases (views

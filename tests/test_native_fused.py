@@ -20,6 +20,7 @@ Tolerances, and why:
 """
 
 import json
+from dataclasses import replace
 import os
 from pathlib import Path
 
@@ -304,8 +305,9 @@ def decode_alone_and_batched(ff, ops, config, weights, caches, ids):
 def test_fused_batched_decode_below_the_gemm_switch_equals_each_sequence_alone_bit_for_bit(data, isa, threads,
                                                                                           activations):
     # Below the activation mode's GEMM switch, a decode step's projections are the multi-row dot
-    # kernels, which give each row of x its single-row result, and everything else works per row or
-    # per sequence: each sequence gets its logits and K/V alone, bit for bit, whatever else is in the batch.
+    # kernels (int8: the packed kernels), which give each row of x its single-row result, and everything
+    # else works per row or per sequence: each sequence gets its logits and K/V alone, bit for bit,
+    # whatever else is in the batch.
     config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     n = data.draw(st.integers(2, (nops.GEMM_Q8_MIN_T if activations == "int8" else nops.GEMM_MIN_T) - 1))
     prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=8)) for _ in range(n)]
@@ -488,8 +490,8 @@ def block_offsets(w):
 def int8_cases(draw):
     gtype = draw(st.sampled_from(GEMM_TYPES))
     K = 256 * draw(st.integers(1, 2)) if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32 * draw(st.integers(1, 8))
-    # T from GEMM_Q8_MIN_T on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1), below it the multi-row
-    # dot kernels (blocks of 4, 2, 1); N past 32 spans tiles
+    # T from GEMM_Q8_MIN_T on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1), below it the packed
+    # kernels (blocks of 8, 4, 2, 1; groups of 16 weight rows); N past 32 spans tiles, N % 16 a part group
     N, T = draw(st.integers(1, 70)), draw(st.integers(1, 20))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     W = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
@@ -506,8 +508,9 @@ def has_vnni() -> bool:
         return False
 
 
-# The instruction sets whose int8 projection of 4 or more rows is the 8-bit GEMM (csrc/internal.h);
-# AVX2, and AVX-512 without VNNI, take a dot product per row and weight row there instead.
+# The instruction sets whose int8 projection of GEMM_Q8_MIN_T or more rows is the 8-bit GEMM
+# (csrc/internal.h), where Q4_K and Q6_K become 8-bit; AVX2, and AVX-512 without VNNI, pack the other
+# types per call there too and keep the K-quants exact.
 GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and has_vnni() else [])
 
 
@@ -558,20 +561,23 @@ def test_int8_matmul_is_within_the_derived_bound_of_the_exact_product(case, isa)
     assert np.all(np.abs(y - exact) <= rounding + float32 + UNDERFLOW_SLACK)
 
 
-@given(int8_cases(), st.sampled_from(GEMM_ISAS), THREADS)
-def test_int8_gemm_is_bit_identical_to_the_scalar_kernel_on_every_isa_and_thread_count(case, isa, threads):
-    # The GEMM computes the same integers, block sums s and fused multiply-adds per block, in block
-    # order, on every instruction set.
+@given(int8_cases(), ISAS, THREADS)
+def test_int8_matmul_is_bit_identical_to_the_scalar_kernel_on_every_isa_thread_count_and_row_count(case, isa,
+                                                                                                  threads):
+    # The GEMM and the packed kernels compute the same integers, block sums s and fused multiply-adds
+    # per block, in block order, on every instruction set; Q4_K and Q6_K are 8-bit only in the GEMM.
     w, x = case
-    assume(x.shape[0] >= nops.GEMM_Q8_MIN_T)
+    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= nops.GEMM_Q8_MIN_T and isa in GEMM_ISAS))
     want = nops.kernels(1, "scalar").matmul_int8(x, w)
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
+    if w.ggml_type in INT8_TYPES:  # and each row of x gets the same result alone
+        np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x[-1:], w), want[-1:])
 
 
 @given(int8_cases(), ISAS, THREADS)
 def test_int8_matmul_below_the_gemm_switch_gives_each_row_of_x_its_single_row_result_bit_for_bit(case, isa, threads):
-    # the 8-bit multi-row dot kernels decode a weight block's integers once for every row of x, and
-    # each row keeps the single-row kernel's operations
+    # the packed kernels decode a weight block's integers once for every row of x, and each row keeps
+    # the single-row operations (the K-quants: the exact multi-row dot kernels)
     w, x = case
     x = x[:nops.GEMM_Q8_MIN_T - 1]
     y = nops.kernels(threads, isa).matmul_int8(x, w)
@@ -885,7 +891,123 @@ def test_the_model_descriptor_is_validated_in_c():
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_TYPE
     desc.output.type, desc.output.cols = lib.KVREF_TYPE_F32, 31
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_SHAPE
+    desc.output.cols = 32
+    packed = np.zeros(64 * 2, np.uint8)
+    at = -packed.ctypes.data % 64
+    desc.output.packed = ffi.from_buffer(packed[at:])
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_TYPE  # float32 has no packed form
+    desc.output.packed = ffi.NULL
+    desc.tok_embeddings.packed = ffi.from_buffer(packed[at:])
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # only projections and the LM head
+    desc.tok_embeddings.packed = ffi.NULL
     assert ff.timings()["calls"] == 0
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_an_int8_execution_needs_a_model_with_packed_weights(activations):
+    weights = random_weights(CFG, seed=1)
+    rng = np.random.default_rng(0)
+    layer = replace(weights.layers[0], wq=sane_quantized(GGMLType.Q4_1, np.asarray(weights.layers[0].wq), rng))
+    weights = replace(weights, layers=[layer] + weights.layers[1:])
+    ff = fused.FusedForward(CFG, weights, activations)  # float32 activations: nothing packed
+    cache = new_cache(CFG, "float32")
+    kv = nops.cache_descriptor(cache)
+    ids, logits = np.array([1, 2], np.int64), np.empty(CFG.vocab_size, np.float32)
+    status = lib.kvref_forward(nops.kernels(1).c_pool, ff._model, ff._state, ffi.from_buffer("int64_t[]", ids), 2,
+                               kv.ptr, 0, lib.KVREF_ACT_INT8, 0, ffi.from_buffer("float[]", logits))
+    assert status == (lib.KVREF_OK if activations == "int8" else lib.KVREF_ERR_VALUE)
+    if activations == "float32":
+        np.testing.assert_array_equal(cache.k, 0)  # refused before anything was written
+
+
+# ---- packed weights (csrc/internal.h) ----------------------------------------------------------
+
+def packed_layout(gtype, values, d, m):
+    """The int8 mode's packed layout in NumPy (csrc/internal.h), from the blocks' signed integers
+    values [N, K] (kvref_q8_weight_block's q), float16 scales d [N, K/32] and Q4_1 offsets m: per group
+    of 16 rows and block, d [16], m [16] (Q4_1) or 8 masks of fifth bits (Q5_0), then u = q + bias in
+    vectors v of 64 bytes, value 4v + i of row r at byte 4r + i, the 4-bit types' vectors v and v + 4
+    sharing bytes as low and high nibbles."""
+    bias = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16, GGMLType.Q8_0: 128}[gtype]
+    N, K = values.shape
+    G = -(-N // 16)
+    u = np.zeros((G * 16, K), np.int64)
+    u[:N] = values + bias
+    dd, mm = np.zeros((G * 16, K // 32), np.float16), np.zeros((G * 16, K // 32), np.float16)
+    dd[:N], mm[:N] = d, m
+    out = []
+    for g in range(G):
+        for b in range(K // 32):
+            rows = slice(16 * g, 16 * g + 16)
+            vec = u[rows, 32 * b:32 * b + 32].reshape(16, 8, 4).transpose(1, 0, 2).reshape(8, 64)  # [v, 4r + i]
+            rec = [np.ascontiguousarray(dd[rows, b]).view(np.uint8)]
+            if gtype == GGMLType.Q4_1:
+                rec.append(np.ascontiguousarray(mm[rows, b]).view(np.uint8))
+            if gtype == GGMLType.Q5_0:
+                rec.append(np.packbits(vec >> 4 & 1, axis=1, bitorder="little").reshape(-1))
+            if gtype == GGMLType.Q8_0:
+                rec.append(vec.reshape(-1))
+            else:
+                rec.append((vec[:4] & 15) | (vec[4:] & 15) << 4)
+            out.append(np.concatenate([np.asarray(r, np.uint8).reshape(-1) for r in rec]))
+    return np.concatenate(out)
+
+
+def block_integers(w):
+    """A packable weight's per-block signed integers q [N, K], scales d and offsets m [N, K/32]
+    (float16), read from its file blocks (kvref.spec.quants' formats)."""
+    N, K = w.shape
+    nb, size = K // 32, BLOCK_LAYOUT[w.ggml_type][1]
+    blocks = w.data.reshape(N, nb, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if w.ggml_type == GGMLType.Q4_1 else np.zeros_like(d)
+    if w.ggml_type == GGMLType.Q8_0:
+        return blocks[..., 2:].copy().view(np.int8).reshape(N, K).astype(np.int64), d, m
+    nib_at = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6}[w.ggml_type]
+    nib = blocks[..., nib_at:nib_at + 16].astype(np.int64)
+    q = np.concatenate([nib & 15, nib >> 4], axis=-1)  # value j: low nibble j, value j + 16: high nibble j
+    if w.ggml_type == GGMLType.Q5_0:
+        qh = blocks[..., 2:6].copy().view(np.uint32)[..., 0].astype(np.int64)
+        q = q | ((qh[..., None] >> np.arange(32)) & 1) << 4
+    offset = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16}[w.ggml_type]
+    return (q - offset).reshape(N, K), d, m
+
+
+@given(st.sampled_from(INT8_TYPES), st.integers(1, 40), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_pack_int8_writes_the_documented_layout(gtype, N, nb, seed):
+    rng = np.random.default_rng(seed)
+    K = 32 * nb
+    w = sane_quantized(gtype, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), rng)
+    nbytes = lib.kvref_packed_nbytes(int(gtype), N, K)
+    assert nbytes == -(-N // 16) * 16 * row_nbytes(gtype, K)  # the file's bytes, rows rounded up to 16
+    buf = np.zeros(nbytes + 64, np.uint8)
+    out = buf[-buf.ctypes.data % 64:][:nbytes]
+    assert lib.kvref_pack_int8(ffi.from_buffer(w.data), int(gtype), w.data.nbytes, N, K, ffi.from_buffer(out),
+                               nbytes) == lib.KVREF_OK
+    np.testing.assert_array_equal(out, packed_layout(gtype, *block_integers(w)))
+
+
+def test_pack_int8_refuses_every_wrong_call():
+    w = np.zeros((16, 20), np.uint8)  # 16 rows of one Q4_1 block
+    out = np.zeros(320 + 64, np.uint8)
+    at = -out.ctypes.data % 64
+    q41, n = int(GGMLType.Q4_1), 320
+
+    def call(w_type=q41, w_nbytes=w.nbytes, rows=16, cols=32, dst=None, out_nbytes=n, src=None):
+        src = ffi.from_buffer(w) if src is None else src
+        dst = ffi.from_buffer(out[at:at + n]) if dst is None else dst
+        return lib.kvref_pack_int8(src, w_type, w_nbytes, rows, cols, dst, out_nbytes)
+
+    assert lib.kvref_packed_nbytes(int(GGMLType.Q4_K), 16, 256) == 0  # K-quants are not packed
+    assert lib.kvref_packed_nbytes(q41, 16, 33) == 0
+    assert call(w_type=int(GGMLType.Q4_K)) == lib.KVREF_ERR_TYPE
+    assert call(rows=-1) == lib.KVREF_ERR_DIM
+    assert call(cols=48) == lib.KVREF_ERR_SHAPE  # not whole blocks
+    assert call(w_nbytes=w.nbytes - 1) == lib.KVREF_ERR_SIZE
+    assert call(out_nbytes=n - 1) == lib.KVREF_ERR_SIZE
+    assert call(src=ffi.NULL) == lib.KVREF_ERR_NULL
+    assert call(dst=ffi.from_buffer(out[at + 1:at + 1 + n])) == lib.KVREF_ERR_VALUE  # not 64-byte aligned
+    assert call() == lib.KVREF_OK
 
 
 def test_timings_count_every_c_forward_by_kernel_family(small):

@@ -40,11 +40,15 @@ kvref.tolerance.INT8_KEY_LOGIT_BOUND of the decoder's. A
 ring layer's keys are in slot order rather than position order, so there the logits are the
 decoder's over a contiguous cache to float32 rounding (the online softmax sums in another order).
 With activations="int8",
-every projection, prefill and decode alike, is Kernels.matmul_int8: each input row is rounded to
-blocks of 32 int8 values with scale d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0 weights, and
-multiplied with integer dot products (llama.cpp does the same; a prefill's projections run as an
-integer GEMM on AVX-512 VNNI). Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b}
-|w_j| beyond the float32 rounding of the exact mode; other weight types stay exact. Exact is the
+every projection, prefill and decode alike, is Kernels.matmul_int8, bit for bit: each input row is
+rounded to blocks of 32 int8 values with scale d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0
+weights, and multiplied with integer dot products (llama.cpp does the same). Those weights are packed
+once, here (kvref_pack_int8: 16 rows interleaved, so each 4-byte dot product instruction serves 16
+rows and a block's values are decoded once for every row of x), and C reads only the packed copy; the
+file's pages of them are dropped from the resident set (kvref.weights.release_pages), so the copy
+costs no memory beside them. Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b}
+|w_j| beyond the float32 rounding of the exact mode; Q4_K and Q6_K are 8-bit from
+nops.GEMM_Q8_MIN_T rows on where the 8-bit GEMM runs, other weight types stay exact. Exact is the
 default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens
 on the two reference prompts, llama.cpp's after 5 and 25 (tests/test_native_fused.py has the bounds
 and the measurements).
@@ -72,7 +76,7 @@ import numpy as np
 
 from ..errors import BackendError, DTypeError, ShapeError, TokenError
 from ..spec import decoder
-from ..weights import last_rebind, pin
+from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .ops import check_status, check_weight, ffi, lib
 
@@ -89,6 +93,7 @@ def default_activations() -> str:
     return name
 
 
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
@@ -126,13 +131,17 @@ class FusedForward:
         if len(weights.layers) != c.n_layers:
             raise ShapeError(f"weights have {len(weights.layers)} layers, config says {c.n_layers}")
         E, D = c.d_model, c.head_dim
+        desc = ffi.new("kvref_model_desc *")
+        # the LM head first: packing it while nothing else is packed keeps the peak of the int8 mode's
+        # packed copy and its file's pages low (one tensor's file pages resident beside the copy)
+        self._tensor(desc.output, weights.output, "output", projection=True)
         layers = ffi.new("kvref_layer_desc[]", c.n_layers)
         for i, lw in enumerate(weights.layers):
             d = layers[i]
             d.attn_norm = self._vector(lw.attn_norm, E, f"layers[{i}].attn_norm")
             d.ffn_norm = self._vector(lw.ffn_norm, E, f"layers[{i}].ffn_norm")
-            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-                self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}")
+            for name in PROJECTIONS:
+                self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
@@ -142,7 +151,6 @@ class FusedForward:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
             d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, c.layer_rope_theta(i), c.rope_scaling), "double *")
             d.window = native_ops.attention_window(c.window(i))
-        desc = ffi.new("kvref_model_desc *")
         desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
@@ -150,7 +158,6 @@ class FusedForward:
         desc.attention_scale = native_ops.attention_scale(c.attention_scale, D)
         desc.gate = GATES[c.activation]
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
-        self._tensor(desc.output, weights.output, "output")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")
         desc.layers = layers
         out = ffi.new("kvref_model **")
@@ -185,13 +192,21 @@ class FusedForward:
         g = self._pinned(np.ascontiguousarray(g, dtype=np.float32))
         return ffi.cast("const float *", ffi.from_buffer(g))
 
-    def _tensor(self, dst, w, name):
+    def _tensor(self, dst, w, name, projection=False):
         gtype, data, N, K = check_weight(w, name)  # validates type, shape, byte count, contiguity, alignment
         data = self._pinned(data)
         dst.data = ffi.from_buffer(data)
         dst.nbytes = data.nbytes
         dst.type = gtype
         dst.rows, dst.cols = N, K
+        nbytes = lib.kvref_packed_nbytes(gtype, N, K) if projection and self.activations == "int8" else 0
+        if nbytes > 0:  # the int8 mode's kernels read a packed copy instead (csrc/kvref.h, kvref_pack_int8)
+            buf = np.empty(nbytes + 64, np.uint8)
+            packed = buf[-buf.ctypes.data % 64:][:nbytes]  # 64-byte aligned
+            check_status(lib.kvref_pack_int8(dst.data, gtype, data.nbytes, N, K, ffi.from_buffer(packed), nbytes), name)
+            dst.packed = ffi.from_buffer(packed)
+            self._keep.append(packed)
+            release_pages(data)  # C reads the copy: the file's pages need not stay resident too
 
     # ---- running ------------------------------------------------------------------------------
 
