@@ -349,9 +349,10 @@ typedef void (*kvref_vec_dot_rows_fn)(int64_t K, const uint8_t *w_row, const flo
     }
 
 /* out[t * 16 + r] = row r of a packed group (K values; the layout is below) dotted with row t of x
- * in 8-bit blocks, for t < T <= 8, r < 16: the 8-bit GEMM's sum (kvref_gemm_q8_fn) over blocks b in order from 0 of
- * fl(d_x d_w) I_b, then (Q4_1) m_w s_x, each a fused multiply-add, bit for bit. qs [T, K], ds
- * [T, K/32, 2], xsum [T, K/32]: x's 8-bit values, their blocks' (d_x, s_x) and integer sums. */
+ * in 8-bit blocks, for t < T <= 8, r < 16: the 8-bit GEMM's sum (kvref_gemm_q8_fn) over blocks b
+ * (Q6_K: its 16-value sub-blocks) in order from 0 of fl(d_x d_w) I_b, then (Q4_1, Q4_K) m_w s_x,
+ * each a fused multiply-add, bit for bit. qs [T, K], ds [T, K/32, 2], xsum [T, K/16]: x's 8-bit
+ * values, their blocks' (d_x, s_x) and the integer sums of their 16-value halves. */
 typedef void (*kvref_packed_dot_fn)(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
                                     const int32_t *xsum, int64_t T, float *out);
 /* x [K] (K a multiple of 32) -> qs [K], ds [K/32, 2] */
@@ -506,35 +507,52 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
     }
 }
 /* ---- packed weights of the int8 activation mode ---------------------------------------------
- * Q4_0, Q4_1, Q5_0 and Q8_0 weight rows packed 16 at a time (kvref_pack_int8), so that one
- * 4-byte dot product instruction (VNNI vpdpbusd, AVX2 maddubs) multiplies 16 weight rows by the
+ * Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weight rows packed 16 at a time (kvref_pack_int8), so that
+ * one 4-byte dot product instruction (VNNI vpdpbusd, AVX2 maddubs) multiplies 16 weight rows by the
  * same 4 bytes of x, each lane its own row: no horizontal sums, and a block's values are decoded
- * once for every row of x. A record is one 32-value block of the 16 rows, in the file's bytes (16
- * blocks' worth): the rows' float16 scales d [16], Q4_1's offsets m [16] (Q5_0: its fifth bits,
- * below), then the values as unsigned bytes u = q + bias (q the signed integer of
- * kvref_q8_weight_block; bias 8 for Q4_0, 0 for Q4_1, 16 for Q5_0, 128 for Q8_0), in 8 vectors of
- * 64 bytes: vector v holds values 4v .. 4v+3 of row r at bytes 4r .. 4r+3. The 4-bit types store
- * vectors v and v + 4 as the low and high nibbles of one (4 vectors of bytes); Q5_0's fifth bits
- * are 8 masks of 64 bits (bit 4r + i of mask v: the fifth bit of value 4v + i of row r); Q8_0
- * stores the 8 vectors of bytes. A group of 16 rows is its K / 32 records in block order, and a
- * packed matrix its N / 16 groups. The dot products count u x, and q x = u x - bias sum(x) takes
- * the bias off with x's block sums (kvref_mv.xsum). */
+ * once for every row of x. A record is one 32-value block of the 16 rows: first their scales, then
+ * the high bits of 5- and 6-bit values, then the values.
+ *   - scales: float16 d [16] as in the file (Q4_1: then m [16]); the K-quants' sub-block scales as
+ *     kvref_q8_block_scales gives them (products of two file fields, not float16 values), float32:
+ *     Q4_K d [16] then m [16], Q6_K the d [16] of values 0-15, then of values 16-31;
+ *   - values as unsigned bytes u = q + bias, q the signed integer of kvref_q8_weight_block (bias 8
+ *     for Q4_0, 16 for Q5_0, 128 for Q8_0, 32 for Q6_K, 0 for Q4_1 and Q4_K), in 8 vectors of 64
+ *     bytes: vector v holds values 4v .. 4v+3 of row r at bytes 4r .. 4r+3. Q8_0 stores them; the
+ *     others store u % 16, vectors v and v + 4 as the low and high nibbles of one (4 vectors), and
+ *     bit 4 (Q5_0, Q6_K) and bit 5 (Q6_K) of u as planes of 8 masks of 64 bits (bit 4r + i of mask
+ *     v: value 4v + i of row r).
+ * Q4_0, Q4_1, Q5_0 and Q8_0 take the file's bytes (16 blocks' worth); Q4_K 384 bytes against 288
+ * and Q6_K 512 against 420 (their sub-block scales widened). A group of 16 rows is its K / 32 records in block order,
+ * and a packed matrix its N / 16 groups. The dot products count u x, and q x = u x - bias sum(x)
+ * takes the bias off with x's sums per 16 values (kvref_mv.xsum). */
 #define KVREF_PACK_ROWS 16
-static inline int kvref_packable(int32_t type) {
-    return type == KVREF_TYPE_Q4_0 || type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q5_0 || type == KVREF_TYPE_Q8_0;
-}
+static inline int kvref_packable(int32_t type) { return kvref_q8_tile_type(type); }
 static inline int32_t kvref_pack_bias(int32_t type) {
-    return type == KVREF_TYPE_Q4_0 ? 8 : type == KVREF_TYPE_Q4_1 ? 0 : type == KVREF_TYPE_Q5_0 ? 16 : 128;
+    switch (type) {
+    case KVREF_TYPE_Q4_0: return 8;
+    case KVREF_TYPE_Q5_0: return 16;
+    case KVREF_TYPE_Q8_0: return 128;
+    case KVREF_TYPE_Q6_K: return 32;
+    default: return 0; /* Q4_1, Q4_K */
+    }
 }
-/* bytes of one record, and where its value bytes start */
-static inline int64_t kvref_pack_record_bytes(int32_t type) { return KVREF_PACK_ROWS * kvref_q8_block_bytes(type); }
-static inline int64_t kvref_pack_values_at(int32_t type) {
-    return type == KVREF_TYPE_Q4_1 ? 64 : type == KVREF_TYPE_Q5_0 ? 96 : 32; /* after d [16] (and m [16], or 8 masks) */
+/* whether a record's scales are float32 (the K-quants), and its high-bit planes (0, 1 or 2) */
+static inline int kvref_pack_fp32(int32_t type) { return type == KVREF_TYPE_Q4_K || type == KVREF_TYPE_Q6_K; }
+static inline int kvref_pack_planes(int32_t type) {
+    return type == KVREF_TYPE_Q5_0 ? 1 : type == KVREF_TYPE_Q6_K ? 2 : 0;
+}
+/* where a record's high-bit planes and values start, and its bytes */
+static inline int64_t kvref_pack_planes_at(int32_t type) {
+    return kvref_pack_fp32(type) ? 128 : type == KVREF_TYPE_Q4_1 ? 64 : 32;
+}
+static inline int64_t kvref_pack_values_at(int32_t type) { return kvref_pack_planes_at(type) + 64 * kvref_pack_planes(type); }
+static inline int64_t kvref_pack_record_bytes(int32_t type) {
+    return kvref_pack_values_at(type) + (type == KVREF_TYPE_Q8_0 ? 512 : 256);
 }
 /* rows 0 .. nr-1 of w (nr <= 16, rb bytes each, K values of a packable type) -> one packed group,
  * rows nr .. 15 zero */
 void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group);
-/* xsum [K/32] = the integer sums of the 32-value blocks of qs [K] */
+/* xsum [K/16] = the integer sums of the 16-value halves of qs [K] */
 void kvref_block_sums(int64_t K, const int8_t *qs, int32_t *xsum);
 
 float kvref_silu_ref(float g);
@@ -564,7 +582,7 @@ void kvref_matmul_run(kvref_pool *pool, const float *x, int64_t T, int64_t K, co
 size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K);
 /* x [T, K] rounded to 8-bit blocks for the packed kernels, in the pool's shared buffer
  * (kvref_matmul_int8_shared_bytes(T, K), reserved by the caller): qs [T, K], ds [T, K/32, 2] and
- * xsum [T, K/32] */
+ * xsum [T, K/16] */
 void kvref_quantize_rows(kvref_pool *pool, const float *x, int64_t T, int64_t K, const int8_t **qs, const float **ds,
                          const int32_t **xsum);
 /* per-thread scratch bytes kvref_matmul_int8_run needs for T rows of x of K columns */
@@ -591,7 +609,7 @@ typedef struct kvref_mv {
     const float *x;            /* [T, K] */
     const int8_t *xqs;         /* [T, K] or NULL */
     const float *xds;          /* [T, K / 32, 2] */
-    const int32_t *xsum;       /* [T, K / 32] */
+    const int32_t *xsum;       /* [T, K / 16] */
     int64_t T, K;
     int nparts;
     kvref_mv_part part[3];

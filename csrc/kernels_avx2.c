@@ -690,43 +690,43 @@ TARGET static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec,
         u[j] = _mm256_and_si256(b, low4);
         u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
     }
-    if (type == KVREF_TYPE_Q5_0)
+    for (int p = 0; p < kvref_pack_planes(type); p++) /* bit 4, then bit 5 */
         for (int v = 0; v < 8; v++) {
             uint64_t high;
-            memcpy(&high, rec + 32 + 8 * v, 8);
-            u[v] = _mm256_or_si256(u[v], high_bits32((uint32_t)(high >> (32 * h))));
+            memcpy(&high, rec + kvref_pack_planes_at(type) + 64 * p + 8 * v, 8);
+            const __m256i bit4 = high_bits32((uint32_t)(high >> (32 * h)));
+            u[v] = _mm256_or_si256(u[v], p == 0 ? bit4 : _mm256_add_epi8(bit4, bit4));
         }
 }
 
-/* one row of x's integer block sums against the 8 value vectors: maddubs pairs, then int32 lanes.
- * A 4-bit or 5-bit u gives pairs of at most 2 * 31 * 127, so four add up in int16; a Q8_0 pair
- * |q| |x| reaches 2 * 128 * 127 and widens at once. */
-TARGET static ALWAYS_INLINE __m256i packed_isum(int32_t type, const __m256i u[8], const int8_t *x) {
+/* One row of x's integer sums of values 0-15 (half[0]) and 16-31 (half[1]) against the 8 value
+ * vectors: maddubs pairs, widened to int32 lanes. A pair reaches 2 * 31 * 127 for 4- and 5-bit u,
+ * so four add up in int16, 2 * 63 * 127 for Q6_K (two), and |q| |x| <= 2 * 128 * 127 for Q8_0 (one). */
+TARGET static ALWAYS_INLINE void packed_isums(int32_t type, const __m256i u[8], const int8_t *x, __m256i half[2]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i sum = _mm256_setzero_si256();
-    if (type == KVREF_TYPE_Q8_0) {
-        for (int v = 0; v < 8; v++) {
-            int32_t x4;
-            memcpy(&x4, x + 4 * v, 4);
-            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), u[v]);
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[v], u[v]), xs), ones));
-        }
-        return sum;
-    }
-    for (int half = 0; half < 8; half += 4) {
+    const int group = type == KVREF_TYPE_Q8_0 ? 1 : type == KVREF_TYPE_Q6_K ? 2 : 4;
+    for (int v0 = 0; v0 < 8; v0 += group) {
         __m256i pairs = _mm256_setzero_si256();
-        for (int v = half; v < half + 4; v++) {
+        for (int v = v0; v < v0 + group; v++) {
             int32_t x4;
             memcpy(&x4, x + 4 * v, 4);
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[v], _mm256_set1_epi32(x4)));
+            const __m256i xv = _mm256_set1_epi32(x4);
+            pairs = _mm256_add_epi16(pairs, type == KVREF_TYPE_Q8_0
+                                                ? _mm256_maddubs_epi16(_mm256_sign_epi8(u[v], u[v]), _mm256_sign_epi8(xv, u[v]))
+                                                : _mm256_maddubs_epi16(u[v], xv));
         }
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+        half[v0 / 4] = _mm256_add_epi32(half[v0 / 4], _mm256_madd_epi16(pairs, ones));
     }
-    return sum;
+}
+
+/* scale `which` of rows 8h .. 8h+7 of a packed record: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d of 16-31) */
+TARGET static ALWAYS_INLINE __m256 packed_scales(int32_t type, const uint8_t *rec, int which, int h) {
+    if (kvref_pack_fp32(type)) return _mm256_loadu_ps((const float *)(const void *)(rec + 64 * which + 32 * h));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(rec + 32 * which + 16 * h)));
 }
 
 /* R rows of x against rows 8h .. 8h+7 of one packed group: the scalar kernel's operations per lane
- * (Q8_0's sums are q x directly, the others' u x less the bias times x's block sum) */
+ * (Q8_0's sums are q x directly, the others' u x less the bias times x's sums) */
 TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                  const float *ds, const int32_t *xsum, const int R, int h, float *out) {
     const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
@@ -737,16 +737,20 @@ TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const 
         const uint8_t *rec = group + b * rec_bytes;
         __m256i u[8];
         packed_values(type, rec, h, u);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(rec + 16 * h)));
+        const __m256 d = packed_scales(type, rec, 0, h);
         for (int t = 0; t < R; t++) {
-            __m256i isum = packed_isum(type, u, qs + t * K + 32 * b);
-            if (bias != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(bias * xsum[t * nb + b]));
-            const float *xd = ds + (t * nb + b) * 2;
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(xd[0]), d), acc[t]);
-            if (type == KVREF_TYPE_Q4_1) {
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(rec + 32 + 16 * h)));
-                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xd[1]), acc[t]);
+            const int32_t *xs = xsum + t * (K / 16) + 2 * b;
+            __m256i half[2] = {_mm256_set1_epi32(-bias * xs[0]), _mm256_set1_epi32(-bias * xs[1])};
+            packed_isums(type, u, qs + t * K + 32 * b, half);
+            const __m256 dx = _mm256_set1_ps(ds[(t * nb + b) * 2]);
+            if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), _mm256_mul_ps(dx, d), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), _mm256_mul_ps(dx, packed_scales(type, rec, 1, h)), acc[t]);
+                continue;
             }
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(half[0], half[1])), _mm256_mul_ps(dx, d), acc[t]);
+            if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K)
+                acc[t] = _mm256_fmadd_ps(packed_scales(type, rec, 1, h), _mm256_set1_ps(ds[(t * nb + b) * 2 + 1]), acc[t]);
         }
     }
     for (int t = 0; t < R; t++) _mm256_storeu_ps(out + KVREF_PACK_ROWS * t + 8 * h, acc[t]);
@@ -755,12 +759,12 @@ TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const 
 /* T <= 8 rows of x in blocks of 4, 2, 1, each half of the group's rows in turn */
 TARGET static ALWAYS_INLINE void packed_dot_type(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                  const float *ds, const int32_t *xsum, int64_t T, float *out) {
-    const int64_t nb = K / 32;
+    const int64_t nd = K / 16; /* ds and xsum per row of x */
     for (int h = 0; h < 2; h++) {
         int64_t t = 0;
-        for (; t + 4 <= T; t += 4) packed_dot_half(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 4, h, out + 16 * t);
-        for (; t + 2 <= T; t += 2) packed_dot_half(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 2, h, out + 16 * t);
-        for (; t < T; t++) packed_dot_half(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 1, h, out + 16 * t);
+        for (; t + 4 <= T; t += 4) packed_dot_half(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 4, h, out + 16 * t);
+        for (; t + 2 <= T; t += 2) packed_dot_half(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 2, h, out + 16 * t);
+        for (; t < T; t++) packed_dot_half(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 1, h, out + 16 * t);
     }
 }
 
@@ -770,7 +774,9 @@ TARGET void kvref_avx2_packed_dot(int32_t type, int64_t K, const uint8_t *group,
     case KVREF_TYPE_Q4_0: packed_dot_type(KVREF_TYPE_Q4_0, K, group, qs, ds, xsum, T, out); break;
     case KVREF_TYPE_Q4_1: packed_dot_type(KVREF_TYPE_Q4_1, K, group, qs, ds, xsum, T, out); break;
     case KVREF_TYPE_Q5_0: packed_dot_type(KVREF_TYPE_Q5_0, K, group, qs, ds, xsum, T, out); break;
-    default: packed_dot_type(KVREF_TYPE_Q8_0, K, group, qs, ds, xsum, T, out);
+    case KVREF_TYPE_Q8_0: packed_dot_type(KVREF_TYPE_Q8_0, K, group, qs, ds, xsum, T, out); break;
+    case KVREF_TYPE_Q4_K: packed_dot_type(KVREF_TYPE_Q4_K, K, group, qs, ds, xsum, T, out); break;
+    default: packed_dot_type(KVREF_TYPE_Q6_K, K, group, qs, ds, xsum, T, out);
     }
 }
 

@@ -1065,17 +1065,23 @@ TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t 
         u[j] = _mm512_and_si512(b, low4);
         u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
-    if (type == KVREF_TYPE_Q5_0)
+    for (int p = 0; p < kvref_pack_planes(type); p++) /* bit 4, then bit 5 */
         for (int v = 0; v < 8; v++) {
             uint64_t high;
-            memcpy(&high, rec + 32 + 8 * v, 8);
-            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)high, u[v], _mm512_set1_epi8(16));
+            memcpy(&high, rec + kvref_pack_planes_at(type) + 64 * p + 8 * v, 8);
+            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)high, u[v], _mm512_set1_epi8((char)(16 << p)));
         }
 }
 
+/* scale `which` of a packed record's 16 rows: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d of 16-31) */
+TARGET_VNNI static ALWAYS_INLINE __m512 packed_scales(int32_t type, const uint8_t *rec, int which) {
+    if (kvref_pack_fp32(type)) return _mm512_loadu_ps(rec + 64 * which);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(rec + 32 * which)));
+}
+
 /* R rows of x against one packed group: per block, the record's values decoded once, then per row
- * of x eight four-byte dot products (x's four bytes broadcast, in two chains), the bias off, and
- * the scalar kernel's fused multiply-adds, lane r for weight row r. */
+ * of x eight four-byte dot products (x's four bytes broadcast; values 0-15 and 16-31 in two
+ * chains), the bias off, and the scalar kernel's fused multiply-adds, lane r for weight row r. */
 TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                       const float *ds, const int32_t *xsum, const int R, float *out) {
     const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
@@ -1087,26 +1093,26 @@ TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, c
         const uint8_t *rec = group + b * rec_bytes;
         __m512i u[8];
         packed_values(type, rec, u);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)rec));
+        const __m512 d = packed_scales(type, rec, 0);
         UNROLL_ROWS
         for (int t = 0; t < R; t++) {
             const int8_t *x = qs + t * K + 32 * b;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int v = 0; v < 8; v += 2) {
-                int32_t x0, x1;
-                memcpy(&x0, x + 4 * v, 4);
-                memcpy(&x1, x + 4 * v + 4, 4);
-                s0 = _mm512_dpbusd_epi32(s0, u[v], _mm512_set1_epi32(x0));
-                s1 = _mm512_dpbusd_epi32(s1, u[v + 1], _mm512_set1_epi32(x1));
+            const int32_t *xs = xsum + t * (K / 16) + 2 * b;
+            __m512i half[2] = {_mm512_set1_epi32(-bias * xs[0]), _mm512_set1_epi32(-bias * xs[1])};
+            for (int v = 0; v < 8; v++) {
+                int32_t x4;
+                memcpy(&x4, x + 4 * v, 4);
+                half[v / 4] = _mm512_dpbusd_epi32(half[v / 4], u[v], _mm512_set1_epi32(x4));
             }
-            __m512i isum = _mm512_add_epi32(s0, s1);
-            if (bias != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(bias * xsum[t * nb + b]));
-            const float *xd = ds + (t * nb + b) * 2;
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(xd[0]), d), acc[t]);
-            if (type == KVREF_TYPE_Q4_1) {
-                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(rec + 32)));
-                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xd[1]), acc[t]);
+            const __m512 dx = _mm512_set1_ps(ds[(t * nb + b) * 2]);
+            if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[0]), _mm512_mul_ps(dx, d), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[1]), _mm512_mul_ps(dx, packed_scales(type, rec, 1)), acc[t]);
+                continue;
             }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(half[0], half[1])), _mm512_mul_ps(dx, d), acc[t]);
+            if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K)
+                acc[t] = _mm512_fmadd_ps(packed_scales(type, rec, 1), _mm512_set1_ps(ds[(t * nb + b) * 2 + 1]), acc[t]);
         }
     }
     UNROLL_ROWS
@@ -1116,12 +1122,12 @@ TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, c
 /* T <= 8 rows of x in blocks of 8, 4, 2, 1 (each row's operations are the same in any) */
 TARGET_VNNI static ALWAYS_INLINE void packed_dot_type(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                       const float *ds, const int32_t *xsum, int64_t T, float *out) {
-    const int64_t nb = K / 32;
+    const int64_t nd = K / 16; /* ds and xsum per row of x */
     int64_t t = 0;
-    for (; t + 8 <= T; t += 8) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 8, out + 16 * t);
-    for (; t + 4 <= T; t += 4) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 4, out + 16 * t);
-    for (; t + 2 <= T; t += 2) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 2, out + 16 * t);
-    for (; t < T; t++) packed_dot_rows(type, K, group, qs + t * K, ds + t * nb * 2, xsum + t * nb, 1, out + 16 * t);
+    for (; t + 8 <= T; t += 8) packed_dot_rows(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 8, out + 16 * t);
+    for (; t + 4 <= T; t += 4) packed_dot_rows(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 4, out + 16 * t);
+    for (; t + 2 <= T; t += 2) packed_dot_rows(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 2, out + 16 * t);
+    for (; t < T; t++) packed_dot_rows(type, K, group, qs + t * K, ds + t * nd, xsum + t * nd, 1, out + 16 * t);
 }
 
 TARGET_VNNI static void packed_dot_vnni(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
@@ -1130,7 +1136,9 @@ TARGET_VNNI static void packed_dot_vnni(int32_t type, int64_t K, const uint8_t *
     case KVREF_TYPE_Q4_0: packed_dot_type(KVREF_TYPE_Q4_0, K, group, qs, ds, xsum, T, out); break;
     case KVREF_TYPE_Q4_1: packed_dot_type(KVREF_TYPE_Q4_1, K, group, qs, ds, xsum, T, out); break;
     case KVREF_TYPE_Q5_0: packed_dot_type(KVREF_TYPE_Q5_0, K, group, qs, ds, xsum, T, out); break;
-    default: packed_dot_type(KVREF_TYPE_Q8_0, K, group, qs, ds, xsum, T, out);
+    case KVREF_TYPE_Q8_0: packed_dot_type(KVREF_TYPE_Q8_0, K, group, qs, ds, xsum, T, out); break;
+    case KVREF_TYPE_Q4_K: packed_dot_type(KVREF_TYPE_Q4_K, K, group, qs, ds, xsum, T, out); break;
+    default: packed_dot_type(KVREF_TYPE_Q6_K, K, group, qs, ds, xsum, T, out);
     }
 }
 

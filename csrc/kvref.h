@@ -105,14 +105,14 @@ int kvref_matmul(kvref_pool *pool,
 /* The projection of the int8 activation mode: y = x~ @ W.T, where each row of x is first rounded
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block; a block
- * offset m (Q4_1's) multiplies x~'s block sum d_b * sum q[j], so y is x~ @ W.T up to float32
- * rounding. Each output is the sum over blocks b, in order, of fl(d_x d_w) I_b and then (with an
+ * offset m (Q4_1's, Q4_K's) multiplies x~'s block sum d_b * sum q[j], so y is x~ @ W.T up to float32
+ * rounding, for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights. Each output is the sum over blocks
+ * b (the K-quants' sub-blocks of 32 and 16 values), in order, of fl(d_x d_w) I_b and then (with an
  * offset) m_w s_x, each a fused multiply-add into a float32 sum, I_b the exact integer dot product:
- * for Q4_0, Q4_1, Q5_0 and Q8_0 weights always, bit for bit whatever T, the instruction set or the
- * thread count (from KVREF_GEMM_Q8_MIN_T rows of x on, with the scalar kernels or AVX-512 VNNI, as
- * an integer GEMM on 8-bit tiles, else on weights packed per call as kvref_pack_int8 packs them);
- * and for Q4_K (its 32-value sub-blocks' offsets as Q4_1's) and Q6_K where the integer GEMM runs.
- * Every other case gives exactly kvref_matmul's result. Arguments as kvref_matmul. */
+ * bit for bit whatever T, the instruction set or the thread count (from KVREF_GEMM_Q8_MIN_T rows
+ * of x on, with the scalar kernels or AVX-512 VNNI, as an integer GEMM on 8-bit tiles, else on
+ * weights packed per call as kvref_pack_int8 packs them). Every other weight type gives exactly
+ * kvref_matmul's result. Arguments as kvref_matmul. */
 int kvref_matmul_int8(kvref_pool *pool,
                       const float *x, int64_t T, int64_t K,
                       const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
@@ -129,9 +129,9 @@ enum { KVREF_PROBE_UNIT = 1048576 };
  * of x (the decode path, batched decode included). Chosen by shape (rows of x, activation mode),
  * never by thread count, from measurements on SmolLM2's shapes (docs/benchmarks.md): the float
  * dot kernels load a vector of x per fused multiply-add, so from 5 rows on the GEMM (one broadcast
- * per row and weight tile row) is as fast. With int8 activations, Q4_0, Q4_1, Q5_0 and Q8_0 give
- * the same sums on either side (kvref_matmul_int8), and the fused forward runs them on its packed
- * copies at every T; the switch decides where Q4_K and Q6_K become 8-bit. */
+ * per row and weight tile row) is as fast. With int8 activations the 8-bit weight types give the
+ * same sums on either side (kvref_matmul_int8): the switch only chooses the tile GEMM over packing
+ * per call, and the fused forward runs its packed copies at every T. */
 enum { KVREF_GEMM_MIN_T = 5, KVREF_GEMM_Q8_MIN_T = 9 };
 int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum);
 
@@ -250,8 +250,9 @@ typedef struct kvref_tensor {
 } kvref_tensor;
 
 /* Bytes of a [rows, cols] weight of `type` packed for the int8 activation mode: Q4_0, Q4_1, Q5_0
- * and Q8_0 weights are, in as many bytes as the file's (rows rounded up to 16); 0 for the other
- * types, which that mode reads in file layout. */
+ * and Q8_0 weights are, in as many bytes as the file's (rows rounded up to 16), and Q4_K and Q6_K in
+ * 4/3 and 128/105 of them (their sub-block scales as float32); 0 for the other types, which that
+ * mode reads in file layout. */
 int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols);
 /* w (as kvref_matmul takes it) -> out [out_nbytes = kvref_packed_nbytes(...)], 64-byte aligned: its
  * rows 16 at a time in the layout of the int8 mode's kernels, whose every 4-byte dot product

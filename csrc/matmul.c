@@ -174,10 +174,10 @@ typedef struct {
 } quantize_ctx;
 
 void kvref_block_sums(int64_t K, const int8_t *qs, int32_t *xsum) {
-    for (int64_t b = 0; b < K / 32; b++) {
+    for (int64_t h = 0; h < K / 16; h++) {
         int32_t sum = 0;
-        for (int j = 0; j < 32; j++) sum += qs[32 * b + j];
-        xsum[b] = sum;
+        for (int j = 0; j < 16; j++) sum += qs[16 * h + j];
+        xsum[h] = sum;
     }
 }
 
@@ -189,7 +189,7 @@ static void quantize_unit(void *vctx, int64_t unit, int thread) {
     const int64_t t0 = unit * Q8_ROWS_PER_UNIT, t1 = t0 + Q8_ROWS_PER_UNIT < c->T ? t0 + Q8_ROWS_PER_UNIT : c->T;
     for (int64_t t = t0; t < t1; t++) {
         c->kk->quantize_q8(c->K, c->x + t * c->K, c->qs + t * c->K, c->ds + t * (c->K / 16));
-        if (c->xsum != NULL) kvref_block_sums(c->K, c->qs + t * c->K, c->xsum + t * (c->K / 32));
+        if (c->xsum != NULL) kvref_block_sums(c->K, c->qs + t * c->K, c->xsum + t * (c->K / 16));
     }
     if (c->xsum != NULL) return;
     uint8_t *xu = (uint8_t *)c->qs;
@@ -197,7 +197,7 @@ static void quantize_unit(void *vctx, int64_t unit, int thread) {
 }
 
 size_t kvref_matmul_int8_shared_bytes(int64_t T, int64_t K) {
-    /* qs [T, K] int8, ds [T, K/32, 2] float32 and xsum [T, K/32] int32: 12 bytes per 32 values */
+    /* qs [T, K] int8, ds [T, K/32, 2] float32 and xsum [T, K/16] int32: 16 bytes per 32 values */
     return (size_t)T * (size_t)K * 2;
 }
 
@@ -214,19 +214,34 @@ void kvref_quantize_rows(kvref_pool *pool, const float *x, int64_t T, int64_t K,
 
 /* ---- packed weights (internal.h) ------------------------------------------------------------ */
 
+/* one row's block b (32 values) -> its integers q and scales: d[0] (Q6_K: of values 0-15, d[1] of
+ * 16-31) and m */
+static void weight_block32(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
+    if (type != KVREF_TYPE_Q6_K) {
+        kvref_q8_weight_block(type, row, b, q, &d[0], m);
+        return;
+    }
+    kvref_q8_weight_block(type, row, 2 * b, q, &d[0], m); /* two sub-blocks of 16 */
+    kvref_q8_weight_block(type, row, 2 * b + 1, q + 16, &d[1], m);
+}
+
 void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group) {
     const int64_t rec_bytes = kvref_pack_record_bytes(type), bytes = kvref_q8_block_bytes(type);
     const int32_t bias = kvref_pack_bias(type);
     memset(group, 0, (size_t)(K / 32 * rec_bytes));
     for (int64_t b = 0; b < K / 32; b++) {
-        uint8_t *rec = group + b * rec_bytes, *vals = rec + kvref_pack_values_at(type);
+        uint8_t *rec = group + b * rec_bytes, *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
         for (int64_t r = 0; r < nr; r++) {
-            const uint8_t *block = w + r * rb + b * bytes;
             int8_t q[32];
-            float d, m;
-            kvref_q8_weight_block(type, w + r * rb, b, q, &d, &m);
-            memcpy(rec + 2 * r, block, 2); /* d, and Q4_1's m, stay float16 */
-            if (type == KVREF_TYPE_Q4_1) memcpy(rec + 32 + 2 * r, block + 2, 2);
+            float d[2] = {0.0f, 0.0f}, m;
+            weight_block32(type, w + r * rb, b, q, d, &m);
+            if (kvref_pack_fp32(type)) { /* Q4_K: d, m; Q6_K: d of each half */
+                memcpy(rec + 4 * r, &d[0], 4);
+                memcpy(rec + 64 + 4 * r, type == KVREF_TYPE_Q4_K ? &m : &d[1], 4);
+            } else { /* d, and Q4_1's m, stay float16 */
+                memcpy(rec + 2 * r, w + r * rb + b * bytes, 2);
+                if (type == KVREF_TYPE_Q4_1) memcpy(rec + 32 + 2 * r, w + r * rb + b * bytes + 2, 2);
+            }
             for (int k = 0; k < 32; k++) {
                 const int v = k / 4, lane = 4 * (int)r + k % 4;
                 const uint8_t u = (uint8_t)(q[k] + bias);
@@ -235,14 +250,15 @@ void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int
                     continue;
                 }
                 vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
-                if (u >> 4) rec[32 + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8)); /* Q5_0's fifth bit */
+                for (int p = 0; p < kvref_pack_planes(type); p++)
+                    if (u >> (4 + p) & 1) planes[64 * p + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8));
             }
         }
     }
 }
 
 int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols) {
-    if (!kvref_packable(type) || rows < 0 || cols < 0 || cols % 32 != 0) return 0;
+    if (!kvref_packable(type) || rows < 0 || cols < 0 || kvref_row_nbytes(type, cols) < 0) return 0;
     const int64_t groups = (rows + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS, group = cols / 32 * kvref_pack_record_bytes(type);
     if (group > 0 && groups > INT64_MAX / group) return 0;
     return groups * group;
@@ -259,7 +275,7 @@ int kvref_pack_int8(const void *w, int32_t w_type, int64_t w_nbytes, int64_t row
     if (out_nbytes == 0) return KVREF_OK;
     if (w == NULL || out == NULL) return KVREF_ERR_NULL;
     if ((uintptr_t)out % 64 != 0) return KVREF_ERR_VALUE;
-    const int64_t gb = KVREF_PACK_ROWS * rb;
+    const int64_t gb = cols / 32 * kvref_pack_record_bytes(w_type); /* a group's bytes */
     for (int64_t n = 0; n < rows; n += KVREF_PACK_ROWS)
         kvref_pack_group(w_type, cols, (const uint8_t *)w + n * rb, rb, rows - n < KVREF_PACK_ROWS ? rows - n : KVREF_PACK_ROWS,
                          (uint8_t *)out + n / KVREF_PACK_ROWS * gb);
@@ -276,7 +292,7 @@ static void packed_group_rows(const kvref_kernels *kk, int32_t type, int64_t K, 
     float r[MV_ROWS * KVREF_PACK_ROWS];
     for (int64_t t0 = 0; t0 < T; t0 += MV_ROWS) {
         const int64_t nt = T - t0 < MV_ROWS ? T - t0 : MV_ROWS;
-        kk->packed_dot(type, K, group, qs + t0 * K, ds + t0 * (K / 16), xsum + t0 * (K / 32), nt, r);
+        kk->packed_dot(type, K, group, qs + t0 * K, ds + t0 * (K / 16), xsum + t0 * (K / 16), nt, r);
         for (int64_t t = 0; t < nt; t++) {
             float *out = y + (t0 + t) * ldy;
             for (int64_t i = 0; i < nr; i++)
@@ -307,7 +323,7 @@ static void packed_unit(void *vctx, int64_t unit, int thread) {
 }
 
 size_t kvref_matmul_int8_scratch_bytes(int64_t T, int64_t K) {
-    const size_t group = (size_t)KVREF_PACK_ROWS * (size_t)(K / 32) * BYTES_Q8_0; /* the largest record */
+    const size_t group = (size_t)(K / 32) * (size_t)kvref_pack_record_bytes(KVREF_TYPE_Q8_0); /* the largest records */
     const size_t tile = kvref_matmul_scratch_bytes(T, K);
     return group > tile ? group : tile;
 }
@@ -380,7 +396,7 @@ static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t
     const kvref_mv *mv = c->mv;
     const int64_t rb = kvref_row_nbytes(p->type, mv->K), K = mv->K;
     if (mv->xqs != NULL && p->packed != NULL) {
-        const int64_t gb = KVREF_PACK_ROWS * rb; /* a group's bytes */
+        const int64_t gb = K / 32 * kvref_pack_record_bytes(p->type); /* a group's bytes */
         for (int64_t n = n0; n < n1; n += KVREF_PACK_ROWS) {
             packed_group_rows(c->kk, p->type, K, p->packed + n / KVREF_PACK_ROWS * gb, mv->xqs, mv->xds, mv->xsum,
                               mv->T, p->y + n, p->ldy, n1 - n < KVREF_PACK_ROWS ? n1 - n : KVREF_PACK_ROWS,

@@ -366,12 +366,21 @@ static void quantize_q8_scalar(int64_t K, const float *x, int8_t *qs, float *ds)
 
 /* value i of vector v of row r in a packed record (internal.h): the unsigned u = q + bias */
 static int32_t packed_value(int32_t type, const uint8_t *rec, int v, int r, int i) {
-    const uint8_t *vals = rec + kvref_pack_values_at(type);
-    if (type == KVREF_TYPE_Q8_0) return vals[64 * v + 4 * r + i];
-    const uint8_t byte = vals[64 * (v % 4) + 4 * r + i];
+    const uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
+    const int lane = 4 * r + i;
+    if (type == KVREF_TYPE_Q8_0) return vals[64 * v + lane];
+    const uint8_t byte = vals[64 * (v % 4) + lane];
     int32_t u = v < 4 ? byte & 15 : byte >> 4;
-    if (type == KVREF_TYPE_Q5_0) u |= (rec[32 + 8 * v + (4 * r + i) / 8] >> ((4 * r + i) % 8) & 1) << 4;
+    for (int p = 0; p < kvref_pack_planes(type); p++) u |= (planes[64 * p + 8 * v + lane / 8] >> (lane % 8) & 1) << (4 + p);
     return u;
+}
+
+/* scale `which` of row r in a packed record: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d of 16-31) */
+static float packed_scale(int32_t type, const uint8_t *rec, int which, int r) {
+    if (!kvref_pack_fp32(type)) return kvref_load_fp16(rec + 32 * which + 2 * r);
+    float d;
+    memcpy(&d, rec + 64 * which + 4 * r, 4);
+    return d;
 }
 
 /* the definition of the packed kernels (internal.h, kvref_packed_dot_fn) */
@@ -386,11 +395,17 @@ static void packed_dot(int32_t type, int64_t K, const uint8_t *group, const int8
                 const uint8_t *rec = group + b * rec_bytes;
                 const int8_t *x = qs + t * K + 32 * b;
                 const float *xd = ds + (t * nb + b) * 2;
-                int32_t isum = -bias * xsum[t * nb + b];
+                const int32_t *xs = xsum + t * (K / 16) + 2 * b;
+                int32_t half[2] = {-bias * xs[0], -bias * xs[1]}; /* values 0-15, 16-31 */
                 for (int v = 0; v < 8; v++)
-                    for (int i = 0; i < 4; i++) isum += packed_value(type, rec, v, r, i) * (int32_t)x[4 * v + i];
-                acc = fmaf((float)isum, xd[0] * kvref_load_fp16(rec + 2 * r), acc);
-                if (type == KVREF_TYPE_Q4_1) acc = fmaf(kvref_load_fp16(rec + 32 + 2 * r), xd[1], acc);
+                    for (int i = 0; i < 4; i++) half[v / 4] += packed_value(type, rec, v, r, i) * (int32_t)x[4 * v + i];
+                if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
+                    acc = fmaf((float)half[0], xd[0] * packed_scale(type, rec, 0, r), acc);
+                    acc = fmaf((float)half[1], xd[0] * packed_scale(type, rec, 1, r), acc);
+                    continue;
+                }
+                acc = fmaf((float)(half[0] + half[1]), xd[0] * packed_scale(type, rec, 0, r), acc);
+                if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K) acc = fmaf(packed_scale(type, rec, 1, r), xd[1], acc);
             }
             out[t * KVREF_PACK_ROWS + r] = acc;
         }

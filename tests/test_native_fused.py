@@ -57,8 +57,8 @@ from kvref.native._kvref import ffi, lib  # noqa: E402
 PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").read_text())["prompts"]
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])
-INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)  # 8-bit kernels at any T
-GEMM_TYPES = INT8_TYPES + (GGMLType.Q4_K, GGMLType.Q6_K)  # ... and in the 8-bit GEMM (GEMM_Q8_MIN_T rows of x on)
+# the weight types with 8-bit kernels: packed (any T) and in the 8-bit GEMM (GEMM_Q8_MIN_T rows of x on)
+INT8_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K)
 
 
 # ---- random models with weights in every format ------------------------------------------------
@@ -488,7 +488,7 @@ def block_offsets(w):
 
 @st.composite
 def int8_cases(draw):
-    gtype = draw(st.sampled_from(GEMM_TYPES))
+    gtype = draw(st.sampled_from(INT8_TYPES))
     K = 256 * draw(st.integers(1, 2)) if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32 * draw(st.integers(1, 8))
     # T from GEMM_Q8_MIN_T on is the 8-bit GEMM (row blocks of 6, tails of 2 and 1), below it the packed
     # kernels (blocks of 8, 4, 2, 1; groups of 16 weight rows); N past 32 spans tiles, N % 16 a part group
@@ -508,12 +508,6 @@ def has_vnni() -> bool:
         return False
 
 
-# The instruction sets whose int8 projection of GEMM_Q8_MIN_T or more rows is the 8-bit GEMM
-# (csrc/internal.h), where Q4_K and Q6_K become 8-bit; AVX2, and AVX-512 without VNNI, pack the other
-# types per call there too and keep the K-quants exact.
-GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and has_vnni() else [])
-
-
 # The int8 projection computes, per block b of 32 values, d_w d_x I_b (+ m_b s_b for Q4_1, Q4_K) in
 # float32, where I_b is the exact integer dot product of the weight's quantized values with q and
 # s_b = fl(d_x sum_j q_j). Against x~ @ W.T computed exactly (float64) from the same blocks, the only
@@ -526,7 +520,6 @@ GEMM_ISAS = ["scalar"] + (["avx512"] if "avx512" in nops.supported_isas() and ha
 def test_int8_matmul_equals_the_blockwise_rounded_product_to_float32_rounding(case, isa, threads):
     w, x = case
     N, K = w.shape
-    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= nops.GEMM_Q8_MIN_T and isa in GEMM_ISAS))  # else K-quants are exact
     y = nops.kernels(threads, isa).matmul_int8(x, w)
     d, q, s = q8_blocks(x)
     Wd = quants.dequantize(w.ggml_type, w.data, w.shape).astype(np.float64)  # [N, K]
@@ -564,14 +557,13 @@ def test_int8_matmul_is_within_the_derived_bound_of_the_exact_product(case, isa)
 @given(int8_cases(), ISAS, THREADS)
 def test_int8_matmul_is_bit_identical_to_the_scalar_kernel_on_every_isa_thread_count_and_row_count(case, isa,
                                                                                                   threads):
-    # The GEMM and the packed kernels compute the same integers, block sums s and fused multiply-adds
-    # per block, in block order, on every instruction set; Q4_K and Q6_K are 8-bit only in the GEMM.
+    # The GEMM (from GEMM_Q8_MIN_T rows of x on, scalar and AVX-512 VNNI) and the packed kernels
+    # compute the same integers, block sums s and fused multiply-adds per block, in block order, on
+    # every instruction set: each row of x gets the same result alone.
     w, x = case
-    assume(w.ggml_type in INT8_TYPES or (x.shape[0] >= nops.GEMM_Q8_MIN_T and isa in GEMM_ISAS))
     want = nops.kernels(1, "scalar").matmul_int8(x, w)
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x, w), want)
-    if w.ggml_type in INT8_TYPES:  # and each row of x gets the same result alone
-        np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x[-1:], w), want[-1:])
+    np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x[-1:], w), want[-1:])
 
 
 @given(int8_cases(), ISAS, THREADS)
@@ -600,13 +592,14 @@ def test_int8_matmul_makes_every_output_of_a_row_with_a_non_finite_input_nan(cas
 
 @given(st.sampled_from([t for t in nops.WEIGHT_TYPES if t not in INT8_TYPES]), ISAS, st.integers(0, 2**16))
 def test_int8_matmul_is_the_exact_matmul_for_weights_without_an_8bit_kernel(gtype, isa, seed):
-    # three rows of x: below the 8-bit GEMM, where Q4_K has no 8-bit kernel either
+    # three rows of x (the packed kernels' side of the GEMM switch) and ten (the GEMM's)
     rng = np.random.default_rng(seed)
     K = 256 * (1 + seed % 2)
     w = sane_quantized(gtype, (rng.standard_normal((19, K)) / 16).astype(np.float32), rng)
-    x = rng.standard_normal((3, K)).astype(np.float32)
     ks = nops.kernels(2, isa)
-    np.testing.assert_array_equal(ks.matmul_int8(x, w), ks.matmul(x, w))
+    for T in (3, 10):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        np.testing.assert_array_equal(ks.matmul_int8(x, w), ks.matmul(x, w))
 
 
 class Int8Kernels:
@@ -922,43 +915,59 @@ def test_an_int8_execution_needs_a_model_with_packed_weights(activations):
 
 # ---- packed weights (csrc/internal.h) ----------------------------------------------------------
 
-def packed_layout(gtype, values, d, m):
+PACK_BIAS = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16, GGMLType.Q8_0: 128, GGMLType.Q4_K: 0,
+             GGMLType.Q6_K: 32}
+
+
+def packed_layout(gtype, values, s0, s1):
     """The int8 mode's packed layout in NumPy (csrc/internal.h), from the blocks' signed integers
-    values [N, K] (kvref_q8_weight_block's q), float16 scales d [N, K/32] and Q4_1 offsets m: per group
-    of 16 rows and block, d [16], m [16] (Q4_1) or 8 masks of fifth bits (Q5_0), then u = q + bias in
-    vectors v of 64 bytes, value 4v + i of row r at byte 4r + i, the 4-bit types' vectors v and v + 4
-    sharing bytes as low and high nibbles."""
-    bias = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16, GGMLType.Q8_0: 128}[gtype]
+    values [N, K] and two scales per row and 32-value block, s0 and s1 [N, K/32] (block_integers): per
+    group of 16 rows and block, s0 [16] (then s1 [16] for Q4_1 and the K-quants), the high-bit planes
+    of u = q + bias (bit 4 for Q5_0, bits 4 and 5 for Q6_K: 8 masks of 64 bits each), then u in vectors
+    v of 64 bytes, value 4v + i of row r at byte 4r + i, vectors v and v + 4 sharing bytes as low and
+    high nibbles but for Q8_0."""
     N, K = values.shape
     G = -(-N // 16)
     u = np.zeros((G * 16, K), np.int64)
-    u[:N] = values + bias
-    dd, mm = np.zeros((G * 16, K // 32), np.float16), np.zeros((G * 16, K // 32), np.float16)
-    dd[:N], mm[:N] = d, m
+    u[:N] = values + PACK_BIAS[gtype]
+    scales = [np.zeros((G * 16, K // 32), s0.dtype), np.zeros((G * 16, K // 32), s1.dtype)]
+    scales[0][:N], scales[1][:N] = s0, s1
+    planes = {GGMLType.Q5_0: 1, GGMLType.Q6_K: 2}.get(gtype, 0)
     out = []
     for g in range(G):
         for b in range(K // 32):
             rows = slice(16 * g, 16 * g + 16)
             vec = u[rows, 32 * b:32 * b + 32].reshape(16, 8, 4).transpose(1, 0, 2).reshape(8, 64)  # [v, 4r + i]
-            rec = [np.ascontiguousarray(dd[rows, b]).view(np.uint8)]
-            if gtype == GGMLType.Q4_1:
-                rec.append(np.ascontiguousarray(mm[rows, b]).view(np.uint8))
-            if gtype == GGMLType.Q5_0:
-                rec.append(np.packbits(vec >> 4 & 1, axis=1, bitorder="little").reshape(-1))
-            if gtype == GGMLType.Q8_0:
-                rec.append(vec.reshape(-1))
-            else:
-                rec.append((vec[:4] & 15) | (vec[4:] & 15) << 4)
+            two = gtype in (GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+            rec = [np.ascontiguousarray(scales[i][rows, b]).view(np.uint8) for i in range(1 + two)]
+            rec += [np.packbits(vec >> (4 + p) & 1, axis=1, bitorder="little").reshape(-1) for p in range(planes)]
+            rec.append(vec.reshape(-1) if gtype == GGMLType.Q8_0 else (vec[:4] & 15) | (vec[4:] & 15) << 4)
             out.append(np.concatenate([np.asarray(r, np.uint8).reshape(-1) for r in rec]))
     return np.concatenate(out)
 
 
 def block_integers(w):
-    """A packable weight's per-block signed integers q [N, K], scales d and offsets m [N, K/32]
-    (float16), read from its file blocks (kvref.spec.quants' formats)."""
+    """A packable weight's signed integers q [N, K] and two scales per 32-value block [N, K/32]: d (and
+    Q4_1's m) as the file's float16; Q4_K's d sc and -dmin m, Q6_K's d sc of each 16-value half, as
+    float32 (csrc/internal.h, kvref_q8_block_scales), read from its file blocks (kvref.spec.quants)."""
     N, K = w.shape
-    nb, size = K // 32, BLOCK_LAYOUT[w.ggml_type][1]
-    blocks = w.data.reshape(N, nb, size)
+    size = BLOCK_LAYOUT[w.ggml_type][1]
+    if w.ggml_type == GGMLType.Q4_K:
+        blocks = w.data.reshape(-1, size)
+        n = blocks.shape[0]
+        d, dmin = quants._f16(blocks[:, 0:2]), quants._f16(blocks[:, 2:4])
+        sc, mn = quants._scales_mins_k4(blocks[:, 4:16])
+        q = quants._unpack(blocks[:, 16:144].reshape(n, 4, 32), 4).reshape(N, K).astype(np.int64)
+        return q, (d * sc.astype(np.float32)).reshape(N, -1), (-(dmin * mn.astype(np.float32))).reshape(N, -1)
+    if w.ggml_type == GGMLType.Q6_K:
+        blocks = w.data.reshape(-1, size)
+        n = blocks.shape[0]
+        q_low = quants._unpack(blocks[:, 0:128].reshape(n, 2, 64), 4).reshape(n, 2, 4, 32)
+        q_high = quants._unpack(blocks[:, 128:192].reshape(n, 2, 32), 2)
+        q = (q_low | (q_high << np.uint8(4))).astype(np.int64).reshape(N, K) - 32
+        dl = (quants._f16(blocks[:, 208:210]) * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(N, -1, 2)
+        return q, np.ascontiguousarray(dl[..., 0]), np.ascontiguousarray(dl[..., 1])
+    blocks = w.data.reshape(N, K // 32, size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if w.ggml_type == GGMLType.Q4_1 else np.zeros_like(d)
     if w.ggml_type == GGMLType.Q8_0:
@@ -969,17 +978,18 @@ def block_integers(w):
     if w.ggml_type == GGMLType.Q5_0:
         qh = blocks[..., 2:6].copy().view(np.uint32)[..., 0].astype(np.int64)
         q = q | ((qh[..., None] >> np.arange(32)) & 1) << 4
-    offset = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16}[w.ggml_type]
-    return (q - offset).reshape(N, K), d, m
+    return (q - PACK_BIAS[w.ggml_type]).reshape(N, K), d, m
 
 
-@given(st.sampled_from(INT8_TYPES), st.integers(1, 40), st.integers(1, 4), st.integers(0, 2**32 - 1))
+@given(st.sampled_from(INT8_TYPES), st.integers(1, 40), st.integers(1, 2), st.integers(0, 2**32 - 1))
 def test_pack_int8_writes_the_documented_layout(gtype, N, nb, seed):
     rng = np.random.default_rng(seed)
-    K = 32 * nb
+    K = (256 if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32) * nb
     w = sane_quantized(gtype, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), rng)
     nbytes = lib.kvref_packed_nbytes(int(gtype), N, K)
-    assert nbytes == -(-N // 16) * 16 * row_nbytes(gtype, K)  # the file's bytes, rows rounded up to 16
+    # per row and 32 values: the file's bytes, but for the K-quants' float32 sub-block scales; rows rounded to 16
+    per_block = {GGMLType.Q4_K: 24, GGMLType.Q6_K: 32}[gtype] if K % 256 == 0 else row_nbytes(gtype, 32)
+    assert nbytes == -(-N // 16) * 16 * (K // 32) * per_block
     buf = np.zeros(nbytes + 64, np.uint8)
     out = buf[-buf.ctypes.data % 64:][:nbytes]
     assert lib.kvref_pack_int8(ffi.from_buffer(w.data), int(gtype), w.data.nbytes, N, K, ffi.from_buffer(out),
@@ -998,9 +1008,10 @@ def test_pack_int8_refuses_every_wrong_call():
         dst = ffi.from_buffer(out[at:at + n]) if dst is None else dst
         return lib.kvref_pack_int8(src, w_type, w_nbytes, rows, cols, dst, out_nbytes)
 
-    assert lib.kvref_packed_nbytes(int(GGMLType.Q4_K), 16, 256) == 0  # K-quants are not packed
+    assert lib.kvref_packed_nbytes(int(GGMLType.F16), 16, 256) == 0  # float types are not packed
+    assert lib.kvref_packed_nbytes(int(GGMLType.Q4_K), 16, 32) == 0  # not whole super-blocks
     assert lib.kvref_packed_nbytes(q41, 16, 33) == 0
-    assert call(w_type=int(GGMLType.Q4_K)) == lib.KVREF_ERR_TYPE
+    assert call(w_type=int(GGMLType.F16)) == lib.KVREF_ERR_TYPE
     assert call(rows=-1) == lib.KVREF_ERR_DIM
     assert call(cols=48) == lib.KVREF_ERR_SHAPE  # not whole blocks
     assert call(w_nbytes=w.nbytes - 1) == lib.KVREF_ERR_SIZE

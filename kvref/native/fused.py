@@ -41,15 +41,14 @@ ring layer's keys are in slot order rather than position order, so there the log
 decoder's over a contiguous cache to float32 rounding (the online softmax sums in another order).
 With activations="int8",
 every projection, prefill and decode alike, is Kernels.matmul_int8, bit for bit: each input row is
-rounded to blocks of 32 int8 values with scale d = max|x| / 127 before Q4_0, Q4_1, Q5_0 and Q8_0
-weights, and multiplied with integer dot products (llama.cpp does the same). Those weights are packed
-once, here (kvref_pack_int8: 16 rows interleaved, so each 4-byte dot product instruction serves 16
-rows and a block's values are decoded once for every row of x), and C reads only the packed copy; the
-file's pages of them are dropped from the resident set (kvref.weights.release_pages), so the copy
-costs no memory beside them. Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b}
-|w_j| beyond the float32 rounding of the exact mode; Q4_K and Q6_K are 8-bit from
-nops.GEMM_Q8_MIN_T rows on where the 8-bit GEMM runs, other weight types stay exact. Exact is the
-default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens
+rounded to blocks of 32 int8 values with scale d = max|x| / 127 before Q4_0, Q4_1, Q5_0, Q8_0, Q4_K
+and Q6_K weights, and multiplied with integer dot products (llama.cpp does the same). Those weights
+are packed once, here (kvref_pack_int8: 16 rows interleaved, so each 4-byte dot product instruction
+serves 16 rows and a block's values are decoded once for every row of x), and C reads only the packed
+copy; the file's pages of them are dropped from the resident set (kvref.weights.release_pages), so
+the copy costs no memory beside them (the K-quants' take a third and a fifth more: float32 sub-block
+scales). Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j| beyond the
+float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens
 on the two reference prompts, llama.cpp's after 5 and 25 (tests/test_native_fused.py has the bounds
 and the measurements).
 
