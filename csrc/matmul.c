@@ -214,6 +214,30 @@ void kvref_quantize_rows(kvref_pool *pool, const float *x, int64_t T, int64_t K,
 
 /* ---- packed weights (internal.h) ------------------------------------------------------------ */
 
+/* row r of a record from a legacy block (Q4_0, Q4_1, Q5_0, Q8_0), byte for byte: a block's nibble
+ * byte j is values j and j + 16, which is what the record's nibble vectors hold at 4r + j % 4 of
+ * vector j / 4; Q8_0's bytes move with their sign bit flipped (+ 128) */
+static void pack_legacy_row(int32_t type, const uint8_t *block, int r, uint8_t *rec) {
+    uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
+    memcpy(rec + 2 * r, block, 2); /* d, and Q4_1's m, stay float16 */
+    if (type == KVREF_TYPE_Q8_0) {
+        for (int v = 0; v < 8; v++) {
+            uint32_t four;
+            memcpy(&four, block + 2 + 4 * v, 4);
+            four ^= 0x80808080u;
+            memcpy(vals + 64 * v + 4 * r, &four, 4);
+        }
+        return;
+    }
+    if (type == KVREF_TYPE_Q4_1) memcpy(rec + 32 + 2 * r, block + 2, 2);
+    const int at = type == KVREF_TYPE_Q4_0 ? 2 : type == KVREF_TYPE_Q4_1 ? 4 : 6; /* the nibble bytes */
+    for (int j = 0; j < 4; j++) memcpy(vals + 64 * j + 4 * r, block + at + 4 * j, 4);
+    if (type == KVREF_TYPE_Q5_0) { /* bits 4v .. 4v+3 of qh are bits 4r .. 4r+3 of mask v */
+        const uint32_t qh = kvref_q5_high_bits(block);
+        for (int v = 0; v < 8; v++) planes[8 * v + r / 2] |= (uint8_t)((qh >> (4 * v) & 15) << (4 * (r % 2)));
+    }
+}
+
 /* one row's block b (32 values) -> its integers q and scales: d[0] (Q6_K: of values 0-15, d[1] of
  * 16-31) and m */
 static void weight_block32(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
@@ -225,36 +249,31 @@ static void weight_block32(int32_t type, const uint8_t *row, int64_t b, int8_t *
     kvref_q8_weight_block(type, row, 2 * b + 1, q + 16, &d[1], m);
 }
 
-void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group) {
-    const int64_t rec_bytes = kvref_pack_record_bytes(type), bytes = kvref_q8_block_bytes(type);
-    const int32_t bias = kvref_pack_bias(type);
-    memset(group, 0, (size_t)(K / 32 * rec_bytes));
-    for (int64_t b = 0; b < K / 32; b++) {
-        uint8_t *rec = group + b * rec_bytes, *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
-        for (int64_t r = 0; r < nr; r++) {
-            int8_t q[32];
-            float d[2] = {0.0f, 0.0f}, m;
-            weight_block32(type, w + r * rb, b, q, d, &m);
-            if (kvref_pack_fp32(type)) { /* Q4_K: d, m; Q6_K: d of each half */
-                memcpy(rec + 4 * r, &d[0], 4);
-                memcpy(rec + 64 + 4 * r, type == KVREF_TYPE_Q4_K ? &m : &d[1], 4);
-            } else { /* d, and Q4_1's m, stay float16 */
-                memcpy(rec + 2 * r, w + r * rb + b * bytes, 2);
-                if (type == KVREF_TYPE_Q4_1) memcpy(rec + 32 + 2 * r, w + r * rb + b * bytes + 2, 2);
-            }
-            for (int k = 0; k < 32; k++) {
-                const int v = k / 4, lane = 4 * (int)r + k % 4;
-                const uint8_t u = (uint8_t)(q[k] + bias);
-                if (type == KVREF_TYPE_Q8_0) {
-                    vals[64 * v + lane] = u;
-                    continue;
-                }
-                vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
-                for (int p = 0; p < kvref_pack_planes(type); p++)
-                    if (u >> (4 + p) & 1) planes[64 * p + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8));
-            }
-        }
+/* row r of a record from a K-quant's block b, value by value */
+static void pack_kquant_row(int32_t type, const uint8_t *row, int64_t b, int r, uint8_t *rec) {
+    uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
+    int8_t q[32];
+    float d[2] = {0.0f, 0.0f}, m;
+    weight_block32(type, row, b, q, d, &m);
+    memcpy(rec + 4 * r, &d[0], 4); /* Q4_K: d, m; Q6_K: d of each half */
+    memcpy(rec + 64 + 4 * r, type == KVREF_TYPE_Q4_K ? &m : &d[1], 4);
+    for (int k = 0; k < 32; k++) {
+        const int v = k / 4, lane = 4 * r + k % 4;
+        const uint8_t u = (uint8_t)(q[k] + kvref_pack_bias(type));
+        vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
+        for (int p = 0; p < kvref_pack_planes(type); p++)
+            if (u >> (4 + p) & 1) planes[64 * p + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8));
     }
+}
+
+void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group) {
+    const int64_t rec_bytes = kvref_pack_record_bytes(type);
+    memset(group, 0, (size_t)(K / 32 * rec_bytes));
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int r = 0; r < nr; r++) {
+            if (kvref_pack_fp32(type)) pack_kquant_row(type, w + r * rb, b, r, group + b * rec_bytes);
+            else pack_legacy_row(type, w + r * rb + b * kvref_q8_block_bytes(type), r, group + b * rec_bytes);
+        }
 }
 
 int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols) {
