@@ -170,7 +170,7 @@ typedef struct {
     int64_t T, K;
     int8_t *qs;                /* [T, K] */
     float *ds;                 /* [T, K/32, 2] */
-    int32_t *xsum;             /* [T, K/32], or NULL: q stored + 128 for the GEMM */
+    int32_t *xsum;             /* [T, K/16], or NULL: q stored + 128 for the GEMM */
 } quantize_ctx;
 
 void kvref_block_sums(int64_t K, const int8_t *qs, int32_t *xsum) {
@@ -325,7 +325,7 @@ typedef struct {
     kvref_pool *pool;
     const int8_t *qs;          /* [T, K] */
     const float *ds;           /* [T, K/32, 2] */
-    const int32_t *xsum;       /* [T, K/32] */
+    const int32_t *xsum;       /* [T, K/16] */
     const uint8_t *w;          /* [N, rb] in the file's layout */
     int32_t type;
     int64_t T, K, N, rb;
@@ -414,7 +414,7 @@ typedef struct {
 static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t n1) {
     const kvref_mv *mv = c->mv;
     const int64_t rb = kvref_row_nbytes(p->type, mv->K), K = mv->K;
-    if (mv->xqs != NULL && p->packed != NULL) {
+    if (mv->xqs != NULL && p->packed != NULL) { /* a unit's groups are one stream the hardware prefetches */
         const int64_t gb = K / 32 * kvref_pack_record_bytes(p->type); /* a group's bytes */
         for (int64_t n = n0; n < n1; n += KVREF_PACK_ROWS) {
             packed_group_rows(c->kk, p->type, K, p->packed + n / KVREF_PACK_ROWS * gb, mv->xqs, mv->xds, mv->xsum,
