@@ -35,8 +35,8 @@ enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, W_HEAD };
 struct kvref_model {
     kvref_model_desc desc;     /* config and pointers; desc.layers points at `layers` */
     kvref_layer_desc *layers;  /* [n_layers] */
-    int int8;                  /* every Q4_0, Q4_1, Q5_0 and Q8_0 projection and the LM head packed:
-                                  KVREF_ACT_INT8 executions can run */
+    int int8;                  /* every projection and LM head of a type with a packed form (internal.h)
+                                  packed: KVREF_ACT_INT8 executions can run */
     int64_t max_k;             /* widest matmul input: max(E, H*D, F) */
     int64_t n_tables;          /* distinct RoPE frequency tables among the layers' */
     int64_t *table_of;         /* [n_layers] the index of each layer's table among those */

@@ -398,9 +398,9 @@ typedef struct kvref_kernels {
     kvref_glu_fn swiglu;       /* silu(g) * u */
     kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
     /* 8-bit activations */
-    kvref_packed_dot_fn packed_dot; /* packed Q4_0, Q4_1, Q5_0, Q8_0 weights, few rows of x */
+    kvref_packed_dot_fn packed_dot; /* packed weights (below), up to 8 rows of x a call */
     kvref_quantize_q8_fn quantize_q8;
-    kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: the dot kernels) */
+    kvref_gemm_q8_fn gemm_q8;  /* many rows of 8-bit x against 8-bit tiles (NULL: packed weights) */
     kvref_q8_tile_fn q8_tile;  /* 8-bit tiles of a 32-value type (NULL: matmul.c's portable decoder) */
     /* the wrapping sum of the n / 8 64-bit words at p (n a multiple of 256, p 64-byte aligned) */
     uint64_t (*read_sum)(const uint8_t *p, int64_t n);
