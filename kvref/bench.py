@@ -407,11 +407,14 @@ def read_bandwidth(model, tries=READ_TRIES) -> dict:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every tensor but the embedding table, of which one row
-    (none apart when the LM head is the table itself: the head reads all of it)."""
+    (none apart when the LM head is the table itself: the head reads all of it); the int8 mode's
+    projections as their packed copies (kvref.native.fused)."""
     w = model.weights
     tensors = [t for lw in w.layers for t in vars(lw).values() if t is not None] + [w.output_norm, w.output]
     row = 0 if w.output is w.tok_embeddings else _nbytes(w.tok_embeddings) // model.config.vocab_size
-    return sum(_nbytes(t) for t in tensors) + row
+    fused = getattr(model, "fused", None)
+    read = _nbytes if fused is None else lambda t: fused.read_nbytes(t) if hasattr(t, "ggml_type") else _nbytes(t)
+    return sum(read(t) for t in tensors) + row
 
 
 def kv_bytes_per_token(model, positions, kv_dtype) -> int:

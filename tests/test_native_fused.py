@@ -997,6 +997,20 @@ def test_pack_int8_writes_the_documented_layout(gtype, N, nb, seed):
     np.testing.assert_array_equal(out, packed_layout(gtype, *block_integers(w)))
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_a_fused_forward_reads_the_packed_bytes_of_its_int8_projections(activations):
+    # what kvref bench's roofline counts: the K-quants' packed copies are larger than the file's blocks
+    config = kvref.ModelConfig(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=32, max_seq_len=8)
+    weights = random_weights(config, seed=2)
+    rng = np.random.default_rng(2)
+    wq = sane_quantized(GGMLType.Q4_K, np.asarray(weights.layers[0].wq), rng)
+    weights = replace(weights, layers=[replace(weights.layers[0], wq=wq)])
+    ff = fused.FusedForward(config, weights, activations)
+    want = 256 * 8 * 24 if activations == "int8" else wq.data.nbytes  # 24 bytes per row and 32 values
+    assert ff.read_nbytes(wq) == want and wq.data.nbytes == 256 * 144
+    assert ff.read_nbytes(weights.layers[0].wk) == weights.layers[0].wk.nbytes  # float32: no packed form
+
+
 def test_pack_int8_refuses_every_wrong_call():
     w = np.zeros((16, 20), np.uint8)  # 16 rows of one Q4_1 block
     out = np.zeros(320 + 64, np.uint8)

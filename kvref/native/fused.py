@@ -286,6 +286,13 @@ class FusedForward:
         with self._lock:
             check_status(lib.kvref_state_fail_at_layer(self._state, int(layer)), "fail_at_layer")
 
+    def read_nbytes(self, tensor) -> int:
+        """Bytes of `tensor` (a projection or the LM head of these weights) an execution reads: its
+        packed copy's in the int8 mode (csrc/kvref.h, kvref_packed_nbytes), else the file's."""
+        gtype, data, N, K = check_weight(tensor, "tensor")
+        packed = lib.kvref_packed_nbytes(gtype, N, K) if self.activations == "int8" else 0
+        return packed or data.nbytes
+
     # ---- timing -------------------------------------------------------------------------------
 
     def timings(self) -> dict:
