@@ -568,50 +568,100 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     }
 }
 
-/* sum_j q_j k_j over n bytes (a multiple of 8), exactly: maddubs multiplies unsigned by signed
- * bytes, so |k| meets q with k's sign (sign_epi8), and its pairs of products, at most 2 x 128 x 127,
- * fit int16; madd widens them to int32. */
-TARGET static inline int32_t idot_i8(const int8_t *q, const int8_t *k, int64_t n) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int64_t i = 0; i < n;) {
-        __m256i kv, qv;
-        if (n - i >= 32) {
-            kv = _mm256_loadu_si256((const __m256i *)(const void *)(k + i));
-            qv = _mm256_loadu_si256((const __m256i *)(const void *)(q + i));
-            i += 32;
-        } else { /* 8 bytes, the rest zero */
-            kv = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadl_epi64((const __m128i *)(const void *)(k + i)), 0);
-            qv = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadl_epi64((const __m128i *)(const void *)(q + i)), 0);
-            i += 8;
-        }
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* r[m] = dword m of the 8 rows r[0..8) in lane k (row k): an 8 x 8 transpose of 32-bit lanes, in
+ * pairs, quads, then 128-bit halves */
+TARGET static inline void transpose8x8_epi32(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            u[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+            u[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+        }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x20);
+        r[4 + m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x31);
+    }
 }
 
-/* An I8 K's integer scoring (internal.h): key by key, each group's integer dot product for each
- * head, then kvref_attn_score_i8_ref's float operations in its order. Every 8 keys, asks for the K
- * and V of the keys a chunk ahead. AVX-512 CPUs without VNNI run this kernel too. */
+/* Scores of the nk <= 8 keys s .. s + nk - 1 for heads g0 .. g0 + gb - 1 (gb <= 3), key k in lane k.
+ * K is read 32 bytes of eight keys at a time and transposed, so that vector m holds each key's
+ * dword m; against the head's dword m of q8, broadcast, maddubs and madd sum its four products in
+ * the key's lane (maddubs multiplies unsigned by signed bytes, so |k| meets q with k's sign, and a
+ * pair of products, at most 2 x 128 x 127, fits int16). The dwords of a scale group add up to its
+ * exact integer dot I_b, then the float32 operations of kvref_attn_score_i8_ref, in its order, on 8
+ * keys at once. No horizontal sum per key and head, as a key-by-key kernel needs. */
+TARGET __attribute__((always_inline)) static inline void score8_i8(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t s, int64_t nk, int64_t g0, const int gb, float *p) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, ng = D / a->group_size, per_group = a->group_size / 4;
+    const int8_t *kb = (const int8_t *)c->k;
+    int64_t row[8], srow[8]; /* keys past nk read key s's K and scales (their lanes are not stored) */
+    for (int i = 0; i < 8; i++) {
+        row[i] = c->row[s + (i < nk ? i : 0)];
+        srow[i] = c->srow[s + (i < nk ? i : 0)];
+    }
+    __m256i gsum[3];
+    __m256 score[3];
+    for (int g = 0; g < gb; g++) {
+        gsum[g] = _mm256_setzero_si256();
+        score[g] = _mm256_setzero_ps();
+    }
+    int64_t b = 0, left = per_group; /* the scale group of the next dword, and its dwords left */
+    for (int64_t e0 = 0; e0 < D; e0 += 32) {
+        const int64_t nd = D - e0 < 32 ? (D - e0) / 4 : 8; /* dwords in this block (the group size is a multiple of 8) */
+        const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nd), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i k[8], ka[8];
+        for (int r = 0; r < 8; r++) k[r] = _mm256_maskload_epi32((const int *)(const void *)(kb + row[r] + e0), mk);
+        transpose8x8_epi32(k);
+        for (int m = 0; m < 8; m++) ka[m] = _mm256_abs_epi8(k[m]);
+        for (int m = 0; m < 8; m++) {
+            if (m >= nd) break; /* m a constant: the vectors stay in registers */
+            for (int g = 0; g < gb; g++) {
+                int32_t qd;
+                memcpy(&qd, c->q8 + (g0 + g) * D + e0 + 4 * m, sizeof qd);
+                const __m256i pairs = _mm256_maddubs_epi16(ka[m], _mm256_sign_epi8(_mm256_set1_epi32(qd), k[m]));
+                gsum[g] = _mm256_add_epi32(gsum[g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+            }
+            if (--left > 0) continue;
+            left = per_group;
+            float kd[8];
+            for (int r = 0; r < 8; r++) kd[r] = c->k_scales[srow[r] + b];
+            const __m256 ks = _mm256_loadu_ps(kd);
+            for (int g = 0; g < gb; g++) {
+                const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(c->qe[(g0 + g) * ng + b]), ks);
+                score[g] = _mm256_add_ps(score[g], _mm256_mul_ps(_mm256_cvtepi32_ps(gsum[g]), scale));
+                gsum[g] = _mm256_setzero_si256();
+            }
+            b++;
+        }
+    }
+    for (int g = 0; g < gb; g++) { /* kvref_attn_score_value: non-finite -> NaN */
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(score[g], _mm256_mul_ps(score[g], _mm256_setzero_ps())));
+        for (int64_t r = 0; r < nk; r++) p[(g0 + g) * C + s + r] = out[r];
+    }
+}
+
+/* An I8 K's integer scoring (internal.h): the chunk's keys 8 at a time, up to the last visible one
+ * (every key's score is its own lane's, so where the cut falls changes none), heads 3 at a time;
+ * every 8 keys, asks for the K and V of the keys a chunk ahead. AVX-512 CPUs without VNNI run this
+ * kernel too. */
 TARGET void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
-    const int8_t *k = (const int8_t *)c->k;
-    for (int64_t s = 0; s < c->n; s++) {
-        if (s % 8 == 0) {
-            kvref_attn_prefetch(c->k, a->k_type, D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
-            kvref_attn_prefetch(c->v, a->v_type, D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
-        }
-        if (!c->all && kvref_attn_hidden(c, s)) continue;
-        const int8_t *ks = k + c->row[s];
-        const float *kd = c->k_scales + c->srow[s];
-        for (int64_t g = 0; g < G; g++) {
-            float score = 0.0f;
-            for (int64_t b = 0; b < ng; b++)
-                score += (float)idot_i8(c->q8 + g * D + b * gs, ks + b * gs, gs) * (c->qe[g * ng + b] * kd[b]);
-            p[g * C + s] = kvref_attn_score_value(score);
-        }
+    int64_t n = c->n;
+    while (!c->all && kvref_attn_hidden(c, n - 1)) n--; /* some key is visible */
+    for (int64_t s = 0; s < n; s += 8) {
+        kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        kvref_attn_prefetch(c->v, a->v_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        const int64_t nk = n - s < 8 ? n - s : 8;
+        for (int64_t g0 = 0; g0 < a->G; g0 += 3)
+            switch (a->G - g0) {
+            case 1: score8_i8(a, c, s, nk, g0, 1, p); break;
+            case 2: score8_i8(a, c, s, nk, g0, 2, p); break;
+            default: score8_i8(a, c, s, nk, g0, 3, p);
+            }
     }
 }
 
