@@ -285,8 +285,9 @@ static inline int64_t kvref_kv_vector_bytes(int32_t type, int64_t D) {
     return type == KVREF_TYPE_KIVI4 ? D / 2 : D * kvref_kv_element_bytes(type);
 }
 
-/* The KIVI4 kernels (csrc/scalar.c, the reference; csrc/kernels_avx512.c). Key s of a chunk is key
- * kp - k_positions + s of the layer; keys from S - S % group_size on are K residual rows. */
+/* The KIVI4 kernels (csrc/scalar.c, the reference; csrc/kernels_avx2.c, csrc/kernels_avx512.c). Key s
+ * of a chunk is key kp - k_positions + s of the layer; keys from S - S % group_size on are K residual
+ * rows. */
 void kvref_attn_score_kivi_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
 void kvref_attn_values_kivi_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc);
 

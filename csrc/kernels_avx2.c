@@ -568,57 +568,287 @@ TARGET __attribute__((always_inline)) static inline void pv_typed(
     }
 }
 
-/* sum_j q_j k_j over n bytes (a multiple of 8), exactly: maddubs multiplies unsigned by signed
- * bytes, so |k| meets q with k's sign (sign_epi8), and its pairs of products, at most 2 x 128 x 127,
- * fit int16; madd widens them to int32. */
-TARGET static inline int32_t idot_i8(const int8_t *q, const int8_t *k, int64_t n) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int64_t i = 0; i < n;) {
-        __m256i kv, qv;
-        if (n - i >= 32) {
-            kv = _mm256_loadu_si256((const __m256i *)(const void *)(k + i));
-            qv = _mm256_loadu_si256((const __m256i *)(const void *)(q + i));
-            i += 32;
-        } else { /* 8 bytes, the rest zero */
-            kv = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadl_epi64((const __m128i *)(const void *)(k + i)), 0);
-            qv = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadl_epi64((const __m128i *)(const void *)(q + i)), 0);
-            i += 8;
-        }
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* r[m] = dword m of the 8 rows r[0..8) in lane k (row k): an 8 x 8 transpose of 32-bit lanes, in
+ * pairs, quads, then 128-bit halves */
+TARGET static inline void transpose8x8_epi32(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            u[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+            u[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+        }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x20);
+        r[4 + m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x31);
+    }
 }
 
-/* An I8 K's integer scoring (internal.h): key by key, each group's integer dot product for each
- * head, then kvref_attn_score_i8_ref's float operations in its order. Every 8 keys, asks for the K
- * and V of the keys a chunk ahead. AVX-512 CPUs without VNNI run this kernel too. */
-TARGET void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
-    const int8_t *k = (const int8_t *)c->k;
-    for (int64_t s = 0; s < c->n; s++) {
-        if (s % 8 == 0) {
-            kvref_attn_prefetch(c->k, a->k_type, D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
-            kvref_attn_prefetch(c->v, a->v_type, D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
-        }
-        if (!c->all && kvref_attn_hidden(c, s)) continue;
-        const int8_t *ks = k + c->row[s];
-        const float *kd = c->k_scales + c->srow[s];
-        for (int64_t g = 0; g < G; g++) {
-            float score = 0.0f;
-            for (int64_t b = 0; b < ng; b++)
-                score += (float)idot_i8(c->q8 + g * D + b * gs, ks + b * gs, gs) * (c->qe[g * ng + b] * kd[b]);
-            p[g * C + s] = kvref_attn_score_value(score);
+/* Scores of the nk <= 8 keys s .. s + nk - 1 for heads g0 .. g0 + gb - 1 (gb <= 3), key k in lane k.
+ * K is read 32 bytes of eight keys at a time and transposed, so that vector m holds each key's
+ * dword m; against the head's dword m of q8, broadcast, maddubs and madd sum its four products in
+ * the key's lane (maddubs multiplies unsigned by signed bytes, so |k| meets q with k's sign, and a
+ * pair of products, at most 2 x 128 x 127, fits int16). The dwords of a scale group add up to its
+ * exact integer dot I_b, then the float32 operations of kvref_attn_score_i8_ref, in its order, on 8
+ * keys at once. No horizontal sum per key and head, as a key-by-key kernel needs. */
+TARGET __attribute__((always_inline)) static inline void score8_i8(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t s, int64_t nk, int64_t g0, const int gb, float *p) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, ng = D / a->group_size, per_group = a->group_size / 4;
+    const int8_t *kb = (const int8_t *)c->k;
+    int64_t row[8], srow[8]; /* keys past nk read key s's K and scales (their lanes are not stored) */
+    for (int i = 0; i < 8; i++) {
+        row[i] = c->row[s + (i < nk ? i : 0)];
+        srow[i] = c->srow[s + (i < nk ? i : 0)];
+    }
+    __m256i gsum[3];
+    __m256 score[3];
+    for (int g = 0; g < gb; g++) {
+        gsum[g] = _mm256_setzero_si256();
+        score[g] = _mm256_setzero_ps();
+    }
+    int64_t b = 0, left = per_group; /* the scale group of the next dword, and its dwords left */
+    for (int64_t e0 = 0; e0 < D; e0 += 32) {
+        const int64_t nd = D - e0 < 32 ? (D - e0) / 4 : 8; /* dwords in this block (the group size is a multiple of 8) */
+        const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nd), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i k[8], ka[8];
+        for (int r = 0; r < 8; r++) k[r] = _mm256_maskload_epi32((const int *)(const void *)(kb + row[r] + e0), mk);
+        transpose8x8_epi32(k);
+        for (int m = 0; m < 8; m++) ka[m] = _mm256_abs_epi8(k[m]);
+        for (int m = 0; m < 8; m++) {
+            if (m >= nd) break; /* m a constant: the vectors stay in registers */
+            for (int g = 0; g < gb; g++) {
+                int32_t qd;
+                memcpy(&qd, c->q8 + (g0 + g) * D + e0 + 4 * m, sizeof qd);
+                const __m256i pairs = _mm256_maddubs_epi16(ka[m], _mm256_sign_epi8(_mm256_set1_epi32(qd), k[m]));
+                gsum[g] = _mm256_add_epi32(gsum[g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+            }
+            if (--left > 0) continue;
+            left = per_group;
+            float kd[8];
+            for (int r = 0; r < 8; r++) kd[r] = c->k_scales[srow[r] + b];
+            const __m256 ks = _mm256_loadu_ps(kd);
+            for (int g = 0; g < gb; g++) {
+                const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(c->qe[(g0 + g) * ng + b]), ks);
+                score[g] = _mm256_add_ps(score[g], _mm256_mul_ps(_mm256_cvtepi32_ps(gsum[g]), scale));
+                gsum[g] = _mm256_setzero_si256();
+            }
+            b++;
         }
     }
+    for (int g = 0; g < gb; g++) { /* kvref_attn_score_value: non-finite -> NaN */
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(score[g], _mm256_mul_ps(score[g], _mm256_setzero_ps())));
+        for (int64_t r = 0; r < nk; r++) p[(g0 + g) * C + s + r] = out[r];
+    }
+}
+
+/* An I8 K's integer scoring (internal.h): the chunk's keys 8 at a time, up to the last visible one
+ * (every key's score is its own lane's, so where the cut falls changes none), heads 3 at a time;
+ * every 8 keys, asks for the K and V of the keys a chunk ahead. AVX-512 CPUs without VNNI run this
+ * kernel too. */
+TARGET void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    int64_t n = c->n;
+    while (!c->all && kvref_attn_hidden(c, n - 1)) n--; /* some key is visible */
+    for (int64_t s = 0; s < n; s += 8) {
+        kvref_attn_prefetch(c->k, a->k_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        kvref_attn_prefetch(c->v, a->v_type, a->D, c->row, s + KVREF_ATTN_PREFETCH_KEYS, c->nrows);
+        const int64_t nk = n - s < 8 ? n - s : 8;
+        for (int64_t g0 = 0; g0 < a->G; g0 += 3)
+            switch (a->G - g0) {
+            case 1: score8_i8(a, c, s, nk, g0, 1, p); break;
+            case 2: score8_i8(a, c, s, nk, g0, 2, p); break;
+            default: score8_i8(a, c, s, nk, g0, 3, p);
+            }
+    }
+}
+
+/* ---- KIVI4 (kvref/cache/quant.py; the skeleton hands them over when 16 divides head_dim and the
+ * group size, the table's kivi_lanes: 8 nibble bytes are 16 elements of one V group) ------------
+ * As the AVX-512 kernels, they work in "split order": the 16 elements of 8 nibble bytes as two
+ * vectors, the even elements (low nibbles) then the odd ones, one widening and a mask or a shift
+ * each; q' and the V sums are permuted into that order once per run of keys instead. */
+
+/* The levels of nibble bytes b[0..8) in split order: even = elements 0, 2, .., 14; odd = 1, 3, .., 15 */
+TARGET static inline void kivi_levels(const uint8_t *b, __m256 *even, __m256 *odd) {
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)b));
+    *even = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+    *odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+}
+
+/* natural order (x0 = elements 0-7, x1 = 8-15) <-> split order (even, odd): the in-lane shuffle
+ * gives pairs (0, 2), (8, 10), (4, 6), (12, 14), which the quadword permute puts in order */
+TARGET static inline void kivi_split(__m256 x0, __m256 x1, __m256 *even, __m256 *odd) {
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
+}
+
+TARGET static inline void kivi_merge(__m256 even, __m256 odd, __m256 *x0, __m256 *x1) {
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    *x0 = _mm256_permute2f128_ps(lo, hi, 0x20);
+    *x1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+
+#define KIVI_MAX_VECTORS 32 /* D <= 256: 32 vectors of q' per head */
+
+/* Scores of 4 keys (rows row[0..4)) of one quantized group for gb <= 3 heads: q' [gb][D / 8] in split
+ * order, zero[gb] = q . zero; each key's levels widened once for the gb heads, two rounds of hadd per
+ * head; the first nk scores stored. */
+TARGET __attribute__((always_inline)) static inline void kivi_score4(
+    const kvref_attn_args *a, const __m256 qs[3][KIVI_MAX_VECTORS], const float *zero, const uint8_t *kb,
+    const int64_t *row, float *p, const int gb, int64_t nk) {
+    const int64_t C = KVREF_ATTN_CHUNK, nv = a->D / 8;
+    __m256 d[3][4];
+    for (int g = 0; g < gb; g++)
+        for (int r = 0; r < 4; r++) d[g][r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nv; j += 2)
+        for (int r = 0; r < 4; r++) {
+            __m256 even, odd;
+            kivi_levels(kb + row[r] / 2 + 4 * j, &even, &odd);
+            for (int g = 0; g < gb; g++)
+                d[g][r] = _mm256_fmadd_ps(qs[g][j + 1], odd, _mm256_fmadd_ps(qs[g][j], even, d[g][r]));
+        }
+    for (int g = 0; g < gb; g++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(d[g][0], d[g][1]), _mm256_hadd_ps(d[g][2], d[g][3]));
+        __m128 sg = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        sg = _mm_mul_ps(_mm_add_ps(sg, _mm_set1_ps(zero[g])), _mm_set1_ps(a->scale));
+        sg = _mm_add_ps(sg, _mm_mul_ps(sg, _mm_setzero_ps())); /* kvref_attn_score_value: non-finite -> NaN */
+        float out[4];
+        _mm_storeu_ps(out, sg);
+        for (int64_t r = 0; r < nk; r++) p[g * C + r] = out[r];
+    }
+}
+
+/* Scores of the keys s .. end-1 of a chunk, one quantized group (params [2, D]: its channels' scales,
+ * then zeros), for the G heads: per block of up to 3 heads, q' = q * scale (split order) and q . zero
+ * once, then 4 keys at a time (a last partial block reads its last key's row again). Every 8 keys,
+ * asks for the K of the keys a chunk ahead. */
+TARGET static void kivi_score_run(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *params,
+                                  int64_t s, int64_t end, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK;
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int gb = G - g0 < 3 ? (int)(G - g0) : 3;
+        __m256 qs[3][KIVI_MAX_VECTORS];
+        float zero[3];
+        for (int g = 0; g < gb; g++) {
+            const float *q = c->q + (g0 + g) * D;
+            __m256 z = _mm256_setzero_ps();
+            for (int64_t j = 0; j < D / 8; j += 2) {
+                const __m256 q0 = _mm256_loadu_ps(q + 8 * j), q1 = _mm256_loadu_ps(q + 8 * j + 8);
+                z = _mm256_fmadd_ps(q0, _mm256_loadu_ps(params + D + 8 * j), z);
+                z = _mm256_fmadd_ps(q1, _mm256_loadu_ps(params + D + 8 * j + 8), z);
+                kivi_split(_mm256_mul_ps(q0, _mm256_loadu_ps(params + 8 * j)),
+                           _mm256_mul_ps(q1, _mm256_loadu_ps(params + 8 * j + 8)), &qs[g][j], &qs[g][j + 1]);
+            }
+            zero[g] = hsum8(z);
+        }
+        for (int64_t t = s; t < end; t += 4) {
+            if (g0 == 0 && (t - s) % 8 == 0) /* the keys a chunk ahead */
+                for (int64_t r = t + KVREF_ATTN_PREFETCH_KEYS; r < t + KVREF_ATTN_PREFETCH_KEYS + 8 && r < c->nrows; r++)
+                    __builtin_prefetch(c->k + c->row[r] / 2, 0, 2);
+            const int64_t nk = end - t < 4 ? end - t : 4;
+            int64_t row[4];
+            for (int64_t r = 0; r < 4; r++) row[r] = c->row[t + (r < nk ? r : nk - 1)];
+            float *pg = p + g0 * C + t;
+            switch (gb) {
+            case 1: kivi_score4(a, qs, zero, c->k, row, pg, 1, nk); break;
+            case 2: kivi_score4(a, qs, zero, c->k, row, pg, 2, nk); break;
+            default: kivi_score4(a, qs, zero, c->k, row, pg, 3, nk);
+            }
+        }
+    }
+}
+
+/* Scores of a chunk's KIVI4 keys: runs of keys of one quantized group (kivi_score_run), and keys past
+ * the last full group, float16 residual rows. Every key is scored (the skeleton hides the masked ones). */
+TARGET static void score_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, HD = a->Hkv * D;
+    const int64_t c0 = c->kp - a->k_positions, nq = a->S - a->S % gs, n = c->n;
+    if (D / 8 > KIVI_MAX_VECTORS) {
+        kvref_attn_score_kivi_ref(a, c, p);
+        return;
+    }
+    for (int64_t s = 0; s < n;) {
+        const int64_t key = c0 + s;
+        if (key >= nq) { /* a residual row */
+            const uint16_t *r = c->k_residual + (key % gs) * HD;
+            for (int64_t g = 0; g < G; g++) {
+                __m256 d = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 8)
+                    d = _mm256_fmadd_ps(_mm256_loadu_ps(c->q + g * D + i),
+                                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(r + i))), d);
+                p[g * C + s] = kvref_attn_score_value(hsum8(d) * a->scale);
+            }
+            s++;
+            continue;
+        }
+        const int64_t group_end = (key / gs + 1) * gs < nq ? (key / gs + 1) * gs : nq;
+        const int64_t end = group_end - c0 < n ? group_end - c0 : n;
+        kivi_score_run(a, c, c->k_scales + (c->row[s] / HD / gs) * a->Hkv * 2 * D, s, end, p);
+        s = end;
+    }
+}
+
+/* acc += p V over a chunk's KIVI4 values for heads g0 .. g0+gb-1 and the 32 elements from e0 on (16
+ * when that is all the head dim has left): their sums held in registers in split order over the
+ * chunk's keys, each key's V widened once (its group's scale and zero applied), added to acc at the
+ * end. Every 8 keys of the first pass, asks for the V of the keys a chunk ahead. */
+TARGET __attribute__((always_inline)) static inline void kivi_values_slice(
+    const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, int64_t g0, int64_t e0,
+    const int gb) {
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, np = D - e0 < 32 ? 1 : 2;
+    __m256 sum[3][4];
+    for (int g = 0; g < gb; g++)
+        for (int j = 0; j < 4; j++) sum[g][j] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < c->n; s++) {
+        if (g0 == 0 && e0 == 0 && s % 8 == 0)
+            for (int64_t r = s + KVREF_ATTN_PREFETCH_KEYS; r < s + KVREF_ATTN_PREFETCH_KEYS + 8 && r < c->nrows; r++)
+                __builtin_prefetch(c->v + c->row[r] / 2, 0, 2);
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const uint8_t *vb = c->v + c->row[s] / 2;
+        const float *pairs = c->v_scales + 2 * c->srow[s]; /* [D / gs, 2] */
+        __m256 pg[3];
+        for (int g = 0; g < gb; g++) pg[g] = _mm256_set1_ps(p[(g0 + g) * C + s]);
+        for (int64_t t = 0; t < np; t++) {
+            const int64_t e = e0 + 16 * t, grp = e / gs;
+            const __m256 sc = _mm256_set1_ps(pairs[2 * grp]), zr = _mm256_set1_ps(pairs[2 * grp + 1]);
+            __m256 even, odd;
+            kivi_levels(vb + e / 2, &even, &odd);
+            even = _mm256_fmadd_ps(even, sc, zr);
+            odd = _mm256_fmadd_ps(odd, sc, zr);
+            for (int g = 0; g < gb; g++) {
+                sum[g][2 * t] = _mm256_fmadd_ps(pg[g], even, sum[g][2 * t]);
+                sum[g][2 * t + 1] = _mm256_fmadd_ps(pg[g], odd, sum[g][2 * t + 1]);
+            }
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int64_t t = 0; t < np; t++) {
+            float *ag = acc + (g0 + g) * D + e0 + 16 * t;
+            __m256 x0, x1;
+            kivi_merge(sum[g][2 * t], sum[g][2 * t + 1], &x0, &x1);
+            _mm256_storeu_ps(ag, _mm256_add_ps(_mm256_loadu_ps(ag), x0));
+            _mm256_storeu_ps(ag + 8, _mm256_add_ps(_mm256_loadu_ps(ag + 8), x1));
+        }
+}
+
+/* acc += p V for a chunk's KIVI4 values, per block of up to 3 heads and 32 elements */
+TARGET static void values_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
+    for (int64_t g0 = 0; g0 < a->G; g0 += 3)
+        for (int64_t e0 = 0; e0 < a->D; e0 += 32) switch (a->G - g0) {
+            case 1: kivi_values_slice(a, c, p, acc, g0, e0, 1); break;
+            case 2: kivi_values_slice(a, c, p, acc, g0, e0, 2); break;
+            default: kivi_values_slice(a, c, p, acc, g0, e0, 3);
+            }
 }
 
 /* One instantiation per element type: the type must be a compile-time constant, or every K/V
  * load would test it. */
 TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     switch (a->k_type) {
+    case KVREF_TYPE_KIVI4: score_kivi(a, c, p); break;
     case KVREF_TYPE_I8: kvref_avx2_attn_score_i8(a, c, p); break;
     case KVREF_TYPE_F16: score_typed(a, c, p, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: score_typed(a, c, p, KVREF_TYPE_BF16); break;
@@ -628,6 +858,7 @@ TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *
 
 TARGET static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     switch (a->v_type) {
+    case KVREF_TYPE_KIVI4: values_kivi(a, c, p, acc); break;
     case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8); break;
     case KVREF_TYPE_F16: pv_typed(a, c, p, acc, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: pv_typed(a, c, p, acc, KVREF_TYPE_BF16); break;
@@ -837,7 +1068,7 @@ const kvref_kernels kvref_kernels_avx2 = {
     },
     .gemm_f32 = gemm_f32,
     .tile_columns = tile_columns,
-    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8},
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .swiglu = swiglu,
     .geglu = geglu,
     .packed_dot = kvref_avx2_packed_dot,

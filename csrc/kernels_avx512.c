@@ -1336,13 +1336,17 @@ TARGET_VNNI static inline void transpose_lanes(const __m512i *a, __m512i *out) {
  * group, the float32 operations of kvref_attn_score_i8_ref, in its order, on 16 keys at once. */
 TARGET_VNNI __attribute__((always_inline)) static inline void score16_i8_vnni(
     const kvref_attn_args *a, const kvref_attn_chunk *c, int64_t s, int64_t nk, int64_t g0, const int gb, float *p) {
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, ng = D / gs;
+    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, ng = D / a->group_size, per_group = a->group_size / 16;
     const int8_t *kb = (const int8_t *)c->k;
-    const __m512i lane_base = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    int64_t row[16], srow[16]; /* keys past nk read key s's K and scales (their lanes are not stored) */
-    for (int i = 0; i < 16; i++) {
-        row[i] = c->row[s + (i < nk ? i : 0)];
-        srow[i] = c->srow[s + (i < nk ? i : 0)];
+    int64_t rows[16], srows[16]; /* keys past nk read key s's K and scales (their lanes are not stored) */
+    const int64_t *row = c->row + s, *srow = c->srow + s;
+    if (nk < 16) {
+        for (int i = 0; i < 16; i++) {
+            rows[i] = row[i < nk ? i : 0];
+            srows[i] = srow[i < nk ? i : 0];
+        }
+        row = rows;
+        srow = srows;
     }
     const __m512i slo = _mm512_loadu_si512(srow), shi = _mm512_loadu_si512(srow + 8);
     __m512i gsum[4];
@@ -1351,16 +1355,17 @@ TARGET_VNNI __attribute__((always_inline)) static inline void score16_i8_vnni(
         gsum[g] = _mm512_set1_epi32(-128 * c->qsum[(g0 + g) * ng]);
         score[g] = _mm512_setzero_ps();
     }
-    int64_t b = 0;
+    int64_t b = 0, left = per_group; /* the scale group of the next 16 elements, and its chunks left */
     for (int64_t e0 = 0; e0 < D; e0 += 64) {
         const __mmask64 mk = D - e0 >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (D - e0)) - 1;
         __m512i qv[4][4], acc[4][4];
         for (int g = 0; g < gb; g++) {
             const __m512i q = _mm512_maskz_loadu_epi8(mk, c->q8 + (g0 + g) * D + e0);
-            for (int m = 0; m < 4; m++) {
-                qv[g][m] = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_base, _mm512_set1_epi32(m)), q);
-                acc[g][m] = _mm512_setzero_si512();
-            }
+            qv[g][0] = _mm512_shuffle_epi32(q, _MM_PERM_AAAA); /* dword 4L + m of lane L, in all of it */
+            qv[g][1] = _mm512_shuffle_epi32(q, _MM_PERM_BBBB);
+            qv[g][2] = _mm512_shuffle_epi32(q, _MM_PERM_CCCC);
+            qv[g][3] = _mm512_shuffle_epi32(q, _MM_PERM_DDDD);
+            for (int Q = 0; Q < 4; Q++) acc[g][Q] = _mm512_setzero_si512();
         }
         for (int Q = 0; Q < 4; Q++) {
             __m512i r[4], u[4];
@@ -1374,7 +1379,8 @@ TARGET_VNNI __attribute__((always_inline)) static inline void score16_i8_vnni(
         for (int g = 0; g < gb; g++) transpose_lanes(acc[g], chunk[g]);
         for (int64_t L = 0; L < 4 && e0 + 16 * L < D; L++) {
             for (int g = 0; g < gb; g++) gsum[g] = _mm512_add_epi32(gsum[g], chunk[g][L]);
-            if ((e0 + 16 * L + 16) % gs != 0) continue;
+            if (--left > 0) continue;
+            left = per_group;
             const float *kd = c->k_scales + b;
             const __m512 ks = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_i64gather_ps(slo, kd, 4)),
                                                  _mm512_i64gather_ps(shi, kd, 4), 1);
