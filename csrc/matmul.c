@@ -18,8 +18,8 @@
 #define KVREF_VEC_UNIT_MIN 16  /* at least this many weight rows per unit on the vec_dot path */
 #define KVREF_VEC_UNITS_PER_THREAD 2 /* long runs of rows keep the hardware prefetcher streaming
                                        (SmolLM2 decode, 2 threads: 4 units a thread ~8% slower in
-                                       both modes, 1 about as fast as 2 with wider swings); two still let a busy thread's
-                                       share move */
+                                       both modes, 1 as fast as 2 with wider swings); two still let
+                                       a busy thread's share move */
 #ifndef KVREF_PREFETCH_ROWS
 #define KVREF_PREFETCH_ROWS 4  /* vec_dot path: software prefetch distance, in weight rows */
 #endif
