@@ -93,6 +93,7 @@ def default_activations() -> str:
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PACK_ROWS = 4096  # rows packed per call: a multiple of 256, so every chunk of a packed copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
@@ -198,14 +199,24 @@ class FusedForward:
         dst.nbytes = data.nbytes
         dst.type = gtype
         dst.rows, dst.cols = N, K
-        nbytes = lib.kvref_packed_nbytes(gtype, N, K) if projection and self.activations == "int8" else 0
-        if nbytes > 0:  # the int8 mode's kernels read a packed copy instead (csrc/kvref.h, kvref_pack_int8)
-            buf = np.empty(nbytes + 64, np.uint8)
-            packed = buf[-buf.ctypes.data % 64:][:nbytes]  # 64-byte aligned
-            check_status(lib.kvref_pack_int8(dst.data, gtype, data.nbytes, N, K, ffi.from_buffer(packed), nbytes), name)
-            dst.packed = ffi.from_buffer(packed)
-            self._keep.append(packed)
-            release_pages(data)  # C reads the copy: the file's pages need not stay resident too
+        if projection and self.activations == "int8" and lib.kvref_packed_nbytes(gtype, N, K) > 0:
+            dst.packed = ffi.from_buffer(self._packed(gtype, data, N, K, name))
+
+    def _packed(self, gtype, data, N, K, name):
+        """data [N, row bytes] packed for the int8 mode's kernels (csrc/kvref.h, kvref_pack_int8), which
+        read the copy instead: PACK_ROWS rows at a time, each chunk's file pages released as soon as it
+        is packed (kvref.weights.release_pages), so they and the copy are not resident together."""
+        nbytes = lib.kvref_packed_nbytes(gtype, N, K)
+        buf = np.empty(nbytes + 64, np.uint8)
+        packed = buf[-buf.ctypes.data % 64:][:nbytes]  # 64-byte aligned, as is every chunk's start below
+        for n in range(0, N, PACK_ROWS):
+            rows = data[n:n + PACK_ROWS]
+            out = packed[lib.kvref_packed_nbytes(gtype, n, K):][:lib.kvref_packed_nbytes(gtype, len(rows), K)]
+            check_status(lib.kvref_pack_int8(ffi.from_buffer(rows), gtype, rows.nbytes, len(rows), K,
+                                             ffi.from_buffer(out), out.nbytes), name)
+            release_pages(rows)
+        self._keep.append(packed)
+        return packed
 
     # ---- running ------------------------------------------------------------------------------
 
