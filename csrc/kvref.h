@@ -325,7 +325,9 @@ void kvref_state_destroy(kvref_state *state);
 enum kvref_activations {
     KVREF_ACT_F32 = 0,         /* exact: the float32 kernels of kvref_matmul, every execution */
     KVREF_ACT_INT8 = 1         /* every projection is kvref_matmul_int8: its input rounded to
-                                  8-bit blocks of 32 where the weight type has 8-bit kernels */
+                                  8-bit blocks of 32 where the weight type has 8-bit kernels, read
+                                  from the packed copies (kvref_tensor.packed), which every such
+                                  projection must have, else KVREF_ERR_VALUE */
 };
 
 /* Run T new tokens at positions length .. length+T-1 of a cache.
