@@ -41,11 +41,14 @@ def test_bfloat16_widens_to_the_same_float32():
 
 
 def read(header, data=b"", size=None, tmp=[]):  # noqa: B006 - one scratch folder for the module
+    import atexit
+    import shutil
     import tempfile
     from pathlib import Path
 
     if not tmp:
         tmp.append(Path(tempfile.mkdtemp(prefix="kvref-st-")))
+        atexit.register(shutil.rmtree, tmp[0], True)  # removed when the test process ends
     path = tmp[0] / "f.safetensors"
     path.write_bytes(struct.pack("<Q", len(header) if size is None else size) + header + data)
     return SafetensorsFile(path)
