@@ -500,14 +500,6 @@ def int8_cases(draw):
     return sane_quantized(gtype, W, rng), x
 
 
-def has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512_vnni" in f.read()
-    except OSError:
-        return False
-
-
 # The int8 projection computes, per block b of 32 values, d_w d_x I_b (+ m_b s_b for Q4_1, Q4_K) in
 # float32, where I_b is the exact integer dot product of the weight's quantized values with q and
 # s_b = fl(d_x sum_j q_j). Against x~ @ W.T computed exactly (float64) from the same blocks, the only

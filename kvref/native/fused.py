@@ -48,9 +48,9 @@ serves 16 rows and a block's values are decoded once for every row of x), and C 
 copy; the file's pages of them are dropped from the resident set (kvref.weights.release_pages), so
 the copy costs no memory beside them (the K-quants' take a third and a fifth more: float32 sub-block
 scales). Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j| beyond the
-float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on SmolLM2 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens
-on the two reference prompts, llama.cpp's after 5 and 25 (tests/test_native_fused.py has the bounds
-and the measurements).
+float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on SmolLM2
+the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens on the two reference
+prompts, llama.cpp's after 5 and 25 (tests/test_native_fused.py has the bounds and the measurements).
 
 The descriptor's pointers stay valid for the object's life: C reads only memory that nothing
 public can resize, free or write. A Model's weights are frozen (kvref.weights.freeze), so C points
@@ -93,7 +93,7 @@ def default_activations() -> str:
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-PACK_ROWS = 4096  # rows packed per call: a multiple of 256, so every chunk of a packed copy starts 64-byte aligned
+PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
@@ -204,13 +204,13 @@ class FusedForward:
 
     def _packed(self, gtype, data, N, K, name):
         """data [N, row bytes] packed for the int8 mode's kernels (csrc/kvref.h, kvref_pack_int8), which
-        read the copy instead: PACK_ROWS rows at a time, each chunk's file pages released as soon as it
+        read the copy instead: PACK_CHUNK_ROWS rows at a time, each chunk's file pages released as soon as it
         is packed (kvref.weights.release_pages), so they and the copy are not resident together."""
         nbytes = lib.kvref_packed_nbytes(gtype, N, K)
         buf = np.empty(nbytes + 64, np.uint8)
         packed = buf[-buf.ctypes.data % 64:][:nbytes]  # 64-byte aligned, as is every chunk's start below
-        for n in range(0, N, PACK_ROWS):
-            rows = data[n:n + PACK_ROWS]
+        for n in range(0, N, PACK_CHUNK_ROWS):
+            rows = data[n:n + PACK_CHUNK_ROWS]
             out = packed[lib.kvref_packed_nbytes(gtype, n, K):][:lib.kvref_packed_nbytes(gtype, len(rows), K)]
             check_status(lib.kvref_pack_int8(ffi.from_buffer(rows), gtype, rows.nbytes, len(rows), K,
                                              ffi.from_buffer(out), out.nbytes), name)
