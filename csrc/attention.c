@@ -227,24 +227,30 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
     ak->values(a, c, p, acc);
 }
 
+/* the jobs of one run, and the pool that runs them */
 typedef struct {
-    kvref_attn_args a;
     kvref_pool *pool;
-    const kvref_attn_kernels *kernels;
-    int64_t nseg;              /* key segments of KVREF_ATTN_SEGMENT keys (1: all S keys in one) */
-    int64_t k_begin, k_end;    /* the keys any query can see lie in [k_begin, k_end); k_begin is a
-                                  multiple of KVREF_ATTN_CHUNK */
-    int64_t seg_lo, nlive;     /* the segments holding those keys: seg_lo .. seg_lo + nlive - 1 */
-    int64_t heads;             /* kv heads per unit: 1 or Hkv */
-    int64_t span, runs;        /* consecutive segments per unit; units per query and block of heads */
-    float *partial;            /* nseg > 1: [T, Hkv, nlive, G * (D + 2)] (m[G], l[G], acc[G, D]) */
-    float *out;                /* [T, H, D] */
-} attn_ctx;
+    kvref_attn_job *jobs;
+    int64_t n;
+} attn_batch;
+
+/* the job whose units [first, first + count) hold `unit`, first = jobs[j].unit0 (merge: merge0),
+ * and the unit's index among its job's */
+static kvref_attn_job *job_of(const attn_batch *b, int merge, int64_t *unit) {
+    int64_t lo = 0, hi = b->n - 1;
+    while (lo < hi) { /* the last job whose first unit is <= unit */
+        const int64_t mid = (lo + hi + 1) / 2;
+        if ((merge ? b->jobs[mid].merge0 : b->jobs[mid].unit0) <= *unit) lo = mid;
+        else hi = mid - 1;
+    }
+    *unit -= merge ? b->jobs[lo].merge0 : b->jobs[lo].unit0;
+    return &b->jobs[lo];
+}
 
 /* The state of query t, kv head hk, segment seg: in the partials when the keys are split;
  * otherwise m, l in the unit's ml [heads, 2, G] (hk0: the unit's first kv head) and acc in out,
  * where the unit normalises it at the end. */
-static void state_of(const attn_ctx *c, int64_t t, int64_t hk, int64_t seg, float *ml, int64_t hk0, float **m,
+static void state_of(const kvref_attn_job *c, int64_t t, int64_t hk, int64_t seg, float *ml, int64_t hk0, float **m,
                      float **l, float **acc) {
     const int64_t G = c->a.G, D = c->a.D;
     if (c->nseg > 1) {
@@ -271,13 +277,14 @@ static void state_of(const attn_ctx *c, int64_t t, int64_t hk, int64_t seg, floa
  * when that still leaves several units per thread. Each (t, hk, segment) state is the same sequence
  * of chunk updates whatever the unit, so the results are identical for any split. */
 static void attn_task(void *vctx, int64_t unit, int thread) {
-    const attn_ctx *c = vctx;
+    const attn_batch *batch = vctx;
+    const kvref_attn_job *c = job_of(batch, 0, &unit);
     const kvref_attn_args *a = &c->a;
     const int64_t G = a->G, D = a->D, nseg = c->nseg, blocks = a->Hkv / c->heads;
     const int64_t run = unit % c->runs, hk0 = unit / c->runs % blocks * c->heads, t = unit / (c->runs * blocks);
     const int64_t hk1 = hk0 + c->heads, seg0 = c->seg_lo + run * c->span;
     const int64_t seg1 = seg0 + c->span < c->seg_lo + c->nlive ? seg0 + c->span : c->seg_lo + c->nlive;
-    float *scratch = kvref_pool_scratch(c->pool, thread), *ml = scratch + unit_scratch_floats(G), *m, *l, *acc;
+    float *scratch = kvref_pool_scratch(batch->pool, thread), *ml = scratch + unit_scratch_floats(G), *m, *l, *acc;
     attn_cursor u;
     cursor_init(&u, a, t, scratch, ml + 2 * a->H);
     if (u.q8 != NULL) quantize_query(a, a->q + t * a->H * D, hk0 * G, hk1 * G, u.q8, u.qe, u.qsum);
@@ -307,7 +314,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
  * segments j that saw a key (l_j != 0; a segment that saw only NaN scores has m_j = -inf and l_j NaN,
  * and its NaN weight exp(-inf - M) or l_j carries into L). */
 static void merge_task(void *vctx, int64_t unit, int thread) {
-    const attn_ctx *c = vctx;
+    const kvref_attn_job *c = job_of(vctx, 1, &unit);
     const kvref_attn_args *a = &c->a;
     const int64_t G = a->G, D = a->D, nseg = c->nlive, stride = G * (D + 2);
     const int64_t hk = unit % a->Hkv, t = unit / a->Hkv;
@@ -370,38 +377,49 @@ int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_
     return nseg > 1 ? split * Hkv * nseg * G * (D + 2) : 0;
 }
 
-void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *partial, float *out) {
-    attn_ctx c;
-    c.a = *a;
-    c.pool = pool;
-    c.out = out;
-    c.nseg = n_segments(a->T, a->S);
-    if (!live_keys(a, &c.k_begin, &c.k_end)) { /* no query sees any key */
-        for (int64_t i = 0; i < a->T * a->H * a->D; i++) out[i] = 0.0f;
-        return;
+/* How job c's work is cut into units; returns how many (0 when no query sees any key: then its
+ * output is zeros, written here). */
+static int64_t job_plan(kvref_attn_job *c, int64_t threads, const kvref_kernels *kk) {
+    const kvref_attn_args *a = &c->a;
+    c->nseg = n_segments(a->T, a->S);
+    if (!live_keys(a, &c->k_begin, &c->k_end)) { /* no query sees any key */
+        for (int64_t i = 0; i < a->T * a->H * a->D; i++) c->out[i] = 0.0f;
+        c->nseg = 1;
+        return 0;
     }
-    c.seg_lo = c.nseg > 1 ? c.k_begin / KVREF_ATTN_SEGMENT : 0;
-    c.nlive = c.nseg > 1 ? (c.k_end + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT - c.seg_lo : 1;
-    c.partial = partial;
-    c.kernels = &kvref_pool_kernels(pool)->attn;
+    c->seg_lo = c->nseg > 1 ? c->k_begin / KVREF_ATTN_SEGMENT : 0;
+    c->nlive = c->nseg > 1 ? (c->k_end + KVREF_ATTN_SEGMENT - 1) / KVREF_ATTN_SEGMENT - c->seg_lo : 1;
+    c->kernels = &kk->attn;
     const int i8 = a->k_type == KVREF_TYPE_I8 || a->v_type == KVREF_TYPE_I8;
-    if (i8 && a->group_size % c.kernels->i8_lanes != 0) c.kernels = &kvref_kernels_scalar.attn;
+    if (i8 && a->group_size % c->kernels->i8_lanes != 0) c->kernels = &kvref_kernels_scalar.attn;
     const int kivi = a->k_type == KVREF_TYPE_KIVI4 || a->v_type == KVREF_TYPE_KIVI4;
-    if (kivi && (c.kernels->kivi_lanes == 0 || a->group_size % c.kernels->kivi_lanes != 0 ||
-                 a->D % c.kernels->kivi_lanes != 0))
-        c.kernels = &kvref_kernels_scalar.attn;
+    if (kivi && (c->kernels->kivi_lanes == 0 || a->group_size % c->kernels->kivi_lanes != 0 ||
+                 a->D % c->kernels->kivi_lanes != 0))
+        c->kernels = &kvref_kernels_scalar.attn;
+    c->heads = 1; /* a unit per (query, kv head, segment) */
+    c->span = 1;
+    c->runs = c->nlive;
+    if (a->Hkv > 1 && c->nlive >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
+        c->heads = a->Hkv;
+        c->span = (c->nlive + 2 * threads - 1) / (2 * threads);
+        c->runs = (c->nlive + c->span - 1) / c->span;
+    } else if (a->Hkv > 1 && c->nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
+        c->heads = a->Hkv; /* a unit per query */
+    return a->T * (a->Hkv / c->heads) * c->runs;
+}
+
+void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n) {
     const int64_t threads = kvref_pool_threads(pool);
-    c.heads = 1; /* a unit per (query, kv head, segment) */
-    c.span = 1;
-    c.runs = c.nlive;
-    if (a->Hkv > 1 && c.nlive >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
-        c.heads = a->Hkv;
-        c.span = (c.nlive + 2 * threads - 1) / (2 * threads);
-        c.runs = (c.nlive + c.span - 1) / c.span;
-    } else if (a->Hkv > 1 && c.nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
-        c.heads = a->Hkv; /* a unit per query */
-    kvref_pool_run(pool, attn_task, &c, a->T * (a->Hkv / c.heads) * c.runs);
-    if (c.nseg > 1) kvref_pool_run(pool, merge_task, &c, a->T * a->Hkv);
+    int64_t units = 0, merges = 0;
+    for (int64_t j = 0; j < n; j++) {
+        jobs[j].unit0 = units;
+        jobs[j].merge0 = merges;
+        units += job_plan(&jobs[j], threads, kvref_pool_kernels(pool));
+        merges += jobs[j].nseg > 1 ? jobs[j].a.T * jobs[j].a.Hkv : 0;
+    }
+    attn_batch batch = {pool, jobs, n};
+    if (units > 0) kvref_pool_run(pool, attn_task, &batch, units);
+    if (merges > 0) kvref_pool_run(pool, merge_task, &batch, merges);
 }
 
 int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const kvref_kv *kv,
@@ -438,7 +456,8 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
         partial = kvref_pool_shared(pool, (size_t)np * sizeof(float));
         if (partial == NULL) status = KVREF_ERR_NOMEM;
     }
-    if (status == KVREF_OK) kvref_attention_run(pool, &a, partial, out);
+    kvref_attn_job job = {.a = a, .partial = partial, .out = out};
+    if (status == KVREF_OK) kvref_attention_run(pool, &job, 1);
     kvref_pool_unlock(pool);
     return status;
 }

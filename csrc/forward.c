@@ -60,9 +60,12 @@ struct kvref_state {
     int64_t keys;              /* k_positions holds 0 .. keys-1 */
     int64_t *k_positions;      /* [keys] */
     int64_t ring_keys;
-    int64_t *slot_positions;   /* [ring_keys] the position each slot of a ring layer holds */
+    int64_t *slot_positions;   /* [ring_keys] the position each slot of a ring layer holds, by
+                                  sequence (sequence b's from the sum of the positions before it) */
     int64_t partial_floats;
-    float *partial;            /* attention's per-segment softmax states */
+    float *partial;            /* attention's per-segment softmax states, by sequence */
+    int64_t max_jobs, n_jobs;
+    kvref_attn_job *jobs;      /* [max_jobs]: a layer's attentions, run together */
     int64_t ns[3], calls;      /* kvref_state_timings */
     int64_t fail_layer;        /* kvref_state_fail_at_layer: the layer the next forward stops at, or -1 */
 };
@@ -319,28 +322,36 @@ static void prepare_qk(fw *f) {
     f->s->ns[FAM_OTHER] += now_ns() - t0;
 }
 
-/* att[t0 .. t0+n) = attention of new queries t0 .. t0+n-1 over the first S keys of the layer in
- * cache kv, at the positions k_positions gives */
-static void attend(fw *f, const kvref_kv *kv, int64_t t0, int64_t n, int64_t S, const int64_t *k_positions) {
-    const int64_t start = now_ns();
+/* the attention of new queries t0 .. t0+n-1 over the first S keys of the layer in cache kv, at the
+ * positions k_positions gives, into att[t0 .. t0+n) */
+static kvref_attn_job attention_job(const fw *f, const kvref_kv *kv, int64_t t0, int64_t n, int64_t S,
+                                    const int64_t *k_positions, float *partial) {
     const kvref_model_desc *c = f->c;
     const int64_t HD = c->n_heads * c->head_dim;
-    kvref_attn_args a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
-                         .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads, .window = f->lw->window,
-                         .scale = c->attention_scale};
-    kvref_kv_layer(kv, f->layer, &a);
-    kvref_attention_run(f->pool, &a, f->s->partial, f->s->att + t0 * HD);
+    kvref_attn_job job = {.a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
+                                .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads,
+                                .window = f->lw->window, .scale = c->attention_scale},
+                          .partial = partial, .out = f->s->att + t0 * HD};
+    kvref_kv_layer(kv, f->layer, &job.a);
+    return job;
+}
+
+static void attend(fw *f, kvref_attn_job *jobs, int64_t n) {
+    const int64_t start = now_ns();
+    kvref_attention_run(f->pool, jobs, n);
     f->s->ns[FAM_ATTN] += now_ns() - start;
 }
 
-/* Sequence b's new rows r0 .. r1-1: k, v -> its cache at positions [length, length + n); att =
- * attention of its new queries over cache positions [0, length + n), each seeing the keys its
- * window and position allow. A ring layer of R slots (window W <= R) takes the new positions in
- * sub-chunks of R - W + 1: each is written, then its queries attend to the ring's slots, whose
- * positions follow from the slot index and the positions written so far. A later sub-chunk
- * overwrites only positions no earlier query sees. */
-static void store_and_attend_sequence(fw *f, int64_t b) {
+/* Sequence b's new rows r0 .. r1-1: k, v -> its cache at positions [length, length + n); its
+ * attention, of its new queries over cache positions [0, length + n), each seeing the keys its
+ * window and position allow, joins the layer's jobs. A ring layer of R slots (window W <= R) takes
+ * the new positions in sub-chunks of R - W + 1: each is written, then its queries attend to the
+ * ring's slots, whose positions (in `slots`) follow from the slot index and the positions written
+ * so far. A later sub-chunk overwrites positions the earlier sub-chunks' queries see, so those
+ * attend at once; the last one joins the jobs. `partial`: the sequence's share of the partials. */
+static void store_and_attend_sequence(fw *f, int64_t b, float *partial, int64_t *slots) {
     const kvref_kv *kv = &f->caches[b];
+    kvref_state *s = f->s;
     const int64_t r0 = f->bounds[b], r1 = f->bounds[b + 1], length = f->lengths[b];
     const int64_t ring = kvref_kv_ring(kv, f->layer);
     int64_t t0 = now_ns();
@@ -348,10 +359,10 @@ static void store_and_attend_sequence(fw *f, int64_t b) {
         if (f->B == 1) for_each_row(f, store_row);
         else for (int64_t t = r0; t < r1; t++) store_row(f, t);
         if (kv->k_type == KVREF_TYPE_KIVI4) /* in position order: a group is quantized as it completes */
-            kvref_kv_store_kivi_k(kv, f->kk, f->layer, length, f->s->k + r0 * f->c->n_kv_heads * f->c->head_dim,
+            kvref_kv_store_kivi_k(kv, f->kk, f->layer, length, s->k + r0 * f->c->n_kv_heads * f->c->head_dim,
                                   r1 - r0);
-        f->s->ns[FAM_OTHER] += now_ns() - t0;
-        attend(f, kv, r0, r1 - r0, length + r1 - r0, f->s->k_positions);
+        s->ns[FAM_OTHER] += now_ns() - t0;
+        s->jobs[s->n_jobs++] = attention_job(f, kv, r0, r1 - r0, length + r1 - r0, s->k_positions, partial);
         return;
     }
     const int64_t step = ring - f->lw->window + 1;
@@ -360,14 +371,32 @@ static void store_and_attend_sequence(fw *f, int64_t b) {
         const int64_t S = written < ring ? written : ring;
         t0 = now_ns();
         for (int64_t t = a; t < e; t++) store_row(f, t);
-        for (int64_t j = 0; j < S; j++) f->s->slot_positions[j] = j + ring * ((written - 1 - j) / ring);
-        f->s->ns[FAM_OTHER] += now_ns() - t0;
-        attend(f, kv, a, e - a, S, f->s->slot_positions);
+        for (int64_t j = 0; j < S; j++) slots[j] = j + ring * ((written - 1 - j) / ring);
+        s->ns[FAM_OTHER] += now_ns() - t0;
+        kvref_attn_job job = attention_job(f, kv, a, e - a, S, slots, partial);
+        if (e < r1) attend(f, &job, 1);
+        else s->jobs[s->n_jobs++] = job;
     }
 }
 
+/* floats of attention partials for a sequence of T new positions attending to S */
+static int64_t sequence_partials(const kvref_model_desc *c, int64_t T, int64_t S) {
+    return kvref_attention_partial_floats(T, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim, S);
+}
+
+/* every sequence's new K/V into its cache, then the attentions of all sequences in one dispatch */
 static void store_and_attend(fw *f) {
-    for (int64_t b = 0; b < f->B; b++) store_and_attend_sequence(f, b);
+    kvref_state *s = f->s;
+    float *partial = s->partial;
+    int64_t *slots = s->slot_positions;
+    s->n_jobs = 0;
+    for (int64_t b = 0; b < f->B; b++) {
+        const int64_t T = f->bounds[b + 1] - f->bounds[b], S = f->lengths[b] + T;
+        store_and_attend_sequence(f, b, partial, slots);
+        partial += sequence_partials(f->c, T, S);
+        slots += S;
+    }
+    attend(f, s->jobs, s->n_jobs);
 }
 
 /* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or each sequence's last one */
@@ -528,12 +557,28 @@ void kvref_state_destroy(kvref_state *state) {
     free(state->k_positions);
     free(state->slot_positions);
     free(state->partial);
+    free(state->jobs);
     free(state);
 }
 
 
-/* Grow the buffers to T new positions over S attended positions (never shrinks them). */
-static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
+/* *p, holding *have items of `size` bytes, grown to at least `need` (to twice as many as it held,
+ * if more); its contents are not kept. KVREF_OK, or KVREF_ERR_NOMEM with *p as it was. */
+static int grow(void **p, int64_t *have, int64_t need, size_t size) {
+    if (need <= *have) return KVREF_OK;
+    const int64_t n = need > 2 * *have ? need : 2 * *have;
+    void *q = aligned_alloc(64, ((size_t)n * size + 63) & ~(size_t)63);
+    if (q == NULL) return KVREF_ERR_NOMEM;
+    free(*p);
+    *p = q;
+    *have = n;
+    return KVREF_OK;
+}
+
+/* Grow the buffers to the execution of B sequences (rows bounds, cache lengths) of T rows in all,
+ * attending to at most S positions each (never shrinks them). */
+static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const int64_t *bounds,
+                         const int64_t *lengths) {
     const kvref_model_desc *c = &s->model->desc;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
     if (T > s->rows) {
@@ -557,30 +602,22 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S) {
         }
         s->rows = rows;
     }
-    if (S > s->keys) { /* a ring layer's keys are at most its written positions, so S bounds them too */
-        const int64_t keys = S > 2 * s->keys ? S : 2 * s->keys;
-        int64_t *kp = malloc((size_t)keys * sizeof(int64_t)), *sp = malloc((size_t)keys * sizeof(int64_t));
-        if (kp == NULL || sp == NULL) {
-            free(kp);
-            free(sp);
-            return KVREF_ERR_NOMEM;
-        }
-        for (int64_t i = 0; i < keys; i++) kp[i] = i;
-        free(s->k_positions);
-        free(s->slot_positions);
-        s->k_positions = kp;
-        s->slot_positions = sp;
-        s->keys = keys;
+    if (S > s->keys) {
+        if (grow((void **)&s->k_positions, &s->keys, S, sizeof(int64_t)) != KVREF_OK) return KVREF_ERR_NOMEM;
+        for (int64_t i = 0; i < s->keys; i++) s->k_positions[i] = i;
     }
-    const int64_t np = kvref_attention_partial_floats(T, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim, S);
-    if (np > s->partial_floats) {
-        const int64_t grown = np > 2 * s->partial_floats ? np : 2 * s->partial_floats;
-        float *p = alloc_floats(grown);
-        if (p == NULL) return KVREF_ERR_NOMEM;
-        free(s->partial);
-        s->partial = p;
-        s->partial_floats = grown;
+    /* a ring layer's keys are at most its sequence's written positions, and a sequence's partials
+     * those of its new positions over all its positions */
+    int64_t slots = 0, partials = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = bounds[b + 1] - bounds[b];
+        slots += lengths[b] + n;
+        partials += sequence_partials(c, n, lengths[b] + n);
     }
+    if (grow((void **)&s->slot_positions, &s->ring_keys, slots, sizeof(int64_t)) != KVREF_OK ||
+        grow((void **)&s->partial, &s->partial_floats, partials, sizeof(float)) != KVREF_OK ||
+        grow((void **)&s->jobs, &s->max_jobs, B, sizeof(kvref_attn_job)) != KVREF_OK)
+        return KVREF_ERR_NOMEM;
     return KVREF_OK;
 }
 
@@ -656,7 +693,7 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
 
     kvref_pool_lock(pool);
     const int64_t t_start = now_ns();
-    status = state_reserve(state, T, S);
+    status = state_reserve(state, T, S, B, bounds, lengths);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM */
         const size_t scratch = activations == KVREF_ACT_INT8 ? kvref_matmul_int8_scratch_bytes(T, model->max_k)
                                                              : kvref_matmul_scratch_bytes(T, model->max_k);

@@ -527,6 +527,15 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  * and a packed matrix its N / 16 groups. The dot products count u x, and q x = u x - bias sum(x)
  * takes the bias off with x's sums per 16 values (kvref_mv.xsum). */
 #define KVREF_PACK_ROWS 16
+/* With 4 or more rows of x, the packed kernels ask for the record this many ahead of the one they
+ * multiply: a record then takes long enough to multiply that the hardware prefetcher alone leaves
+ * the next one's loads waiting on memory. With fewer rows the kernels stream near the read
+ * bandwidth and the requests only cost issue slots (docs/benchmarks.md). */
+#define KVREF_PACK_PREFETCH_RECORDS 4
+/* every cache line of the record of `bytes` at rec, into L1 */
+static inline void kvref_pack_prefetch(const uint8_t *rec, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(rec + off, 0, 3);
+}
 static inline int kvref_packable(int32_t type) { return kvref_q8_tile_type(type); }
 static inline int32_t kvref_pack_bias(int32_t type) {
     switch (type) {
@@ -647,10 +656,25 @@ void kvref_kv_store_kivi_k(const kvref_kv *kv, const kvref_kernels *kk, int64_t 
  * them over up to S keys (the fused forward's sub-chunks of a ring layer) */
 size_t kvref_attention_scratch_bytes(int64_t H, int64_t G, int64_t D);
 int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_t D, int64_t S);
-/* the work of kvref_attention for checked arguments (S > 0); partial holds
- * kvref_attention_partial_floats floats; out [T, H, D] must not overlap the inputs (it holds the
- * unnormalised outputs while the work runs) */
-void kvref_attention_run(kvref_pool *pool, const kvref_attn_args *a, float *partial, float *out);
+/* One attention of a run: the caller sets a (checked arguments, S > 0), partial
+ * (kvref_attention_partial_floats floats of its own) and out ([T, H, D], overlapping no input: it
+ * holds the unnormalised outputs while the work runs); kvref_attention_run sets the rest. */
+typedef struct kvref_attn_job {
+    kvref_attn_args a;
+    float *partial;            /* nseg > 1: [T, Hkv, nlive, G * (D + 2)] (m[G], l[G], acc[G, D]) */
+    float *out;                /* [T, H, D] */
+    const kvref_attn_kernels *kernels;
+    int64_t nseg;              /* key segments of KVREF_ATTN_SEGMENT keys (1: all S keys in one) */
+    int64_t k_begin, k_end;    /* the keys any query can see lie in [k_begin, k_end); k_begin is a
+                                  multiple of KVREF_ATTN_CHUNK */
+    int64_t seg_lo, nlive;     /* the segments holding those keys: seg_lo .. seg_lo + nlive - 1 */
+    int64_t heads;             /* kv heads per unit: 1 or Hkv */
+    int64_t span, runs;        /* consecutive segments per unit; units per query and block of heads */
+    int64_t unit0, merge0;     /* its first unit among the run's, and first merge unit */
+} kvref_attn_job;
+/* the work of kvref_attention for n jobs (the sequences of a batched forward) in one dispatch to the
+ * pool, each computed exactly as alone */
+void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n);
 
 /* ---- pool internals ------------------------------------------------------------------------- */
 

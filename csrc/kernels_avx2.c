@@ -966,6 +966,7 @@ TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const 
     for (int t = 0; t < R; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = group + b * rec_bytes;
+        if (R >= 4 && h == 0) kvref_pack_prefetch(rec + KVREF_PACK_PREFETCH_RECORDS * rec_bytes, rec_bytes);
         __m256i u[8];
         packed_values(type, rec, h, u);
         const __m256 d = packed_scales(type, rec, 0, h);

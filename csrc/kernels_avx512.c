@@ -1091,6 +1091,7 @@ TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, c
     for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = group + b * rec_bytes;
+        if (R >= 4) kvref_pack_prefetch(rec + KVREF_PACK_PREFETCH_RECORDS * rec_bytes, rec_bytes);
         __m512i u[8];
         packed_values(type, rec, u);
         const __m512 d = packed_scales(type, rec, 0);
