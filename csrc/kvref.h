@@ -127,12 +127,13 @@ enum { KVREF_PROBE_UNIT = 1048576 };
 /* From this many rows of x on, a projection dequantizes tiles of weight rows for a GEMM (each weight
  * block decoded once per call); below it, each weight row is decoded in registers once for all rows
  * of x (the decode path, batched decode included). Chosen by shape (rows of x, activation mode),
- * never by thread count, from measurements on SmolLM2's shapes (docs/benchmarks.md): the float
- * dot kernels load a vector of x per fused multiply-add, so from 5 rows on the GEMM (one broadcast
- * per row and weight tile row) is as fast. With int8 activations the 8-bit weight types give the
+ * never by thread count, from measurements on SmolLM2's and Gemma 3's shapes (docs/benchmarks.md):
+ * up to 8 rows (one call of the multi-row float dot kernels) decoding in registers is as fast as
+ * the GEMM on SmolLM2 and faster on Gemma 3; at 16 rows, where the dot kernels decode each weight
+ * twice, the GEMM is faster on both. With int8 activations the 8-bit weight types give the
  * same sums on either side (kvref_matmul_int8): the switch only chooses the tile GEMM over packing
  * per call, and the fused forward runs its packed copies at every T. */
-enum { KVREF_GEMM_MIN_T = 5, KVREF_GEMM_Q8_MIN_T = 9 };
+enum { KVREF_GEMM_MIN_T = 9, KVREF_GEMM_Q8_MIN_T = 9 };
 int kvref_read_probe(kvref_pool *pool, const void *buf, int64_t nbytes, uint64_t *checksum);
 
 /* out[t] = row ids[t] of the table, dequantized to float32.

@@ -87,7 +87,7 @@ INT8_KEY_QUERY_ROUNDING = INT8_ACTIVATION_ROUNDING  # in steps d_b of the query'
 
 # One position's float32 logits computed as the last row of a 3-position execution and as the only
 # row: the LM head may sum a row in another order for 1 row than for 3 (BLAS; the native kernels
-# switch paths only at KVREF_GEMM_MIN_T = 5 rows). Measured: 2.4e-7 (1 ulp of the largest logit, 2.8) on the spec
+# switch paths only at KVREF_GEMM_MIN_T = 9 rows). Measured: 2.4e-7 (1 ulp of the largest logit, 2.8) on the spec
 # backend, 0 on the native one; 1e-6 is 4 ulps there.
 FLOAT32_SAME_POSITION = Tolerance(atol=1e-6, rtol=1e-7)
 # A decode step over a cache of at most 3 positions vs recomputing those <= 4 positions, float32,
