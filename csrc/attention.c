@@ -399,11 +399,11 @@ static int64_t job_plan(kvref_attn_job *c, int64_t threads, const kvref_kernels 
     c->heads = 1; /* a unit per (query, kv head, segment) */
     c->span = 1;
     c->runs = c->nlive;
-    if (a->Hkv > 1 && c->nlive >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
+    if (c->nlive >= KVREF_ATTN_SEGMENT_UNITS_MIN) { /* runs of segments, every kv head */
         c->heads = a->Hkv;
         c->span = (c->nlive + 2 * threads - 1) / (2 * threads);
         c->runs = (c->nlive + c->span - 1) / c->span;
-    } else if (a->Hkv > 1 && c->nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
+    } else if (c->nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
         c->heads = a->Hkv; /* a unit per query */
     return a->T * (a->Hkv / c->heads) * c->runs;
 }
