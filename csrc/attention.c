@@ -34,7 +34,7 @@
 #define KVREF_ATTN_SPLIT_MAX_T 4   /* split keys into segments when T <= this */
 #define KVREF_ATTN_SEGMENT_UNITS_MIN 4 /* from this many segments on, a unit covers every kv head */
 #define KVREF_ATTN_QUERY_UNITS_MIN 4 /* unsplit keys: a unit covers every kv head from this many
-                                        queries per thread on */
+                                        queries per thread on (all the run's jobs') */
 
 /* Per-thread scratch of a unit: probabilities p [G, CHUNK], each head's new running max and sum of
  * exponentials [G] and [G] (floats), then the rows of a chunk and its lookahead as int64: row and
@@ -273,8 +273,9 @@ static void state_of(const kvref_attn_job *c, int64_t t, int64_t hk, int64_t seg
  * units per thread: a unit prefetches one chunk ahead of the keys it scores, so only its first
  * chunk waits on memory, and runs of segments that long stream the rest behind the prefetches;
  * two, not one, so a thread the host delays leaves work for the others (one and four per thread
- * measured no faster than two). Many queries (prefill): a unit covers every kv head of one query
- * when that still leaves several units per thread. Each (t, hk, segment) state is the same sequence
+ * measured no faster than two). Many queries (prefill, or the short caches of a batch's
+ * sequences): a unit covers every kv head of one query when the run's queries still make several
+ * units per thread, and reads whole slots, so the cache streams in order. Each (t, hk, segment) state is the same sequence
  * of chunk updates whatever the unit, so the results are identical for any split. */
 static void attn_task(void *vctx, int64_t unit, int thread) {
     const attn_batch *batch = vctx;
@@ -377,9 +378,9 @@ int64_t kvref_attention_partial_floats(int64_t T, int64_t Hkv, int64_t G, int64_
     return nseg > 1 ? split * Hkv * nseg * G * (D + 2) : 0;
 }
 
-/* How job c's work is cut into units; returns how many (0 when no query sees any key: then its
- * output is zeros, written here). */
-static int64_t job_plan(kvref_attn_job *c, int64_t threads, const kvref_kernels *kk) {
+/* How job c's work is cut into units, in a run of `queries` queries in all; returns how many (0
+ * when no query sees any key: then its output is zeros, written here). */
+static int64_t job_plan(kvref_attn_job *c, int64_t threads, int64_t queries, const kvref_kernels *kk) {
     const kvref_attn_args *a = &c->a;
     c->nseg = n_segments(a->T, a->S);
     if (!live_keys(a, &c->k_begin, &c->k_end)) { /* no query sees any key */
@@ -403,18 +404,19 @@ static int64_t job_plan(kvref_attn_job *c, int64_t threads, const kvref_kernels 
         c->heads = a->Hkv;
         c->span = (c->nlive + 2 * threads - 1) / (2 * threads);
         c->runs = (c->nlive + c->span - 1) / c->span;
-    } else if (c->nseg == 1 && a->T >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
+    } else if (c->nseg == 1 && queries >= KVREF_ATTN_QUERY_UNITS_MIN * threads)
         c->heads = a->Hkv; /* a unit per query */
     return a->T * (a->Hkv / c->heads) * c->runs;
 }
 
 void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n) {
     const int64_t threads = kvref_pool_threads(pool);
-    int64_t units = 0, merges = 0;
+    int64_t units = 0, merges = 0, queries = 0;
+    for (int64_t j = 0; j < n; j++) queries += jobs[j].a.T;
     for (int64_t j = 0; j < n; j++) {
         jobs[j].unit0 = units;
         jobs[j].merge0 = merges;
-        units += job_plan(&jobs[j], threads, kvref_pool_kernels(pool));
+        units += job_plan(&jobs[j], threads, queries, kvref_pool_kernels(pool));
         merges += jobs[j].nseg > 1 ? jobs[j].a.T * jobs[j].a.Hkv : 0;
     }
     attn_batch batch = {pool, jobs, n};
