@@ -210,6 +210,34 @@ def test_ctrl_c_while_begin_reserves_leaks_nothing():
     a.pool.check([a, sibling])
 
 
+def test_ctrl_c_while_a_batch_begins_releases_every_cache_once_all_have_begun():
+    # begin_all holds Ctrl-C over all the begins (each begin's own deferral sits inside it): the
+    # signal arrives after the last one, and the group is released whole.
+    model = kvref.Model.random(CFG, seed=4, backend="numpy")
+    a = model.new_cache(layout="paged", block_size=4, num_blocks=8)
+    model.forward([1, 2, 3, 4, 5], a)
+    sibling, b = a.fork(), a.pool.new_cache()
+    free = a.pool.free_list
+    copy_slots, begin_b, begun = a.pool.store.copy_slots, b.begin, []
+
+    def copy_then_interrupt(dst, src):  # Ctrl-C while a's begin copies the shared block
+        copy_slots(dst, src)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def begin(ids):
+        begun.append(len(ids))
+        return begin_b(ids)
+
+    a.pool.store.copy_slots, b.begin = copy_then_interrupt, begin
+    with pytest.raises(KeyboardInterrupt):
+        forward_batch(model, [[6], [7, 8]], [a, b])
+    a.pool.store.copy_slots = copy_slots
+    assert begun == [2]  # the signal waited for b's begin
+    assert not a.executing and not b.executing and (a.length, b.length) == (5, 0)
+    assert a.pool.free_list == free and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    a.pool.check([a, sibling, b])
+
+
 def test_an_execution_dropped_unfinished_is_aborted():
     model = kvref.Model.random(CFG, seed=4, backend="numpy")
     cache = model.new_cache(layout="paged", block_size=4)

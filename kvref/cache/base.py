@@ -686,27 +686,34 @@ def begin_all(caches, token_lists) -> ExecutionGroup:
         raise CacheError("a cache appears twice in one batch; fork it to run two continuations")
     steps = []
     try:
-        for cache, ids in zip(caches, token_lists):
-            steps.append(cache.begin(ids))
+        with _sigint_deferred():  # one deferral for every begin (each would install its own)
+            for cache, ids in zip(caches, token_lists):
+                steps.append(cache.begin(ids))
     except BaseException:
         ExecutionGroup(steps).abort()
         raise
     return ExecutionGroup(steps)
 
 
+_deferring = False  # a _sigint_deferred block is open (in the main thread, the only one that defers)
+
+
 @contextmanager
 def _sigint_deferred():
     # Hold Ctrl-C until the block ends, then deliver it as usual. Python runs signal handlers in the
     # main thread only, so only there can a KeyboardInterrupt split the block; the handler installed
-    # meanwhile just notes the signal.
-    if threading.current_thread() is not threading.main_thread():
+    # meanwhile just notes the signal. A block inside another one is already covered by it.
+    global _deferring
+    if _deferring or threading.current_thread() is not threading.main_thread():
         yield
         return
     received = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    _deferring = True
     try:
         yield
     finally:
+        _deferring = False
         signal.signal(signal.SIGINT, previous)
         if received:
             signal.raise_signal(signal.SIGINT)
