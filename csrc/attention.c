@@ -275,8 +275,9 @@ static void state_of(const kvref_attn_job *c, int64_t t, int64_t hk, int64_t seg
  * two, not one, so a thread the host delays leaves work for the others (one and four per thread
  * measured no faster than two). Many queries (prefill, or the short caches of a batch's
  * sequences): a unit covers every kv head of one query when the run's queries still make several
- * units per thread, and reads whole slots, so the cache streams in order. Each (t, hk, segment) state is the same sequence
- * of chunk updates whatever the unit, so the results are identical for any split. */
+ * units per thread, and reads whole slots, so the cache streams in order. Each (t, hk, segment)
+ * state is the same sequence of chunk updates whatever the unit, so the results are identical for
+ * any split. */
 static void attn_task(void *vctx, int64_t unit, int thread) {
     const attn_batch *batch = vctx;
     const kvref_attn_job *c = job_of(batch, 0, &unit);
