@@ -412,12 +412,13 @@ static int64_t job_plan(kvref_attn_job *c, int64_t threads, int64_t queries, con
 
 void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n) {
     const int64_t threads = kvref_pool_threads(pool);
+    const kvref_kernels *kk = kvref_pool_kernels(pool);
     int64_t units = 0, merges = 0, queries = 0;
     for (int64_t j = 0; j < n; j++) queries += jobs[j].a.T;
     for (int64_t j = 0; j < n; j++) {
         jobs[j].unit0 = units;
         jobs[j].merge0 = merges;
-        units += job_plan(&jobs[j], threads, queries, kvref_pool_kernels(pool));
+        units += job_plan(&jobs[j], threads, queries, kk);
         merges += jobs[j].nseg > 1 ? jobs[j].a.T * jobs[j].a.Hkv : 0;
     }
     attn_batch batch = {pool, jobs, n};

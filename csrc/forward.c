@@ -528,7 +528,9 @@ void kvref_model_destroy(kvref_model *model) {
     free(model);
 }
 
-static void *alloc_floats(int64_t n) { return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63); }
+/* n items of `size` bytes, 64-byte aligned (aligned_alloc wants a multiple of the alignment) */
+static void *alloc_aligned(int64_t n, size_t size) { return aligned_alloc(64, ((size_t)n * size + 63) & ~(size_t)63); }
+static void *alloc_floats(int64_t n) { return alloc_aligned(n, sizeof(float)); }
 
 static void free_rows(kvref_state *s) {
     void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->cs, s->q_positions, s->row_seq};
@@ -567,7 +569,7 @@ void kvref_state_destroy(kvref_state *state) {
 static int grow(void **p, int64_t *have, int64_t need, size_t size) {
     if (need <= *have) return KVREF_OK;
     const int64_t n = need > 2 * *have ? need : 2 * *have;
-    void *q = aligned_alloc(64, ((size_t)n * size + 63) & ~(size_t)63);
+    void *q = alloc_aligned(n, size);
     if (q == NULL) return KVREF_ERR_NOMEM;
     free(*p);
     *p = q;
