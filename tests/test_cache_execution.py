@@ -162,7 +162,7 @@ def interrupted_commit_cache(model):
     return cache
 
 
-def test_ctrl_c_during_a_commit_waits_until_length_ids_and_logits_are_all_updated():
+def test_ctrl_c_during_a_commit_waits_until_length_ids_and_logits_are_all_updated(ctrl_c):
     model = kvref.Model.random(CFG, seed=4, backend="numpy")
     cache = interrupted_commit_cache(model)
     done = threading.Event()
@@ -182,7 +182,19 @@ def test_ctrl_c_during_a_commit_waits_until_length_ids_and_logits_are_all_update
     assert cache.length == 3 and not cache.executing
 
 
-def test_ctrl_c_during_a_batched_commit_commits_every_sequence():
+def test_a_process_that_ignores_ctrl_c_still_ignores_it_during_and_after_a_commit():
+    model = kvref.Model.random(CFG, seed=4, backend="numpy")
+    cache = interrupted_commit_cache(model)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job starts
+    try:
+        model.forward([1, 2, 3], cache)  # the SIGINT sent inside the commit is not turned into an error
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert cache.length == 3 and not cache.executing
+
+
+def test_ctrl_c_during_a_batched_commit_commits_every_sequence(ctrl_c):
     model = kvref.Model.random(CFG, seed=4, backend="numpy")
     a, b = interrupted_commit_cache(model), model.new_cache()
     with pytest.raises(KeyboardInterrupt):
@@ -190,7 +202,7 @@ def test_ctrl_c_during_a_batched_commit_commits_every_sequence():
     assert (a.length, b.length) == (2, 1) and not a.executing and not b.executing
 
 
-def test_ctrl_c_while_begin_reserves_leaks_nothing():
+def test_ctrl_c_while_begin_reserves_leaks_nothing(ctrl_c):
     model = kvref.Model.random(CFG, seed=4, backend="numpy")
     a = model.new_cache(layout="paged", block_size=4, num_blocks=6)
     model.forward([1, 2, 3, 4, 5], a)
@@ -210,7 +222,7 @@ def test_ctrl_c_while_begin_reserves_leaks_nothing():
     a.pool.check([a, sibling])
 
 
-def test_ctrl_c_while_a_batch_begins_releases_every_cache_once_all_have_begun():
+def test_ctrl_c_while_a_batch_begins_releases_every_cache_once_all_have_begun(ctrl_c):
     # begin_all holds Ctrl-C over all the begins (each begin's own deferral sits inside it): the
     # signal arrives after the last one, and the group is released whole.
     model = kvref.Model.random(CFG, seed=4, backend="numpy")

@@ -13,6 +13,7 @@ import pytest
 import kvref
 from kvref.cache.fileformat import FORMAT_VERSION, MAGIC, read_cache_file
 from kvref.errors import CacheError, CacheFullError
+from kvref.tolerance import QUANTIZED_LOGIT_BOUNDS, assert_close
 
 DATA = Path(__file__).parent / "data"
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
@@ -173,7 +174,12 @@ def test_a_header_whose_dtype_disagrees_with_the_stored_array_is_refused(model, 
 def test_files_saved_before_the_sequence_moved_off_the_cache_load_and_resume(layout):
     """tests/data/cache_v1_*.kvc were written by kvref at 97f87de, when the token ids and last logits
     were attributes of the cache; the file format (version 1) did not change, so they load into
-    cache.sequence and generation resumes exactly where a fresh run of the same ids is."""
+    cache.sequence and generation resumes where a fresh run of the same ids is.
+
+    The files were written on another machine, whose BLAS summed in another order: their logits match a
+    recomputation here within the float32 rule, not bit for bit (an int8 element at a rounding boundary
+    may also land one step away: the int8 cache's bound covers that). The greedy tokens agree: the
+    smallest top-2 margin of the 5 steps is 0.033, far above either bound's effect on these logits."""
     small = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=24, vocab_size=20,
                               max_seq_len=40)
     model = kvref.Model.random(small, seed=21, backend="numpy")
@@ -182,7 +188,12 @@ def test_files_saved_before_the_sequence_moved_off_the_cache_load_and_resume(lay
     options = {"layout": "paged", "block_size": 4, "kv_dtype": "int8"} if layout == "paged" else {}
     fresh = model.new_cache(**options)
     model.forward([1, 2, 3, 4, 5, 6], fresh)
-    np.testing.assert_array_equal(loaded.sequence.last_logits, model.forward([7], fresh))
+    logits = model.forward([7], fresh)
+    if layout == "paged":
+        bound = QUANTIZED_LOGIT_BOUNDS["int8"] * np.abs(logits).max()
+        np.testing.assert_allclose(loaded.sequence.last_logits, logits, rtol=0, atol=bound)
+    else:
+        assert_close(loaded.sequence.last_logits, logits, "float32", "a file written on another machine")
     assert list(kvref.resume(model, loaded, 5)) == list(kvref.resume(model, fresh, 5))
 
 

