@@ -44,6 +44,7 @@ Every figure is the median of --repeat timed calls after warm-up calls.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -296,9 +297,16 @@ def context_cache(model, kv_dtype, layout, positions, capacity):
     return cache
 
 
+def with_fused(model, fused):
+    """A copy of `model` whose caches run `fused` (benchmark-only: the native executor of another mode)."""
+    other = copy.copy(model)
+    other.fused = fused
+    return other
+
+
 def bench_forward(args, results):
     import kvref
-    from kvref import backends
+    from kvref.native.fused import FusedForward
 
     results["forward"] = []
     prompt = [(1000 + 37 * i) % 49152 for i in range(32)]
@@ -309,13 +317,12 @@ def bench_forward(args, results):
     for th in args.threads:
         model = kvref.load(backend="c", threads=th)
         c = model.config
-        engines = [("fused float32", backends.fused_forward("c", c, model.weights, "float32")),
-                   ("fused int8", backends.fused_forward("c", c, model.weights, "int8")),
-                   ("decoder + native kernels", None)]
+        engines = [("fused float32", with_fused(model, FusedForward(c, model.weights, "float32"))),
+                   ("fused int8", with_fused(model, FusedForward(c, model.weights, "int8"))),
+                   ("decoder + native kernels", model.with_kernels(model.ops, "the benchmark's decoder row"))]
         print(f"  {th} thread{'s' if th > 1 else ''} (CPU check: {python_speed():.0f} M Python loop steps/s, "
               f"load average {os.getloadavg()[0]:.2f})")
-        for label, fused in engines:
-            model.fused = fused  # benchmark-only: choose the forward Model.forward runs (None: the decoder)
+        for label, model in engines:
             row = {"threads": th, "engine": label}
             cache = model.new_cache(capacity=1024)
             model.forward(prompt, cache)

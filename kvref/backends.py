@@ -5,9 +5,9 @@ the decoder is shared. "auto" takes the native kernels when they are built and t
 (they compute in float32), and says once when it has to fall back to the spec.
 
 `fused_forward` gives a Model on the native backend its fused C forward (kvref.native.fused: a whole
-prefill or decode step in one C call, checked against the shared decoder), which itself hands any
-execution it cannot take (a cache layout or kv dtype C cannot use in place) to the shared decoder;
-on the spec backend, or for weights C cannot read, there is none and the shared decoder runs.
+prefill or decode step in one C call, checked against the shared decoder), or the reason there is none
+(the spec backend, weights C cannot read); the model then chooses, per cache, which executor runs
+(kvref.executor).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from .config import FAMILY_FIELDS
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
-# the ModelConfig family fields the native kernels and the fused C forward compute (every one so far);
-# a field added for a new family stays on the spec until its native side exists
-NATIVE_FAMILY_FIELDS = FAMILY_FIELDS
+# the ModelConfig family fields the native kernels and the fused C forward compute, named one by one: a
+# field added for a new family stays on the spec until its native side exists and it is listed here
+NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
+                        "layer_windows", "rope_local_theta", "rope_scaling")
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
 # bfloat16, int8 and kivi4 to float32 for it; the C forward reads its types in place (any layout or
@@ -89,18 +90,20 @@ def kernels(backend: str, threads: int | None = None):
 
 
 def fused_forward(backend: str, config, weights, activations: str | None = None):
-    """The FusedForward a Model of this backend runs its executions with, or None (the shared decoder).
+    """(FusedForward, None) for a Model of the native backend, or (None, why not): the spec backend, or
+    weights the C forward cannot take (a type the native kernels do not read, a non-contiguous matrix),
+    which then run the shared decoder over the native kernels.
 
     activations: "float32" (exact) or "int8" (projections round their inputs to 8-bit blocks; see
     kvref.native.fused); default KVREF_ACTIVATIONS, else "float32". Native only.
     """
     if backend != "c":
-        return None
+        return None, "this model runs the NumPy spec"
     from .native import fused
 
     try:
-        return fused.FusedForward(config, weights, activations)
+        return fused.FusedForward(config, weights, activations), None
     except KVRefError as exc:
         if activations is not None or isinstance(exc, BackendError):
             raise  # a mode was asked for explicitly, or KVREF_ACTIVATIONS is wrong: say so
-        return None  # weights the C forward cannot take: the decoder runs them kernel by kernel
+        return None, f"the fused C forward cannot take this model's weights ({exc})"

@@ -46,7 +46,6 @@ from .cache import begin_all
 from .cache.paged import BlockPool, PagedCache, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
 from .sampling import Sampler
-from .spec import decoder
 
 
 def forward_batch(model, token_lists, caches, all_logits=False):
@@ -61,12 +60,11 @@ def forward_batch(model, token_lists, caches, all_logits=False):
         raise GenerationError(f"forward_batch needs one id list per cache; got {len(token_lists)} lists "
                               f"and {len(caches)} caches")
     ids = [model.check_tokens(t) for t in token_lists]
+    executor = model.batch_executor(caches)  # checks each cache the first time it comes to the model
     for cache, t in zip(caches, ids):
-        model.check_cache(cache)
         model.check_context(cache.next_position, len(t))
-    run = decoder.forward_batch if model.fused is None else model.fused.forward_batch
     with begin_all(caches, ids) as executions:
-        logits = run(model.ops, model.config, model.weights, executions, all_logits)
+        logits = executor.run(executions, all_logits)
     return logits if all_logits else [out[0] for out in logits]
 
 

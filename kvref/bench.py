@@ -50,7 +50,6 @@ kept apart from the timed runs: the rates are never measured with instrumentatio
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import datetime
 import json
@@ -65,6 +64,7 @@ import numpy as np
 
 from .cli_common import Progress, add_model_arguments, count, human_bytes
 from .errors import ConfigError
+from .executor import describe
 from .sampling import greedy
 
 def median(values):
@@ -143,14 +143,13 @@ class TimedOps:
 
 
 class ShimClock:
-    """KernelClock over kernel shims: `model` is a shallow copy of the model running TimedOps."""
+    """KernelClock over kernel shims: `model` is a copy of the model running the spec executor over TimedOps."""
 
     source = "kernel shims"
 
     def __init__(self, model):
         self.ops = TimedOps(model.ops)
-        self.model = copy.copy(model)  # shares config, weights, tokenizer; only the kernel set differs
-        self.model.ops = self.ops  # a forward that is not handed native Kernels runs the shared decoder
+        self.model = model.with_kernels(self.ops, "kvref bench times the shared decoder kernel by kernel")
 
     def reset(self):
         self.ops.seconds.update(dict.fromkeys(FAMILIES, 0.0))
@@ -277,6 +276,7 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
     progress("warm-up", force=True)
     warm = model_prompt(model, min(WARMUP_PROMPT, max_len - WARMUP_STEPS))
     cache = model.new_cache(capacity=len(warm) + WARMUP_STEPS, kv_dtype=kv_dtype)
+    executor = describe(model.executor(cache))  # every cache of the run has this layout and K/V type
     time_decode(model, cache, fill(model, cache, warm), WARMUP_STEPS)
 
     prefill_s, decode_s, context_s = [], [], []
@@ -358,6 +358,7 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         "backend": model.backend,
         "threads": threads_of(model),
         "isa": getattr(model.ops, "isa", None),
+        "executor": executor,
         "kv_dtype": kv,
         "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "context": context,
                      "context_steps": context_steps, "prefill_tokens": prefill_tokens, "repeat": repeat},
@@ -659,7 +660,8 @@ def report(r: dict) -> str:
     repeat = r["settings"]["repeat"]
     lines = [f"kvref bench: {name}{size}, backend {r['backend']} ({plural(r['threads'], 'thread')}"
              + (f", {r['isa']}" if r["isa"] else "") + f"), K/V {r['kv_dtype']}, "
-             + (f"medians of {repeat} runs" if repeat != 1 else "1 run") + f"; load average {load[0]:.2f} at start"]
+             + (f"medians of {repeat} runs" if repeat != 1 else "1 run") + f"; load average {load[0]:.2f} at start",
+             f"  executor: {r['executor']}"]
     if r["prefill"]:
         p = r["prefill"]
         lines.append(f"  prefill  {p['tokens']:>5} tokens                  {p['tok_s']:9.1f} tok/s"

@@ -18,6 +18,7 @@ from .cli_common import Progress, add_model_arguments, available_memory, count, 
 from .config import ModelConfig
 from .conformance.command import add_conformance, add_fixtures
 from .errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
+from .executor import describe
 from .generate import generate, prefill_in_chunks
 from .generation_config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
 from .model import Model
@@ -338,7 +339,7 @@ def run_run(args) -> int:
         print(f"[{n_prompt} prompt tokens, prefill {prefill_rate:.1f} tok/s, "
               f"decode {timing.decode_rate():.1f} tok/s over {timing.n_tokens} tokens, "
               f"cache {human_bytes(cache.nbytes)} ({cache.length} positions, {cache.dtype_name} K/V), "
-              f"backend {model.backend}]", file=sys.stderr)
+              f"backend {model.backend}; executor {describe(model.executor(cache))}]", file=sys.stderr)
         if speculation:
             print(f"[{speculation['stats']}]", file=sys.stderr)
     return 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
@@ -14,6 +16,7 @@ from .cache.fileformat import load_cache
 from .cache.paged import DEFAULT_BLOCK_SIZE
 from .config import FAMILY_FIELDS, ModelConfig
 from .digest import sha256
+from .executor import NativeExecutor, SpecExecutor
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .generation_config import GenerationConfig
 from .limits import DEFAULT_CACHE_BUDGET
@@ -51,10 +54,10 @@ class Model:
         # resize, free or write (kvref.weights.freeze). The spec reads them through NumPy only and
         # keeps them as given (freezing would copy every dequantized array once more at load).
         self.weights = freeze(weights) if self.backend == "c" else weights
-        self.ops = backends.kernels(self.backend, threads)
+        self.ops = backends.kernels(self.backend, threads)  # the kernel set (kvref.executor.KernelSet)
         # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
-        # None: every execution runs the shared decoder kernel by kernel
-        self.fused = backends.fused_forward(self.backend, config, self.weights)
+        # None (and why): every execution runs the shared decoder kernel by kernel
+        self.fused, self._no_fused = backends.fused_forward(self.backend, config, self.weights)
         self.tokenizer = tokenizer
         if chat_template is not None and not isinstance(chat_template, str):
             raise TokenizerError(f"a chat template (tokenizer.chat_template) is a string; this one is "
@@ -239,12 +242,49 @@ class Model:
         if cache is None:
             self.check_context(0, len(ids))
             cache = self.new_cache(capacity=len(ids))
-        else:
-            self.check_cache(cache)
-            self.check_context(cache.next_position, len(ids))
-        run = decoder.forward if self.fused is None else self.fused.forward
-        logits = run(self.ops, self.config, self.weights, ids, cache, all_logits)
+        executor = self.executor(cache)
+        self.check_context(cache.next_position, len(ids))
+        with cache.begin(ids) as execution:
+            logits = executor.run([execution], all_logits)[0]  # [T or 1, V]
         return logits if all_logits else logits[0]
+
+    def executor(self, cache: KVCache):
+        """What runs executions on `cache` for this model (kvref.executor): the native executor (the fused
+        C forward) when it can use the cache in place, else the spec executor over this model's kernels,
+        its `fallback` saying why not C. Chosen the first time a cache comes to this model and kept on the
+        cache (`cache.executor`), since its layout and K/V types never change; the cache is checked then
+        (check_cache). The native one is given up if the weights were rebound since (kvref.weights)."""
+        bound = getattr(cache, "executor", None)  # anything but a KVCache is refused by check_cache
+        if bound is None or bound.owner is not self:
+            self.check_cache(cache)
+            bound = cache.executor = self._choose_executor(cache)
+        if bound.name == "native" and not self.fused.serves(self.weights):
+            return SpecExecutor(self.ops, self, "the weights were rebound after the fused C forward was built "
+                                "from them")
+        return bound
+
+    def with_kernels(self, kernels, why: str) -> "Model":
+        """A copy of this model sharing its config, weights and text front end, whose every execution runs
+        the shared decoder over `kernels` (a KernelSet: kvref bench's timing shims, say), `why` being
+        what its executors give as their fallback."""
+        other = copy.copy(self)
+        other.ops, other.fused, other._no_fused = kernels, None, why
+        return other
+
+    def batch_executor(self, caches):
+        """The executor of one execution over several caches: the native one when every cache's is,
+        else the spec executor (the fallback of the first cache that needs it)."""
+        executors = [self.executor(cache) for cache in caches]
+        fallback = next((e for e in executors if e.name != "native"), None)
+        return executors[0] if fallback is None else fallback
+
+    def _choose_executor(self, cache):
+        if self.fused is None:
+            return SpecExecutor(self.ops, self, self._no_fused)
+        problem = self.fused.cache_problem(cache)
+        if problem is None:
+            return NativeExecutor(self.fused, self.ops, self)
+        return SpecExecutor(self.ops, self, problem)
 
     def score(self, token_ids, context=(), cache: KVCache | None = None, chunk_size: int = SCORE_CHUNK):
         """Per-token log-probabilities of a continuation: [len(token_ids)] float64, element i being
@@ -254,13 +294,10 @@ class Model:
         return score(self, token_ids, context, cache, chunk_size)
 
     def fused_problem(self, cache: KVCache) -> str | None:
-        """Why an execution on `cache` runs the shared decoder kernel by kernel instead of the fused C
-        forward (the spec backend, weights or a cache layout the C forward cannot take); None when it
-        runs in C."""
-        if self.fused is None:
-            return ("this model runs the NumPy spec" if self.backend == "numpy"
-                    else "the fused C forward cannot take this model's weights")
-        return self.fused.fallback_reason(self.ops, self.config, self.weights, cache)
+        """Deprecated: `model.executor(cache).fallback`."""
+        warnings.warn("Model.fused_problem(cache) is deprecated; use model.executor(cache).fallback",
+                      DeprecationWarning, stacklevel=2)
+        return self.executor(cache).fallback
 
     # ---- the native forward's counters ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import kvref
 from kvref import native
 from kvref.batch import forward_batch
 from kvref.cache import begin_all, reorder
+from kvref.executor import SpecExecutor
 from kvref.errors import BackendError, CacheError, CacheFullError, ShapeError
 
 CFG = kvref.ModelConfig(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=40, max_seq_len=64)
@@ -66,15 +68,25 @@ def assert_same_state(a, b):
             assert (x is None and y is None) or np.array_equal(x, y)
 
 
-def interrupt(model, run, n_attention_calls, error=KeyboardInterrupt):
-    """Run `run()` with the model's kernels raising inside a layer; the error must come out."""
-    ops = model.ops
-    model.ops = StopAtLayer(ops, n_attention_calls, error)
+@contextmanager
+def stopping(model, caches, n_attention_calls, error=KeyboardInterrupt):
+    """Executions on `caches` run the shared decoder over the model's kernels raising inside a layer (the
+    spec executor over StopAtLayer, bound to each cache as a model binds one), then their own again."""
+    bound = [model.executor(c) for c in caches]  # each cache checked and bound first, as an execution does
+    stop = SpecExecutor(StopAtLayer(model.ops, n_attention_calls, error), model, "the test stops it inside a layer")
+    for c in caches:
+        c.executor = stop
     try:
-        with pytest.raises(error):
-            run()
+        yield
     finally:
-        model.ops = ops
+        for c, executor in zip(caches, bound):
+            c.executor = executor
+
+
+def interrupt(model, caches, run, n_attention_calls, error=KeyboardInterrupt):
+    """Run `run()` with executions on `caches` raising inside a layer; the error must come out."""
+    with stopping(model, caches, n_attention_calls, error), pytest.raises(error):
+        run()
 
 
 # ---- the reproduction of the issue: Ctrl-C in a layer of a paged execution ------------------------
@@ -97,9 +109,9 @@ def test_ctrl_c_inside_a_layer_leaves_the_paged_pool_unchanged(path, backend):
         with pytest.raises(BackendError, match="injected"):
             model.forward(new, a)
     elif path == "spec":
-        interrupt(model, lambda: model.forward(new, a), 1)
+        interrupt(model, [a], lambda: model.forward(new, a), 1)
     else:
-        interrupt(model, lambda: forward_batch(model, [new, [3]], [a, b]), 3)
+        interrupt(model, [a, b], lambda: forward_batch(model, [new, [3]], [a, b]), 3)
     assert_same_state(cache_state(a), before)
     for x, y in zip(pool_state(a.pool), pool_before):
         assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
@@ -123,7 +135,7 @@ def test_an_interrupted_execution_commits_nothing_on_every_layout(options, backe
     for c in (cache, twin):
         model.forward([3, 1, 4, 1, 5, 9, 2], c)
     before = cache_state(cache)
-    interrupt(model, lambda: model.forward([6, 5, 3], cache), 2)
+    interrupt(model, [cache], lambda: model.forward([6, 5, 3], cache), 2)
     assert_same_state(cache_state(cache), before)
     np.testing.assert_array_equal(model.forward([6, 5, 3], cache), model.forward([6, 5, 3], twin))
     assert_same_state(cache_state(cache), cache_state(twin))
@@ -138,7 +150,7 @@ def test_a_batch_commits_all_or_none(backend):
     states = [cache_state(c) for c in (roomy, tight)]
     with pytest.raises(CacheFullError, match="cannot append 2 positions"):
         forward_batch(model, [[5], [6, 7]], [roomy, tight])  # the second has no room: neither begins
-    interrupt(model, lambda: forward_batch(model, [[5], [6]], [roomy, tight]), 4)  # layer 2 of 3
+    interrupt(model, [roomy, tight], lambda: forward_batch(model, [[5], [6]], [roomy, tight]), 4)  # layer 2 of 3
     for c, s in zip((roomy, tight), states):
         assert_same_state(cache_state(c), s)
         assert not c.executing
@@ -548,7 +560,7 @@ class InterruptMachine(RuleBasedStateMachine):
     def interrupted_execution(self, data, ids, path):
         i = self.pick(data)
         cache = self.caches[i]
-        if path == "fused" and (self.model.fused is None or self.model.fused_problem(cache) is not None):
+        if path == "fused" and self.model.executor(cache).name != "native":
             path = "spec"
         before = [cache_state(c) for c in self.caches]
         pool = pool_state(cache.pool) if cache.layout == "paged" else None
@@ -558,12 +570,12 @@ class InterruptMachine(RuleBasedStateMachine):
             outcome = _attempt(lambda: self.model.forward(ids, cache))
             self.model.fused.fail_at_layer(-1)  # disarm if the execution was refused before C ran
         elif path == "spec":
-            outcome = self.with_stop(layer, lambda: self.model.forward(ids, cache))
+            outcome = self.with_stop([cache], layer, lambda: self.model.forward(ids, cache))
         else:
             j = self.pick(data)
             caches = [cache] if j == i else [cache, self.caches[j]]
             feeds = [ids, data.draw(IDS)][:len(caches)]
-            outcome = self.with_stop(layer * len(caches) + len(caches) - 1,
+            outcome = self.with_stop(caches, layer * len(caches) + len(caches) - 1,
                                      lambda: forward_batch(self.model, feeds, caches))
         assert isinstance(outcome, (Interrupted, BackendError, *REFUSED)), outcome
         event(f"{path}: {type(outcome).__name__}")
@@ -583,13 +595,9 @@ class InterruptMachine(RuleBasedStateMachine):
             self.caches[i].truncate(n)
             self.twins[i].truncate(n)
 
-    def with_stop(self, n_attention_calls, run):
-        ops = self.model.ops
-        self.model.ops = StopAtLayer(ops, n_attention_calls, Interrupted)
-        try:
+    def with_stop(self, caches, n_attention_calls, run):
+        with stopping(self.model, caches, n_attention_calls, Interrupted):
             return _attempt(run)
-        finally:
-            self.model.ops = ops
 
     def both(self, run, cache, twin):
         return _attempt(lambda: run(cache)), _attempt(lambda: run(twin))

@@ -154,7 +154,7 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     tensors = {name: t.detach().to(torch.float64).numpy() for name, t in hf.state_dict().items()}
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
-    assert model.backend == "c" and model.fused_problem(model.new_cache()) is None
+    assert model.backend == "c" and model.executor(model.new_cache()).fallback is None
     model.fused.reset_timings()
     assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
                  "float32", f"{family} native vs transformers")
@@ -304,7 +304,7 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
     if model.backend == "c":
-        assert model.fused is not None and model.fused_problem(model.new_cache()) is None
+        assert model.fused is not None and model.executor(model.new_cache()).fallback is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
 

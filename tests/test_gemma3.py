@@ -47,7 +47,7 @@ def test_gemma3_270m_has_its_architecture_and_a_hybrid_cache(model):
     assert model.chat_template is None  # the pretrained model carries none
     if kvref.native.available():  # decode runs in one C call per step, on the hybrid cache in place
         assert model.backend == "c" and model.fused is not None
-        assert model.fused_problem(model.new_cache()) is None
+        assert model.executor(model.new_cache()).fallback is None
 
 
 def test_the_long_prompt_is_longer_than_the_window():

@@ -7,6 +7,7 @@ import pytest
 import kvref
 from kvref import native
 from kvref.conversation import Conversation
+from kvref.executor import SpecExecutor
 from kvref.generate import prefill_in_chunks
 from kvref.loader import load
 from tests.conftest import require
@@ -69,13 +70,13 @@ def test_ctrl_c_inside_a_decode_step_keeps_the_steps_before_it(backend, layout):
     whole = list(kvref.generate(model, PROMPT, N_NEW, cache=model.new_cache(**LAYOUTS[layout])))
     cache = model.new_cache(**LAYOUTS[layout])
     taken = []
-    ops = model.ops
+    bound = model.executor(cache)
     with pytest.raises(KeyboardInterrupt):
         for token in kvref.generate(model, PROMPT, N_NEW, cache=cache):
             taken.append(token)
             if len(taken) == STOPPED_AFTER:  # the next decode step stops in its second layer
-                model.ops, model.fused = StopAtLayer(ops, 1), None
-    model.ops = ops
+                cache.executor = SpecExecutor(StopAtLayer(model.ops, 1), model, "stopped")
+    cache.executor = bound
     assert cache.sequence.token_ids == PROMPT + taken[:-1]  # the interrupted step committed nothing
     fresh = kvref.Model.random(CFG, seed=2, backend=backend)  # with its fused forward, as `whole` ran
     assert taken + list(kvref.generate(fresh, taken[-1:], N_NEW - len(taken), cache=cache)) == whole
@@ -133,14 +134,15 @@ def test_an_interrupted_reply_is_kept_as_its_ids_and_the_next_turn_reuses_every_
 
 def test_ctrl_c_while_a_reply_is_prefilled_or_decoded_keeps_the_chat_going(smollm2):
     chat = Conversation(smollm2)
-    ops, fused = smollm2.ops, smollm2.fused
+    bound = smollm2.executor(chat.cache)
     reply = chat.say("Hi", 8)
-    smollm2.ops, smollm2.fused = StopAtLayer(ops, 3), None  # Ctrl-C inside the turn's prefill
+    # Ctrl-C inside the turn's prefill
+    chat.cache.executor = SpecExecutor(StopAtLayer(smollm2.ops, 3), smollm2, "stopped")
     try:
         with pytest.raises(KeyboardInterrupt):
             next(reply)
     finally:
-        smollm2.ops, smollm2.fused = ops, fused
+        chat.cache.executor = bound
     assert chat.messages[-1] == {"role": "assistant", "content": "", "token_ids": [], "interrupted": True}
     assert chat.cache.length == 0  # the prefill was one execution, and it committed nothing
     second = list(chat.say("Hello", 8))

@@ -188,6 +188,20 @@ def assert_same_execution(isa, got, got_cache, want, want_cache):
         assert_close(got, want, "float32", "fused vs decoder")
 
 
+def c_forward(ff):
+    """A FusedForward as a function of decoder.forward's signature: one execution in C, as the native
+    executor runs it (kvref.executor); the config and weights are ff's own."""
+    def forward(ops, config, weights, token_ids, cache, all_logits=False):
+        with cache.begin(np.asarray(token_ids)) as execution:
+            return ff.run(ops, [execution], all_logits)[0]
+    return forward
+
+
+def c_forward_batch(ff):
+    """The same for decoder.forward_batch's signature: open executions, committed by the caller."""
+    return lambda ops, config, weights, executions, all_logits=False: ff.run(ops, executions, all_logits)
+
+
 def run(forward, ops, config, weights, tokens, chunks, kv, decode_steps):
     """Chunked prefill of `tokens`, then greedy decode steps: every logit row and the final cache.
     kv: a K/V dtype for a contiguous cache, or new_cache's (kv_dtype, layout, v_dtype) arguments."""
@@ -222,7 +236,7 @@ def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernel
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ops = nops.kernels(threads, isa)
     ff = fused.FusedForward(config, weights, "float32")
-    got, got_cache = run(ff.forward, ops, config, weights, tokens, chunks, kv_dtype, steps)
+    got, got_cache = run(c_forward(ff), ops, config, weights, tokens, chunks, kv_dtype, steps)
     want, want_cache = run(decoder.forward, ops, config, weights, tokens, chunks, kv_dtype, steps)
     assert got.dtype == np.float32 and got.shape == want.shape
     assert got_cache.length == want_cache.length == len(tokens) + steps
@@ -236,7 +250,7 @@ def test_an_int8_cache_keeps_a_nan_it_is_given_as_nan_like_the_spec_encoder(isa)
     weights.tok_embeddings[5] = np.nan  # position 1's K and V are NaN in every layer
     ops, ff = nops.kernels(1, isa), fused.FusedForward(CFG, weights)
     got, want = new_cache(CFG, "int8"), new_cache(CFG, "int8")
-    ff.forward(ops, CFG, weights, np.array([1, 5, 2]), got, True)
+    c_forward(ff)(ops, CFG, weights, np.array([1, 5, 2]), got, True)
     decoder.forward(ops, CFG, weights, np.array([1, 5, 2]), want, True)
     for layer in range(CFG.n_layers):
         for a, b in zip(got.read(layer), want.read(layer)):  # K, V [3, Hkv, D]
@@ -279,7 +293,7 @@ def test_fused_batch_is_bit_identical_to_the_decoder_batch_on_the_same_native_ke
     ff = fused.FusedForward(config, weights, activations)
     reference = Int8Kernels(ops) if activations == "int8" else ops
     steps = data.draw(st.integers(0, 3))
-    got = run_batch(ff.forward_batch, ops, config, weights, prompts, steps, got_caches)
+    got = run_batch(c_forward_batch(ff), ops, config, weights, prompts, steps, got_caches)
     want = run_batch(decoder.forward_batch, reference, config, weights, prompts, steps, want_caches)
     assert ff.timings()["calls"] == steps + 1  # every execution ran in C
     for got_cache, want_cache in zip(got_caches, want_caches):
@@ -296,9 +310,9 @@ def decode_alone_and_batched(ff, ops, config, weights, caches, ids):
     alone = []
     for cache, t in zip(caches[0], ids):
         with begin_all([cache], [np.array(t)]) as executions:
-            alone.extend(ff.forward_batch(ops, config, weights, executions, True))
+            alone.extend(c_forward_batch(ff)(ops, config, weights, executions, True))
     with begin_all(caches[1], [np.array(t) for t in ids]) as executions:
-        return alone, ff.forward_batch(ops, config, weights, executions, True)
+        return alone, c_forward_batch(ff)(ops, config, weights, executions, True)
 
 
 @given(st.data(), ISAS, THREADS, st.sampled_from(["float32", "int8"]))
@@ -318,7 +332,7 @@ def test_fused_batched_decode_below_the_gemm_switch_equals_each_sequence_alone_b
     for group in caches:  # prefilled alone: the prompts' rows are the same computation in both
         for cache, p in zip(group, prompts):
             with begin_all([cache], [np.array(p)]) as executions:
-                ff.forward_batch(ops, config, weights, executions, True)
+                c_forward_batch(ff)(ops, config, weights, executions, True)
     ids = [[p[-1]] for p in prompts]
     for _ in range(data.draw(st.integers(1, 3))):
         alone, batched = decode_alone_and_batched(ff, ops, config, weights, caches, ids)
@@ -413,7 +427,7 @@ def test_fused_forward_touches_nothing_past_the_end_of_a_full_cache(kv_dtype, is
     ff = fused.FusedForward(config, weights, "float32")
 
     def fill(cache):  # prefill, a second chunk, then one decode step into the last slot
-        return [ff.forward(ops, config, weights, np.array(ids), cache, True) for ids in ([1, 2, 3, 4, 5], [6, 7, 8], [9])]
+        return [c_forward(ff)(ops, config, weights, np.array(ids), cache, True) for ids in ([1, 2, 3, 4, 5], [6, 7, 8], [9])]
 
     shape = (config.n_layers, config.n_kv_heads, config.head_dim)
     plain, guarded = (ContiguousCache(*shape, config.max_seq_len, kv_dtype, group_size=16) for _ in range(2))
@@ -431,7 +445,7 @@ def test_fused_forward_equals_the_spec_decoder_within_the_float32_tolerance(data
     tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=40))
     ops = nops.kernels()
     ff = fused.FusedForward(config, weights, "float32")
-    got = ff.forward(ops, config, weights, np.array(tokens), new_cache(config, "float32"), True)
+    got = c_forward(ff)(ops, config, weights, np.array(tokens), new_cache(config, "float32"), True)
     spec = decoder.forward(kvref.spec.ops, config, dequantized_weights(weights), np.array(tokens),
                            new_cache(config, "float32"), True)
     assert_close(got, spec, "float32", "fused vs spec")
@@ -456,8 +470,8 @@ def test_fused_results_do_not_depend_on_the_thread_count(data, isa, activations)
     config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ff = fused.FusedForward(config, weights, activations)
-    one = run(ff.forward, nops.kernels(1, isa), config, weights, tokens, chunks, kv_dtype, steps)
-    two = run(ff.forward, nops.kernels(2, isa), config, weights, tokens, chunks, kv_dtype, steps)
+    one = run(c_forward(ff), nops.kernels(1, isa), config, weights, tokens, chunks, kv_dtype, steps)
+    two = run(c_forward(ff), nops.kernels(2, isa), config, weights, tokens, chunks, kv_dtype, steps)
     np.testing.assert_array_equal(one[0], two[0])
     for a, b in zip(stored(one[1]), stored(two[1])):
         np.testing.assert_array_equal(a, b)
@@ -619,7 +633,7 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
     assume(reads_like_float_kv(isa, new_cache(config, *kv_dtype)))
     ks = nops.kernels(2, isa)
     ff = fused.FusedForward(config, weights, "int8")
-    got, got_cache = run(ff.forward, ks, config, weights, tokens, chunks, kv_dtype, steps)
+    got, got_cache = run(c_forward(ff), ks, config, weights, tokens, chunks, kv_dtype, steps)
     want, want_cache = run(decoder.forward, Int8Kernels(ks), config, weights, tokens, chunks, kv_dtype, steps)
     assert_same_execution(isa, got, got_cache, want, want_cache)
 
@@ -658,10 +672,10 @@ def test_fused_int8_decode_on_smollm2_agrees_with_the_exact_mode_like_llama_cpp(
         caches = [model.new_cache(), model.new_cache()]
         n = len(ref["prompt_ids"])
         for f, c in zip((ff, int8), caches):
-            f.forward(model.ops, model.config, model.weights, np.array(history[:n]), c)
+            c_forward(f)(model.ops, model.config, model.weights, np.array(history[:n]), c)
         for t in range(n, len(history)):
-            e = ff.forward(model.ops, model.config, model.weights, np.array([history[t]]), caches[0])
-            q = int8.forward(model.ops, model.config, model.weights, np.array([history[t]]), caches[1])
+            e = c_forward(ff)(model.ops, model.config, model.weights, np.array([history[t]]), caches[0])
+            q = c_forward(int8)(model.ops, model.config, model.weights, np.array([history[t]]), caches[1])
             r = compare(q, e, "float32")
             agree.append(r.top1_agreement)
             kls.append(r.max_kl)
@@ -691,17 +705,18 @@ def assert_unchanged(cache, snap):
 
 @pytest.mark.parametrize("ids, error", [
     ([1, 50], TokenError), ([-1], TokenError), ([], TokenError), ([[1, 2]], TokenError),
-    ([1.5], TokenError), (["a"], TokenError), (list(range(13)), CacheFullError),
+    ([1.5], TokenError), (["a"], TokenError), (list(range(5)), CacheFullError),
 ])
 def test_bad_calls_raise_a_kvref_error_and_leave_the_cache_unchanged(small, ids, error):
     model, ff = small
-    cache = model.new_cache()
-    ff.forward(model.ops, model.config, model.weights, np.array([1, 2, 3, 4]), cache)
+    cache = model.new_cache(capacity=8)
+    model.forward([1, 2, 3, 4], cache)
+    assert model.executor(cache).name == "native"
     snap = snapshot(cache)
     with pytest.raises(error):
-        ff.forward(model.ops, model.config, model.weights, ids, cache)
+        model.forward(ids, cache)
     assert_unchanged(cache, snap)
-    ff.forward(model.ops, model.config, model.weights, np.array([5]), cache)  # still usable
+    model.forward([5], cache)  # still usable
     assert cache.length == 5
 
 
@@ -717,31 +732,31 @@ def test_cache_arrays_that_c_cannot_write_are_refused_before_c_runs(small):
         else:
             cache.store.k = np.zeros((CFG.n_layers, 2 * CFG.max_seq_len, CFG.n_kv_heads, CFG.head_dim), np.float32)[:, ::2]
         with pytest.raises(CacheError):
-            ff.forward(model.ops, model.config, model.weights, np.array([1, 2]), cache)
+            c_forward(ff)(model.ops, model.config, model.weights, np.array([1, 2]), cache)
         assert cache.length == snap[0]
 
 
-def test_executions_the_c_forward_cannot_take_run_on_the_decoder(small):
+def test_caches_and_weights_the_c_forward_cannot_take_get_the_spec_executor_which_says_why(small):
     model, ff = small
-    # a float64 cache: the decoder runs it, and the native attention refuses float64 K/V before C
+    # a float64 cache: C refuses it before running, and a model gives it the spec executor
     cache = ContiguousCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, 16, "float64")
-    assert "float64" in ff.fallback_reason(model.ops, model.config, model.weights, cache)
-    with pytest.raises(DTypeError):
-        ff.forward(model.ops, model.config, model.weights, np.array([1, 2]), cache)
+    assert "float64" in ff.cache_problem(cache)
+    with pytest.raises(CacheError, match="float64"):
+        c_forward(ff)(model.ops, model.config, model.weights, np.array([1, 2]), cache)
     assert cache.length == 0 and not cache.executing
-    # a window cache stages its writes: the decoder runs it, and the model says why
+    # a window cache stages its writes: the spec executor, and the model says why
     window = model.new_cache(layout="window", window=4)
-    assert "window stages new K/V" in model.fused_problem(window)
-    assert model.fused_problem(model.new_cache()) is None
-    # other weights than the descriptor's (or one tensor swapped): the decoder, with correct results
+    assert model.executor(window).name == "spec" and "window stages new K/V" in model.executor(window).fallback
+    assert model.executor(model.new_cache()).name == "native" and ff.cache_problem(model.new_cache()) is None
+    # other weights than the descriptor's (or one tensor swapped): the spec executor, with correct results
     other = random_weights(CFG, seed=4)
-    assert "weights" in ff.fallback_reason(model.ops, model.config, other, model.new_cache())
-    want = decoder.forward(model.ops, CFG, other, np.array([1, 2]), model.new_cache(), True)
-    np.testing.assert_array_equal(ff.forward(model.ops, CFG, other, np.array([1, 2]), model.new_cache(), True), want)
+    assert not ff.serves(other) and ff.serves(model.weights)
+    cache = model.new_cache()
+    assert model.executor(cache).name == "native"
     model.weights.layers[1].wq = other.layers[1].wq
-    assert "weights" in ff.fallback_reason(model.ops, model.config, model.weights, model.new_cache())
-    # the spec kernel set
-    assert "kernel set" in ff.fallback_reason(kvref.spec.ops, model.config, model.weights, model.new_cache())
+    assert not ff.serves(model.weights) and "rebound" in model.executor(cache).fallback
+    want = decoder.forward(model.ops, CFG, model.weights, np.array([1, 2]), model.new_cache(), True)
+    np.testing.assert_array_equal(model.forward([1, 2], cache, all_logits=True), want)
 
 
 def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_when_asked_for():
@@ -749,7 +764,10 @@ def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_whe
     weights.layers[0].wv = QuantizedTensor(GGMLType.Q5_1, (16, 32), np.zeros((16, 24), np.uint8))
     with pytest.raises(DTypeError):
         fused.FusedForward(CFG, weights)
-    assert backends.fused_forward("c", CFG, weights) is None
+    fused_forward, why = backends.fused_forward("c", CFG, weights)
+    assert fused_forward is None and "Q5_1" in why
+    model = kvref.Model(CFG, weights, backend="c")  # the spec executor over the native kernels, saying why
+    assert model.fused is None and "Q5_1" in model.executor(model.new_cache()).fallback
     with pytest.raises(DTypeError):
         backends.fused_forward("c", CFG, weights, "float32")
     with pytest.raises(BackendError):
@@ -767,9 +785,6 @@ def test_weights_the_c_forward_cannot_read_fall_back_to_the_decoder_or_raise_whe
 def test_kvref_activations_environment_variable(monkeypatch):
     monkeypatch.setenv("KVREF_ACTIVATIONS", "int8")
     assert kvref.Model.random(CFG, backend="c").fused.activations == "int8"
-    monkeypatch.setenv("KVREF_EXACT", "1")
-    assert kvref.Model.random(CFG, backend="c").fused.activations == "float32"
-    monkeypatch.delenv("KVREF_EXACT")
     monkeypatch.setenv("KVREF_ACTIVATIONS", "fp4")
     with pytest.raises(BackendError, match="KVREF_ACTIVATIONS"):
         kvref.Model.random(CFG, backend="c")
@@ -1045,7 +1060,7 @@ def test_the_descriptor_keeps_the_arrays_it_points_into_alive():
     weights = random_weights(CFG, seed=5)
     ff = fused.FusedForward(CFG, weights)
     ids = np.array([1, 2, 3], np.int64)
-    want = ff.forward(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True)
+    want = c_forward(ff)(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True)
     ff.weights = weights = None  # every reference but the descriptor's own is gone
     gc.collect()
     junk = [np.full((CFG.vocab_size, CFG.d_model), 7.0, np.float32) for _ in range(50)]  # would reuse freed memory
@@ -1083,7 +1098,7 @@ def test_a_models_weights_cannot_be_resized_written_or_freed_under_c():
     # __setstate__ hands the array object memory of its own; C keeps reading the model's, which
     # nothing it holds could free (the model keeps the bytes the view was made of)
     model.weights.layers[0].wq.__setstate__(np.zeros((2, 2), np.float32).__reduce__()[2])
-    assert model.fused_problem(model.new_cache()) is None
+    assert model.executor(model.new_cache()).fallback is None
     np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()), want)
 
 
@@ -1096,7 +1111,7 @@ def test_a_models_quantized_blocks_cannot_be_resized_or_written_under_c():
     model = kvref.Model(CFG, weights, backend="c")
     want = model.forward([1, 2], model.new_cache())
     data = model.weights.layers[0].wq.data
-    assert data is not blocks and model.fused_problem(model.new_cache()) is None
+    assert data is not blocks and model.executor(model.new_cache()).fallback is None
     for a in array_chain(data):
         with pytest.raises(ValueError):
             a.resize((1,), refcheck=False)
@@ -1110,11 +1125,11 @@ def test_rebinding_a_models_weight_runs_the_decoder_on_the_new_tensor():
     model = kvref.Model.random(CFG, seed=3, backend="c")
     other = random_weights(CFG, seed=4)
     model.weights.layers[1].wv = other.layers[1].wv  # writeable, not frozen: the decoder reads it per call
-    assert "weights" in model.fused_problem(model.new_cache())
+    assert "weights" in model.executor(model.new_cache()).fallback
     want = decoder.forward(model.ops, CFG, model.weights, np.array([1, 2]), model.new_cache(), True)
     np.testing.assert_array_equal(model.forward([1, 2], model.new_cache(), all_logits=True), want)
     model.weights = other
-    assert "weights" in model.fused_problem(model.new_cache())
+    assert "weights" in model.executor(model.new_cache()).fallback
     want = decoder.forward(model.ops, CFG, other, np.array([3]), model.new_cache(), True)
     np.testing.assert_array_equal(model.forward([3], model.new_cache(), all_logits=True), want)
 
@@ -1125,13 +1140,13 @@ def test_a_rebinding_after_executions_that_trusted_the_weights_is_noticed():
     model = kvref.Model.random(CFG, seed=3, backend="c")
     other = random_weights(CFG, seed=4)
     model.forward([1, 2], model.new_cache())
-    assert model.fused_problem(model.new_cache()) is None
+    assert model.executor(model.new_cache()).fallback is None
     model.weights.layers[1].wv = other.layers[1].wv
-    assert "weights" in model.fused_problem(model.new_cache())
+    assert "weights" in model.executor(model.new_cache()).fallback
     model = kvref.Model.random(CFG, seed=3, backend="c")
     model.forward([1, 2], model.new_cache())
     model.weights.layers[0] = other.layers[0]
-    assert "weights" in model.fused_problem(model.new_cache())
+    assert "weights" in model.executor(model.new_cache()).fallback
     want = decoder.forward(model.ops, CFG, model.weights, np.array([3]), model.new_cache(), True)
     np.testing.assert_array_equal(model.forward([3], model.new_cache(), all_logits=True), want)
 
@@ -1140,12 +1155,12 @@ def test_a_fused_forward_built_from_writeable_weights_reads_its_own_copy_of_them
     weights = random_weights(CFG, seed=5)
     ff = fused.FusedForward(CFG, weights)
     ids = np.array([1, 2, 3])
-    want = ff.forward(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True)
+    want = c_forward(ff)(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True)
     weights.layers[0].wq.resize((2, 2), refcheck=False)  # the caller's own arrays: numpy lets it free them
     weights.layers[0].attn_norm.resize((3,), refcheck=False)
     weights.output_norm[...] = np.nan
-    assert ff.fallback_reason(nops.kernels(), CFG, weights, new_cache(CFG, "float32")) is None  # same objects
-    np.testing.assert_array_equal(ff.forward(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True), want)
+    assert ff.serves(weights)  # the same objects
+    np.testing.assert_array_equal(c_forward(ff)(nops.kernels(), CFG, weights, ids, new_cache(CFG, "float32"), True), want)
 
 
 def test_memory_mapped_weights_are_read_in_place_and_their_mapping_stays_open(tmp_path):
@@ -1160,7 +1175,7 @@ def test_memory_mapped_weights_are_read_in_place_and_their_mapping_stays_open(tm
     assert weights.layers[0].wo.flags.writeable  # and the caller's left as it was
     with pytest.raises(BufferError):
         mapped._mmap.close()  # the C forward pins the mapping it reads
-    assert model.fused_problem(model.new_cache()) is None
+    assert model.executor(model.new_cache()).fallback is None
     np.testing.assert_array_equal(model.forward([1, 2], model.new_cache()),
                                   kvref.Model(CFG, random_weights(CFG, seed=6), backend="c").forward([1, 2]))
 
@@ -1174,7 +1189,7 @@ def test_a_misaligned_gain_is_refused_by_the_fused_forward_and_copied_by_a_model
     with pytest.raises(ShapeError, match="aligned"):
         fused.FusedForward(CFG, weights)
     model = kvref.Model(CFG, weights, backend="c")  # frozen: an aligned copy
-    assert model.weights.output_norm.flags.aligned and model.fused_problem(model.new_cache()) is None
+    assert model.weights.output_norm.flags.aligned and model.executor(model.new_cache()).fallback is None
     np.testing.assert_array_equal(model.forward([1, 2, 3], all_logits=True), want)
 
 
@@ -1182,8 +1197,8 @@ def test_misaligned_token_ids_reach_c_as_an_aligned_copy():
     model = kvref.Model.random(CFG, seed=3, backend="c")
     ids = misaligned(np.array([4, 1, 2], np.int64))
     assert not ids.flags.aligned
-    want = model.fused.forward(model.ops, CFG, model.weights, np.array([4, 1, 2]), model.new_cache(), True)
-    np.testing.assert_array_equal(model.fused.forward(model.ops, CFG, model.weights, ids, model.new_cache(), True), want)
+    want = c_forward(model.fused)(model.ops, CFG, model.weights, np.array([4, 1, 2]), model.new_cache(), True)
+    np.testing.assert_array_equal(c_forward(model.fused)(model.ops, CFG, model.weights, ids, model.new_cache(), True), want)
 
 
 NON_FINITE = st.sampled_from([np.nan, np.inf, -np.inf])
@@ -1296,7 +1311,7 @@ def test_fused_forward_on_per_layer_rings_equals_the_decoder_on_a_contiguous_cac
     for n in chunks + [1] * steps:
         ids = np.array(tokens[start:start + n] if start < len(tokens) else [int(np.argmax(want[-1][-1]))])
         start += n
-        got.append(ff.forward(ops, config, weights, ids, ring, True))
+        got.append(c_forward(ff)(ops, config, weights, ids, ring, True))
         want.append(decoder.forward(ops, config, weights, ids, plain, True))
     # the ring's keys come in slot order, the contiguous cache's in position order: float32 rounding
     assert_close(np.concatenate(got), np.concatenate(want), "float32", f"rings {rings}")
@@ -1336,9 +1351,9 @@ def test_a_batch_on_per_layer_rings_gives_each_sequence_its_logits_alone_bit_for
         alone = []
         for cache, t in zip(caches[0], ids):
             with begin_all([cache], [t]) as executions:
-                alone.extend(ff.forward_batch(ops, config, weights, executions, True))
+                alone.extend(c_forward_batch(ff)(ops, config, weights, executions, True))
         with begin_all(caches[1], ids) as executions:
-            batched = ff.forward_batch(ops, config, weights, executions, True)
+            batched = c_forward_batch(ff)(ops, config, weights, executions, True)
         for a, b in zip(alone, batched):
             np.testing.assert_array_equal(b, a)
     assert ff.timings()["calls"] > 0
@@ -1352,15 +1367,15 @@ def test_a_ring_layer_needs_a_window_that_fits_in_it(small):
     model, ff = small  # CFG: no windows
     cache = RingCache(CFG, (4, 0), CFG.max_seq_len)
     with pytest.raises(KVRefError):
-        ff.forward(model.ops, model.config, model.weights, np.array([1, 2]), cache)
+        c_forward(ff)(model.ops, model.config, model.weights, np.array([1, 2]), cache)
     assert cache.length == 0 and not cache.ring_store.k.any()
     config = CFG.replace(layer_windows=(5, None))
     ff = fused.FusedForward(config, model.weights)
     with pytest.raises(KVRefError):  # a window of 5 in a ring of 4
-        ff.forward(model.ops, config, model.weights, np.array([1, 2]), cache)
+        c_forward(ff)(model.ops, config, model.weights, np.array([1, 2]), cache)
     assert cache.length == 0
     np.testing.assert_array_equal(
-        ff.forward(model.ops, config, model.weights, np.array([1, 2]), RingCache(CFG, (5, 0), 16)),
-        ff.forward(model.ops, config, model.weights, np.array([1, 2]), model.new_cache()))
+        c_forward(ff)(model.ops, config, model.weights, np.array([1, 2]), RingCache(CFG, (5, 0), 16)),
+        c_forward(ff)(model.ops, config, model.weights, np.array([1, 2]), model.new_cache()))
     with pytest.raises(CacheError, match="layer_rings"):
         nops.cache_descriptor(RingCache(CFG, (4, -1), 16))

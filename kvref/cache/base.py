@@ -201,6 +201,9 @@ class KVCache:
             self.chunking_invariant = False
         self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
         self.sequence = Sequence()
+        # what runs executions on this cache (kvref.executor), set by the model the first time it is given
+        # this cache; opaque here, and it never changes what the cache stores
+        self.executor = None
         self._freed = False
         self._execution = None  # weak reference to the open execution, if any
         # guards the open execution and every change of the bookkeeping; caches sharing storage
@@ -408,6 +411,7 @@ class KVCache:
             self._check_idle()
             child = self._fork()
             child.sequence = self.sequence.copy()
+            child.executor = self.executor  # the same layout and K/V types
             return child
 
     def can_shift(self, n: int = 1, keep: int = 0) -> bool:

@@ -1,15 +1,16 @@
 """The fused native forward: a whole execution (a prefill or a decode step) in one C call.
 
     fused = FusedForward(config, weights, activations="float32")   # once, at load
-    logits = fused.forward(ops, config, weights, token_ids, cache, all_logits=False)
+    logits = fused.run(kernels, executions, all_logits=False)   # open executions -> [T_b, V] or [1, V] each
 
-`forward` has the signature and the meaning of kvref.spec.decoder.forward: it runs the new tokens
-at positions cache.next_position.., appends their K/V to `cache`, and returns logits [T, V] with
-all_logits, else [1, V] for the last position. It runs in C (csrc/forward.c) when it can:
+`run` is kvref.spec.decoder.forward_batch's meaning computed in C (csrc/forward.c), on the thread pool
+of `kernels` (a kvref.native.ops.Kernels): it runs each execution's new tokens at its positions,
+writes their K/V into its cache and sets its last logits; the caller's transaction commits them. A
+model runs it through kvref.executor.NativeExecutor, chosen for a cache only when
+`cache_problem(cache)` is None and the model's weights are the ones this object was built from
+(`serves`):
 
-  - `ops` is a native kernel set (kvref.native.ops.Kernels): its thread pool runs the forward;
-  - `config` and `weights` are the ones this object was built from (every tensor, by identity);
-  - `cache` describes its storage (`cache.storage()`: contiguous and paged layouts, and per-layer
+  - the cache describes its storage (`cache.storage()`: contiguous and paged layouts, and per-layer
     rings: `Storage.layer_rings`) with K and V stored as float32, float16, bfloat16, int8 or kivi4 (K
     and V may differ): C writes the new positions' K/V into their slots in the stored form
     (kvref/cache/quant.py's encoding, byte for byte; kivi4 K through the residual rows of
@@ -23,9 +24,9 @@ sandwich norms, the embedding scale, SwiGLU or GeGLU, the score scale, per-layer
 layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for its base and the config's
 scaling, computed once here, the same table kvref.native.ops.rope passes).
 
-Otherwise it calls the shared decoder with `ops`, which computes the same thing kernel by kernel on
-the K/V the cache decodes; `fallback_reason` says why (a window cache stages its writes, float64
-K/V, another kernel set, ...).
+Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
+computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
+window cache stages its writes, float64 K/V, ...).
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
@@ -59,11 +60,12 @@ is copied here, once, into one only this object holds, so C computes with the va
 had when it was built even if the caller's arrays change later. Norm gains and biases must be
 aligned to their dtype, as every array the kernels take (ShapeError otherwise).
 
-Argument checks happen here, before C runs: token ids (TokenError), room in the cache
-(CacheFullError, from cache.begin, which also reserves a paged cache's blocks), the cache arrays'
-dtype, shape and contiguity. C writes only the slots of positions [length, length + T) inside the
-execution's transaction, which commits them with the ids and last logits after C returns; a failed
-call (or an interrupt) aborts it and leaves the cache as it was. No cffi object leaves this module.
+Argument checks happen before C runs: token ids by the model (Model.check_tokens, TokenError; C checks
+them again), room in the cache (CacheFullError, from cache.begin, which also reserves a paged cache's
+blocks), here the cache arrays' dtype, shape and contiguity. C writes only the slots of positions
+[length, length + T) inside the execution's transaction, which commits them with the ids and last logits
+after C returns; a failed call (or an interrupt) aborts it and leaves the cache as it was. No cffi object
+leaves this module.
 """
 
 from __future__ import annotations
@@ -73,8 +75,7 @@ import threading
 
 import numpy as np
 
-from ..errors import BackendError, DTypeError, ShapeError, TokenError
-from ..spec import decoder
+from ..errors import BackendError, DTypeError, ShapeError
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .ops import check_status, check_weight, ffi, lib
@@ -83,9 +84,7 @@ ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
 
 def default_activations() -> str:
-    """KVREF_ACTIVATIONS (float32 | int8), else float32 (exact); KVREF_EXACT=1 forces float32."""
-    if os.environ.get("KVREF_EXACT", "").strip() not in ("", "0"):
-        return "float32"
+    """KVREF_ACTIVATIONS (float32 | int8), else float32 (exact)."""
     name = os.environ.get("KVREF_ACTIVATIONS", "").strip().lower() or "float32"
     if name not in ACTIVATIONS:
         raise BackendError(f"KVREF_ACTIVATIONS={name!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
@@ -101,7 +100,7 @@ GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
 
 def _tensors(weights):
     """Every tensor object of `weights` (None for an absent optional one), in a fixed order (the
-    identity check of `fallback_reason`)."""
+    identity check of `serves`)."""
     out = [weights.tok_embeddings, weights.output_norm, weights.output]
     for lw in weights.layers:
         out += [getattr(lw, name) for name in LAYER_TENSORS]
@@ -112,7 +111,7 @@ class FusedForward:
     """The C model descriptor and run state for one (config, weights), built once.
 
     Raises DTypeError/ShapeError when the weights cannot run in C (a type the native kernels do not
-    read, a non-contiguous matrix); callers then use the shared decoder.
+    read, a non-contiguous matrix); the model then runs the shared decoder (Model.executor says why).
     """
 
     def __init__(self, config, weights, activations=None):
@@ -220,17 +219,15 @@ class FusedForward:
 
     # ---- running ------------------------------------------------------------------------------
 
-    def fallback_reason(self, ops, config, weights, cache) -> str | None:
-        """Why forward() would call the shared decoder for these arguments; None when it runs in C."""
-        if not isinstance(ops, native_ops.Kernels):
-            return f"the kernel set is {getattr(ops, '__name__', type(ops).__name__)}, not a native Kernels"
-        if config != self.config or not self._same_weights(weights):
-            return "the config or weights are not the ones this C forward was built from"
+    def cache_problem(self, cache) -> str | None:
+        """Why this C forward cannot run executions on `cache` (None when it can): a layout or K/V type
+        the native kernels cannot use in place. Fixed for the cache's life, so a model asks once."""
         problem = native_ops.in_place_problem(cache)
         return None if problem is None else f"the C forward cannot use this {cache.layout} cache in place: {problem}"
 
-    def _same_weights(self, weights) -> bool:
-        """Whether `weights` is the object this forward was built from, holding the same tensor objects."""
+    def serves(self, weights) -> bool:
+        """Whether `weights` is the object this forward was built from, still holding the same tensor
+        objects (a field rebound since, in it or a layer, would leave C reading the old tensor)."""
         if weights is not self.weights:
             return False
         seen = (last_rebind(), list(map(id, weights.layers)))  # list items are rebound without a setattr
@@ -241,47 +238,41 @@ class FusedForward:
         self._checked = seen
         return True
 
-    def forward(self, ops, config, weights, token_ids, cache, all_logits=False):
-        # [T] token ids, cache at length L -> logits [T, V] (all_logits) or [1, V]; cache at length L + T
-        if self.fallback_reason(ops, config, weights, cache) is not None:
-            return decoder.forward(ops, config, weights, token_ids, cache, all_logits)
-        c = config
-        ids = _token_ids(token_ids, c.vocab_size)
-        T = ids.shape[0]
+    def run(self, kernels, executions, all_logits=False, checked=False):
+        # B open executions (one per sequence, T_b new ids each, ragged; ids checked by the caller)
+        # -> B logits arrays [T_b, V] or [1, V]; the caller commits them all or none (kvref.executor).
+        # `kernels` (kvref.native.ops.Kernels): whose thread pool runs it. `checked`: every cache is one
+        # this forward takes (cache_problem None, as the native executor knows); else CacheError if not.
         if not isinstance(all_logits, (bool, np.bool_)):
             raise ShapeError(f"all_logits={all_logits!r} must be True or False")
-        with cache.begin(ids) as execution:  # room reserved first; any exception below leaves the cache as it was
-            kv = native_ops.cache_descriptor(cache, execution.write_in_place())  # reserved blocks included
-            logits = np.empty((T if all_logits else 1, c.vocab_size), dtype=np.float32)
+        V, B = self.config.vocab_size, len(executions)
+        all_logits = int(bool(all_logits))
+        if B == 1:  # a single sequence: no batch arrays to build
+            e = executions[0]
+            ids = np.array(e.token_ids, dtype=np.int64)  # [T], C-contiguous
+            logits = np.empty((ids.shape[0] if all_logits else 1, V), dtype=np.float32)
+            kv = native_ops.cache_descriptor(e.cache, e.write_in_place(), checked)  # reserved blocks included
             with self._lock:
-                status = lib.kvref_forward(ops.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
-                                           T, kv.ptr, cache.length, ACTIVATIONS[self.activations],
-                                           int(bool(all_logits)), ffi.from_buffer("float[]", logits))
+                status = lib.kvref_forward(kernels.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
+                                           ids.shape[0], kv.ptr, e.cache.length, ACTIVATIONS[self.activations],
+                                           all_logits, ffi.from_buffer("float[]", logits))
             check_status(status, "forward")
-            execution.last_logits = logits[-1]  # committed with the new positions as the block ends
-        return logits
-
-    def forward_batch(self, ops, config, weights, executions, all_logits=False):
-        # B open executions (one per sequence, T_b new ids each, ragged) -> B logits arrays [T_b, V]
-        # or [1, V]; the caller commits them all or none (decoder.forward_batch's contract)
-        if any(self.fallback_reason(ops, config, weights, e.cache) is not None for e in executions):
-            return decoder.forward_batch(ops, config, weights, executions, all_logits)
-        if not isinstance(all_logits, (bool, np.bool_)):
-            raise ShapeError(f"all_logits={all_logits!r} must be True or False")
-        V, B = config.vocab_size, len(executions)
-        ids = np.concatenate([_token_ids(e.token_ids, V) for e in executions])  # [N]
+            e.last_logits = logits[-1]  # committed with the new positions as the block ends
+            return [logits]
+        ids = np.concatenate([e.token_ids for e in executions]).astype(np.int64)  # [N], C-contiguous
+        logits = np.empty((ids.shape[0] if all_logits else B, V), dtype=np.float32)
+        kvs = [native_ops.cache_descriptor(e.cache, e.write_in_place(), checked) for e in executions]
         bounds = np.cumsum([0, *(len(e.token_ids) for e in executions)]).astype(np.int64)  # [B + 1]
         lengths = np.array([e.cache.length for e in executions], dtype=np.int64)  # [B]
-        kvs = [native_ops.cache_descriptor(e.cache, e.write_in_place()) for e in executions]  # reserved blocks included
         descriptors = ffi.new("kvref_kv[]", B)
         for b, kv in enumerate(kvs):
             descriptors[b] = kv.ptr[0]
-        logits = np.empty((ids.shape[0] if all_logits else B, V), dtype=np.float32)
         with self._lock:
-            status = lib.kvref_forward_batch(ops.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
-                                             ffi.from_buffer("int64_t[]", bounds), B, descriptors,
-                                             ffi.from_buffer("int64_t[]", lengths), ACTIVATIONS[self.activations],
-                                             int(bool(all_logits)), ffi.from_buffer("float[]", logits))
+            status = lib.kvref_forward_batch(kernels.c_pool, self._model, self._state,
+                                             ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", bounds),
+                                             B, descriptors, ffi.from_buffer("int64_t[]", lengths),
+                                             ACTIVATIONS[self.activations], all_logits,
+                                             ffi.from_buffer("float[]", logits))
         check_status(status, "forward_batch")
         rows = bounds if all_logits else np.arange(B + 1)
         out = [logits[rows[b]:rows[b + 1]] for b in range(B)]  # [T_b or 1, V] each
@@ -319,23 +310,6 @@ class FusedForward:
     def reset_timings(self) -> None:
         with self._lock:
             lib.kvref_state_reset_timings(self._state)
-
-
-def _token_ids(token_ids, vocab_size) -> np.ndarray:
-    """Token ids as a non-empty C-contiguous, aligned int64 [T] array, every id in [0, vocab_size)."""
-    try:
-        ids = np.asarray(token_ids)
-    except (TypeError, ValueError) as exc:
-        raise TokenError(f"token ids must be a 1-D sequence of integers: {exc}") from None
-    if ids.ndim != 1 or ids.size == 0:
-        raise TokenError(f"token ids must be a non-empty 1-D sequence; got shape {ids.shape}")
-    if ids.dtype.kind not in "iu":
-        raise TokenError(f"token ids must be integers; got dtype {ids.dtype}")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise TokenError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab_size})")
-    return np.array(ids, dtype=np.int64, order="C")  # a copy: contiguous and aligned, whatever ids was
 
 
 __all__ = ["ACTIVATIONS", "FusedForward", "default_activations"]

@@ -259,10 +259,12 @@ def in_place_problem(cache) -> str | None:
     return problem
 
 
-def cache_descriptor(cache, storage=None) -> _KV:
+def cache_descriptor(cache, storage=None, checked=False) -> _KV:
     """The kvref_kv of a cache's storage (cache.storage(), or `storage`: an open execution's, reserved
-    blocks included), every array checked; CacheError if C cannot use it in place."""
-    problem = in_place_problem(cache)
+    blocks included), every array checked; CacheError if C cannot use it in place. `checked`: the caller
+    knows in_place_problem(cache) is None (fixed for a cache's life: the native executor asked when it
+    was chosen); the arrays are checked all the same."""
+    problem = None if checked else in_place_problem(cache)
     if problem is not None:
         raise CacheError(f"the native kernels cannot use this {cache.layout} cache in place: {problem}")
     storage = cache.storage() if storage is None else storage

@@ -1,0 +1,73 @@
+"""kvref.executor: which executor runs a cache's executions is chosen once per (model, cache), kept on the
+cache with the reason when it is not the fused C forward, and both executors compute the same thing."""
+
+import numpy as np
+import pytest
+
+import kvref
+from kvref import native
+from kvref.batch import forward_batch
+from kvref.executor import NativeExecutor, SpecExecutor, describe
+from kvref.tolerance import assert_close
+
+CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=50, max_seq_len=32)
+needs_native = pytest.mark.skipif(not native.available(), reason="needs the native module")
+
+
+@needs_native
+def test_a_cache_the_c_forward_takes_gets_the_native_executor_once_and_keeps_it():
+    model = kvref.Model.random(CFG, seed=1, backend="c")
+    cache = model.new_cache()
+    executor = model.executor(cache)
+    assert isinstance(executor, NativeExecutor) and executor.fallback is None and cache.executor is executor
+    model.forward([1, 2, 3], cache)
+    model.forward([4], cache)
+    assert cache.executor is executor  # not chosen again per execution
+    assert cache.fork().executor is executor  # a fork has the same layout and K/V types
+    assert "native" in describe(executor) and "float32 activations" in describe(executor)
+
+
+@needs_native
+def test_a_cache_the_c_forward_cannot_take_gets_the_spec_executor_which_says_why():
+    model = kvref.Model.random(CFG, seed=1, backend="c")
+    window = model.new_cache(layout="window", window=4)
+    executor = model.executor(window)
+    assert isinstance(executor, SpecExecutor) and "window" in executor.fallback
+    assert executor.kernels is model.ops  # the shared decoder over the native kernels
+    assert "native" in describe(executor) and executor.fallback in describe(executor)
+
+
+def test_a_spec_backend_model_runs_the_spec_executor_and_says_so():
+    model = kvref.Model.random(CFG, seed=1, backend="numpy")
+    executor = model.executor(model.new_cache())
+    assert isinstance(executor, SpecExecutor) and executor.fallback == "this model runs the NumPy spec"
+    assert "NumPy kernels" in describe(executor)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"] if native.available() else ["numpy"])
+def test_a_cache_given_to_another_model_is_checked_and_bound_to_it(backend):
+    model = kvref.Model.random(CFG, seed=1, backend=backend)
+    cache = model.new_cache()
+    model.forward([1, 2], cache)
+    timed = model.with_kernels(model.ops, "a copy running the shared decoder")
+    want = model.forward([3], cache.fork())
+    got = timed.forward([3], cache)
+    assert cache.executor.owner is timed and cache.executor.fallback == "a copy running the shared decoder"
+    assert_close(got, want, "float32", "the same model on the decoder")
+    other = kvref.Model.random(CFG, seed=2, backend=backend)  # other weights: its K/V would be wrong
+    with pytest.raises(kvref.CacheError, match="another model"):
+        other.forward([4], cache)
+    assert cache.executor.owner is timed  # a refused cache keeps its executor
+
+
+@needs_native
+def test_a_batch_with_a_cache_c_cannot_take_runs_every_sequence_on_the_spec_executor_alike():
+    model = kvref.Model.random(CFG, seed=3, backend="c")
+    plain, window = model.new_cache(), model.new_cache(layout="window", window=8)
+    assert model.batch_executor([plain, window]).name == "spec"
+    assert model.batch_executor([plain, model.new_cache()]).name == "native"
+    got = forward_batch(model, [[1, 2, 3], [4, 5]], [plain, window])
+    want = [model.forward([1, 2, 3], model.new_cache()), model.forward([4, 5], model.new_cache())]
+    for g, w in zip(got, want):
+        assert_close(g, w, "float32", "batched on the decoder vs alone in C")
+    assert np.all(np.isfinite(got))
