@@ -1,4 +1,6 @@
-"""Layers point one way (STYLE.md, principle 11): spec <- cache <- native <- model <- loader/CLI/server.
+"""Layers point one way (shared/STYLE.md of the project, principle 11): spec <- cache <- native <- model <-
+loader/CLI/server. LAYERS below declares the order, lowest first: a unit imports only from its own layer
+and the layers below it.
 
 Read from the source with `ast`; no kvref module is imported or executed. A unit is a subpackage
 (kvref.spec, kvref.cache, kvref.native, kvref.formats) or a top-level module (kvref.cli, kvref.model,
@@ -134,6 +136,57 @@ def _cycles(edges) -> list[str]:
         steps = [f"{a} -> {b} ({', '.join(edges[a, b])})" for a, b in zip(path, path[1:])]
         out.append(f"cycle among {sorted(component)}: " + "; ".join(steps))
     return out
+
+
+# Lowest first. A new unit (module or subpackage) is placed here, at the lowest layer its imports allow.
+LAYERS = [
+    {"errors", "limits", "digest", "tolerance", "config", "cli_common"},  # the ground floor: numbers, failures, bounds
+    {"weights", "tokenizer", "chat", "sampling", "speculative", "scoring"},  # plain data and pure functions
+    {"spec"},  # the readable specification
+    {"cache", "formats"},  # the explicit KV cache; the file readers
+    {"native"},  # the C kernels and the fused forward
+    {"generation_config", "stream", "trace", "backends", "executor"},  # what a model is made of and runs
+    {"model"},
+    {"generate", "batch", "conversation", "loader"},  # generation over a model; loading one from files
+    {"perplexity", "serve", "conformance", "bench"},  # programs above the API
+    {"cli"},
+    {""},  # kvref itself: the public API, re-exported names only
+]
+LAYER = {("kvref." + name).rstrip("."): i for i, names in enumerate(LAYERS) for name in names}
+
+
+def layer_problems(edges_with_names) -> list[str]:
+    """Imports that point up the declared order: [(importer, imported, name, file:line), ...] -> messages.
+    Only kvref.__version__ may be taken from the package itself (it holds nothing else of its own)."""
+    problems = []
+    for a, b, name, at in edges_with_names:
+        if a == b or (b == "kvref" and name == "__version__"):
+            continue
+        if a not in LAYER or b not in LAYER:
+            problems.append(f"{at}: {a} or {b} is in no layer of tests/test_layering.py's LAYERS")
+        elif LAYER[b] > LAYER[a]:
+            problems.append(f"{at}: {a} (layer {LAYER[a]}) imports {b} (layer {LAYER[b]}), a layer above it")
+    return problems
+
+
+def unit_imports():
+    return [(unit(module), unit(target), name, where(module, node))
+            for module in SOURCES for node, target, name, _ in imports(module)]
+
+
+def test_every_import_points_down_the_declared_layers():
+    problems = layer_problems(unit_imports())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layer_check_fails_on_an_import_up_the_layers():
+    # the spec importing generation settings (what issue 26 found passing unnoticed), and a unit in no layer
+    edges = unit_imports() + [("kvref.spec", "kvref.generation_config", "GenerationConfig", "kvref/spec/ops.py:1"),
+                              ("kvref.newthing", "kvref.errors", "KVRefError", "kvref/newthing.py:1")]
+    problems = layer_problems(edges)
+    assert len(problems) == 2
+    assert "kvref.spec (layer 2) imports kvref.generation_config (layer 5)" in problems[0]
+    assert "in no layer" in problems[1]
 
 
 def test_no_import_cycle_between_kvref_subpackages_and_top_level_modules():
