@@ -1,5 +1,6 @@
 """The backend switch, and the native kernel set running the shared decoder end to end."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvref
+import kvref.config
 from kvref import backends, native
 from kvref.errors import BackendError, DTypeError
 from kvref.tolerance import FLOAT16_KV_LAST_LOGITS, assert_close
@@ -89,3 +91,22 @@ def test_native_logits_equal_spec_logits_on_smollm2(smollm2):
     result = assert_close(c.forward(ids, all_logits=True), spec.forward(ids, all_logits=True), "float32",
                           "native vs spec on SmolLM2")
     assert result.top1_agreement == 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyFamilyConfig(kvref.ModelConfig):
+    toy_logit_cap: float | None = None  # a new family's field (as issue 27's softcaps will be), spec only
+
+
+def test_a_new_family_field_stays_on_the_spec_until_the_native_side_names_it(monkeypatch):
+    # a family is its fields (kvref.config.FAMILY_FIELDS); the native backend claims only the ones it names
+    monkeypatch.setattr(kvref.config, "FAMILY_FIELDS", (*kvref.config.FAMILY_FIELDS, "toy_logit_cap"))
+    config = ToyFamilyConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=20,
+                             max_seq_len=8, toy_logit_cap=30.0)
+    assert config.family_fields() == {"toy_logit_cap": 30.0}
+    assert kvref.Model.random(config, backend="auto").backend == "numpy"
+    if kvref.native.available():
+        with pytest.raises(BackendError, match="toy_logit_cap"):
+            kvref.Model.random(config, backend="c")
+    plain = ToyFamilyConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=20, max_seq_len=8)
+    assert plain.family_fields() == {}  # at its default the field changes nothing: Llama's path
