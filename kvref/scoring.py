@@ -15,15 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ScoringError
+from .spec.ops import log_softmax
 
 SCORE_CHUNK = 128  # positions per execution: bounds the [chunk, V] logits held at once (25 MB at V = 49152)
-
-
-def log_softmax(logits) -> np.ndarray:
-    # [..., V] -> [..., V] float64
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 def next_token_logprobs(model, token_ids, first_scored: int, cache, chunk_size: int = SCORE_CHUNK):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .spec.ops import log_softmax
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -213,11 +215,6 @@ def compare(actual, reference, dtype) -> Comparison:
     ok = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(r)))
     top1 = float(np.mean(np.argmax(a, axis=-1) == np.argmax(r, axis=-1)))
     return Comparison(ok, float(diff.max()), top1, float(np.max(kl_divergence(r, a))), tol)
-
-
-def log_softmax(z):
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
 
 
 def kl_divergence(reference_logits, actual_logits):

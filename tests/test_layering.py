@@ -140,10 +140,10 @@ def _cycles(edges) -> list[str]:
 
 # Lowest first. A new unit (module or subpackage) is placed here, at the lowest layer its imports allow.
 LAYERS = [
-    {"errors", "limits", "digest", "tolerance", "config", "cli_common"},  # the ground floor: numbers, failures, bounds
-    {"weights", "tokenizer", "chat", "sampling", "speculative", "scoring"},  # plain data and pure functions
+    {"errors", "limits", "digest", "config", "cli_common"},  # the ground floor: numbers, failures, bounds
+    {"weights", "tokenizer", "chat", "sampling", "speculative"},  # plain data and pure functions
     {"spec"},  # the readable specification
-    {"cache", "formats"},  # the explicit KV cache; the file readers
+    {"cache", "formats", "tolerance", "scoring"},  # the explicit KV cache; file readers; rules on logits
     {"native"},  # the C kernels and the fused forward
     {"generation_config", "stream", "trace", "backends", "executor"},  # what a model is made of and runs
     {"model"},

@@ -10,7 +10,7 @@ import kvref
 from kvref.cli import main
 from kvref.errors import ScoringError
 from kvref.perplexity import kl_divergence, perplexity, windows
-from kvref.scoring import log_softmax
+from kvref.spec.ops import log_softmax
 from kvref.tolerance import FLOAT64, TOLERANCES
 from tests.conftest import require
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..batch import Scheduler
 from ..stream import TextStream
-from ..tolerance import log_softmax
+from ..spec.ops import log_softmax
 from .protocol import Spec
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)

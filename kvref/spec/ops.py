@@ -91,6 +91,14 @@ def softmax(scores, axis=-1):
     return np.divide(e, total, out=np.zeros_like(e), where=~empty).astype(scores.dtype)
 
 
+def log_softmax(logits):
+    """log p of every token of next-token distributions, in float64 (scoring, logprobs, KL): [..., V] ->
+    [..., V]. Subtracting the row max first keeps exp from overflowing."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
 def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
     # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
     # Causal by position, not by index: query at position p sees every stored key at a position
