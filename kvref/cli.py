@@ -327,10 +327,8 @@ def run_run(args) -> int:
     rest = prefill_in_chunks(model, prompt_ids, cache, progress)
     progress.done()
     speculation = {"speculate": args.speculate, "stats": SpeculationStats()} if args.speculate else {}
-    if args.context_overflow == "shift":
-        tokens = generate_shifting(model, rest, cache, config, speculation)
-    else:
-        tokens = generate(model, rest, config=config, cache=cache, **speculation)
+    overflow = "shift" if args.context_overflow == "shift" else "error"  # truncate: fit_prompt cut the prompt
+    tokens = generate(model, rest, config=config, cache=cache, overflow=overflow, **speculation)
     timing = stream_text(tok, tokens, config)
     print()
     if args.verbose:
@@ -343,32 +341,6 @@ def run_run(args) -> int:
         if speculation:
             print(f"[{speculation['stats']}]", file=sys.stderr)
     return 0
-
-
-def generate_shifting(model, prompt_ids, cache, config, speculation):
-    """generate(), shifting the cache when it is full as llama.cpp's context shift does: the first
-    position stays (n_keep = 1: the BOS or the prompt's first token), the older half of the rest is
-    dropped, and the kept keys are re-rotated to their new positions (cache.shift). The model then
-    reads a context with a gap, which is the point: generation goes on past --ctx-size.
-
-    A seeded sampler starts again from its seed after each shift (every segment is one generate call).
-    speculation: generate's speculate= and stats= (the stats add up over the segments), or {}.
-    """
-    keep, new, left = 1, list(prompt_ids), config.max_new_tokens
-    while True:
-        n = min(left, cache.capacity - cache.length - len(new) + 1)  # fills the cache exactly
-        selected = []
-        for token in generate(model, new, n, config=config, cache=cache, **speculation):
-            selected.append(token)
-            yield token
-        left -= len(selected)
-        if left == 0 or len(selected) < n:
-            return  # done, or stopped at an end id or a stop string
-        discard = (cache.length - keep) // 2
-        if discard < 1:
-            raise ContextOverflowError(f"a cache of {cache.capacity} positions is too small to shift (--ctx-size)")
-        cache.shift(discard, keep)
-        new = selected[-1:]
 
 
 def check_shift(cache):

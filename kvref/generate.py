@@ -18,7 +18,7 @@ import numpy as np
 
 from . import trace
 from .cache import KVCache
-from .errors import CacheFullError, GenerationError
+from .errors import CacheError, CacheFullError, ContextOverflowError, GenerationError
 from .generation_config import GenerationConfig
 from .sampling import Sampler
 from .speculative import (SpeculationStats, check_speculate, fit_rollback, next_budget, prompt_lookup,
@@ -27,9 +27,12 @@ from .tolerance import speculative_margin_bound
 from .stream import TextStream
 
 
+OVERFLOWS = ("error", "shift")  # what generate does when the context would outgrow the cache
+
+
 def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig | None = None, use_cache=True,
              cache: KVCache | None = None, executions: list | None = None, speculate: int = 0,
-             stats: SpeculationStats | None = None, **settings):
+             stats: SpeculationStats | None = None, overflow: str = "error", **settings):
     """Yield up to max_new_tokens selected token ids, one at a time, ending after an end id or stop string.
 
     config: the settings (default model.generation_config); max_new_tokens and `settings` (any
@@ -42,10 +45,18 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     execution (kvref.speculative; 0 = off); stats: a kvref.SpeculationStats that counts what it did.
     While the generator is suspended, the cache may hold positions of tokens selected but not yet
     yielded; ending, or closing the generator, leaves it as plain decoding would.
-    Everything is checked before the first token: the settings, and that the context fits
-    max_seq_len and the cache.
+    overflow: "error" (default): everything is checked before the first token: the settings, and that
+    the context fits max_seq_len and the cache. "shift": a context shift whenever the cache is full, as
+    llama.cpp's: the first position stays, the older half of the rest is dropped and the kept keys are
+    re-rotated to their new positions (cache.shift), so generation goes on past the cache's capacity
+    while the model reads a context with a gap. A seeded sampler starts again from its seed after each
+    shift; speculation stats add up over the segments.
     """
     config = resolve_config(model, config, max_new_tokens, settings)
+    if overflow not in OVERFLOWS:
+        raise GenerationError(f"overflow={overflow!r} is unknown; expected one of {OVERFLOWS}")
+    if overflow == "shift":
+        return _shifting(model, prompt_ids, config, cache, executions, speculate, stats)
     prompt = model.check_tokens(prompt_ids)
     if cache is not None and not use_cache:
         raise GenerationError("a cache was given with use_cache=False; pass one or the other")
@@ -76,6 +87,34 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
                                  executions, speculate, SpeculationStats() if stats is None else stats)
     loop = _cached_loop if use_cache else _uncached_loop
     return loop(model, prompt, config.max_new_tokens, select, ends_after, history, cache, executions)
+
+
+def _shifting(model, prompt_ids, config, cache, executions, speculate, stats):
+    # generate(overflow="shift"): plain generate calls, each filling the cache exactly, a shift between them
+    cache = model.new_cache() if cache is None else cache
+    problem = cache.shift_problem()
+    if problem is not None:
+        raise CacheError(f"overflow='shift' cannot work on this {cache.layout} cache: {problem}")
+    speculation = {"speculate": speculate, "stats": stats} if speculate else {}
+    return _shifted_segments(model, list(prompt_ids), config, cache, executions, speculation)
+
+
+def _shifted_segments(model, new, config, cache, executions, speculation):
+    keep, left = 1, config.max_new_tokens  # keep: the BOS, or the prompt's first token
+    while True:
+        n = min(left, cache.capacity - cache.length - len(new) + 1)  # fills the cache exactly
+        selected = []
+        for token in generate(model, new, n, config=config, cache=cache, executions=executions, **speculation):
+            selected.append(token)
+            yield token
+        left -= len(selected)
+        if left == 0 or len(selected) < n:
+            return  # done, or stopped at an end id or a stop string
+        discard = (cache.length - keep) // 2
+        if discard < 1:
+            raise ContextOverflowError(f"a cache of {cache.capacity} positions is too small to shift")
+        cache.shift(discard, keep)
+        new = selected[-1:]
 
 
 def resume(model, cache: KVCache, max_new_tokens=None, *, config: GenerationConfig | None = None,

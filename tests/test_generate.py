@@ -166,3 +166,24 @@ def test_generate_takes_settings_by_keyword_only_and_names_unknown_ones():
         kvref.generate(model, [1], 4, 0.5)
     with pytest.raises(GenerationError, match="config= takes a GenerationConfig"):
         kvref.generate(model, [1], 4, config={"temperature": 0.5})
+
+
+def test_overflow_shift_goes_past_the_cache_and_starts_as_plain_generation():
+    model = kvref.Model.random(CFG, seed=7)
+    prompt = [5, 9, 2, 7]
+    with pytest.raises(CacheFullError):  # the default: checked before the first token
+        kvref.generate(model, prompt, 30, cache=model.new_cache(capacity=12), ignore_eos=True)
+    cache = model.new_cache(capacity=12)
+    shifted = list(kvref.generate(model, prompt, 30, cache=cache, overflow="shift", ignore_eos=True))
+    assert len(shifted) == 30 and cache.length <= cache.capacity
+    # until the cache first fills (12 positions: the prompt and 9 tokens), it is plain generation
+    plain = list(kvref.generate(model, prompt, 30, cache=model.new_cache(), ignore_eos=True))
+    assert shifted[:9] == plain[:9] and shifted != plain
+
+
+def test_overflow_shift_is_refused_where_keys_cannot_be_re_rotated_and_unknown_modes_are_named():
+    model = kvref.Model.random(CFG, seed=7)
+    with pytest.raises(kvref.CacheError, match="shift"):
+        kvref.generate(model, [1, 2], 5, cache=model.new_cache(kv_dtype="float16"), overflow="shift")
+    with pytest.raises(GenerationError, match="overflow='wrap' is unknown"):
+        kvref.generate(model, [1, 2], 5, overflow="wrap")
