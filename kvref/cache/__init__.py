@@ -10,8 +10,10 @@
     HybridCache       per layer: a ring for a sliding-window layer, all positions  (hybrid.py)
                       for the others (Gemma 3)
 
-Each stores K and V as float64/float32/float16/bfloat16 or int8 with grouped scales (quant.py),
-saves to a versioned file (fileformat.py), and reports its bytes (report.py).
+Each layout registers itself by name (registry.py): `make(shape, codecs, layout, **options)` builds
+one for a model described by a CacheShape (shape.py), and a new layout is one new file. Each stores
+K and V as float64/float32/float16/bfloat16 or int8 with grouped scales (quant.py), saves to a
+versioned file (fileformat.py), and reports its bytes (report.py).
 """
 
 from .base import (ELEMENT_BYTES, Execution, ExecutionGroup, KVCache, Sequence, Storage, begin_all,
@@ -19,9 +21,13 @@ from .base import (ELEMENT_BYTES, Execution, ExecutionGroup, KVCache, Sequence, 
 from .contiguous import ContiguousCache
 from .hybrid import HybridCache
 from .paged import BlockPool, PagedCache
+from .quant import Codecs
+from .registry import LayoutOptions, layout_names, make, register, unregister
 from .report import layout_report, layout_rows
+from .shape import CacheShape
 from .window import WindowCache
 
-__all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "Execution", "ExecutionGroup", "HybridCache", "KVCache", "PagedCache",
-           "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name",
-           "layout_report", "layout_rows", "reorder"]
+__all__ = ["ELEMENT_BYTES", "BlockPool", "CacheShape", "Codecs", "ContiguousCache", "Execution", "ExecutionGroup",
+           "HybridCache", "KVCache", "LayoutOptions", "PagedCache", "Sequence", "Storage", "WindowCache", "begin_all",
+           "bytes_per_position", "cache_bytes", "dtype_name", "layout_names", "layout_report", "layout_rows", "make",
+           "register", "reorder", "unregister"]

@@ -181,6 +181,8 @@ class KVCache:
     # Whether the layout keeps kivi4 K (quantized per channel over groups of positions, with a float16
     # residual): the contiguous and paged layouts; a ring overwrites positions inside a group.
     kivi_k = False
+    # Whether every layer holds the same positions; the hybrid layout's window layers keep only their last.
+    uniform_layers = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, *, v_dtype=None,
                  group_size=None, rope_theta=None, lock=None):
@@ -460,6 +462,10 @@ class KVCache:
             self._check_idle()
             if self.next_position:
                 raise CacheError(f"rows load into an empty cache; this one is at position {self.next_position}")
+            self._check_saved_positions(np.asarray(positions), int(next_position))
+            if self.uniform_layers and any(len(raw[0]) != len(positions) for raw in raw_layers):
+                raise CacheError(f"every layer of a {self.layout} cache holds the same positions; the rows "
+                                 "given differ between layers")
             self._load_rows(positions, next_position, raw_layers)
 
     # ---- hooks for the layouts ---------------------------------------------------------------------
@@ -489,6 +495,17 @@ class KVCache:
 
     def _load_rows(self, positions, next_position, raw_layers) -> None:
         raise NotImplementedError
+
+    def _check_saved_positions(self, positions, next_position) -> None:
+        """CacheError unless this layout can hold exactly `positions` [n] with that next position: by
+        default positions 0..n-1, with next_position n (only a layout that drops positions differs)."""
+        if next_position != len(positions) or not np.array_equal(positions, np.arange(next_position)):
+            raise CacheError(f"a {self.layout} cache holds positions 0..length-1 and next_position == length")
+
+    def _check_rows_fit(self, n: int) -> None:
+        if n > self.capacity:
+            raise CacheError(f"{n} saved positions do not fit: the {self.layout} cache made for them holds "
+                             f"{self.capacity}")
 
     def _truncate_problem(self, n):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):

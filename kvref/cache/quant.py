@@ -24,6 +24,8 @@ K params [..., Hkv, 2, D] per group of positions: the D channels' scales, then t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import CacheError, DTypeError, ShapeError
@@ -145,6 +147,37 @@ class Codec:
     def roundtrip(self, x):
         """What a read returns for x after it was written: decode(encode(x))."""
         return self.decode(*self.encode(x))
+
+
+@dataclass(frozen=True)
+class Codecs:
+    """The stored forms of K and V a cache is made with (kvref.cache.make).
+
+    request   what the caller asked for: (K type, V type, group size or None); None when the model's
+              default was taken, which a sequence added to an existing pool leaves to the pool
+    """
+
+    k: Codec
+    v: Codec
+    request: tuple | None = None
+
+    @classmethod
+    def named(cls, k_dtype, v_dtype, head_dim: int, group_size=None, asked: bool = True) -> "Codecs":
+        """Codecs for the K and V type names; group_size applies to the grouped types only. asked:
+        whether the caller named them (False: the model's default)."""
+        if group_size is not None and not set(GROUPED_DTYPES) & {k_dtype, v_dtype}:
+            raise CacheError(f"group_size={group_size!r} applies to int8 K/V and kivi4; these are {k_dtype}/{v_dtype}")
+        request = (k_dtype, v_dtype, group_size) if asked else None
+        return cls(Codec(k_dtype, head_dim, group_size), Codec(v_dtype, head_dim, group_size), request)
+
+    @property
+    def group_size(self) -> int | None:
+        """Elements per int8 scale along head_dim (None when neither K nor V is grouped)."""
+        return self.k.group_size or self.v.group_size
+
+    def bytes_per_position(self, n_layers: int, n_kv_heads: int) -> int:
+        """Bytes one position occupies in every layer: K and V vectors per kv head, plus their scales."""
+        return n_layers * n_kv_heads * (self.k.bytes_per_vector() + self.v.bytes_per_vector())
 
 
 def to_bfloat16(x):

@@ -24,23 +24,44 @@ model's max_seq_len, as StreamingLLM does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import CacheError
 from .base import KVCache
 from .quant import SlotStore
+from .registry import LayoutOptions, option, register
 
 
+@dataclass(frozen=True)
+class WindowOptions(LayoutOptions):
+    window: int | None = option(file_high="max_seq_len")  # W: recent positions the ring keeps (required)
+    sinks: int = option(0, low=0, file_high="max_seq_len")  # first positions kept for good
+
+    def __post_init__(self):
+        if self.window is None:
+            raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
+        super().__post_init__()
+
+    def positions(self):
+        return self.window + self.sinks
+
+
+@register
 class WindowCache(KVCache):
     layout = "window"
+    Options = WindowOptions
     chunking_invariant = False  # a long execution sees more than the ring keeps between executions
+
+    @classmethod
+    def create(cls, shape, codecs, options):
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.window, options.sinks, codecs.k.name,
+                   v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
 
     def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
-            raise CacheError(f"window={window!r} must be a positive integer")
-        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
-            raise CacheError(f"sinks={sinks!r} must be an integer >= 0")
+        WindowOptions(window=window, sinks=sinks)  # checks them
         super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
                          rope_theta=rope_theta)
         self.window, self.sinks = int(window), int(sinks)
@@ -187,8 +208,8 @@ class WindowCache(KVCache):
     def layout_options(self):
         return {"window": self.window, "sinks": self.sinks}
 
-    def _load_rows(self, positions, next_position, raw_layers):
-        positions = np.asarray(positions)
+    def _check_saved_positions(self, positions, next_position):
+        # sinks 0..n_sinks-1, then the last positions before next_position, at most W of them
         n_sinks = int(np.sum(positions < self.sinks))
         ring = positions[n_sinks:]
         expected = np.concatenate([np.arange(n_sinks), np.arange(next_position - len(ring), next_position)])
@@ -196,6 +217,11 @@ class WindowCache(KVCache):
                 or (len(ring) and n_sinks != self.sinks)):
             raise CacheError(f"the saved positions are not sinks 0..{self.sinks - 1} followed by the last "
                              f"<= {self.window} positions before {next_position}")
+
+    def _load_rows(self, positions, next_position, raw_layers):
+        positions = np.asarray(positions)
+        n_sinks = int(np.sum(positions < self.sinks))
+        ring = positions[n_sinks:]
         slots = np.concatenate([np.arange(n_sinks), self.sinks + np.arange(len(ring))])
         for layer, raw in enumerate(raw_layers):
             self.store.write_raw(layer, slots, raw)

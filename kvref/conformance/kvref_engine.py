@@ -12,9 +12,10 @@ import os
 import weakref
 
 from ..batch import forward_batch
+from ..cache import layout_names
 from .engine import Engine, Refused, Rows
 
-LAYOUTS = ("contiguous", "paged", "hybrid", "window")
+LAYOUTS = layout_names()
 BLOCK_SIZE = 16  # the paged layout's default block size: the suite puts chunk boundaries at its multiples
 POOL_SEQUENCES = 8  # sequences of max_positions the pool holds at once (the batch check runs 3, fork 2)
 
