@@ -1,4 +1,4 @@
-"""An execution is a transaction (kvref/cache/base.py): it commits everything together or nothing.
+"""An execution is a transaction (kvref/cache/execution.py): it commits everything together or nothing.
 
 Every path runs through `cache.begin`: the spec decoder, the batched decoder (one group
 transaction over every cache) and the fused C forward. Interrupting any of them mid-way leaves the

@@ -1,8 +1,13 @@
 """The explicit KV cache: one interface (KVCache) and its execution transaction, several layouts behind it.
 
-    KVCache.begin     an execution (Execution); begin_all: one over several caches (ExecutionGroup)
-    Sequence          what the executions recorded: model, token ids, last logits (cache.sequence)
-    Storage           where the K/V lie, for code that reads them in place (cache.storage())
+    KVCache           the interface                                              (base.py)
+    KVCache.begin     an execution (Execution); begin_all: one over several caches  (execution.py)
+                      (ExecutionGroup), with Ctrl-C held while it commits           (interrupts.py)
+    Sequence          what the executions recorded: model, token ids, last logits   (sequence.py)
+                      (cache.sequence)
+    Storage           where the K/V lie, for code that reads them in place          (storage.py)
+                      (cache.storage())
+    reorder           beam search over a batch of caches                             (reordering.py)
 
     ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
     PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
@@ -16,15 +21,18 @@ K and V as float64/float32/float16/bfloat16 or int8 with grouped scales (quant.p
 versioned file (fileformat.py), and reports its bytes (report.py).
 """
 
-from .base import (ELEMENT_BYTES, Execution, ExecutionGroup, KVCache, Sequence, Storage, begin_all,
-                   bytes_per_position, cache_bytes, dtype_name, reorder)
+from .base import KVCache
 from .contiguous import ContiguousCache
+from .execution import Execution, ExecutionGroup, begin_all
 from .hybrid import HybridCache
 from .paged import BlockPool, PagedCache
-from .quant import Codecs
+from .quant import ELEMENT_BYTES, Codecs, dtype_name
 from .registry import LayoutOptions, layout_names, make, register, unregister
+from .reordering import reorder
 from .report import layout_report, layout_rows
-from .shape import CacheShape
+from .sequence import Sequence
+from .shape import CacheShape, bytes_per_position, cache_bytes
+from .storage import Storage
 from .window import WindowCache
 
 __all__ = ["ELEMENT_BYTES", "BlockPool", "CacheShape", "Codecs", "ContiguousCache", "Execution", "ExecutionGroup",

@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import CacheError, CacheFullError, ContextOverflowError
-from .base import KVCache, Storage
+from .base import KVCache
 from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
 from .registry import LayoutOptions, option, register
+from .storage import Storage
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CacheError, CacheFullError
-from .base import KVCache, Storage
+from .base import KVCache
 from .contiguous import ContiguousOptions
 from .quant import SlotStore
 from .registry import option, register
+from .storage import Storage
 
 DEFAULT_SPARE = 64  # ring slots beyond each window: rollback depth and positions per in-place pass
 

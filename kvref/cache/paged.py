@@ -50,9 +50,10 @@ import numpy as np
 from ..digest import sha256
 from ..errors import CacheError, CacheFullError, TokenError
 from ..limits import MAX_POOL_BLOCKS
-from .base import KVCache, Storage
+from .base import KVCache
 from .quant import KIVI, KIVI_NO_ROWS, Codec, KiviResidual, SlotStore
 from .registry import LayoutOptions, flag, handle, option, register
+from .storage import Storage
 
 DEFAULT_BLOCK_SIZE = 16
 _ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0

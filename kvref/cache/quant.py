@@ -35,6 +35,9 @@ ELEMENT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8"
 KV_DTYPES = ("float64", "float32", "float16", "bfloat16", "int8", "kivi4")
 GROUPED_DTYPES = ("int8", "kivi4")  # the codecs with a group_size
 KIVI = "kivi4"
+# K can be moved to another position (re-rotated) without rounding history a second time only when
+# it is stored at least as wide as the arithmetic that rotates it.
+SHIFTABLE_K_DTYPES = ("float64", "float32")
 SCALE_DTYPE = np.dtype(np.float32)  # one per int8 group; 4 bytes
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never produced, so negation is exact
 NIBBLE_MAX = 15  # unsigned 4-bit levels 0..15

@@ -1,4 +1,5 @@
-"""What a cache needs to know of its model, as plain values: kvref.cache never imports the model.
+"""What a cache needs to know of its model, as plain values (kvref.cache never imports the model),
+and the memory formula.
 
 Model.new_cache describes the model with a CacheShape and hands it to kvref.cache.make; a saved
 file is checked against one (kvref/cache/fileformat.py).
@@ -10,7 +11,19 @@ from dataclasses import dataclass
 
 from ..errors import CacheError
 from ..limits import DEFAULT_CACHE_BUDGET
-from .quant import Codecs
+from .quant import ELEMENT_BYTES, Codec, Codecs, dtype_name
+
+
+def cache_bytes(n_layers: int, n_tokens: int, n_kv_heads: int, head_dim: int, dtype="float16") -> int:
+    """2 (K and V) x layers x tokens x kv heads x head_dim x bytes per element, exactly."""
+    return 2 * n_layers * n_tokens * n_kv_heads * head_dim * ELEMENT_BYTES[dtype_name(dtype)]
+
+
+def bytes_per_position(n_layers, n_kv_heads, head_dim, k_dtype, v_dtype=None, group_size=None) -> int:
+    """Bytes one position occupies in every layer: K and V vectors per kv head, plus int8 scales."""
+    k = Codec(k_dtype, head_dim, group_size)
+    v = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
+    return n_layers * n_kv_heads * (k.bytes_per_vector() + v.bytes_per_vector())
 
 
 @dataclass(frozen=True)
