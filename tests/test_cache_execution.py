@@ -295,7 +295,7 @@ def test_one_execution_at_a_time_on_a_cache():
                       lambda: cache.truncate(0), cache.free, lambda: cache.shift(1)):
         with pytest.raises(CacheError, match="execution is (already )?open"):
             operation()
-    assert not cache.can_fork() and not cache.can_truncate(0)
+    assert not cache.capabilities.fork and not cache.capabilities.truncate(0)
     step.abort()
     model.forward([3], cache)
     assert cache.length == 1
@@ -518,7 +518,7 @@ class InterruptMachine(RuleBasedStateMachine):
     @rule(data=st.data(), fork=st.booleans())
     def add_sequence(self, data, fork):
         i = self.pick(data)
-        if fork and self.caches[i].can_fork():
+        if fork and self.caches[i].capabilities.fork:
             self.caches.append(self.caches[i].fork())
             self.twins.append(self.twins[i].fork())
         else:
@@ -579,7 +579,7 @@ class InterruptMachine(RuleBasedStateMachine):
     def truncate(self, data):
         i = self.pick(data)
         n = data.draw(st.integers(0, self.caches[i].next_position))
-        if self.caches[i].can_truncate(n):
+        if self.caches[i].capabilities.truncate(n):
             self.caches[i].truncate(n)
             self.twins[i].truncate(n)
 

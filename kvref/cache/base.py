@@ -15,14 +15,13 @@ from inside the first, raises CacheError instead of interleaving two writers.
 What the executions recorded about the positions (the model that computed them, their token ids,
 the last logits) lives in one object, `cache.sequence` (a Sequence, sequence.py); the layouts keep
 only storage, capacity and capabilities. Operations beyond an execution (truncate, fork, shift,
-save, free, and `reorder` over a list of caches) each come with a capability check (`can_truncate(n)`,
-`can_fork()`, `can_shift(n)`): a layout that cannot do an operation *exactly* raises CacheError
-saying why; nothing no-ops silently. `can_roll_back(n_new)` looks ahead for speculative decoding:
-whether an execution of n_new positions could afterwards be truncated away again.
+save, free, and `reorder` over a list of caches) are answered beforehand by one value,
+`cache.capabilities` (capabilities.py): a layout that cannot do an operation *exactly* raises
+CacheError saying why, the reason the capabilities give; nothing no-ops silently.
 
 Code that reads and writes the stored K/V where they lie (the native path) asks `cache.storage()`
-for a Storage description (storage.py); a layout that cannot be used in place says why through
-`storage_problem()`.
+for a Storage description (storage.py); a layout that cannot be used in place says why
+(`cache.capabilities.in_place`).
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ import threading
 
 import numpy as np
 
-from ..errors import CacheError
+from ..errors import CacheError, ShapeError
 from . import execution, quant, reordering, shape
+from .capabilities import Capable
 from .execution import Transactional
 from .moved import moved_names
-from .quant import KIVI, SHIFTABLE_K_DTYPES, Codec, KiviResidual
+from .quant import Codec
 from .sequence import Sequence, readonly
 from .storage import Storage
 
@@ -50,7 +50,7 @@ __getattr__ = moved_names(__name__, {  # moved out when base.py was split by job
 })
 
 
-class KVCache(Transactional):
+class KVCache(Transactional, Capable):
     """Interface of a KV cache for one sequence; layouts subclass it.
 
     length        positions whose K/V are stored
@@ -61,7 +61,9 @@ class KVCache(Transactional):
 
     Layouts implement the execution hooks `_reserve`, `_write`, `_commit` (which cannot fail) and
     `_release`; the operations' `_truncate`, `_fork`, `_shift`, `_free`; the storage description
-    `_storage` and `storage_problem`; the file hooks `layout_options` and `_load_rows`.
+    `_storage`; the file hooks `layout_options` and `_load_rows`; and the capability hooks of
+    Capable (`_truncate_problem`, `_rollback_problem`, `_shift_problem`, `_storage_problem`, ...)
+    where the layout's answers differ from the defaults.
     """
 
     layout = "abstract"
@@ -70,9 +72,9 @@ class KVCache(Transactional):
     # that keeps what its attention may read; the StreamingLLM window is the exception: a query sees
     # what the ring held before its execution plus that execution's positions.
     chunking_invariant = True
-    # Whether the layout keeps kivi4 K (quantized per channel over groups of positions, with a float16
-    # residual): the contiguous and paged layouts; a ring overwrites positions inside a group.
-    kivi_k = False
+    # Whether the layout keeps every position of a group of positions, as a K codec that quantizes
+    # such groups needs (kivi4): the contiguous and paged layouts; a ring overwrites positions in a group.
+    keeps_groups = False
     # Whether every layer holds the same positions; the hybrid layout's window layers keep only their last.
     uniform_layers = True
 
@@ -85,11 +87,11 @@ class KVCache(Transactional):
         self.v_codec = Codec(dtype if v_dtype is None else v_dtype, head_dim, group_size)
         k, v = self.k_codec.name, self.v_codec.name
         self.dtype_name = k if k == v else f"{k}/{v}"
-        if k == KIVI:
-            if not self.kivi_k:
-                raise CacheError(f"the {self.layout} layout cannot store kivi4 K: its groups of positions "
+        if self.k_codec.groups_positions:
+            if not self.keeps_groups:
+                raise CacheError(f"the {self.layout} layout cannot store {k} K: its groups of positions "
                                  f"would straddle what the ring overwrites; use the contiguous or paged layout "
-                                 f"(or kivi4 for V only: v_dtype='kivi4')")
+                                 f"(or {k} for V only: v_dtype={k!r})")
             # a query reads the groups its execution completed quantized: how an input is split into
             # executions changes what earlier queries of a group saw (float16 or quantized K)
             self.chunking_invariant = False
@@ -156,12 +158,6 @@ class KVCache(Transactional):
                 "group_size": self.group_size, "length": self.length, "next_position": self.next_position,
                 "capacity": self.capacity, "nbytes": self.nbytes, "bytes_per_position": self.bytes_per_position}
 
-    # ---- one execution ---------------------------------------------------------------------------
-
-    def can_append(self, n_new: int) -> bool:
-        """Whether an execution of n_new positions fits now."""
-        return not self._freed and n_new <= self.capacity - self.length
-
     # ---- reading ---------------------------------------------------------------------------------
 
     def read(self, layer: int):
@@ -174,68 +170,49 @@ class KVCache(Transactional):
 
     def keys(self, layer: int) -> np.ndarray:
         # -> [length, Hkv, D], read-only, decoded to K's read dtype
-        if self.k_dtype == KIVI:  # groups and residual: read() assembles them
+        if self.k_codec.groups_positions:  # groups and residual: read() assembles them
             return readonly(self.read(layer)[0])
         k, ks, _, _ = self.read_raw(layer)
         return readonly(self.k_codec.decode(k, ks))
 
     def values(self, layer: int) -> np.ndarray:
         # -> [length, Hkv, D], read-only, decoded to V's read dtype
-        if self.k_dtype == KIVI:  # no rows to read raw beside kivi4 K: read() decodes both
+        if self.k_codec.groups_positions:  # no rows to read raw beside such a K: read() decodes both
             return readonly(self.read(layer)[1].astype(self.v_codec.read_dtype, copy=False))
         _, _, v, vs = self.read_raw(layer)
         return readonly(self.v_codec.decode(v, vs))
 
-    def storage_problem(self) -> str | None:
-        """Why this cache's K/V cannot be read and written in place (None when they can)."""
-        return "this cache was freed" if self._freed else None
-
     def storage(self) -> Storage:
         """Where the K/V lie, for reading and writing in place; CacheError naming why if they cannot be."""
-        problem = self.storage_problem()
+        problem = self._storage_problem()
         if problem is not None:
             raise CacheError(f"a {self.layout} cache cannot be used in place: {problem}")
         return self._storage()
 
-    # ---- operations, each with its capability check -----------------------------------------------
+    # ---- operations: each refuses what cache.capabilities refuses, with the same reason ----------
 
-    def can_truncate(self, n: int) -> bool:
-        return not self._freed and not self.executing and self._truncate_problem(n) is None
+    def truncate(self, n: int, last_logits=None) -> None:
+        """Forget every position >= n (roll back rejected tokens); afterwards next_position == n.
 
-    def truncate(self, n: int) -> None:
-        """Forget every position >= n (roll back rejected tokens); afterwards next_position == n."""
+        last_logits: the logits [V] of position n - 1 when the caller has them (speculative decoding
+        computed them while verifying a draft), recorded as cache.sequence.last_logits so generation
+        can resume from the cache; None: the last logits are unknown after a truncation below
+        next_position, and kept as they are at n == next_position.
+        """
         with self._lock:
             self._check_idle()
             problem = self._truncate_problem(n)
             if problem is not None:
                 raise CacheError(f"cannot truncate to {n}: {problem}")
+            if last_logits is not None:
+                last_logits = self._checked_logits(n, last_logits)
             if n < self.next_position:
                 self._truncate(n)
                 self.sequence.trim(n)
             elif n == 0:
                 self.sequence.trim(0)  # an empty cache knows the ids of all of its (no) positions
-
-    def can_roll_back(self, n_new: int) -> bool:
-        """Whether an execution of n_new positions run now could afterwards be truncated exactly back to
-        any position from today's next_position on (speculative decoding's rollback); see rollback_problem."""
-        return not self._freed and not self.executing and self.rollback_problem(n_new) is None
-
-    def rollback_problem(self, n_new: int) -> str | None:
-        """Why the positions of an execution of n_new positions, run now, could not all be truncated away
-        again exactly (a ring would overwrite a position the rollback needs); None when they could.
-        The layouts that keep every position (contiguous, paged) always can, unless kivi4 K would
-        complete a group of positions (a quantized group cannot give back its float16 K)."""
-        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
-            return f"n_new={n_new!r} must be an integer >= 0"
-        if self.k_dtype == KIVI:
-            g, end = self.k_codec.group_size, self.length + n_new
-            if end // g * g > self.length:  # the execution would quantize a group holding a position after length
-                return (f"the {n_new} positions would complete the kivi4 K group ending at position "
-                        f"{end // g * g - 1}; truncating into a quantized group is not exact")
-        return None
-
-    def can_fork(self) -> bool:
-        return not self._freed and not self.executing
+            if last_logits is not None:
+                self.sequence.last_logits = last_logits
 
     def fork(self) -> "KVCache":
         """An independent cache holding the same positions (layouts may share storage copy-on-write)."""
@@ -244,9 +221,6 @@ class KVCache(Transactional):
             child = self._fork()
             child.sequence = self.sequence.copy()
             return child
-
-    def can_shift(self, n: int = 1, keep: int = 0) -> bool:
-        return not self._freed and not self.executing and self._shift_problem(n, keep) is None
 
     def shift(self, n: int, keep: int = 0) -> None:
         """Context shift: drop positions keep..keep+n-1 and move every later position down by n.
@@ -320,37 +294,14 @@ class KVCache(Transactional):
             raise CacheError(f"{n} saved positions do not fit: the {self.layout} cache made for them holds "
                              f"{self.capacity}")
 
-    def _truncate_problem(self, n):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            return f"n must be an integer, not {n!r}"
-        if not 0 <= n <= self.length:
-            return f"the cache holds {self.length} positions"
-        if self.k_dtype == KIVI:
-            return KiviResidual.truncate_problem(self.length, n, self.k_codec.group_size)
-        return None
-
-    def _shift_problem(self, n, keep):
-        for name, value in (("n", n), ("keep", keep)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                return f"{name}={value!r} must be an integer >= 0"
+    def _checked_logits(self, n, last_logits):
+        # logits [V] of position n - 1 -> a read-only copy; ShapeError/CacheError before anything changes
+        logits = np.array(last_logits, copy=True)
+        if logits.ndim != 1:
+            raise ShapeError(f"last_logits must be the [V] logits of one position; got shape {logits.shape}")
         if n == 0:
-            return "n must be at least 1"
-        problem = self.shift_problem()
-        if problem is not None:
-            return problem
-        if keep + n > self.next_position:
-            return f"positions {keep}..{keep + n - 1} are not all before next_position {self.next_position}"
-        return None
-
-    def shift_problem(self) -> str | None:
-        """Why this cache can never shift, whatever positions it holds (its layout, its K type, the
-        RoPE it does not know); None when it can shift positions it holds (can_shift says which)."""
-        if self.k_dtype not in SHIFTABLE_K_DTYPES:
-            return (f"K is stored as {self.k_dtype}; rotating it again would round history a second time "
-                    f"(shift needs K in {SHIFTABLE_K_DTYPES})")
-        if self.rope_theta is None:
-            return "the cache does not know the model's rope_theta (make it with model.new_cache)"
-        return None
+            raise CacheError("truncating to 0 leaves no position whose logits last_logits could be")
+        return readonly(logits)
 
     def _check_live(self):
         if self._freed:

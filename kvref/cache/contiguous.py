@@ -50,7 +50,7 @@ class ContiguousOptions(LayoutOptions):
 class ContiguousCache(KVCache):
     layout = "contiguous"
     Options = ContiguousOptions
-    kivi_k = True
+    keeps_groups = True
 
     @classmethod
     def create(cls, shape, codecs, options):

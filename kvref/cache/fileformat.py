@@ -58,15 +58,22 @@ MAX_ARRAY_DIMS = 4
 MAX_FILE_OFFSET = 2**62  # offsets, sizes and dimensions; the file's own size bounds them further
 
 
-def save_cache(cache, path) -> None:
-    sequence = cache.sequence
-    if sequence.model is None:
-        raise CacheError("this cache was not made by model.new_cache(), so it cannot name its model; "
-                         "only such caches can be saved")
+def save_problem(cache) -> str | None:
+    """Why this format cannot hold `cache` (None when it can): cache.capabilities.save asks it."""
+    if cache.sequence.model is None:
+        return ("this cache was not made by model.new_cache(), so it cannot name its model; only such caches "
+                "can be saved")
     if KIVI in (cache.k_dtype, cache.v_dtype):
-        raise CacheError(f"a {cache.dtype_name} cache cannot be saved: format version {FORMAT_VERSION} stores K/V "
-                         f"row by row, and kivi4 K lives in groups of positions with a float16 residual; "
-                         f"save a float16 or int8 cache")
+        return (f"a {cache.dtype_name} cache cannot be saved: format version {FORMAT_VERSION} stores K/V row by "
+                f"row, and kivi4 K lives in groups of positions with a float16 residual; save a float16 or int8 cache")
+    return None
+
+
+def save_cache(cache, path) -> None:
+    problem = save_problem(cache)
+    if problem is not None:
+        raise CacheError(problem)
+    sequence = cache.sequence
     positions = cache.positions().astype(np.int64)
     arrays = [("positions", positions)]
     raw = [cache.read_raw(layer) for layer in range(cache.n_layers)]

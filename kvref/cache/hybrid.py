@@ -192,8 +192,8 @@ class HybridCache(KVCache):
                         f"cache rolls back at most spare + 1 = {self.spare + 1} positions once its rings are full)")
         return None
 
-    def rollback_problem(self, n_new):
-        problem = super().rollback_problem(n_new)
+    def _rollback_problem(self, n_new):
+        problem = super()._rollback_problem(n_new)
         if problem is not None or self._next == 0:
             return problem  # going back to empty is always exact
         for layer, (ring, window) in enumerate(zip(self.rings, self.windows)):
@@ -213,7 +213,7 @@ class HybridCache(KVCache):
                 self._start[layer] = min(n, max(self._start[layer], self._next - ring)) if n else 0
         self._next = n
 
-    def shift_problem(self):
+    def _shift_problem(self, n=None, keep=0):
         return ("a hybrid cache does not shift: its window layers never run out of room, and its layers' "
                 "keys may be rotated with different RoPE bases")
 

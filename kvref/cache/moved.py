@@ -25,9 +25,10 @@ def deprecated(use: str):
 
     def wrap(method):
         @functools.wraps(method)
-        def warned(*args, **kwargs):
-            warnings.warn(f"{method.__qualname__} is deprecated; use {use}", DeprecationWarning, stacklevel=2)
-            return method(*args, **kwargs)
+        def warned(self, *args, **kwargs):
+            warnings.warn(f"{type(self).__name__}.{method.__name__} is deprecated; use {use}", DeprecationWarning,
+                          stacklevel=2)
+            return method(self, *args, **kwargs)
 
         return warned
 

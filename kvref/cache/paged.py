@@ -224,7 +224,7 @@ class PagedCache(KVCache):
 
     layout = "paged"
     Options = PagedOptions
-    kivi_k = True
+    keeps_groups = True
 
     @classmethod
     def create(cls, shape, codecs, options):

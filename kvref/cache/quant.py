@@ -108,6 +108,35 @@ class Codec:
         is not counted)."""
         return self.stored_dim * self.storage_dtype.itemsize + self.n_groups * self.scale_width * SCALE_DTYPE.itemsize
 
+    @property
+    def groups_positions(self) -> bool:
+        """Whether, as K, this codec quantizes groups of positions together (kivi4: per channel over
+        group_size positions, the unfilled group kept in float16 in a KiviResidual): such a K needs a
+        layout that keeps whole groups, and is truncated exactly only where no quantized group is cut."""
+        return self.name == KIVI
+
+    def truncate_problem(self, length: int, n: int) -> str | None:
+        """As K: why truncating `length` positions to n would not be exact (None when it would): a group
+        that is already quantized cannot give back its float16 K."""
+        if not self.groups_positions:
+            return None
+        g = self.group_size
+        if n % g and n < length // g * g:
+            return (f"positions {n // g * g}..{n // g * g + g - 1} form a kivi4 K group that is already "
+                    f"quantized; only a truncation to a multiple of {g} or to {length // g * g} or later is exact")
+        return None
+
+    def rollback_problem(self, length: int, n_new: int) -> str | None:
+        """As K: why an execution of n_new positions after `length` could not be truncated away again
+        exactly (it would complete a group, quantizing positions after length); None when it could."""
+        if not self.groups_positions:
+            return None
+        g, end = self.group_size, length + n_new
+        if end // g * g > length:
+            return (f"the {n_new} positions would complete the kivi4 K group ending at position "
+                    f"{end // g * g - 1}; truncating into a quantized group is not exact")
+        return None
+
     def describe(self) -> str:
         return f"{self.name}/g{self.group_size}" if self.has_scales else self.name
 
@@ -442,16 +471,6 @@ class KiviResidual:
     def abort(self):
         self.staged.clear()
         self.staged_rows = None
-
-    @staticmethod
-    def truncate_problem(length, n, g):
-        """Why truncating `length` kivi4 positions to n would not be exact (None when it would): a group
-        that is already quantized cannot give back its float16 K."""
-        if n % g and n < length // g * g:
-            return (f"positions {n // g * g}..{n // g * g + g - 1} form a kivi4 K group that is already "
-                    f"quantized; only a truncation to a multiple of {g} or to {length // g * g} or later is exact")
-        return None
-
 
 def _at(a, layer, index):
     return None if a is None else a[layer][index]

@@ -27,8 +27,9 @@ def reorder(caches: list, indices) -> list:
         if cache.executing:
             raise CacheError(f"cache {i} has an open execution; finish it before reordering")
     for i in set(idx):
-        if not caches[i].can_fork():
-            raise CacheError(f"cache {i} cannot be forked (it was freed)")
+        fork = caches[i].capabilities.fork
+        if not fork:
+            raise CacheError(f"cache {i} cannot be forked ({fork.reason})")
     seen, out, forks = set(), [], []
     try:
         for i in idx:

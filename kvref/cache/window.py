@@ -14,7 +14,7 @@ What an execution sees: the positions the cache held before it, plus its own new
 query causally). A decode step therefore attends to the sinks, the last `window` positions and
 itself; after the execution the ring keeps only the last `window`. New K/V are staged until the
 commit, so a failed execution overwrites nothing; for the same reason the native path cannot write
-them in place (`storage_problem`), and runs this layout kernel by kernel on the decoded K/V.
+them in place (`cache.capabilities.in_place`), and runs this layout kernel by kernel on the decoded K/V.
 
 A ring that has dropped a position cannot be rolled back (`truncate`) to an earlier state: the
 dropped positions would be needed again. `shift(n, keep=sinks)` closes the gap between the sinks
@@ -104,8 +104,9 @@ class WindowCache(KVCache):
 
     # ---- one execution -------------------------------------------------------------------------------
 
-    def can_append(self, n_new: int) -> bool:
-        return not self._freed  # the ring makes room by dropping its oldest positions
+    def _append_problem(self, n_new):
+        # the ring makes room by dropping its oldest positions
+        return "this cache was freed" if self._freed else None
 
     def _reserve(self, n_new):
         return n_new, {}  # the ring always has room; the layers' encoded K/V are staged here
@@ -135,8 +136,8 @@ class WindowCache(KVCache):
         self._n_ring = min(self._n_ring + len(to_ring), self.window)
         self._next += n_new
 
-    def storage_problem(self):
-        return super().storage_problem() or (
+    def _storage_problem(self):
+        return super()._storage_problem() or (
             "the window stages new K/V until the commit (so an abort can keep the ring) and keeps its "
             "positions in a ring; it is read through read() and run kernel by kernel")
 
@@ -160,8 +161,8 @@ class WindowCache(KVCache):
                     f"back to position {n} would need positions it no longer holds")
         return None
 
-    def rollback_problem(self, n_new):
-        problem = super().rollback_problem(n_new)
+    def _rollback_problem(self, n_new):
+        problem = super()._rollback_problem(n_new)
         if problem is None and self._next + n_new > self.sinks + self.window:
             problem = (f"the window holds {self.sinks} sinks + {self.window} ring positions; {n_new} positions from "
                        f"position {self._next} would make the ring drop positions, after which it cannot truncate")
@@ -177,9 +178,9 @@ class WindowCache(KVCache):
         self._n_sinks = min(self._n_sinks, n)
         self._next = n
 
-    def _shift_problem(self, n, keep):
+    def _shift_problem(self, n=None, keep=0):
         problem = super()._shift_problem(n, keep)
-        if problem is None and keep != self.sinks:
+        if problem is None and n is not None and keep != self.sinks:
             problem = f"a window keeps exactly its {self.sinks} sink positions, so keep must be {self.sinks}"
         return problem
 

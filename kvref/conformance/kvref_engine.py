@@ -39,7 +39,7 @@ class KVRefEngine(Engine):
         caps = {"incremental", "full_logits", "batch", "save_restore", "fork", "rollback", "sliding_window"}
         if layout == "paged":
             caps.add("prefix_cache")
-        if probe.shift_problem() is None and layout in ("contiguous", "paged"):
+        if probe.capabilities.shift() and layout in ("contiguous", "paged"):
             caps.add("context_shift")
         self.free(probe)
         self.capabilities = frozenset(caps)
@@ -119,7 +119,7 @@ class KVRefEngine(Engine):
         return seq.fork()
 
     def rollback(self, seq, n: int) -> None:
-        if not seq.can_truncate(n):
+        if not seq.capabilities.truncate(n):
             raise Refused(f"the {self.layout} cache cannot truncate to {n}")
         seq.truncate(n)
 
