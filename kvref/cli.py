@@ -345,7 +345,7 @@ def run_run(args) -> int:
 
 def check_shift(cache):
     """CacheError unless --context-overflow shift can work on this cache, saying why."""
-    problem = cache.shift_problem()
+    problem = cache.capabilities.shift().reason
     if problem is not None:
         raise CacheError(f"--context-overflow shift cannot work on this {cache.layout} cache: {problem}; "
                          "use --context-overflow truncate or a larger --ctx-size")

@@ -96,7 +96,7 @@ class Conversation:
             config = resolve_config(self.model, config, max_new_tokens, settings)
             ids, dropped = self._fitting_prompt(max(config.max_new_tokens - 1, 0))
             reused = min(shared_prefix(ids, self.cache.sequence.token_ids or []), len(ids) - 1)
-            if not self.cache.can_truncate(reused):
+            if not self.cache.capabilities.truncate(reused):
                 reused = 0  # a hybrid cache's rings have moved past the shared prefix: prefill it all again
             self.model.check_context(reused, len(ids) - reused + max(config.max_new_tokens - 1, 0))
         except Exception:

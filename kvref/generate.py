@@ -76,7 +76,7 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     # the last selected token is never run through the model, so it needs no position
     n_positions = len(prompt) + max(config.max_new_tokens - 1, 0)
     model.check_context(start, n_positions)
-    if cache is not None and not cache.can_append(n_positions):
+    if cache is not None and not cache.capabilities.append(n_positions):
         raise CacheFullError(
             f"prompt ({len(prompt)}) + {config.max_new_tokens} new tokens need {n_positions} positions; "
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
@@ -92,7 +92,7 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
 def _shifting(model, prompt_ids, config, cache, executions, speculate, stats):
     # generate(overflow="shift"): plain generate calls, each filling the cache exactly, a shift between them
     cache = model.new_cache() if cache is None else cache
-    problem = cache.shift_problem()
+    problem = cache.capabilities.shift().reason
     if problem is not None:
         raise CacheError(f"overflow='shift' cannot work on this {cache.layout} cache: {problem}")
     speculation = {"speculate": speculate, "stats": stats} if speculate else {}
@@ -133,7 +133,7 @@ def resume(model, cache: KVCache, max_new_tokens=None, *, config: GenerationConf
                               "since its positions last changed)")
     n_positions = max(config.max_new_tokens - 1, 0)  # the first token needs no execution, the last needs none either
     model.check_context(cache.next_position, n_positions)
-    if not cache.can_append(n_positions):
+    if not cache.capabilities.append(n_positions):
         raise CacheFullError(f"{config.max_new_tokens} new tokens need {n_positions} positions; the cache has "
                              f"{cache.capacity - cache.length} free of {cache.capacity}")
     return _resumed_loop(model, np.array(last_logits), config.max_new_tokens, Sampler.from_config(config),
@@ -266,8 +266,7 @@ def _roll_back(cache, n, last_logits):
     """Truncate the cache to n positions, whose last one has last_logits (what an execution ending
     there would have committed, so kvref.resume continues from it)."""
     if cache.next_position > n:
-        cache.truncate(n)
-        cache.sequence.replace(cache.sequence.token_ids, last_logits)
+        cache.truncate(n, last_logits=last_logits)
 
 
 def _uncached_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions):

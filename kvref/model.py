@@ -6,39 +6,30 @@ import copy
 import dataclasses
 import json
 import warnings
-from contextlib import contextmanager
 
 import numpy as np
 
 from . import backends
-from .cache import BlockPool, ContiguousCache, HybridCache, KVCache, WindowCache, bytes_per_position, dtype_name
+from .cache import CacheShape, Codecs, KVCache, dtype_name, layout_names, make
 from .cache.fileformat import load_cache
-from .cache.paged import DEFAULT_BLOCK_SIZE
+from .cache.moved import deprecated, moved_names
+from .cache.registry import AUTO, options_by_layout
 from .config import FAMILY_FIELDS, ModelConfig
 from .digest import sha256
 from .executor import NativeExecutor, SpecExecutor
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .generation_config import GenerationConfig
-from .limits import DEFAULT_CACHE_BUDGET
 from .scoring import SCORE_CHUNK, score
 from .spec import decoder
 from .weights import Weights, freeze, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
-LAYOUTS = ("auto", "contiguous", "hybrid", "paged", "window")
-LAYOUT_OPTIONS = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
-                  "paged": ("block_size", "num_blocks", "prefix_reuse", "pool"), "window": ("window", "sinks")}
 
-
-@contextmanager
-def _allocating():
-    """A cache whose arrays the machine cannot hold is a CacheError, not a raw MemoryError (used as a
-    decorator of Model.new_cache)."""
-    try:
-        yield
-    except MemoryError:
-        raise CacheError("not enough memory for the K/V arrays of this cache; ask for fewer positions "
-                         "(capacity=, num_blocks=, window=) or a smaller kv_dtype") from None
+__getattr__ = moved_names(__name__, {
+    "LAYOUTS": ("kvref.cache.layout_names()", lambda: (AUTO, *layout_names())),
+    "LAYOUT_OPTIONS": ("kvref.cache.registry.options_by_layout()",
+                       options_by_layout),
+})
 
 
 class Model:
@@ -73,10 +64,9 @@ class Model:
         dtype = model_dtype(dtype)
         return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
 
-    @_allocating()
     def new_cache(self, layout="auto", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
                   group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,
-                  window=None, sinks=None, spare=None) -> KVCache:
+                  window=None, sinks=None, spare=None, **options) -> KVCache:
         """An empty KV cache for this model; K/V are stored in the model dtype unless kv_dtype says otherwise.
 
         layout     "auto": "hybrid" for a model with sliding-window layers, else "contiguous" |
@@ -84,80 +74,30 @@ class Model:
                    each window layer a ring of its window + spare slots, spare=64) | "paged"
                    (block_size=16, num_blocks = enough for one max_seq_len sequence,
                    prefix_reuse=False; or pool= an existing BlockPool to add a sequence to) |
-                   "window" (window=W required, sinks=0)
+                   "window" (window=W required, sinks=0) | any other registered layout
+                   (kvref.cache.registry), whose own options come as further keywords
         kv_dtype   None (model dtype) | "float32" | "float16" | "bfloat16" | "int8" | "kivi4" for K
                    and V; k_dtype / v_dtype set one of them; group_size: elements per int8 scale, and
                    kivi4's group (positions per K scale, elements per V scale) (default 32 when
                    head_dim allows, else head_dim); kivi4 K needs the contiguous or paged layout
         An option that does not apply to the layout is an error, never ignored.
         """
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise CacheError(f"cache layout {layout!r} is not available; expected one of {LAYOUTS}")
-        c = self.config
-        if layout == "auto":
-            layout = "hybrid" if any(w is not None for w in c.layer_windows or ()) else "contiguous"
-        given = {name: value for name, value in (
-            ("capacity", capacity), ("block_size", block_size), ("num_blocks", num_blocks),
-            ("prefix_reuse", prefix_reuse), ("pool", pool), ("window", window), ("sinks", sinks),
-            ("spare", spare)) if value is not None}
-        foreign = sorted(set(given) - set(LAYOUT_OPTIONS[layout]))
-        if foreign:
-            raise CacheError(f"{', '.join(foreign)} do{'es' if len(foreign) == 1 else ''} not apply to layout "
-                             f"{layout!r}; its options are {LAYOUT_OPTIONS[layout]}")
-        if pool is not None:
-            return self._sequence_in_pool(pool, kv_dtype, k_dtype, v_dtype, group_size, given)
-        k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
-        if group_size is not None and not {"int8", "kivi4"} & {k_name, v_name}:
-            raise CacheError(f"group_size={group_size!r} applies to int8 K/V and kivi4; these are {k_name}/{v_name}")
-        common = dict(v_dtype=v_name, group_size=group_size, rope_theta=self.kv_rope_theta)
-        if layout in ("contiguous", "hybrid"):
-            if capacity is None:
-                self.check_cache_budget(c.max_seq_len, k_name, v_name, group_size, "the default cache")
-            capacity = c.max_seq_len if capacity is None else capacity
-            if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
-                raise CacheError(f"capacity={capacity!r} must be a positive integer")
-            if capacity > c.max_seq_len:
-                raise ContextOverflowError(
-                    f"capacity={capacity} exceeds the model's max_seq_len={c.max_seq_len}")
-            if layout == "contiguous":
-                cache = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), k_name, **common)
-            else:
-                windows = c.layer_windows or (None,) * c.n_layers
-                cache = HybridCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), windows, k_name,
-                                    **common, **({} if spare is None else {"spare": spare}))
-        elif layout == "paged":
-            block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-            if num_blocks is None and isinstance(block_size, (int, np.integer)) and block_size > 0:
-                num_blocks = -(-c.max_seq_len // int(block_size))  # one max_seq_len sequence
-                self.check_cache_budget(num_blocks * int(block_size), k_name, v_name, group_size,
-                                        "the default cache")
-            pool = BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
-                             k_dtype=k_name, max_positions=c.max_seq_len,
-                             prefix_reuse=False if prefix_reuse is None else prefix_reuse,
-                             model_fingerprint=self.fingerprint(), **common)
-            return pool.new_cache()
-        else:
-            if window is None:
-                raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
-            cache = WindowCache(c.n_layers, c.n_kv_heads, c.head_dim, window, 0 if sinks is None else sinks,
-                                k_name, **common)
-        cache.sequence.model = self.fingerprint()
-        return cache
+        codecs = self._codecs(kv_dtype, k_dtype, v_dtype, group_size)
+        return make(self.cache_shape(), codecs, layout, capacity=capacity, block_size=block_size,
+                    num_blocks=num_blocks, prefix_reuse=prefix_reuse, pool=pool, window=window, sinks=sinks,
+                    spare=spare, **options)
 
+    def cache_shape(self) -> CacheShape:
+        """What a cache needs to know of this model (kvref.cache.CacheShape)."""
+        c = self.config
+        return CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len, c.vocab_size, c.layer_windows,
+                          self.kv_rope_theta, self.fingerprint())
+
+    @deprecated("model.cache_shape().check_budget(positions, codecs, what)")
     def check_cache_budget(self, positions: int, k_dtype: str, v_dtype: str, group_size=None,
                            what: str = "a cache") -> None:
-        """CacheError if a cache of `positions` positions in every layer would take more than
-        kvref.limits.DEFAULT_CACHE_BUDGET bytes: what bounds the caches whose size the model (its
-        max_seq_len, from the model file) or a saved cache file chooses, never the caller. Counts every
-        layer at `positions`, which over-counts a hybrid cache's windowed layers."""
-        c = self.config
-        per_position = bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, k_dtype, v_dtype, group_size)
-        if positions * per_position > DEFAULT_CACHE_BUDGET:
-            raise CacheError(
-                f"{what} of {positions:,} positions would take {positions * per_position / 2**30:.1f} GiB of "
-                f"{k_dtype}/{v_dtype} K/V, more than the {DEFAULT_CACHE_BUDGET / 2**30:g} GiB a cache sized by a "
-                "file may take (kvref.limits.DEFAULT_CACHE_BUDGET); pass capacity= (or num_blocks=) for the "
-                "positions you need")
+        codecs = Codecs.named(k_dtype, v_dtype, self.config.head_dim, group_size)
+        self.cache_shape().check_budget(positions, codecs, what)
 
     @property
     def kv_rope_theta(self) -> float | None:
@@ -174,7 +114,7 @@ class Model:
         a future format version, with a CacheError naming the problem; nothing is half-loaded.
         A paged cache is loaded into a new pool, or into `pool` (any block size) if given.
         """
-        return load_cache(self, path, pool=pool)
+        return load_cache(path, self.cache_shape(), self.new_cache, pool=pool)
 
     def fingerprint(self) -> dict:
         """What identifies this model to a saved cache: its config, and a hash of a sample of its weights.
@@ -202,7 +142,8 @@ class Model:
             }
         return self._fingerprint
 
-    def _kv_dtypes(self, kv_dtype, k_dtype, v_dtype):
+    def _codecs(self, kv_dtype, k_dtype, v_dtype, group_size) -> Codecs:
+        # the K/V types asked for (else the model dtype), each one the backend's kernels read
         base = self.dtype if kv_dtype is None else dtype_name(kv_dtype)
         names = (base if k_dtype is None else dtype_name(k_dtype), base if v_dtype is None else dtype_name(v_dtype))
         allowed = backends.KV_DTYPES[self.backend]
@@ -210,24 +151,8 @@ class Model:
             if name not in allowed:
                 raise CacheError(f"kv_dtype {name!r} is not supported by the {self.backend!r} backend; "
                                  f"expected one of {allowed}")
-        return names
-
-    def _sequence_in_pool(self, pool, kv_dtype, k_dtype, v_dtype, group_size, given):
-        if not isinstance(pool, BlockPool):
-            raise CacheError(f"pool= takes a BlockPool (cache.pool of a paged cache); got {type(pool).__name__}")
-        extra = sorted(set(given) - {"pool"})
-        if extra:
-            raise CacheError(f"{', '.join(extra)} come from the pool when pool= is given")
-        if pool.model_fingerprint != self.fingerprint():
-            raise CacheError("this pool was made for another model; its K/V would be wrong for this one")
-        if any(x is not None for x in (kv_dtype, k_dtype, v_dtype, group_size)):
-            k_name, v_name = self._kv_dtypes(kv_dtype, k_dtype, v_dtype)
-            wanted = (k_name, v_name, group_size or pool.k_codec.group_size or pool.v_codec.group_size)
-            have = (pool.k_codec.name, pool.v_codec.name, pool.k_codec.group_size or pool.v_codec.group_size)
-            if wanted != have:
-                raise CacheError(f"the pool stores K/V as {have[0]}/{have[1]} (group {have[2]}); "
-                                 f"asked for {wanted[0]}/{wanted[1]} (group {wanted[2]})")
-        return pool.new_cache()
+        asked = any(x is not None for x in (kv_dtype, k_dtype, v_dtype, group_size))
+        return Codecs.named(*names, self.config.head_dim, group_size, asked)
 
     def forward(self, token_ids, cache: KVCache | None = None, all_logits: bool = False):
         """Run the new tokens at positions cache.next_position.. and append their K/V to `cache`.

@@ -11,7 +11,7 @@ first position whose selection differs from the draft ends the step: that select
 positions of the drafts after it are removed with cache.truncate. One execution thus yields between 1
 and N + 1 tokens.
 
-The rollback needs a cache that can truncate exactly (cache.can_roll_back): contiguous and paged caches
+The rollback needs a cache that can truncate exactly (cache.capabilities.roll_back): contiguous and paged caches
 always can; a window cache until its ring first drops a position; a hybrid cache for executions of at
 most spare + 1 positions once its rings are full. Where the cache cannot, the step drafts fewer tokens or
 none (a plain decode step), and SpeculationStats counts it as a fallback with the cache's reason.
@@ -113,12 +113,12 @@ def fit_rollback(cache, draft: list, stats: SpeculationStats) -> list:
     """The longest beginning of `draft` whose execution (the token just selected + the draft) the cache
     can truncate back exactly; a cut is counted in stats with the cache's reason."""
     n = len(draft)
-    while n and not cache.can_roll_back(1 + n):
+    while n and not cache.capabilities.roll_back(1 + n):
         n -= 1
     if n < len(draft):
         stats.fallbacks += 1
         if stats.fallback_reason is None:
-            stats.fallback_reason = cache.rollback_problem(1 + len(draft))
+            stats.fallback_reason = cache.capabilities.roll_back(1 + len(draft)).reason
     return draft[:n]
 
 

@@ -1,7 +1,8 @@
 """Shared hypothesis profiles and strategies, and the one way a test asks for an optional oracle.
 
-Profiles: "ci" (the default; thorough but keeps the whole suite within minutes on 2 cores) and
-"dev" (quick). Choose with HYPOTHESIS_PROFILE=dev.
+Profiles: "ci" (the default; thorough but keeps the whole suite within minutes on 2 cores; derandomized,
+so every run draws the same examples), "ci-quick" (the same, fewer examples: .ci/run's extra passes) and
+"dev" (quick, random examples). Choose with HYPOTHESIS_PROFILE=dev.
 
 Optional oracles (test-only packages, never runtime dependencies) and the default model: a test
 that needs one calls require(name) in its body or fixture, so a missing one skips exactly the tests
@@ -29,6 +30,8 @@ settings.register_profile(
     "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=10, deadline=None)
+# .ci/run's passes that stand for other machines: the ci profile's fixed examples, fewer of them
+settings.register_profile("ci-quick", parent=settings.get_profile("ci"), max_examples=15)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

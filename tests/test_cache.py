@@ -109,7 +109,7 @@ def test_truncate_rolls_back_and_generation_resumes_as_if_never_extended():
     assert_close(resumed, reference, "float64", "after truncate")
     with pytest.raises(CacheError, match="cannot truncate to 5"):
         cache.truncate(5)
-    assert cache.length == 4 and cache.can_truncate(4) and not cache.can_truncate(5)
+    assert cache.length == 4 and cache.capabilities.truncate(4) and not cache.capabilities.truncate(5)
 
 
 def test_fork_is_independent_of_its_parent():

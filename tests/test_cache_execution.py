@@ -1,4 +1,4 @@
-"""An execution is a transaction (kvref/cache/base.py): it commits everything together or nothing.
+"""An execution is a transaction (kvref/cache/execution.py): it commits everything together or nothing.
 
 Every path runs through `cache.begin`: the spec decoder, the batched decoder (one group
 transaction over every cache) and the fused C forward. Interrupting any of them mid-way leaves the
@@ -307,7 +307,7 @@ def test_one_execution_at_a_time_on_a_cache():
                       lambda: cache.truncate(0), cache.free, lambda: cache.shift(1)):
         with pytest.raises(CacheError, match="execution is (already )?open"):
             operation()
-    assert not cache.can_fork() and not cache.can_truncate(0)
+    assert not cache.capabilities.fork and not cache.capabilities.truncate(0)
     step.abort()
     model.forward([3], cache)
     assert cache.length == 1
@@ -530,7 +530,7 @@ class InterruptMachine(RuleBasedStateMachine):
     @rule(data=st.data(), fork=st.booleans())
     def add_sequence(self, data, fork):
         i = self.pick(data)
-        if fork and self.caches[i].can_fork():
+        if fork and self.caches[i].capabilities.fork:
             self.caches.append(self.caches[i].fork())
             self.twins.append(self.twins[i].fork())
         else:
@@ -591,7 +591,7 @@ class InterruptMachine(RuleBasedStateMachine):
     def truncate(self, data):
         i = self.pick(data)
         n = data.draw(st.integers(0, self.caches[i].next_position))
-        if self.caches[i].can_truncate(n):
+        if self.caches[i].capabilities.truncate(n):
             self.caches[i].truncate(n)
             self.twins[i].truncate(n)
 

@@ -126,14 +126,14 @@ def test_truncate_is_allowed_exactly_when_the_rings_still_hold_what_the_next_que
     n = data.draw(st.integers(0, len(tokens)))
     exact = n == 0 or all(not ring or len(tokens) <= ring or n >= len(tokens) - 1 - spare
                           for ring in cache.rings)
-    assert cache.can_truncate(n) == exact
+    assert bool(cache.capabilities.truncate(n)) == exact
     if not exact:
         with pytest.raises(CacheError, match="rolls back at most"):
             cache.truncate(n)
         return
     cache.truncate(n)
     again = data.draw(st.integers(0, n))  # a second truncate: what the first left must be right too
-    if cache.can_truncate(again):
+    if cache.capabilities.truncate(again):
         cache.truncate(again)
         n = again
     rest = tokens[n:] + tokens[:3]
@@ -180,7 +180,7 @@ def test_a_hybrid_cache_refuses_shift_and_overflow_with_reasons():
     model = kvref.Model.random(cfg, seed=1, backend="numpy")
     cache = model.new_cache(capacity=11)
     model.forward(list(range(10)), cache)
-    assert not cache.can_shift(2)
+    assert not cache.capabilities.shift(2)
     with pytest.raises(CacheError, match="does not shift"):
         cache.shift(2)
     with pytest.raises(CacheFullError, match="holds 10 of 11"):

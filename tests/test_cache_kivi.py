@@ -161,7 +161,7 @@ def test_truncate_is_exact_where_allowed_and_refused_inside_a_quantized_group(da
     run_chunks(m, cache, tokens, sizes)
     n = data.draw(st.integers(0, len(tokens)))
     exact = n % G == 0 or n >= len(tokens) // G * G
-    assert cache.can_truncate(n) == exact
+    assert bool(cache.capabilities.truncate(n)) == exact
     if not exact:
         keys = cache.keys(0).copy()
         with pytest.raises(CacheError, match="already quantized"):
@@ -188,16 +188,16 @@ def cut(sizes, n):
 
 
 @given(st.data())
-def test_can_roll_back_promises_exact_truncation_to_every_position_of_the_execution(data):
+def test_roll_back_capability_promises_exact_truncation_to_every_position_of_the_execution(data):
     m = model(data.draw(st.integers(0, 2**16)))
     tokens = tokens_of(data.draw, 1, 30)
     cache = kivi_cache(m, data.draw(st.sampled_from([None, G])))
     m.forward(tokens, cache)
     n_new = data.draw(st.integers(1, 2 * G))
-    promised = cache.can_roll_back(n_new)
+    promised = bool(cache.capabilities.roll_back(n_new))
     before = len(tokens)
     m.forward(tokens_of(data.draw, n_new, n_new), cache)
-    allowed = all(cache.can_truncate(p) for p in range(before, before + n_new + 1))
+    allowed = all(cache.capabilities.truncate(p) for p in range(before, before + n_new + 1))
     assert promised == allowed
 
 

@@ -146,9 +146,9 @@ def test_window_cannot_roll_back_past_a_dropped_position_and_says_so():
     model = kvref.Model.random(CFG, seed=1, backend="numpy")
     cache = model.new_cache(layout="window", window=4, sinks=1)
     model.forward([1, 2, 3], cache)
-    assert cache.can_truncate(1)  # nothing dropped yet: rollback is exact
+    assert cache.capabilities.truncate(1)  # nothing dropped yet: rollback is exact
     model.forward([4, 5, 6], cache)  # position 1 is dropped
-    assert cache.can_truncate(6) and not cache.can_truncate(5)
+    assert cache.capabilities.truncate(6) and not cache.capabilities.truncate(5)
     with pytest.raises(CacheError, match="cannot truncate to 5: the window has dropped positions 1..1"):
         cache.truncate(5)
     assert cache.next_position == 6 and cache.length == 5
@@ -209,13 +209,13 @@ def test_shift_refuses_quantized_keys_and_bad_arguments_and_changes_nothing():
     for kv in ("float16", "bfloat16", "int8"):
         cache = model.new_cache(k_dtype=kv, v_dtype="float32")
         model.forward([1, 2, 3, 4], cache)
-        assert not cache.can_shift(1)
+        assert not cache.capabilities.shift(1)
         with pytest.raises(CacheError, match=f"K is stored as {kv}"):
             cache.shift(1)
         assert cache.length == 4
     ok = model.new_cache(k_dtype="float32", v_dtype="int8")
     model.forward([1, 2, 3, 4], ok)
-    assert ok.can_shift(2, keep=1) and not ok.can_shift(4, keep=1) and not ok.can_shift(0)
+    assert ok.capabilities.shift(2, keep=1) and not ok.capabilities.shift(4, keep=1) and not ok.capabilities.shift(0)
     with pytest.raises(CacheError, match="keep must be 1"):
         w = model.new_cache(layout="window", window=4, sinks=1)
         model.forward([1, 2, 3], w)
@@ -255,7 +255,7 @@ def test_running_out_of_blocks_raises_with_the_numbers_and_changes_nothing():
         model.forward(list(range(4)), cache)
     assert (cache.block_table, cache.length, cache.pool.blocks_free) == before[:2] + before[3:]
     np.testing.assert_array_equal(cache.keys(0), before[2])
-    assert cache.capacity == 8 and cache.can_append(2) and not cache.can_append(3)
+    assert cache.capacity == 8 and cache.capabilities.append(2) and not cache.capabilities.append(3)
     model.forward([1, 2], cache)  # what does fit still works
     assert other.length == 6 and cache.pool.blocks_free == 0
 
@@ -285,8 +285,8 @@ def test_freed_caches_refuse_every_operation():
         cache = model.new_cache(**options)
         model.forward([1, 2], cache)
         cache.free()
-        assert not cache.can_fork() and not cache.can_truncate(0) and not cache.can_append(1)
-        assert not cache.can_shift(1)
+        assert not cache.capabilities.fork and not cache.capabilities.truncate(0) and not cache.capabilities.append(1)
+        assert not cache.capabilities.shift(1)
         for op in (cache.fork, lambda: cache.truncate(0), lambda: model.forward([1], cache), lambda: cache.save("x"),
                    lambda: cache.shift(1)):
             with pytest.raises(CacheError, match="freed"):

@@ -117,7 +117,7 @@ class CacheMachine(RuleBasedStateMachine):
         cache, exp = self.seqs[data.draw(st.integers(0, len(self.seqs) - 1))]
         n = data.draw(st.integers(0, cache.next_position + 1))
         allowed = self.can_truncate(cache, exp, n)
-        assert cache.can_truncate(n) == allowed
+        assert bool(cache.capabilities.truncate(n)) == allowed
         if not allowed:
             before = self.snapshot(cache)
             try:
@@ -150,7 +150,7 @@ class CacheMachine(RuleBasedStateMachine):
     def free(self, data):
         cache, _ = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
         cache.free()
-        assert cache.freed and not cache.can_fork() and not cache.can_truncate(0)
+        assert cache.freed and not cache.capabilities.fork and not cache.capabilities.truncate(0)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -239,7 +239,7 @@ class PagedMachine(CacheMachine):
         cache, exp = self.seqs[data.draw(st.integers(0, len(self.seqs) - 1))]
         n = data.draw(st.integers(1, max(1, cache.length)))
         keep = data.draw(st.integers(0, max(0, cache.length - n) + 1))
-        if not cache.can_shift(n, keep):
+        if not cache.capabilities.shift(n, keep):
             assert cache.k_dtype != "float32" or keep + n > cache.length
             return
         free_before = self.pool.blocks_free

@@ -33,7 +33,7 @@ import kvref
 from kvref import backends, native
 from kvref.batch import forward_batch
 from kvref.cache import BlockPool, ContiguousCache, begin_all
-from kvref.cache.base import Storage
+from kvref.cache import Storage
 from kvref.cache.quant import SlotStore
 from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, KVRefError, ShapeError, TokenError
 from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes

@@ -282,7 +282,7 @@ def test_the_draft_budget_doubles_after_a_full_acceptance_and_shrinks_to_what_wa
 
 
 @given(st.data())
-def test_can_roll_back_says_exactly_whether_an_execution_can_be_truncated_away_again(data):
+def test_roll_back_capability_says_exactly_whether_an_execution_can_be_truncated_away_again(data):
     cfg = dataclasses.replace(CFG, layer_windows=(data.draw(st.sampled_from([None, 2, 4])),
                                                   data.draw(st.sampled_from([None, 3]))))
     model = kvref.Model.random(cfg, seed=0, dtype="float64")
@@ -293,12 +293,11 @@ def test_can_roll_back_says_exactly_whether_an_execution_can_be_truncated_away_a
     model.forward([i % CFG.vocab_size for i in range(data.draw(st.integers(1, 20)))], cache)
     n_new = data.draw(st.integers(1, 8))
     before = cache.next_position
-    promised = cache.can_roll_back(n_new)
-    assert promised == (cache.rollback_problem(n_new) is None)
+    promised = bool(cache.capabilities.roll_back(n_new))
     model.forward([1] * n_new, cache)
-    assert cache.can_truncate(before) == promised
+    assert bool(cache.capabilities.truncate(before)) == promised
     if promised:  # and then to any position after it
-        assert all(cache.can_truncate(n) for n in range(before, cache.next_position + 1))
+        assert all(cache.capabilities.truncate(n) for n in range(before, cache.next_position + 1))
         cache.truncate(before)
         assert cache.next_position == before
     else:
@@ -306,10 +305,10 @@ def test_can_roll_back_says_exactly_whether_an_execution_can_be_truncated_away_a
             cache.truncate(before)
 
 
-def test_rollback_problem_refuses_a_bad_count():
+def test_roll_back_capability_refuses_a_bad_count_with_its_reason():
     cache = kvref.Model.random(CFG).new_cache()
-    assert "n_new=-1 must be an integer >= 0" in cache.rollback_problem(-1)
-    assert not cache.can_roll_back(True)
+    assert "n_new=-1 must be an integer >= 0" in cache.capabilities.roll_back(-1).reason
+    assert not cache.capabilities.roll_back(True)
 
 
 # ---- the real model ---------------------------------------------------------------------------------

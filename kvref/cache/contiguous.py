@@ -13,16 +13,49 @@ stays in float16 in `residual` (kvref/cache/quant.py, KiviResidual).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 
-from ..errors import CacheError, CacheFullError
-from .base import KVCache, Storage
+from ..errors import CacheError, CacheFullError, ContextOverflowError
+from .base import KVCache
 from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
+from .registry import LayoutOptions, option, register
+from .storage import Storage
 
 
+@dataclass(frozen=True)
+class ContiguousOptions(LayoutOptions):
+    capacity: int | None = option()  # positions; None: the model's max_seq_len
+
+    def positions(self):
+        return self.capacity
+
+    def loaded(self, shape):
+        # a capacity larger than max_seq_len (saved by an older kvref) is lowered to what the model allows
+        return self if self.capacity is None else replace(self, capacity=min(self.capacity, shape.max_seq_len))
+
+    def capacity_for(self, shape, codecs) -> int:
+        """The positions to allocate: the capacity asked for, at most max_seq_len, or max_seq_len
+        within the memory budget when none was."""
+        if self.capacity is None:
+            shape.check_budget(shape.max_seq_len, codecs, "the default cache")
+            return shape.max_seq_len
+        if self.capacity > shape.max_seq_len:
+            raise ContextOverflowError(f"capacity={self.capacity} exceeds the model's max_seq_len={shape.max_seq_len}")
+        return int(self.capacity)
+
+
+@register
 class ContiguousCache(KVCache):
     layout = "contiguous"
-    kivi_k = True
+    Options = ContiguousOptions
+    keeps_groups = True
+
+    @classmethod
+    def create(cls, shape, codecs, options):
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs),
+                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
@@ -115,6 +148,7 @@ class ContiguousCache(KVCache):
 
     def _load_rows(self, positions, next_position, raw_layers):
         n = len(positions)
+        self._check_rows_fit(n)
         for layer, raw in enumerate(raw_layers):
             self.store.write_raw(layer, slice(0, n), raw)
         self._length = n

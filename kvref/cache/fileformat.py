@@ -29,6 +29,7 @@ cache behind (nor blocks taken from a shared pool).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,8 +40,11 @@ import numpy as np
 
 from ..digest import sha256_bulk
 from ..errors import CacheError
-from ..limits import MAX_POOL_BLOCKS, bounded_int, bounded_json, open_regular_file, read_exactly
-from .quant import KIVI
+from ..limits import bounded_int, bounded_json, open_regular_file, read_exactly
+from .quant import KIVI, Codecs
+from .moved import moved_names
+from .registry import layout_class, layout_names, options_by_layout
+from .shape import CacheShape
 
 MAGIC = b"KVREFKV\x00"
 FORMAT_VERSION = 1
@@ -54,15 +58,22 @@ MAX_ARRAY_DIMS = 4
 MAX_FILE_OFFSET = 2**62  # offsets, sizes and dimensions; the file's own size bounds them further
 
 
-def save_cache(cache, path) -> None:
-    sequence = cache.sequence
-    if sequence.model is None:
-        raise CacheError("this cache was not made by model.new_cache(), so it cannot name its model; "
-                         "only such caches can be saved")
+def save_problem(cache) -> str | None:
+    """Why this format cannot hold `cache` (None when it can): cache.capabilities.save asks it."""
+    if cache.sequence.model is None:
+        return ("this cache was not made by model.new_cache(), so it cannot name its model; only such caches "
+                "can be saved")
     if KIVI in (cache.k_dtype, cache.v_dtype):
-        raise CacheError(f"a {cache.dtype_name} cache cannot be saved: format version {FORMAT_VERSION} stores K/V "
-                         f"row by row, and kivi4 K lives in groups of positions with a float16 residual; "
-                         f"save a float16 or int8 cache")
+        return (f"a {cache.dtype_name} cache cannot be saved: format version {FORMAT_VERSION} stores K/V row by "
+                f"row, and kivi4 K lives in groups of positions with a float16 residual; save a float16 or int8 cache")
+    return None
+
+
+def save_cache(cache, path) -> None:
+    problem = save_problem(cache)
+    if problem is not None:
+        raise CacheError(problem)
+    sequence = cache.sequence
     positions = cache.positions().astype(np.int64)
     arrays = [("positions", positions)]
     raw = [cache.read_raw(layer) for layer in range(cache.n_layers)]
@@ -163,10 +174,11 @@ def _read_header(f, size, where):
     return prefix + text, bounded_json(text, f"{where}: the header", CacheError)
 
 
-def largest_file(config) -> int:
-    """Bytes of the largest file a cache of this model can save: every array at max_seq_len positions
-    in the widest types (float64 K/V with int8-sized scale groups of 1), the header and padding."""
-    c = config
+def largest_file(shape) -> int:
+    """Bytes of the largest file a cache of this model (a CacheShape) can save: every array at
+    max_seq_len positions in the widest types (float64 K/V with int8-sized scale groups of 1), the
+    header and padding."""
+    c = shape
     per_position = 2 * c.n_layers * c.n_kv_heads * c.head_dim * (8 + 4) + 8 + 8  # K, V, scales; position, id
     return (MAX_HEADER_BYTES + _PREFIX.size + len(ARRAY_NAMES) * ALIGNMENT + _DIGEST
             + c.max_seq_len * per_position + 8 * c.n_layers + 8 * c.vocab_size)
@@ -209,56 +221,80 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-LAYOUT_OPTIONS = {"contiguous": ("capacity",), "hybrid": ("capacity", "spare"),
-                  "paged": ("block_size", "num_blocks", "prefix_reuse"), "window": ("window", "sinks")}
 KV_NAMES = ("float32", "float64", "float16", "bfloat16", "int8")
 
+__getattr__ = moved_names(__name__, {
+    "LAYOUT_OPTIONS": ("kvref.cache.registry.options_by_layout()",
+                       options_by_layout),
+})
 
-def load_cache(model, path, pool=None):
-    """A new cache for `model` holding what `path` holds; see Model.load_cache."""
-    header, arrays = read_cache_file(path, largest_file(model.config))
+
+def load_cache(path, shape: CacheShape, factory, pool=None):
+    """A new cache holding what `path` holds, for the model `shape` describes; see Model.load_cache.
+
+    factory(layout, k_dtype=, v_dtype=, group_size=, **options) makes the empty cache (Model.new_cache);
+    pool=: the sequence goes into that pool instead of one made from the file's options.
+    """
+    header, arrays = read_cache_file(path, largest_file(shape))
     where = f"cache file {str(path)!r}"
-    _check_model(header, model, where)
-    fields = _header_fields(header, model, where)
-    layout, n, next_position = fields["layout"], fields["length"], fields["next_position"]
-    rows = _check_arrays(arrays, fields, model, where)
+    _check_model(header, shape, where)
+    fields = _header_fields(header, shape, where)
+    n, next_position = fields["length"], fields["next_position"]
+    rows = _check_arrays(arrays, fields, shape, where)
     positions = arrays["positions"]
     if np.any(np.diff(positions) <= 0) or (n and (positions[0] < 0 or positions[-1] >= next_position)):
         raise CacheError(f"{where}: positions are not ascending within 0..{next_position - 1}")
-    if layout != "window" and (next_position != n or not np.array_equal(positions, np.arange(n))):
-        raise CacheError(f"{where}: a {layout} cache holds positions 0..length-1 and next_position == length")
-    if rows is not None and layout != "hybrid":
-        raise CacheError(f"{where}: only a hybrid cache holds different positions per layer; this is {layout!r}")
-    options, positions_made = _layout_options(fields, model.config, where)
-    group_size = fields["group_size"]
+    codecs = Codecs.named(fields["k_dtype"], fields["v_dtype"], shape.head_dim, fields["group_size"])
     if pool is not None:
-        if layout != "paged":
-            raise CacheError(f"pool= applies to paged caches; {where} holds a {layout!r} cache")
         options = {"pool": pool}
-    elif positions_made:  # new_cache bounds the default sizes itself
-        model.check_cache_budget(positions_made, fields["k_dtype"], fields["v_dtype"], group_size, where)
-    group = {"group_size": group_size} if group_size is not None else {}
-    cache = model.new_cache(layout=layout, kv_dtype=None, k_dtype=fields["k_dtype"], v_dtype=fields["v_dtype"],
-                            **group, **options)
+    else:
+        options = _saved_options(fields["cls"], fields["options"], shape, where)
+        if options.positions():  # the layout bounds its default size itself
+            shape.check_budget(options.positions(), codecs, where)
+        options = vars(options)
+    group = {"group_size": fields["group_size"]} if fields["group_size"] is not None else {}
+    cache = factory(fields["cls"].layout, k_dtype=fields["k_dtype"], v_dtype=fields["v_dtype"], **group, **options)
     try:
         _check_storage(cache, arrays, fields, where)
-        c = model.config
-        bounds = np.cumsum([0, *rows]) if rows is not None else None
-        raw_layers = [tuple(None if name not in arrays else arrays[name][layer] if rows is None
-                            else arrays[name][bounds[layer]:bounds[layer + 1]]
-                            for name in ("k", "k_scales", "v", "v_scales")) for layer in range(c.n_layers)]
-        if n > cache.capacity and layout != "paged":  # a pool says CacheFullError itself, with its numbers
-            raise CacheError(f"{where} holds {n} positions; the {layout} cache made for it holds {cache.capacity}")
         cache.sequence.replace(arrays.get("token_ids"), arrays.get("last_logits"))
-        cache.load_rows(positions, next_position, raw_layers)  # a paged cache keys its blocks by those ids
+        _load_rows(cache, arrays, rows, next_position, where)  # a paged cache keys its blocks by those ids
     except BaseException:
         cache.free()
         raise
     return cache
 
 
-def _check_model(header, model, where):
-    saved, ours = header.get("model"), model.fingerprint()
+def _load_rows(cache, arrays, rows, next_position, where):
+    # the arrays' rows into the empty cache, layer by layer: (k, k_scales, v, v_scales), None if absent
+    bounds = np.cumsum([0, *rows]) if rows is not None else None
+    raw_layers = [tuple(None if name not in arrays else arrays[name][layer] if rows is None
+                        else arrays[name][bounds[layer]:bounds[layer + 1]]
+                        for name in ("k", "k_scales", "v", "v_scales")) for layer in range(cache.n_layers)]
+    try:
+        cache.load_rows(arrays["positions"], next_position, raw_layers)
+    except CacheError as exc:  # the layout refuses what the file holds
+        raise CacheError(f"{where}: {exc}") from None
+
+
+def _saved_options(cls, saved: dict, shape, where):
+    # the layout's options as the file records them, each bounded before anything is allocated
+    values = {}
+    for f in dataclasses.fields(cls.Options):
+        kind, value = f.metadata.get("kind"), saved.get(f.name)
+        if value is None or kind is object:  # the default; an object (a pool) is never saved
+            continue
+        if kind is bool and not isinstance(value, bool):
+            raise CacheError(f"{where}: options.{f.name} is {_short(value)}; expected true or false")
+        if kind is int:
+            high = f.metadata["file_high"]
+            high = shape.max_seq_len if high == "max_seq_len" else MAX_FILE_OFFSET if high is None else high
+            value = bounded_int(value, f"{where}: options.{f.name}", f.metadata["low"], high, CacheError)
+        values[f.name] = value
+    return cls.Options(**values).loaded(shape)
+
+
+def _check_model(header, shape, where):
+    saved, ours = header.get("model"), shape.model
     if not isinstance(saved, dict):
         raise CacheError(f"{where}: the header's 'model' must be an object naming the model (Model.fingerprint)")
     if saved.get("config_sha256") != ours["config_sha256"]:
@@ -269,49 +305,48 @@ def _check_model(header, model, where):
                          "would be wrong for this one")
 
 
-def _header_fields(header, model, where):
+def _header_fields(header, shape, where):
     # every header field the load reads, type-checked and bounded by the model
-    c = model.config
     layout, options, rope = header.get("layout"), header.get("options"), header.get("rope")
-    if not isinstance(layout, str) or layout not in LAYOUT_OPTIONS:
-        raise CacheError(f"{where}: unknown layout {_short(layout)}; expected one of {sorted(LAYOUT_OPTIONS)}")
+    if not isinstance(layout, str) or layout not in layout_names():
+        raise CacheError(f"{where}: unknown layout {_short(layout)}; expected one of {list(layout_names())}")
     if not isinstance(options, dict) or not isinstance(rope, dict):
         raise CacheError(f"{where}: the header's 'options' and 'rope' must be objects")
-    n = bounded_int(header.get("length"), f"{where}: length", 0, c.max_seq_len, CacheError)
+    n = bounded_int(header.get("length"), f"{where}: length", 0, shape.max_seq_len, CacheError)
     fields = {
-        "layout": layout, "options": options, "length": n,
-        "next_position": bounded_int(header.get("next_position"), f"{where}: next_position", n, c.max_seq_len,
+        "cls": layout_class(layout), "options": options, "length": n,
+        "next_position": bounded_int(header.get("next_position"), f"{where}: next_position", n, shape.max_seq_len,
                                      CacheError),
         "group_size": None if header.get("group_size") is None else bounded_int(
-            header["group_size"], f"{where}: group_size", 1, c.head_dim, CacheError),
+            header["group_size"], f"{where}: group_size", 1, shape.head_dim, CacheError),
     }
     for name in ("k_dtype", "v_dtype"):
         if header.get(name) not in KV_NAMES:
             raise CacheError(f"{where}: {name} is {_short(header.get(name))}; expected one of {KV_NAMES}")
         fields[name] = header[name]
     theta = rope.get("theta")
-    if theta != model.kv_rope_theta:
+    if theta != shape.rope_theta:
         raise CacheError(f"{where}: keys were rotated with rope_theta={_short(theta)}; this model uses "
-                         f"{model.kv_rope_theta}")
+                         f"{shape.rope_theta}")
     return fields
 
 
-def _check_arrays(arrays, fields, model, where):
+def _check_arrays(arrays, fields, shape, where):
     # every array's dtype, shape and values against the header fields and the model; -> layer_rows or None
-    c, n = model.config, fields["length"]
+    c, n = shape, fields["length"]
     for name in ("positions", "layer_rows", "token_ids"):
         if name in arrays and arrays[name].dtype != np.int64:
             raise CacheError(f"{where}: array {name!r} is {arrays[name].dtype}; expected int64")
     rows = arrays.get("layer_rows")
     if rows is not None and (rows.shape != (c.n_layers,) or np.any(rows < 0) or np.any(rows > n)):
         raise CacheError(f"{where}: layer_rows must give each of {c.n_layers} layers 0..{n} rows")
-    shape = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)
-    need = {"positions": (n,), "k": shape, "v": shape, **({} if rows is None else {"layer_rows": (c.n_layers,)})}
+    kv = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)
+    need = {"positions": (n,), "k": kv, "v": kv, **({} if rows is None else {"layer_rows": (c.n_layers,)})}
     group_size = fields["group_size"]
     for name in ("k", "v"):
         if fields[f"{name}_dtype"] == "int8":
             groups = c.head_dim // group_size if group_size is not None else -1
-            need[f"{name}_scales"] = (*shape[:-1], groups)
+            need[f"{name}_scales"] = (*kv[:-1], groups)
     if "token_ids" in arrays:
         need["token_ids"] = (fields["next_position"],)
     if "last_logits" in arrays:
@@ -331,36 +366,6 @@ def _check_arrays(arrays, fields, model, where):
         raise CacheError(f"{where}: last_logits must be finite float32 or float64; they are {logits.dtype}"
                          + ("" if logits.dtype.kind != "f" else " with non-finite values"))
     return rows
-
-
-def _layout_options(fields, c, where):
-    # -> (the layout's options, the positions they allocate or None for new_cache's default); the
-    # caller bounds those positions by the memory budget, and no option asks for more positions than
-    # max_seq_len, except a pool's blocks (a pool may hold several sequences), at most MAX_POOL_BLOCKS
-    layout, n = fields["layout"], fields["length"]
-    given = {name: fields["options"].get(name) for name in LAYOUT_OPTIONS[layout]}
-
-    def option(name, low, high):
-        value = given[name]
-        return None if value is None else bounded_int(value, f"{where}: options.{name}", low, high, CacheError)
-
-    if layout in ("contiguous", "hybrid"):
-        # a capacity larger than max_seq_len (saved by an older kvref) is lowered to what the model allows
-        capacity = option("capacity", 1, MAX_FILE_OFFSET)
-        options = {"capacity": None if capacity is None else min(capacity, c.max_seq_len)}
-        if layout == "hybrid":
-            options["spare"] = option("spare", 0, c.max_seq_len)
-        return options, options["capacity"]
-    if layout == "paged":
-        block_size = bounded_int(given["block_size"], f"{where}: options.block_size", 1, c.max_seq_len, CacheError)
-        num_blocks = option("num_blocks", 1, MAX_POOL_BLOCKS)  # a pool may hold several sequences
-        if not isinstance(given["prefix_reuse"], (bool, type(None))):
-            raise CacheError(f"{where}: options.prefix_reuse is {_short(given['prefix_reuse'])}; "
-                             "expected true or false")
-        options = {"block_size": block_size, "num_blocks": num_blocks, "prefix_reuse": given["prefix_reuse"]}
-        return options, None if num_blocks is None else num_blocks * block_size
-    window, sinks = option("window", 1, c.max_seq_len), option("sinks", 0, c.max_seq_len)
-    return {"window": window, "sinks": sinks}, (window or 0) + (sinks or 0)
 
 
 def _check_storage(cache, arrays, fields, where):

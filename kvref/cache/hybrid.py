@@ -32,11 +32,16 @@ What the layout can do exactly, and what it refuses:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import CacheError, CacheFullError
-from .base import KVCache, Storage
+from .base import KVCache
+from .contiguous import ContiguousOptions
 from .quant import SlotStore
+from .registry import option, register
+from .storage import Storage
 
 DEFAULT_SPARE = 64  # ring slots beyond each window: rollback depth and positions per in-place pass
 
@@ -52,14 +57,29 @@ def positions_held(layer_windows, tokens: int, spare: int = DEFAULT_SPARE) -> li
     return [min(tokens, ring) if ring else tokens for ring in ring_sizes(layer_windows, spare, tokens)]
 
 
+@dataclass(frozen=True)
+class HybridOptions(ContiguousOptions):
+    spare: int = option(DEFAULT_SPARE, low=0, file_high="max_seq_len")  # ring slots beyond each window
+
+
+@register
 class HybridCache(KVCache):
     layout = "hybrid"
+    Options = HybridOptions
+    uniform_layers = False
+
+    @classmethod
+    def create(cls, shape, codecs, options):
+        windows = shape.layer_windows or (None,) * shape.n_layers
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs), windows,
+                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   spare=options.spare)
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, layer_windows, dtype="float32", *,
                  v_dtype=None, group_size=None, rope_theta=None, spare=DEFAULT_SPARE):
-        for name, value, low in (("capacity", capacity, 1), ("spare", spare, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise CacheError(f"{name}={value!r} must be an integer >= {low}")
+        if capacity is None:
+            raise CacheError("a hybrid cache needs capacity=, the positions its global layers hold")
+        HybridOptions(capacity=capacity, spare=spare)  # checks them
         windows = tuple(layer_windows)
         if len(windows) != n_layers or any(w is not None and (isinstance(w, bool) or not isinstance(
                 w, (int, np.integer)) or w < 1) for w in windows):
@@ -172,8 +192,8 @@ class HybridCache(KVCache):
                         f"cache rolls back at most spare + 1 = {self.spare + 1} positions once its rings are full)")
         return None
 
-    def rollback_problem(self, n_new):
-        problem = super().rollback_problem(n_new)
+    def _rollback_problem(self, n_new):
+        problem = super()._rollback_problem(n_new)
         if problem is not None or self._next == 0:
             return problem  # going back to empty is always exact
         for layer, (ring, window) in enumerate(zip(self.rings, self.windows)):
@@ -193,7 +213,7 @@ class HybridCache(KVCache):
                 self._start[layer] = min(n, max(self._start[layer], self._next - ring)) if n else 0
         self._next = n
 
-    def shift_problem(self):
+    def _shift_problem(self, n=None, keep=0):
         return ("a hybrid cache does not shift: its window layers never run out of room, and its layers' "
                 "keys may be rotated with different RoPE bases")
 
@@ -213,8 +233,7 @@ class HybridCache(KVCache):
         return {"capacity": self._capacity, "spare": self.spare}
 
     def _load_rows(self, positions, next_position, raw_layers):
-        if not np.array_equal(positions, np.arange(next_position)):
-            raise CacheError(f"a hybrid cache holds positions 0..{next_position - 1}; the file holds others")
+        self._check_rows_fit(len(positions))
         starts = [next_position - len(raw[0]) for raw in raw_layers]
         for layer, (ring, window, start) in enumerate(zip(self.rings, self.windows, starts)):
             # a ring holds at most its R last positions and at least those the next query reads

@@ -43,13 +43,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..digest import sha256
 from ..errors import CacheError, CacheFullError, TokenError
-from .base import KVCache, Storage
+from ..limits import MAX_POOL_BLOCKS
+from .base import KVCache
 from .quant import KIVI, KIVI_NO_ROWS, Codec, KiviResidual, SlotStore
+from .registry import LayoutOptions, flag, handle, option, register
+from .storage import Storage
 
 DEFAULT_BLOCK_SIZE = 16
 _ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0
@@ -203,11 +207,57 @@ class BlockPool:
         del self._block_of[key]
 
 
+@dataclass(frozen=True)
+class PagedOptions(LayoutOptions):
+    block_size: int | None = option(file_high="max_seq_len")  # positions per block; None: DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = option(file_high=MAX_POOL_BLOCKS)  # None: enough for one max_seq_len sequence
+    prefix_reuse: bool | None = flag()  # index full blocks by their token prefix (prefill_reuse); None: False
+    pool: BlockPool | None = handle()  # an existing pool to add a sequence to, instead of a new pool
+
+    def positions(self):
+        return None if self.num_blocks is None else self.num_blocks * (self.block_size or DEFAULT_BLOCK_SIZE)
+
+
+@register
 class PagedCache(KVCache):
     """One sequence in a BlockPool: a block table, a length, and (for prefix reuse) its blocks' keys."""
 
     layout = "paged"
-    kivi_k = True
+    Options = PagedOptions
+    keeps_groups = True
+
+    @classmethod
+    def create(cls, shape, codecs, options):
+        if options.pool is not None:
+            return cls._in_pool(shape, codecs, options)
+        block_size, num_blocks = options.block_size or DEFAULT_BLOCK_SIZE, options.num_blocks
+        if num_blocks is None:
+            num_blocks = blocks_for(shape.max_seq_len, block_size)  # one max_seq_len sequence
+            shape.check_budget(num_blocks * block_size, codecs, "the default cache")
+        pool = BlockPool(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks=num_blocks,
+                         block_size=block_size, k_dtype=codecs.k.name, v_dtype=codecs.v.name,
+                         group_size=codecs.group_size, rope_theta=shape.rope_theta, max_positions=shape.max_seq_len,
+                         prefix_reuse=bool(options.prefix_reuse), model_fingerprint=shape.model)
+        return pool.new_cache()
+
+    @classmethod
+    def _in_pool(cls, shape, codecs, options):
+        # a sequence added to an existing pool: everything but the pool comes from it
+        pool = options.pool
+        if not isinstance(pool, BlockPool):
+            raise CacheError(f"pool= takes a BlockPool (cache.pool of a paged cache); got {type(pool).__name__}")
+        extra = [name for name in PagedOptions.names() if name != "pool" and getattr(options, name) is not None]
+        if extra:
+            raise CacheError(f"{', '.join(extra)} come from the pool when pool= is given")
+        if pool.model_fingerprint != shape.model:
+            raise CacheError("this pool was made for another model; its K/V would be wrong for this one")
+        if codecs.request is not None:
+            have = (pool.k_codec.name, pool.v_codec.name, pool.k_codec.group_size or pool.v_codec.group_size)
+            wanted = (*codecs.request[:2], codecs.request[2] or have[2])
+            if wanted != have:
+                raise CacheError(f"the pool stores K/V as {have[0]}/{have[1]} (group {have[2]}); "
+                                 f"asked for {wanted[0]}/{wanted[1]} (group {wanted[2]})")
+        return pool.new_cache()
 
     def __init__(self, pool: BlockPool):
         super().__init__(pool.n_layers, pool.n_kv_heads, pool.head_dim, pool.k_codec.name,

@@ -24,6 +24,8 @@ K params [..., Hkv, 2, D] per group of positions: the D channels' scales, then t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import CacheError, DTypeError, ShapeError
@@ -33,6 +35,9 @@ ELEMENT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8"
 KV_DTYPES = ("float64", "float32", "float16", "bfloat16", "int8", "kivi4")
 GROUPED_DTYPES = ("int8", "kivi4")  # the codecs with a group_size
 KIVI = "kivi4"
+# K can be moved to another position (re-rotated) without rounding history a second time only when
+# it is stored at least as wide as the arithmetic that rotates it.
+SHIFTABLE_K_DTYPES = ("float64", "float32")
 SCALE_DTYPE = np.dtype(np.float32)  # one per int8 group; 4 bytes
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never produced, so negation is exact
 NIBBLE_MAX = 15  # unsigned 4-bit levels 0..15
@@ -103,6 +108,35 @@ class Codec:
         is not counted)."""
         return self.stored_dim * self.storage_dtype.itemsize + self.n_groups * self.scale_width * SCALE_DTYPE.itemsize
 
+    @property
+    def groups_positions(self) -> bool:
+        """Whether, as K, this codec quantizes groups of positions together (kivi4: per channel over
+        group_size positions, the unfilled group kept in float16 in a KiviResidual): such a K needs a
+        layout that keeps whole groups, and is truncated exactly only where no quantized group is cut."""
+        return self.name == KIVI
+
+    def truncate_problem(self, length: int, n: int) -> str | None:
+        """As K: why truncating `length` positions to n would not be exact (None when it would): a group
+        that is already quantized cannot give back its float16 K."""
+        if not self.groups_positions:
+            return None
+        g = self.group_size
+        if n % g and n < length // g * g:
+            return (f"positions {n // g * g}..{n // g * g + g - 1} form a kivi4 K group that is already "
+                    f"quantized; only a truncation to a multiple of {g} or to {length // g * g} or later is exact")
+        return None
+
+    def rollback_problem(self, length: int, n_new: int) -> str | None:
+        """As K: why an execution of n_new positions after `length` could not be truncated away again
+        exactly (it would complete a group, quantizing positions after length); None when it could."""
+        if not self.groups_positions:
+            return None
+        g, end = self.group_size, length + n_new
+        if end // g * g > length:
+            return (f"the {n_new} positions would complete the kivi4 K group ending at position "
+                    f"{end // g * g - 1}; truncating into a quantized group is not exact")
+        return None
+
     def describe(self) -> str:
         return f"{self.name}/g{self.group_size}" if self.has_scales else self.name
 
@@ -145,6 +179,37 @@ class Codec:
     def roundtrip(self, x):
         """What a read returns for x after it was written: decode(encode(x))."""
         return self.decode(*self.encode(x))
+
+
+@dataclass(frozen=True)
+class Codecs:
+    """The stored forms of K and V a cache is made with (kvref.cache.make).
+
+    request   what the caller asked for: (K type, V type, group size or None); None when the model's
+              default was taken, which a sequence added to an existing pool leaves to the pool
+    """
+
+    k: Codec
+    v: Codec
+    request: tuple | None = None
+
+    @classmethod
+    def named(cls, k_dtype, v_dtype, head_dim: int, group_size=None, asked: bool = True) -> "Codecs":
+        """Codecs for the K and V type names; group_size applies to the grouped types only. asked:
+        whether the caller named them (False: the model's default)."""
+        if group_size is not None and not set(GROUPED_DTYPES) & {k_dtype, v_dtype}:
+            raise CacheError(f"group_size={group_size!r} applies to int8 K/V and kivi4; these are {k_dtype}/{v_dtype}")
+        request = (k_dtype, v_dtype, group_size) if asked else None
+        return cls(Codec(k_dtype, head_dim, group_size), Codec(v_dtype, head_dim, group_size), request)
+
+    @property
+    def group_size(self) -> int | None:
+        """Elements per int8 scale along head_dim (None when neither K nor V is grouped)."""
+        return self.k.group_size or self.v.group_size
+
+    def bytes_per_position(self, n_layers: int, n_kv_heads: int) -> int:
+        """Bytes one position occupies in every layer: K and V vectors per kv head, plus their scales."""
+        return n_layers * n_kv_heads * (self.k.bytes_per_vector() + self.v.bytes_per_vector())
 
 
 def to_bfloat16(x):
@@ -406,16 +471,6 @@ class KiviResidual:
     def abort(self):
         self.staged.clear()
         self.staged_rows = None
-
-    @staticmethod
-    def truncate_problem(length, n, g):
-        """Why truncating `length` kivi4 positions to n would not be exact (None when it would): a group
-        that is already quantized cannot give back its float16 K."""
-        if n % g and n < length // g * g:
-            return (f"positions {n // g * g}..{n // g * g + g - 1} form a kivi4 K group that is already "
-                    f"quantized; only a truncation to a multiple of {g} or to {length // g * g} or later is exact")
-        return None
-
 
 def _at(a, layer, index):
     return None if a is None else a[layer][index]

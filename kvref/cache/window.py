@@ -14,7 +14,7 @@ What an execution sees: the positions the cache held before it, plus its own new
 query causally). A decode step therefore attends to the sinks, the last `window` positions and
 itself; after the execution the ring keeps only the last `window`. New K/V are staged until the
 commit, so a failed execution overwrites nothing; for the same reason the native path cannot write
-them in place (`storage_problem`), and runs this layout kernel by kernel on the decoded K/V.
+them in place (`cache.capabilities.in_place`), and runs this layout kernel by kernel on the decoded K/V.
 
 A ring that has dropped a position cannot be rolled back (`truncate`) to an earlier state: the
 dropped positions would be needed again. `shift(n, keep=sinks)` closes the gap between the sinks
@@ -24,23 +24,44 @@ model's max_seq_len, as StreamingLLM does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import CacheError
 from .base import KVCache
 from .quant import SlotStore
+from .registry import LayoutOptions, option, register
 
 
+@dataclass(frozen=True)
+class WindowOptions(LayoutOptions):
+    window: int | None = option(file_high="max_seq_len")  # W: recent positions the ring keeps (required)
+    sinks: int = option(0, low=0, file_high="max_seq_len")  # first positions kept for good
+
+    def __post_init__(self):
+        if self.window is None:
+            raise CacheError("layout 'window' needs window=W, the number of recent positions it keeps")
+        super().__post_init__()
+
+    def positions(self):
+        return self.window + self.sinks
+
+
+@register
 class WindowCache(KVCache):
     layout = "window"
+    Options = WindowOptions
     chunking_invariant = False  # a long execution sees more than the ring keeps between executions
+
+    @classmethod
+    def create(cls, shape, codecs, options):
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.window, options.sinks, codecs.k.name,
+                   v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
 
     def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
-            raise CacheError(f"window={window!r} must be a positive integer")
-        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
-            raise CacheError(f"sinks={sinks!r} must be an integer >= 0")
+        WindowOptions(window=window, sinks=sinks)  # checks them
         super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
                          rope_theta=rope_theta)
         self.window, self.sinks = int(window), int(sinks)
@@ -83,8 +104,9 @@ class WindowCache(KVCache):
 
     # ---- one execution -------------------------------------------------------------------------------
 
-    def can_append(self, n_new: int) -> bool:
-        return not self._freed  # the ring makes room by dropping its oldest positions
+    def _append_problem(self, n_new):
+        # the ring makes room by dropping its oldest positions
+        return "this cache was freed" if self._freed else None
 
     def _reserve(self, n_new):
         return n_new, {}  # the ring always has room; the layers' encoded K/V are staged here
@@ -114,8 +136,8 @@ class WindowCache(KVCache):
         self._n_ring = min(self._n_ring + len(to_ring), self.window)
         self._next += n_new
 
-    def storage_problem(self):
-        return super().storage_problem() or (
+    def _storage_problem(self):
+        return super()._storage_problem() or (
             "the window stages new K/V until the commit (so an abort can keep the ring) and keeps its "
             "positions in a ring; it is read through read() and run kernel by kernel")
 
@@ -139,8 +161,8 @@ class WindowCache(KVCache):
                     f"back to position {n} would need positions it no longer holds")
         return None
 
-    def rollback_problem(self, n_new):
-        problem = super().rollback_problem(n_new)
+    def _rollback_problem(self, n_new):
+        problem = super()._rollback_problem(n_new)
         if problem is None and self._next + n_new > self.sinks + self.window:
             problem = (f"the window holds {self.sinks} sinks + {self.window} ring positions; {n_new} positions from "
                        f"position {self._next} would make the ring drop positions, after which it cannot truncate")
@@ -156,9 +178,9 @@ class WindowCache(KVCache):
         self._n_sinks = min(self._n_sinks, n)
         self._next = n
 
-    def _shift_problem(self, n, keep):
+    def _shift_problem(self, n=None, keep=0):
         problem = super()._shift_problem(n, keep)
-        if problem is None and keep != self.sinks:
+        if problem is None and n is not None and keep != self.sinks:
             problem = f"a window keeps exactly its {self.sinks} sink positions, so keep must be {self.sinks}"
         return problem
 
@@ -187,8 +209,8 @@ class WindowCache(KVCache):
     def layout_options(self):
         return {"window": self.window, "sinks": self.sinks}
 
-    def _load_rows(self, positions, next_position, raw_layers):
-        positions = np.asarray(positions)
+    def _check_saved_positions(self, positions, next_position):
+        # sinks 0..n_sinks-1, then the last positions before next_position, at most W of them
         n_sinks = int(np.sum(positions < self.sinks))
         ring = positions[n_sinks:]
         expected = np.concatenate([np.arange(n_sinks), np.arange(next_position - len(ring), next_position)])
@@ -196,6 +218,11 @@ class WindowCache(KVCache):
                 or (len(ring) and n_sinks != self.sinks)):
             raise CacheError(f"the saved positions are not sinks 0..{self.sinks - 1} followed by the last "
                              f"<= {self.window} positions before {next_position}")
+
+    def _load_rows(self, positions, next_position, raw_layers):
+        positions = np.asarray(positions)
+        n_sinks = int(np.sum(positions < self.sinks))
+        ring = positions[n_sinks:]
         slots = np.concatenate([np.arange(n_sinks), self.sinks + np.arange(len(ring))])
         for layer, raw in enumerate(raw_layers):
             self.store.write_raw(layer, slots, raw)

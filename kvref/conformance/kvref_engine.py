@@ -12,9 +12,10 @@ import os
 import weakref
 
 from ..batch import forward_batch
+from ..cache import layout_names
 from .engine import Engine, Refused, Rows
 
-LAYOUTS = ("contiguous", "paged", "hybrid", "window")
+LAYOUTS = layout_names()
 BLOCK_SIZE = 16  # the paged layout's default block size: the suite puts chunk boundaries at its multiples
 POOL_SEQUENCES = 8  # sequences of max_positions the pool holds at once (the batch check runs 3, fork 2)
 
@@ -38,7 +39,7 @@ class KVRefEngine(Engine):
         caps = {"incremental", "full_logits", "batch", "save_restore", "fork", "rollback", "sliding_window"}
         if layout == "paged":
             caps.add("prefix_cache")
-        if probe.shift_problem() is None and layout in ("contiguous", "paged"):
+        if probe.capabilities.shift() and layout in ("contiguous", "paged"):
             caps.add("context_shift")
         self.free(probe)
         self.capabilities = frozenset(caps)
@@ -118,7 +119,7 @@ class KVRefEngine(Engine):
         return seq.fork()
 
     def rollback(self, seq, n: int) -> None:
-        if not seq.can_truncate(n):
+        if not seq.capabilities.truncate(n):
             raise Refused(f"the {self.layout} cache cannot truncate to {n}")
         seq.truncate(n)
 

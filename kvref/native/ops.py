@@ -252,8 +252,8 @@ class _KV:
 
 def in_place_problem(cache) -> str | None:
     """Why the native kernels cannot read and write `cache`'s K/V where they lie (None when they can):
-    the layout's own answer (cache.storage_problem()), or a K/V type the kernels do not read."""
-    problem = cache.storage_problem()
+    the layout's own answer (cache.capabilities.in_place), or a K/V type the kernels do not read."""
+    problem = cache.capabilities.in_place.reason
     if problem is None and (cache.k_dtype not in KV_TYPES or cache.v_dtype not in KV_TYPES):
         problem = f"K/V are stored as {cache.dtype_name}; the native kernels read {tuple(KV_TYPES)} in place"
     return problem

@@ -8,7 +8,7 @@ position:  attention(new Q, [cached K, new K], [cached V, new V]).
 Kernels are looked up by name on `ops` (kvref.spec.ops, or the native module with the same names),
 so this one decoder serves both backends.
 
-The cache hands out each execution as a transaction (kvref.cache.base): `cache.begin` checks and
+The cache hands out each execution as a transaction (kvref.cache.execution): `cache.begin` checks and
 reserves room before any work, every layer writes its K/V through the execution, and leaving the
 `with` block commits the new positions together with their ids and the last logits. An exception
 anywhere inside (a bad kernel argument, Ctrl-C) aborts instead, leaving the cache as it was.

@@ -76,7 +76,7 @@ def cache(data: bytes) -> None:
     path = _write("cache.kvc", data + hashlib.sha256(data).digest())
     loaded = _cache_model().load_cache(path)
     try:
-        if loaded.can_append(1):
+        if loaded.capabilities.append(1):
             _cache_model().forward([1], loaded)
     finally:
         loaded.free()

@@ -1,0 +1,67 @@
+"""What a cache needs to know of its model, as plain values (kvref.cache never imports the model),
+and the memory formula.
+
+Model.new_cache describes the model with a CacheShape and hands it to kvref.cache.make; a saved
+file is checked against one (kvref/cache/fileformat.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CacheError
+from ..limits import DEFAULT_CACHE_BUDGET
+from .quant import ELEMENT_BYTES, Codec, Codecs, dtype_name
+
+
+def cache_bytes(n_layers: int, n_tokens: int, n_kv_heads: int, head_dim: int, dtype="float16") -> int:
+    """2 (K and V) x layers x tokens x kv heads x head_dim x bytes per element, exactly."""
+    return 2 * n_layers * n_tokens * n_kv_heads * head_dim * ELEMENT_BYTES[dtype_name(dtype)]
+
+
+def bytes_per_position(n_layers, n_kv_heads, head_dim, k_dtype, v_dtype=None, group_size=None) -> int:
+    """Bytes one position occupies in every layer: K and V vectors per kv head, plus int8 scales."""
+    k = Codec(k_dtype, head_dim, group_size)
+    v = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
+    return n_layers * n_kv_heads * (k.bytes_per_vector() + v.bytes_per_vector())
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The model facts a cache layout is made from.
+
+    n_layers, n_kv_heads, head_dim   the K/V of one position: [L, Hkv, D]
+    max_seq_len     positions the model reads; no cache holds more
+    vocab_size      V: a saved file's token ids and last logits are checked against it
+    layer_windows   per layer None (attends to every position) or its window W; None: no window layers
+    rope_theta      the RoPE base every cached key was rotated with; None: a shift is refused
+    model           the model's fingerprint (Model.fingerprint()), recorded in the cache's sequence
+                    and its saved files; None for a cache not made for a model
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    vocab_size: int | None = None
+    layer_windows: tuple | None = None
+    rope_theta: float | None = None
+    model: dict | None = None
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether some layer attends over a sliding window (Gemma 3)."""
+        return any(w is not None for w in self.layer_windows or ())
+
+    def check_budget(self, positions: int, codecs: Codecs, what: str = "a cache") -> None:
+        """CacheError if a cache of `positions` positions in every layer would take more than
+        kvref.limits.DEFAULT_CACHE_BUDGET bytes: what bounds the caches whose size the model (its
+        max_seq_len, from the model file) or a saved cache file chooses, never the caller. Counts every
+        layer at `positions`, which over-counts a hybrid cache's windowed layers."""
+        per_position = codecs.bytes_per_position(self.n_layers, self.n_kv_heads)
+        if positions * per_position > DEFAULT_CACHE_BUDGET:
+            raise CacheError(
+                f"{what} of {positions:,} positions would take {positions * per_position / 2**30:.1f} GiB of "
+                f"{codecs.k.name}/{codecs.v.name} K/V, more than the {DEFAULT_CACHE_BUDGET / 2**30:g} GiB a cache "
+                "sized by a file may take (kvref.limits.DEFAULT_CACHE_BUDGET); pass capacity= (or num_blocks=) "
+                "for the positions you need")
