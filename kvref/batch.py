@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cache import begin_all
-from .cache.paged import BlockPool, PagedCache, blocks_for
+from .cache.paged import PagedCache
+from .cache.pool import BlockPool, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
 from .sampling import Sampler
 from .spec import decoder

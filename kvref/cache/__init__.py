@@ -6,6 +6,7 @@
 
     ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
     PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
+    BlockPool         the blocks, their refcounts and allocator (pool.py); its PrefixIndex (prefix.py)
     WindowCache       attention sinks + a ring buffer of the last W positions     (window.py)
     HybridCache       per layer: a ring for a sliding-window layer, all positions  (hybrid.py)
                       for the others (Gemma 3)
@@ -18,10 +19,12 @@ from .base import (ELEMENT_BYTES, Execution, ExecutionGroup, KVCache, Sequence, 
                    bytes_per_position, cache_bytes, dtype_name, reorder)
 from .contiguous import ContiguousCache
 from .hybrid import HybridCache
-from .paged import BlockPool, PagedCache
+from .paged import PagedCache
+from .pool import BlockPool, Reservation
+from .prefix import PrefixIndex
 from .report import layout_report, layout_rows
 from .window import WindowCache
 
 __all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "Execution", "ExecutionGroup", "HybridCache", "KVCache", "PagedCache",
-           "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name",
+           "PrefixIndex", "Reservation", "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name",
            "layout_report", "layout_rows", "reorder"]
