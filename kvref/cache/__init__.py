@@ -26,5 +26,5 @@ from .report import layout_report, layout_rows
 from .window import WindowCache
 
 __all__ = ["ELEMENT_BYTES", "BlockPool", "ContiguousCache", "Execution", "ExecutionGroup", "HybridCache", "KVCache", "PagedCache",
-           "PrefixIndex", "Reservation", "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name",
-           "layout_report", "layout_rows", "reorder"]
+           "PrefixIndex", "Reservation", "Sequence", "Storage", "WindowCache", "begin_all", "bytes_per_position",
+           "cache_bytes", "dtype_name", "layout_report", "layout_rows", "reorder"]

@@ -30,13 +30,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from ..errors import KVRefError, RequestError
-from .engine import BATCH_BUCKETS, Engine, Job
+from .engine import BATCH_BUCKETS, EngineThread, Job
 from .protocol import Limits, Spec, make_spec, parse_chat, parse_completion
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt of the whole context is ~100 KB of text
 
 
-def create_app(model, engine: Engine, model_name: str, *, api_key: str | None = None,
+def create_app(model, engine: EngineThread, model_name: str, *, api_key: str | None = None,
                limits: Limits = Limits(), max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """The ASGI app; it starts the engine's thread when the server starts, and stops it at shutdown."""
     server = _Server(model, engine, model_name, api_key, limits, max_body_bytes)
@@ -327,7 +327,7 @@ def _error_body(status, message, param, code) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def prometheus_text(engine: Engine) -> str:
+def prometheus_text(engine: EngineThread) -> str:
     """/metrics: the engine's counters and the pool's figures in the Prometheus text format."""
     c, s = engine.counters, engine.snapshot
     lines = []
