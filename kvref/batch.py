@@ -175,12 +175,8 @@ class Scheduler:
             raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.max_batch:
             raise GenerationError(f"n={n!r} must be an integer in [1, max_batch={self.max_batch}]")
-        n_positions = len(prompt) + max(max_new_tokens - 1, 0)
-        model.check_context(0, n_positions)
-        reserve = blocks_for(n_positions, self.pool.block_size) + 1
-        if reserve > self.pool.num_blocks:
-            raise CacheFullError(f"a request of {n_positions} positions may need {reserve} blocks of "
-                                 f"{self.pool.block_size}; the pool has {self.pool.num_blocks} in all")
+        model.check_context(0, len(prompt) + max(max_new_tokens - 1, 0))
+        reserve = self.check_fits(len(prompt), max_new_tokens)
         stop = frozenset(int(t) for t in stop_ids)
         requests = []
         for i in range(n):
@@ -199,6 +195,18 @@ class Scheduler:
         request._blocks_reserved = reserve * n  # until the fork, the first sequence holds the family's room
         self.waiting.append(request)
         return request
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> int:
+        """The most blocks one sequence of a request may take from the pool: every position it may hold
+        (prompt + max_new_tokens - 1) and one block for a copy-on-write. CacheFullError if the pool has
+        fewer in all, since such a request could never run. submit checks it; the server checks it before
+        it queues a request (it reads only the pool's fixed sizes, so any thread may call it)."""
+        reserve = blocks_for(n_prompt + max(max_new_tokens - 1, 0), self.pool.block_size) + 1
+        if reserve > self.pool.num_blocks:
+            raise CacheFullError(f"a prompt of {n_prompt} tokens and max_new_tokens={max_new_tokens} may need "
+                                 f"{reserve} blocks of {self.pool.block_size}; the pool has {self.pool.num_blocks} "
+                                 f"in all")
+        return reserve
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         """End a request now, waiting or running, and free its blocks; its unforked siblings end too.

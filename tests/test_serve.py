@@ -335,6 +335,8 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # above Limits.max_tokens
     r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(60))}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # 16 blocks of 4 cannot hold it
+    assert "a prompt of 60 tokens" in r.json()["error"]["message"]  # the Scheduler's own check, word for word
+    assert "the pool has 16 in all (the server's --num-blocks" in r.json()["error"]["message"]
     r = tiny.client.post("/v1/completions", content=json.dumps({"prompt": [1] * 1000}), headers=auth)
     assert r.status_code == 413
     r = tiny.client.get("/v1/nothing", headers=auth)
