@@ -196,3 +196,12 @@ def test_a_shared_evictable_block_leaves_the_eviction_order_until_released_again
     pool.release([block])
     assert pool.prefix_index.evictable == (block,)
     pool.check()
+
+
+def test_the_moved_names_still_import_from_the_paged_module():
+    import kvref.cache.paged as paged
+    from kvref.cache import prefix
+
+    assert paged.BlockPool is BlockPool
+    with pytest.warns(DeprecationWarning, match="kvref.cache.prefix.block_key"):
+        assert paged.block_key is prefix.block_key

@@ -35,9 +35,12 @@ shares them as they are; an adopted prefix ends on a group boundary.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..errors import CacheError, CacheFullError, TokenError
+from . import prefix
 from .base import KVCache, Storage
 from .pool import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for
 from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
@@ -323,3 +326,11 @@ class PagedCache(KVCache):
             self.pool.store.write_raw(layer, index, raw)
         self._length = n
         self._index_full_blocks()  # the loaded sequence's ids, when the file had them
+
+
+def __getattr__(name):
+    if name == "block_key":  # moved with the prefix index
+        warnings.warn("kvref.cache.paged.block_key is deprecated: it is kvref.cache.prefix.block_key",
+                      DeprecationWarning, stacklevel=2)
+        return prefix.block_key
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
