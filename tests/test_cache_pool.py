@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvref.cache import BlockPool, PrefixIndex, Reservation
-from kvref.errors import CacheFullError
+from kvref.errors import CacheError, CacheFullError
 
 BS = 2  # positions per block
 IDS = st.lists(st.integers(0, 3), min_size=BS, max_size=4 * BS)  # few token values: prefixes repeat often
@@ -205,3 +205,29 @@ def test_the_moved_names_still_import_from_the_paged_module():
     assert paged.BlockPool is BlockPool
     with pytest.warns(DeprecationWarning, match="kvref.cache.prefix.block_key"):
         assert paged.block_key is prefix.block_key
+
+
+def test_a_wrong_allocator_call_is_a_cache_error_and_changes_nothing():
+    pool = new_pool(4)
+    a = pool.allocate(2)
+    state = (pool.refcount.copy(), pool.free_list)
+    for call, message in [(lambda: pool.allocate(-1), "number of blocks >= 0"),
+                          (lambda: pool.allocate(1.0), "number of blocks >= 0"),
+                          (lambda: pool.release([a.blocks[0], 3]), r"cannot release blocks \[3\]"),
+                          (lambda: pool.release([a.blocks[0], a.blocks[0]]), "distinct integer ids"),
+                          (lambda: pool.share([a.blocks[0], 2]), r"cannot share blocks \[2\]: they are free"),
+                          (lambda: pool.share([4]), r"in \[0, 4\)"),
+                          (lambda: pool.share([-1]), r"in \[0, 4\)"),
+                          (lambda: pool.share([0.5]), "integer ids")]:
+        with pytest.raises(CacheError, match=message):
+            call()
+        assert np.array_equal(pool.refcount, state[0]) and pool.free_list == state[1]
+    pool.share(a.blocks)
+    with pytest.raises(CacheError, match="shared or freed since"):
+        pool.cancel(a)
+    pool.release(a.blocks)
+    pool.cancel(a)
+    with pytest.raises(CacheError, match="shared or freed since"):
+        pool.cancel(a)  # twice
+    assert pool.blocks_free == 4
+    pool.check()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import threading
 from dataclasses import dataclass
 
@@ -150,6 +151,8 @@ class BlockPool:
     def allocate(self, n: int) -> Reservation:
         """Take n free blocks, one reference each: free-list blocks oldest freed first, then the prefix
         index's evictable blocks in its eviction order (their keys are dropped)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise CacheError(f"allocate takes a number of blocks >= 0; got {n!r}")
         if n > self.blocks_free:
             raise CacheFullError(f"the pool has {self.blocks_free} free blocks of {self.num_blocks}; {n} needed")
         blocks = list(itertools.islice(self._free, n))
@@ -161,24 +164,33 @@ class BlockPool:
 
     def cancel(self, reservation: Reservation) -> None:
         """Undo `allocate` exactly: each block returns to its place in the free list."""
-        blocks = list(reservation.blocks)
+        blocks = self._checked(reservation.blocks)
+        if any(self.refcount[b] != 1 for b in blocks):
+            raise CacheError(f"cannot cancel the reservation of blocks {blocks}: they are shared or freed "
+                             f"since (refcounts {[int(self.refcount[b]) for b in blocks]}, 1 each expected)")
         self.refcount[blocks] = 0
         self._free = dict.fromkeys(heapq.merge(sorted(blocks, key=self._freed_at.__getitem__), self._free,
                                                key=self._freed_at.__getitem__))
 
     def share(self, blocks) -> None:
-        """One more reference to each block; a free one leaves the free list or the eviction order."""
+        """One more reference to each block (distinct ids); a free one must hold an indexed prefix (anything
+        else in it is stale) and leaves the eviction order."""
+        blocks = self._checked(blocks)
+        stale = [b for b in blocks if self.refcount[b] == 0 and b not in self.prefix_index]
+        if stale:
+            raise CacheError(f"cannot share blocks {stale}: they are free and hold no indexed prefix")
         for b in blocks:
             if self.refcount[b] == 0:
-                if b in self.prefix_index:
-                    self.prefix_index.pin(b)
-                else:
-                    del self._free[b]
+                self.prefix_index.pin(b)
             self.refcount[b] += 1
 
     def release(self, blocks) -> None:
         """One reference less to each block; a block nobody references is free again, at the end of the
         free list, or (holding an indexed prefix) last in the eviction order."""
+        blocks = self._checked(blocks)
+        if any(self.refcount[b] == 0 for b in blocks):
+            raise CacheError(f"cannot release blocks {[b for b in blocks if self.refcount[b] == 0]}: nobody "
+                             f"references them")
         for b in blocks:
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
@@ -188,3 +200,13 @@ class BlockPool:
                     self.prefix_index.unpin(b)
                 else:
                     self._free[b] = None
+
+    def _checked(self, blocks) -> list:
+        # block ids from a caller: distinct integers in range, or nothing happens
+        try:
+            ids = [operator.index(b) for b in blocks]
+        except TypeError:
+            ids = None
+        if ids is None or len(set(ids)) != len(ids) or not all(0 <= b < self.num_blocks for b in ids):
+            raise CacheError(f"blocks must be distinct integer ids in [0, {self.num_blocks}); got {list(blocks)}")
+        return ids
