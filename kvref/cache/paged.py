@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import CacheError, CacheFullError, TokenError
 from . import prefix
 from .base import KVCache, Storage
-from .pool import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for
+from .pool import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for  # noqa: F401  (DEFAULT_BLOCK_SIZE: re-exported)
 from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
 
 
