@@ -7,8 +7,8 @@ memory   bytes per position of real caches after a 512-token prefill, against th
 prefix   a shared 512-token system prompt + a 16-token question: cold prefill vs prefix reuse
          (the paged pool indexes the system prompt's blocks after the first request)
 batch    8 requests (prompts of 8..200 tokens, --new-tokens each, greedy) through the
-         continuous-batching Scheduler with max_batch=8, against the same requests one after
-         another (Scheduler max_batch=1, the same code path; and kvref.generate, Model.forward's path);
+         continuous-batching Engine with max_batch=8, against the same requests one after
+         another (Engine max_batch=1, the same code path; and kvref.generate, Model.forward's path);
          then decode steps alone: 8 prefilled sequences, one batched step vs 8 single steps
 long     decode steps at 4,096 cached positions: contiguous float32, float16, bfloat16 and int8 K/V,
          paged (block 16) float16 and int8
@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import kvref  # noqa: E402
-from kvref.batch import Scheduler, forward_batch  # noqa: E402
+from kvref.batch import Engine, forward_batch  # noqa: E402
 from kvref.cache import cache_bytes  # noqa: E402
 
 MEMORY_LAYOUTS = [
@@ -115,11 +115,11 @@ def batch(model, repeat, n_requests=8, new_tokens=64):
                np.linspace(8, 200, n_requests).astype(int)]
 
     def scheduled(max_batch):
-        sched = Scheduler(model, max_batch=max_batch)
+        engine = Engine(model, max_batch=max_batch)
         for p in prompts:
-            sched.submit(p, new_tokens)
-        out = sched.run()
-        return out, sched.steps
+            engine.submit(p, new_tokens)
+        out = engine.run()
+        return out, engine.steps
 
     def one_by_one():
         return [list(kvref.generate(model, p, new_tokens)) for p in prompts]

@@ -1,12 +1,17 @@
 """Continuous batching: many requests share one block pool and advance together, one step at a time.
 
-    sched = Scheduler(model, max_batch=8, prefix_reuse=True)
-    a = sched.submit(prompt_a, max_new_tokens=64)
-    b = sched.submit(prompt_b, max_new_tokens=16, temperature=0.7, seed=1)
-    for request, token in sched.stream():      # or: while sched.pending: sched.step()
+    engine = Engine(model, max_batch=8, prefix_reuse=True)
+    a = engine.submit(prompt_a, max_new_tokens=64)
+    b = engine.submit(prompt_b, max_new_tokens=16, temperature=0.7, seed=1)
+    for request, token in engine.stream():     # or: while engine.pending: engine.step()
         ...                                    # each request's tokens, as they are selected
 
-Each `step()` is one batched execution (`forward_batch`): a newly admitted request contributes its
+Two parts, as in vLLM: the Scheduler keeps the queue and decides each step (`plan()` -> StepPlan:
+who is admitted, which ids each running request feeds, who is preempted) without running the model
+or sampling; the Engine's `step()` runs the plan as one batched execution and samples. The Scheduler
+also keeps the books a step's tokens change (`record`: a request ends at a stop id or its budget).
+
+Each step is one batched execution (`forward_batch`): a newly admitted request contributes its
 prompt (its prefill), every running request its last selected token (a decode step). Sequences of
 very different lengths mix freely, since positions and attention are per sequence. A request
 leaves the batch when it reaches max_new_tokens or a stop id, and its blocks go back to the pool at
@@ -37,13 +42,15 @@ in a batch as it does alone with kvref.generate (up to the float rounding of bat
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .cache import begin_all
-from .cache.paged import BlockPool, PagedCache, blocks_for
+from .cache.paged import PagedCache
+from .cache.pool import BlockPool, blocks_for
 from .errors import CacheError, CacheFullError, GenerationError
 from .sampling import Sampler
 
@@ -68,6 +75,15 @@ def forward_batch(model, token_lists, caches, all_logits=False):
     return logits if all_logits else [out[0] for out in logits]
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step runs, as Scheduler.plan decided it."""
+
+    feeds: tuple  # ((request, ids), ...) every running request in batch order, with the ids it feeds now
+    admitted: tuple = ()  # requests that joined the batch for this step (their caches made)
+    preempted: tuple = ()  # requests sent back to the queue (their blocks freed) so the step fits
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress."""
@@ -85,7 +101,7 @@ class Request:
     preempted: int = 0  # times this request was preempted (its blocks freed, its tokens recomputed)
     cache: PagedCache | None = None
     siblings: list = field(default_factory=list)  # sequences to fork from this one after its prefill
-    _select: object = None
+    sampler: Sampler | None = None  # selects its tokens: its own seeded stream, kept across preemptions
     _blocks_reserved: int = 0  # the most blocks this request may take from the pool
 
     @property
@@ -101,7 +117,7 @@ class Request:
 
 
 class Scheduler:
-    """A continuous-batching loop over one BlockPool (see the module docstring)."""
+    """The queue of a continuous batch over one BlockPool, and what each step runs (see the module docstring)."""
 
     def __init__(self, model, max_batch: int = 8, *, pool: BlockPool | None = None, kv_dtype=None,
                  block_size=None, num_blocks=None, prefix_reuse=None, preempt: bool = False,
@@ -131,11 +147,11 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []
         self.finished: list = []
-        self.steps = 0
         self.preemptions = 0
         self.prompt_positions = 0  # prompt positions of the admitted requests (first admission)
         self.reused_positions = 0  # ... of which came from the prefix index
         self._next_id = 0
+        self._engine = None  # for the deprecated step/stream/run
 
     @property
     def pending(self) -> bool:
@@ -157,19 +173,15 @@ class Scheduler:
             raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.max_batch:
             raise GenerationError(f"n={n!r} must be an integer in [1, max_batch={self.max_batch}]")
-        n_positions = len(prompt) + max(max_new_tokens - 1, 0)
-        model.check_context(0, n_positions)
-        reserve = blocks_for(n_positions, self.pool.block_size) + 1
-        if reserve > self.pool.num_blocks:
-            raise CacheFullError(f"a request of {n_positions} positions may need {reserve} blocks of "
-                                 f"{self.pool.block_size}; the pool has {self.pool.num_blocks} in all")
+        model.check_context(0, len(prompt) + max(max_new_tokens - 1, 0))
+        reserve = self.check_fits(len(prompt), max_new_tokens)
         stop = frozenset(int(t) for t in stop_ids)
         requests = []
         for i in range(n):
             # sequence i > 0 draws from its own stream, so n samples of one prompt differ
             seed_i = seed if seed is None or i == 0 else [int(seed), i]
             requests.append(Request(self._next_id, prompt, int(max_new_tokens), stop, index=i,
-                                    _select=Sampler(temperature, top_k, top_p, min_p, seed_i, **penalties),
+                                    sampler=Sampler(temperature, top_k, top_p, min_p, seed_i, **penalties),
                                     _blocks_reserved=reserve))
             self._next_id += 1
         request = requests[0]
@@ -181,6 +193,18 @@ class Scheduler:
         request._blocks_reserved = reserve * n  # until the fork, the first sequence holds the family's room
         self.waiting.append(request)
         return request
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> int:
+        """The most blocks one sequence of a request may take from the pool: every position it may hold
+        (prompt + max_new_tokens - 1) and one block for a copy-on-write. CacheFullError if the pool has
+        fewer in all, since such a request could never run. submit checks it; the server checks it before
+        it queues a request (it reads only the pool's fixed sizes, so any thread may call it)."""
+        reserve = blocks_for(n_prompt + max(max_new_tokens - 1, 0), self.pool.block_size) + 1
+        if reserve > self.pool.num_blocks:
+            raise CacheFullError(f"a prompt of {n_prompt} tokens and max_new_tokens={max_new_tokens} may need "
+                                 f"{reserve} blocks of {self.pool.block_size}; the pool has {self.pool.num_blocks} "
+                                 f"in all")
+        return reserve
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         """End a request now, waiting or running, and free its blocks; its unforked siblings end too.
@@ -194,29 +218,26 @@ class Scheduler:
         request.siblings = []
         self._finish(request, reason)
 
-    def step(self) -> list:
-        """One batched execution; returns the (request, token) pairs it selected, in batch order."""
-        self._admit()
-        if not self.running:
-            return []
-        feeds = self._plan()
+    def plan(self) -> StepPlan:
+        """Decide the next step: admit the waiting requests there is room for, give each running request
+        its feed (every unfed id, or with prefill_chunk a share of the step's prompt budget), and with
+        preempt=True send the newest requests back to the queue until the step's blocks fit.
+
+        Runs no model and selects nothing; it changes the queue and the pool's references (an admitted
+        request's new cache adopts its prefix, a preempted request's blocks are freed). A request whose
+        last execution committed but whose token was never selected (an interrupted step) feeds nothing:
+        it selects from the logits its cache recorded.
+        """
+        admitted = self._admit()
+        feeds, preempted = self._feeds(), []
         if self.preempt:
             while len(self.running) > 1 and self._blocks_needed(feeds) > self.pool.blocks_free:
+                preempted.append(self.running[-1])
                 self._preempt(self.running[-1])
-                feeds = self._plan()
-        # a request whose last execution committed but whose token was never selected (an interrupted
-        # step) has nothing to feed: it selects from the logits its cache recorded
-        fed = [r for r in self.running if feeds[r]]
-        if fed:
-            forward_batch(self.model, [feeds[r] for r in fed], [r.cache for r in fed])
-        self.steps += 1
-        out = []
-        for request in [r for r in self.running if not r.unfed()]:  # a part-prefilled prompt selects nothing yet
-            for r in [request, *self._fork_siblings(request)]:
-                out.append((r, self._select(r)))
-        return out
+                feeds = self._feeds()
+        return StepPlan(tuple(feeds.items()), tuple(admitted), tuple(preempted))
 
-    def _plan(self) -> dict:
+    def _feeds(self) -> dict:
         # request -> the ids it feeds this step: every unfed id, or (prefill_chunk) a share of a step's
         # budget of prompt positions, oldest request first; a decode step always runs
         budget = self.prefill_chunk
@@ -232,20 +253,18 @@ class Scheduler:
     def _blocks_needed(self, feeds) -> int:
         return sum(r.cache.blocks_needed(len(ids)) for r, ids in feeds.items())
 
-    def _select(self, request) -> int:
-        logits = request.cache.sequence.last_logits
-        token = request._select(logits, [*request.prompt, *request.tokens])
+    def record(self, request, token: int, logits) -> None:
+        """A token selected for a running request from `logits` [V]; it ends at a stop id or its budget."""
         request.logits = logits
         request.tokens.append(token)
         if token in request.stop_ids:
             self._finish(request, "stop")
         elif len(request.tokens) == request.max_new_tokens:
             self._finish(request, "length")
-        return token
 
-    def _fork_siblings(self, request) -> list:
-        # the prompt is prefilled: each sibling takes a copy-on-write fork of it, the room it may need
-        # and a place in the batch right after the request
+    def fork_siblings(self, request) -> list:
+        """The request's prompt is prefilled: each of its siblings takes a copy-on-write fork of its cache,
+        the room it may need and a place in the batch right after it. Returns the siblings forked."""
         family = len(request.siblings) + 1
         siblings = [s for s in request.siblings if not s.done]  # cancel() may have ended some
         request.siblings = []
@@ -256,16 +275,31 @@ class Scheduler:
         self.running[at:at] = siblings
         return siblings
 
+    # ---- deprecated: the step moved to Engine ----------------------------------------------------------
+
+    def step(self) -> list:
+        """Deprecated: Engine.step (an Engine runs a Scheduler's plans: Engine(model, ...) or Engine.over)."""
+        return self._deprecated("step").step()
+
     def stream(self):
-        """Yield (request, token) as tokens are selected, until every submitted request has finished."""
-        while self.pending:
-            yield from self.step()
+        """Deprecated: Engine.stream."""
+        return self._deprecated("stream").stream()
 
     def run(self) -> dict:
-        """Run every request to the end; returns {request id: tokens}."""
-        for _ in self.stream():
-            pass
-        return {r.id: list(r.tokens) for r in self.finished}
+        """Deprecated: Engine.run."""
+        return self._deprecated("run").run()
+
+    @property
+    def steps(self) -> int:
+        """Deprecated: Engine.steps."""
+        return 0 if self._engine is None else self._engine.steps
+
+    def _deprecated(self, name):
+        warnings.warn(f"Scheduler.{name}() is deprecated: kvref.batch.Engine(model, ...).{name}() runs the "
+                      f"scheduler's plans", DeprecationWarning, stacklevel=3)
+        if self._engine is None:
+            self._engine = Engine.over(self)
+        return self._engine
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 
@@ -273,7 +307,8 @@ class Scheduler:
         # blocks the running requests may still take: what each reserved minus what its table holds
         return sum(max(0, r._blocks_reserved - r.cache.blocks_used) for r in self.running)
 
-    def _admit(self):
+    def _admit(self) -> list:
+        admitted = []
         while self.waiting and len(self.running) + 1 + len(self.waiting[0].siblings) <= self.max_batch:
             request = self.waiting[0]
             history = [*request.prompt, *request.tokens]  # a preempted request recomputes its tokens too
@@ -281,7 +316,7 @@ class Scheduler:
             reused = cache.prefill_reuse(history) if self.pool.prefix_reuse else 0
             if not self._room_for(request, cache, len(history) - reused):
                 cache.free()  # not enough room yet: wait for a running request to finish
-                return
+                break
             self.waiting.popleft()
             if not request.preempted:
                 request.reused = reused
@@ -289,6 +324,8 @@ class Scheduler:
                 self.reused_positions += reused
             request.cache, request.state = cache, "running"
             self.running.append(request)
+            admitted.append(request)
+        return admitted
 
     def _room_for(self, request, cache, n_new) -> bool:
         if self.preempt:  # its history now, with a block to spare for each running sequence's next step
@@ -311,3 +348,65 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.finished.append(request)
+
+
+class Engine:
+    """Continuous batching: each step runs its Scheduler's plan as one batched execution, then selects a
+    token for every request whose history is now fed (see the module docstring). Options as Scheduler's."""
+
+    def __init__(self, model, max_batch: int = 8, **options):
+        self.model = model
+        self.scheduler = Scheduler(model, max_batch, **options)
+        self.steps = 0  # batched executions run
+
+    @classmethod
+    def over(cls, scheduler: Scheduler) -> "Engine":
+        """An engine that runs an existing scheduler's plans (with its model)."""
+        engine = cls.__new__(cls)
+        engine.model, engine.scheduler, engine.steps = scheduler.model, scheduler, 0
+        return engine
+
+    @property
+    def pending(self) -> bool:
+        return self.scheduler.pending
+
+    def submit(self, prompt_ids, max_new_tokens: int, *args, **kwargs) -> Request:
+        """Queue a request: Scheduler.submit."""
+        return self.scheduler.submit(prompt_ids, max_new_tokens, *args, **kwargs)
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """End a request now: Scheduler.cancel."""
+        self.scheduler.cancel(request, reason)
+
+    def step(self) -> list:
+        """One batched execution of the scheduler's plan; returns the (request, token) pairs it selected,
+        in batch order."""
+        plan = self.scheduler.plan()
+        if not plan.feeds:
+            return []
+        fed = [(r, ids) for r, ids in plan.feeds if ids]
+        if fed:
+            forward_batch(self.model, [ids for _, ids in fed], [r.cache for r, _ in fed])
+        self.steps += 1
+        out = []
+        for request in [r for r, _ in plan.feeds if not r.unfed()]:  # a part-prefilled prompt selects nothing yet
+            for r in [request, *self.scheduler.fork_siblings(request)]:
+                out.append((r, self._select(r)))
+        return out
+
+    def _select(self, request) -> int:
+        logits = request.cache.sequence.last_logits
+        token = request.sampler(logits, [*request.prompt, *request.tokens])
+        self.scheduler.record(request, token, logits)
+        return token
+
+    def stream(self):
+        """Yield (request, token) as tokens are selected, until every submitted request has finished."""
+        while self.pending:
+            yield from self.step()
+
+    def run(self) -> dict:
+        """Run every request to the end; returns {request id: tokens}."""
+        for _ in self.stream():
+            pass
+        return {r.id: list(r.tokens) for r in self.scheduler.finished}

@@ -119,7 +119,7 @@ def test_a_block_table_off_by_one_at_block_multiples_fails_chunking(monkeypatch,
 
 def test_a_prefix_key_without_the_previous_blocks_hash_fails_prefix_cache(monkeypatch, spec, plan):
     # the second block's key ignores the first block: [Q S] finds the S computed after P
-    monkeypatch.setattr(kvref.cache.paged, "block_key",
+    monkeypatch.setattr(kvref.cache.prefix, "block_key",
                         lambda previous, ids: hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).digest())
     results = run(engine("paged"), spec, plan, ["prefix_cache", "chunking"])
     assert results["chunking"].status == "pass"

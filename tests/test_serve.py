@@ -296,7 +296,7 @@ def tiny():
     from starlette.testclient import TestClient
 
     from kvref.serve.app import create_app
-    from kvref.serve.engine import Engine
+    from kvref.serve.engine import EngineThread
 
     cfg = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
     model = kvref.Model.random(cfg, seed=0, dtype="float64", backend="numpy")  # batch-invariant to 1e-10: no near ties
@@ -312,7 +312,7 @@ def tiny():
             return self.decode([t]).encode()
 
     model.tokenizer = Ids()
-    app = create_app(model, Engine(model, max_batch=4, num_blocks=16, block_size=4), "tiny", api_key="s3cret",
+    app = create_app(model, EngineThread(model, max_batch=4, num_blocks=16, block_size=4), "tiny", api_key="s3cret",
                      limits=Limits(max_tokens=8), max_body_bytes=2000)
     with TestClient(app) as client:
         yield SimpleNamespace(client=client, model=model)
@@ -335,6 +335,8 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # above Limits.max_tokens
     r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(60))}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # 16 blocks of 4 cannot hold it
+    assert "a prompt of 60 tokens" in r.json()["error"]["message"]  # the Scheduler's own check, word for word
+    assert "the pool has 16 in all (the server's --num-blocks" in r.json()["error"]["message"]
     r = tiny.client.post("/v1/completions", content=json.dumps({"prompt": [1] * 1000}), headers=auth)
     assert r.status_code == 413
     r = tiny.client.get("/v1/nothing", headers=auth)
@@ -344,13 +346,13 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
 def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exactly(tiny):
     # the engine alone, its requests queued before its thread starts, so all four are admitted together:
     # 16 blocks of 4, each request needs up to 10 (40 positions), so they cannot all grow
-    from kvref.serve.engine import Engine, Job
+    from kvref.serve.engine import EngineThread, Job
     from kvref.serve.protocol import Spec
 
     prompts = [[(7 * i + j) % 64 for j in range(10)] for i in range(4)]
 
     async def run():
-        engine = Engine(tiny.model, max_batch=4, num_blocks=16, block_size=4)
+        engine = EngineThread(tiny.model, max_batch=4, num_blocks=16, block_size=4)
         loop = asyncio.get_running_loop()
         jobs = [Job(Spec("completion", tuple(p), kvref.GenerationConfig(max_new_tokens=30)), loop) for p in prompts]
         for job in jobs:
@@ -369,3 +371,13 @@ def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exac
     for ids, text in zip(prompts, texts):
         assert text == "".join(f"<{t}>" for t in kvref.generate(tiny.model, ids, 30))
     assert engine.snapshot["preemptions"] > 0 and engine.snapshot["blocks_in_use"] == 0
+
+
+def test_the_old_engine_name_is_the_engine_thread_with_a_deprecation_warning():
+    import kvref.serve
+    from kvref.serve.engine import EngineThread
+
+    with pytest.warns(DeprecationWarning, match="EngineThread"):
+        assert kvref.serve.Engine is EngineThread
+    with pytest.raises(AttributeError):
+        kvref.serve.Engines  # noqa: B018

@@ -11,6 +11,7 @@
 
     ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
     PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
+    BlockPool         the blocks, their refcounts and allocator (pool.py); its PrefixIndex (prefix.py)
     WindowCache       attention sinks + a ring buffer of the last W positions     (window.py)
     HybridCache       per layer: a ring for a sliding-window layer, all positions  (hybrid.py)
                       for the others (Gemma 3)
@@ -25,7 +26,9 @@ from .base import KVCache
 from .contiguous import ContiguousCache
 from .execution import Execution, ExecutionGroup, begin_all
 from .hybrid import HybridCache
-from .paged import BlockPool, PagedCache
+from .paged import PagedCache
+from .pool import BlockPool, Reservation
+from .prefix import PrefixIndex
 from .quant import ELEMENT_BYTES, Codecs, dtype_name
 from .registry import LayoutOptions, layout_names, make, register, unregister
 from .reordering import reorder
@@ -36,6 +39,6 @@ from .storage import Storage
 from .window import WindowCache
 
 __all__ = ["ELEMENT_BYTES", "BlockPool", "CacheShape", "Codecs", "ContiguousCache", "Execution", "ExecutionGroup",
-           "HybridCache", "KVCache", "LayoutOptions", "PagedCache", "Sequence", "Storage", "WindowCache", "begin_all",
-           "bytes_per_position", "cache_bytes", "dtype_name", "layout_names", "layout_report", "layout_rows", "make",
-           "register", "reorder", "unregister"]
+           "HybridCache", "KVCache", "LayoutOptions", "PagedCache", "PrefixIndex", "Reservation", "Sequence", "Storage",
+           "WindowCache", "begin_all", "bytes_per_position", "cache_bytes", "dtype_name", "layout_names",
+           "layout_report", "layout_rows", "make", "register", "reorder", "unregister"]

@@ -1,4 +1,4 @@
-"""The paged cache: a pool of fixed-size blocks shared by many sequences, vLLM style.
+"""The paged cache: a sequence's block table into a BlockPool (pool.py) shared by many sequences, vLLM style.
 
 A block holds `block_size` consecutive positions of one sequence, in every layer. The pool owns all
 blocks; a sequence (PagedCache) owns only its *block table*, the list of block ids that hold its
@@ -9,27 +9,22 @@ positions in order: position p lives in block table[p // block_size] at offset p
     sequence A  table [3, 0, 5]   positions 0..15 -> block 3, 16..31 -> block 0, 32..37 -> block 5
     sequence B  table [3, 0, 7]   a fork of A: blocks 3 and 0 are shared (refcount 2)
 
-Blocks are reference counted. `fork()` shares every block of the parent; the first write into a
-shared block copies it (copy-on-write), so a fork costs nothing until the two sequences differ.
-Freed blocks go to the end of the free list and are reused oldest first; with prefix reuse, blocks
-holding no indexed prefix go before those that do, so a cached prefix is evicted only when the pool
-has no other free block, least recently freed first.
+Blocks are reference counted by the pool. `fork()` shares every block of the parent; the first write
+into a shared block copies it (copy-on-write), so a fork costs nothing until the two sequences differ.
 
-An execution's `begin` reserves every block it will write (fresh blocks, and a copy of a shared or
+An execution's `begin` allocates every block it will write (fresh blocks, and a copy of a shared or
 indexed last block, which stays referenced by the sequence until the commit) before any work, so a
-full pool fails at once; its abort gives each block back to its place in the free list, so the pool
-is exactly as before (except that a prefix key of a free block handed out is dropped for good: the
-execution may have overwritten it). While an execution is open its sequence holds one reference
-more than its table shows (the block it copied); `check` is for pools with no open execution.
-The sequences of one pool share its lock: two threads may run executions on two sequences of one
-pool, never two on one sequence.
+full pool fails at once; its abort cancels that allocation, so the pool is exactly as before (except
+that a prefix key of an evicted block is dropped for good: the execution may have overwritten it).
+While an execution is open its sequence holds one reference more than its table shows (the block it
+copied); `pool.check` is for pools with no open execution. The sequences of one pool share its lock:
+two threads may run executions on two sequences of one pool, never two on one sequence.
 
-Prefix reuse (BlockPool(prefix_reuse=True)): a full block whose token ids are known gets a key,
-sha256(previous block's key + its token ids), so equal keys mean equal token prefixes and equal K/V.
-The pool indexes full blocks by key, and `prefill_reuse(ids)` lets a new sequence adopt the blocks
-of the longest indexed prefix of ids instead of computing them. A freed block keeps its key until
-the free list hands it out again, so a system prompt stays reusable after the request that computed
-it finished. Token ids reach the layout with each commit (`cache.sequence.token_ids`).
+Prefix reuse (BlockPool(prefix_reuse=True)): a full block whose token ids are known is inserted into
+the pool's prefix index (prefix.py) under the key of its token prefix, and `prefill_reuse(ids)` lets a
+new sequence adopt the blocks of the longest indexed prefix of ids instead of computing them. A
+sequence keeps the keys of its own full blocks (its chain), so a commit keys only the blocks it
+filled. Token ids reach the layout with each commit (`cache.sequence.token_ids`).
 
 kivi4 K: the pool keeps one (scale, zero) per channel for each group of g positions of a block
 (`store.k_scales` [L, num_blocks, block_size / g, Hkv, 2, D]), so block_size must be a multiple of g
@@ -40,171 +35,19 @@ shares them as they are; an adopted prefix ends on a group boundary.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..digest import sha256
 from ..errors import CacheError, CacheFullError, TokenError
 from ..limits import MAX_POOL_BLOCKS
+from . import prefix
 from .base import KVCache
-from .quant import KIVI, KIVI_NO_ROWS, Codec, KiviResidual, SlotStore
+from .pool import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for  # noqa: F401  (DEFAULT_BLOCK_SIZE: re-exported)
+from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
 from .registry import LayoutOptions, flag, handle, option, register
 from .storage import Storage
-
-DEFAULT_BLOCK_SIZE = 16
-_ROOT_KEY = b"kvref prefix v1"  # the key "before" block 0
-
-
-def block_key(previous: bytes, token_ids) -> bytes:
-    """The prefix key of a full block: sha256(previous block's key + the block's token ids as int64)."""
-    return sha256(previous + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
-
-
-def blocks_for(n_positions: int, block_size: int) -> int:
-    return -(-n_positions // block_size)
-
-
-class BlockPool:
-    """num_blocks blocks of block_size positions for every layer, with refcounts, a free list and a prefix index."""
-
-    def __init__(self, n_layers, n_kv_heads, head_dim, *, num_blocks, block_size=DEFAULT_BLOCK_SIZE,
-                 k_dtype="float32", v_dtype=None, group_size=None, rope_theta=None, max_positions=None,
-                 prefix_reuse=False, model_fingerprint=None):
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise CacheError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(prefix_reuse, bool):
-            raise CacheError(f"prefix_reuse={prefix_reuse!r} must be True or False")
-        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.block_size, self.num_blocks = int(block_size), int(num_blocks)
-        self.k_codec = Codec(k_dtype, head_dim, group_size)
-        self.v_codec = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
-        if self.k_codec.name == KIVI and self.block_size % self.k_codec.group_size:
-            raise CacheError(f"block_size={self.block_size} must be a multiple of the kivi4 group of "
-                             f"{self.k_codec.group_size} positions, so that a K group never straddles two blocks")
-        self.rope_theta = rope_theta
-        self.max_positions = max_positions  # the model's max_seq_len: no sequence grows past it
-        self.prefix_reuse = prefix_reuse
-        self.model_fingerprint = model_fingerprint
-        self.store = SlotStore(n_layers, (self.num_blocks, self.block_size), n_kv_heads, head_dim,
-                               self.k_codec, self.v_codec)
-        self.refcount = np.zeros(self.num_blocks, dtype=np.int64)  # [num_blocks] table entries pointing at each block
-        self._free = dict.fromkeys(range(self.num_blocks))  # insertion order = reuse order (oldest freed first)
-        # when each block last joined the free list: the free list is in this order, so blocks an
-        # aborted execution gives back can return to their places whatever else happened meanwhile
-        self._freed_at = list(range(self.num_blocks))
-        self._clock = self.num_blocks
-        self._key_of: dict[int, bytes] = {}  # block -> prefix key (full blocks with known ids)
-        self._block_of: dict[bytes, int] = {}  # prefix key -> block
-        self.reused_positions = 0  # positions served from the prefix index so far (accounting)
-        self.lock = threading.RLock()  # every change of the pool or of one of its sequences holds it
-
-    # ---- accounting ----------------------------------------------------------------------------------
-
-    @property
-    def blocks_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def blocks_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def blocks_cached(self) -> int:
-        """Free blocks that still hold an indexed prefix (reusable until handed out again)."""
-        return sum(1 for b in self._free if b in self._key_of)
-
-    @property
-    def free_list(self) -> tuple:
-        """The free blocks in the order they will be handed out (oldest freed first)."""
-        return tuple(self._free)
-
-    @property
-    def prefix_keys(self) -> dict:
-        """{block: prefix key} of every indexed block (a copy)."""
-        return dict(self._key_of)
-
-    @property
-    def block_nbytes(self) -> int:
-        return self.block_size * self.n_layers * self.n_kv_heads * (
-            self.k_codec.bytes_per_vector() + self.v_codec.bytes_per_vector())
-
-    @property
-    def used_nbytes(self) -> int:
-        """Bytes of the blocks in use (shared blocks counted once)."""
-        return self.blocks_used * self.block_nbytes
-
-    @property
-    def allocated_nbytes(self) -> int:
-        return self.store.allocated_nbytes
-
-    def new_cache(self) -> "PagedCache":
-        """An empty sequence in this pool."""
-        return PagedCache(self)
-
-    def check(self, caches=()) -> None:
-        """Assert the pool's invariants (tests): refcounts equal table entries of `caches` if given."""
-        for b in range(self.num_blocks):
-            assert (b in self._free) == (self.refcount[b] == 0), f"block {b}: refcount {self.refcount[b]}"
-        for key, b in self._block_of.items():
-            assert self._key_of.get(b) == key, f"prefix index and block {b} disagree"
-        assert len(self._key_of) == len(self._block_of)
-        if caches:
-            expected = np.zeros(self.num_blocks, dtype=np.int64)
-            for c in caches:
-                if not c.freed:
-                    np.add.at(expected, np.asarray(c.block_table, dtype=np.int64), 1)
-            assert np.array_equal(expected, self.refcount), "refcounts differ from the block tables"
-
-    # ---- blocks --------------------------------------------------------------------------------------
-
-    def _allocate(self, n: int) -> list:
-        """Take n blocks from the free list, oldest freed first, blocks without a prefix key before those
-        with one: a cached prefix is evicted only when no other block is free, least recently freed
-        first (LRU). The keys of the cached blocks taken are dropped."""
-        if n > len(self._free):
-            raise CacheFullError(f"the pool has {len(self._free)} free blocks of {self.num_blocks}; {n} needed")
-        plain = list(itertools.islice((b for b in self._free if b not in self._key_of), n))
-        cached = list(itertools.islice((b for b in self._free if b in self._key_of), n - len(plain)))
-        blocks = []
-        for b in plain + cached:
-            del self._free[b]
-            if b in self._key_of:  # its old prefix is overwritten from now on
-                self._unregister(b)
-            self.refcount[b] = 1
-            blocks.append(b)
-        return blocks
-
-    def _give_back(self, blocks: list) -> None:
-        """Undo _allocate of `blocks` exactly: each returns to its place in the free list."""
-        for b in blocks:
-            self.refcount[b] = 0
-        self._free = dict.fromkeys(heapq.merge(blocks, self._free, key=self._freed_at.__getitem__))
-
-    def _incref(self, b):
-        if self.refcount[b] == 0:
-            del self._free[b]
-        self.refcount[b] += 1
-
-    def _decref(self, b):
-        self.refcount[b] -= 1
-        if self.refcount[b] == 0:
-            self._free[b] = None  # keeps its prefix key: reusable until handed out again
-            self._freed_at[b] = self._clock
-            self._clock += 1
-
-    def _register(self, b, key):
-        if key not in self._block_of and b not in self._key_of:
-            self._block_of[key] = b
-            self._key_of[b] = key
-
-    def _unregister(self, b):
-        key = self._key_of.pop(b)
-        del self._block_of[key]
 
 
 @dataclass(frozen=True)
@@ -328,7 +171,7 @@ class PagedCache(KVCache):
         key: it is copied first, so the others (and the index) keep seeing it as it is."""
         if self._length % self.pool.block_size:
             last = self._table[-1]
-            if self.pool.refcount[last] > 1 or last in self.pool._key_of:
+            if self.pool.refcount[last] > 1 or last in self.pool.prefix_index:
                 return 1
         return 0
 
@@ -354,15 +197,15 @@ class PagedCache(KVCache):
                 f"cannot append {n_new} positions: the sequence holds {self._length} positions in "
                 f"{len(self._table)} blocks of {bs} and needs {need} more{cow}; the pool has "
                 f"{pool.blocks_free} free of {pool.num_blocks}")
-        before, taken, cow = list(self._table), [], None
+        before, cow = list(self._table), None
+        taken = pool.allocate(need)
+        fresh = list(taken.blocks)
         if self._cow_needed():  # copy-on-write: the block stays as its sharers and the index see it
             cow = self._table[-1]  # still referenced by this sequence until the commit
-            taken = pool._allocate(1)
-            pool.store.copy_slots(taken[0], cow)
-            self._table[-1] = taken[0]
-        fresh = pool._allocate(blocks_for(self._length + n_new, bs) - len(self._table))
+            pool.store.copy_slots(fresh[0], cow)
+            self._table[-1] = fresh.pop(0)
         self._table += fresh
-        return n_new, before, cow, taken + fresh
+        return n_new, before, cow, taken
 
     def _write(self, reservation, layer, k, v):
         bs, end = self.pool.block_size, self._length + reservation[0]
@@ -379,7 +222,7 @@ class PagedCache(KVCache):
     def _commit(self, reservation):
         n_new, _, cow, _ = reservation
         if cow is not None:
-            self.pool._decref(cow)  # the copy replaces it in this sequence's table for good
+            self.pool.release([cow])  # the copy replaces it in this sequence's table for good
         self._length += n_new
         self._index_full_blocks()
         if self.residual is not None:
@@ -389,7 +232,7 @@ class PagedCache(KVCache):
         _, before, _, taken = reservation
         if self.residual is not None:
             self.residual.abort()
-        self.pool._give_back(taken)
+        self.pool.cancel(taken)
         self._table = before
 
     def _storage(self):
@@ -420,25 +263,17 @@ class PagedCache(KVCache):
         ids = np.asarray(token_ids)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
             raise TokenError(f"token ids must be a non-empty 1-D sequence of integers; got {token_ids!r}")
-        key, found, keys = _ROOT_KEY, [], []
-        for i in range(len(ids) // bs):
-            key = block_key(key, ids[i * bs:(i + 1) * bs])
-            b = pool._block_of.get(key)
-            if b is None:
-                break
-            found.append(b)
-            keys.append(key)
+        found = pool.prefix_index.match(ids)  # [(key, block)]
         n = min(len(found) * bs, len(ids) - 1)
         if self.residual is not None:  # a kivi4 K residual holds no adopted position: start on a group
             n -= n % self.k_codec.group_size
         if n <= 0:
             return 0
-        self._table = found[:blocks_for(n, bs)]
-        for b in self._table:
-            pool._incref(b)
+        self._table = [b for _, b in found[:blocks_for(n, bs)]]
+        pool.share(self._table)
         self._length = n
         self.sequence.replace(ids[:n])
-        self._chain = keys[: n // bs]
+        self._chain = [key for key, _ in found[: n // bs]]
         pool.reused_positions += n
         return n
 
@@ -447,11 +282,10 @@ class PagedCache(KVCache):
         if not self.pool.prefix_reuse or self.sequence.n_token_ids is None:
             self._chain = []
             return
-        bs = self.pool.block_size
+        bs, index = self.pool.block_size, self.pool.prefix_index
         for i in range(len(self._chain), self._length // bs):
-            previous = self._chain[-1] if self._chain else _ROOT_KEY
-            self._chain.append(block_key(previous, self.sequence.ids(i * bs, (i + 1) * bs)))
-            self.pool._register(self._table[i], self._chain[-1])
+            previous = self._chain[-1] if self._chain else index.root
+            self._chain.append(index.insert(previous, self.sequence.ids(i * bs, (i + 1) * bs), self._table[i]))
 
     # ---- reading -------------------------------------------------------------------------------------
 
@@ -481,8 +315,7 @@ class PagedCache(KVCache):
 
     def _truncate(self, n):
         keep = blocks_for(n, self.pool.block_size)
-        for b in self._table[keep:]:
-            self.pool._decref(b)
+        self.pool.release(self._table[keep:])
         del self._table[keep:]
         del self._chain[n // self.pool.block_size:]
         self._length = n
@@ -490,8 +323,7 @@ class PagedCache(KVCache):
     def _fork(self):
         child = PagedCache(self.pool)
         child._table = list(self._table)
-        for b in self._table:
-            self.pool._incref(b)
+        self.pool.share(self._table)
         child._length = self._length
         child._chain = list(self._chain)
         if self.residual is not None:
@@ -507,7 +339,7 @@ class PagedCache(KVCache):
         if need > pool.blocks_free:
             raise CacheFullError(f"shift rewrites {need} blocks; the pool has {pool.blocks_free} free of "
                                  f"{pool.num_blocks}")
-        fresh = pool._allocate(need)
+        fresh = list(pool.allocate(need).blocks)
         table = np.asarray(self._table, dtype=np.int64)
         src = np.concatenate([np.arange(first * bs, keep), np.arange(keep + n, self._length)])
         moved = src >= keep + n
@@ -517,15 +349,13 @@ class PagedCache(KVCache):
             k, ks, v, vs = pool.store.read_raw(layer, (table[src // bs], src % bs))  # copies
             k[moved] = self._rerotate(k[moved], n).astype(k.dtype)
             pool.store.write_raw(layer, dst_index, (k, ks, v, vs))
-        for b in self._table[first:]:
-            pool._decref(b)
+        pool.release(self._table[first:])
         self._table = self._table[:first] + fresh
         self._chain = self._chain[:first]
         self._length = new_length
 
     def _free(self):
-        for b in self._table:
-            self.pool._decref(b)
+        self.pool.release(self._table)
         self._table = []
         self._chain = []
 
@@ -539,10 +369,18 @@ class PagedCache(KVCache):
         if need > self.pool.blocks_free:
             raise CacheFullError(f"loading {n} positions needs {need} blocks of {bs}; the pool has "
                                  f"{self.pool.blocks_free} free of {self.pool.num_blocks}")
-        self._table = self.pool._allocate(need)
+        self._table = list(self.pool.allocate(need).blocks)
         p = np.arange(n)
         index = (np.asarray(self._table, dtype=np.int64)[p // bs], p % bs)
         for layer, raw in enumerate(raw_layers):
             self.pool.store.write_raw(layer, index, raw)
         self._length = n
         self._index_full_blocks()  # the loaded sequence's ids, when the file had them
+
+
+def __getattr__(name):
+    if name == "block_key":  # moved with the prefix index
+        warnings.warn("kvref.cache.paged.block_key is deprecated: it is kvref.cache.prefix.block_key",
+                      DeprecationWarning, stacklevel=2)
+        return prefix.block_key
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,8 +5,8 @@
 Three layers, each usable alone:
 
     protocol.py  request bodies checked field by field into a Spec (RequestError -> HTTP 400)
-    engine.py    one thread that owns kvref.batch.Scheduler (prefix reuse, chunked prefill, preemption,
-                 n > 1 by copy-on-write forks) and turns its tokens into text events
+    engine.py    one thread (EngineThread) that owns a kvref.batch.Engine (prefix reuse, chunked prefill,
+                 preemption, n > 1 by copy-on-write forks) and turns its tokens into text events
     app.py       the Starlette app: routes, server-sent events, /metrics, API key, body limit
 
 The server is above the API (DESIGN.md): it uses Model, the paged cache and the Scheduler as any other
@@ -19,21 +19,22 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from .engine import Engine, Job
+from . import engine as _engine
+from .engine import EngineThread, Job
 from .protocol import Limits, Spec
 
 
 def create_server(model, model_name: str, *, host="127.0.0.1", port=8080, max_batch=8, num_blocks=None,
                   block_size=16, kv_dtype=None, prefill_chunk=256, api_key=None, limits: Limits = Limits(),
                   max_body_bytes=None, log_level="info"):
-    """A uvicorn Server running the app over a new Engine (not started: call .run(), or .run(sockets=[s]))."""
+    """A uvicorn Server running the app over a new EngineThread (not started: call .run(), or .run(sockets=[s]))."""
     import uvicorn
 
     from .app import MAX_BODY_BYTES, create_app
 
     # n sequences of one request run side by side, so n cannot exceed the batch
     limits = dataclasses.replace(limits, max_n=min(limits.max_n, max_batch))
-    engine = Engine(model, max_batch=max_batch, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
+    engine = EngineThread(model, max_batch=max_batch, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                     prefill_chunk=prefill_chunk)
     app = create_app(model, engine, model_name, api_key=api_key, limits=limits,
                      max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes)
@@ -52,4 +53,10 @@ def bind(host="127.0.0.1", port=0) -> socket.socket:
     return sock
 
 
-__all__ = ["Engine", "Job", "Limits", "Spec", "bind", "create_server"]
+def __getattr__(name):
+    if name == "Engine":  # deprecated: kvref.serve.EngineThread
+        return _engine.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["EngineThread", "Job", "Limits", "Spec", "bind", "create_server"]

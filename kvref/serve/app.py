@@ -29,14 +29,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import KVRefError, RequestError
-from .engine import BATCH_BUCKETS, Engine, Job
+from ..errors import CacheFullError, KVRefError, RequestError
+from .engine import BATCH_BUCKETS, EngineThread, Job
 from .protocol import Limits, Spec, make_spec, parse_chat, parse_completion
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt of the whole context is ~100 KB of text
 
 
-def create_app(model, engine: Engine, model_name: str, *, api_key: str | None = None,
+def create_app(model, engine: EngineThread, model_name: str, *, api_key: str | None = None,
                limits: Limits = Limits(), max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """The ASGI app; it starts the engine's thread when the server starts, and stops it at shutdown."""
     server = _Server(model, engine, model_name, api_key, limits, max_body_bytes)
@@ -147,13 +147,10 @@ class _Server:
 
     async def _answer(self, request: Request, spec: Spec):
         job = Job(spec, asyncio.get_running_loop())
-        pool = self.engine.scheduler.pool
-        # the Scheduler's own bound (kvref.batch.Scheduler.submit), checked here so it is a 400 before any work
-        need = -(-(len(spec.prompt_ids) + spec.config.max_new_tokens - 1) // pool.block_size) + 1
-        if need > pool.num_blocks:
-            raise RequestError(f"the prompt ({len(spec.prompt_ids)} tokens) and max_tokens "
-                               f"{spec.config.max_new_tokens} may need {need} blocks of {pool.block_size}; the "
-                               f"server's pool has {pool.num_blocks} (--num-blocks / --cache-mib)", "max_tokens")
+        try:  # the Scheduler's own admission bound, checked here so it is a 400 before any work
+            self.engine.scheduler.check_fits(len(spec.prompt_ids), spec.config.max_new_tokens)
+        except CacheFullError as error:
+            raise RequestError(f"{error} (the server's --num-blocks / --cache-mib)", "max_tokens") from None
         self.engine.submit(job)
         answer = _Answer(job, self.model, self.model_name)
         if spec.stream:
@@ -327,7 +324,7 @@ def _error_body(status, message, param, code) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def prometheus_text(engine: Engine) -> str:
+def prometheus_text(engine: EngineThread) -> str:
     """/metrics: the engine's counters and the pool's figures in the Prometheus text format."""
     c, s = engine.counters, engine.snapshot
     lines = []

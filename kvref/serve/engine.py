@@ -1,12 +1,12 @@
-"""The engine: one thread that owns the Scheduler and runs its steps, fed by the server's event loop.
+"""The engine thread: it owns a kvref.batch.Engine and runs its steps, fed by the server's event loop.
 
-    engine = Engine(model, max_batch=8, num_blocks=2048, kv_dtype="float16")
+    engine = EngineThread(model, max_batch=8, num_blocks=2048, kv_dtype="float16")
     engine.start()
     job = Job(spec, loop)                  # on the event loop
     engine.submit(job)                     # thread-safe; the job's events arrive on job.events
     engine.cancel(job)                     # a client that went away: its sequences end, blocks freed
 
-Only the engine thread touches the Scheduler, its pool and the model: the event loop talks to it
+Only the engine thread touches the Engine, its Scheduler and pool, and the model: the event loop talks to it
 through a queue of commands, which the thread drains before every step, so a new request joins the
 running batch at the next step and a cancelled one leaves it there. The scheduler runs with prefix
 reuse (a shared system prompt is computed once and its blocks adopted by later requests; cached
@@ -30,11 +30,12 @@ import asyncio
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..batch import Scheduler
+from .. import batch
 from ..stream import TextStream
 from ..spec.ops import log_softmax
 from .protocol import Spec
@@ -66,16 +67,16 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Engine:
-    """The scheduler's thread (see the module docstring). Options as Scheduler's, plus the tokenizer's
-    end ids for every request."""
+class EngineThread:
+    """The batch engine's thread (see the module docstring). Options as kvref.batch.Scheduler's, plus the
+    tokenizer's end ids for every request."""
 
     def __init__(self, model, *, max_batch=8, num_blocks=None, block_size=16, kv_dtype=None,
                  prefill_chunk=256):
         self.model = model
-        self.scheduler = Scheduler(model, max_batch, kv_dtype=kv_dtype, block_size=block_size,
-                                   num_blocks=num_blocks, prefix_reuse=True, preempt=True,
-                                   prefill_chunk=prefill_chunk)
+        self.engine = batch.Engine(model, max_batch, kv_dtype=kv_dtype, block_size=block_size,
+                                   num_blocks=num_blocks, prefix_reuse=True, preempt=True, prefill_chunk=prefill_chunk)
+        self.scheduler = self.engine.scheduler
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -160,7 +161,7 @@ class Engine:
 
     def _step(self):
         try:
-            out = self.scheduler.step()
+            out = self.engine.step()
         except Exception as error:  # an execution failed and committed nothing: end every running job
             for job in {self._owner[r][0] for r in self.scheduler.running if r in self._owner}:
                 self._fail(job, f"{type(error).__name__}: {error}")
@@ -228,3 +229,10 @@ def token_logprob(logits, token: int, k: int) -> TokenLogprob:
     lp = log_softmax(np.asarray(logits, dtype=np.float64))
     top = np.argsort(-lp, kind="stable")[:k] if k else ()
     return TokenLogprob(int(token), float(lp[token]), tuple((int(t), float(lp[t])) for t in top))
+
+
+def __getattr__(name):
+    if name == "Engine":  # the old name, before kvref.batch.Engine (the step) took it
+        warnings.warn("kvref.serve.engine.Engine is deprecated: it is EngineThread", DeprecationWarning, stacklevel=2)
+        return EngineThread
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
