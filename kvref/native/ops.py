@@ -235,8 +235,9 @@ class _KV:
                  layer_ring=None, n_slots=None, head_dim=None, k_residual=None):
         L, Hkv = k.shape[0] if layer_ring is None else layer_ring.shape[0], k.shape[-2]
         D = k.shape[-1] if head_dim is None else head_dim
-        self._keep = [ffi.from_buffer(a, require_writable=a.flags.writeable) if a is not None else ffi.NULL
-                      for a in (k, v, k_scales, v_scales, block_table, layer_ring, k_residual)]  # pinned with us
+        self._keep = []  # what the descriptor points into, pinned with us
+        for a in (k, v, k_scales, v_scales, block_table, layer_ring, k_residual):
+            self._keep.append(ffi.NULL if a is None else ffi.from_buffer(a, require_writable=a.flags.writeable))
         d = self.ptr = ffi.new("kvref_kv *")
         d.k, d.v = self._keep[0], self._keep[1]
         d.k_scales, d.v_scales = ffi.cast("float *", self._keep[2]), ffi.cast("float *", self._keep[3])
