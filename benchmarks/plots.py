@@ -12,6 +12,9 @@
                            JSON files `benchmarks/compare.py --cases context --context N --json
                            decode_vs_context_N.json` wrote into --measured (one per N); left out
                            when there are none
+  layers.png               kvref's units in the layers tests/test_layering.py declares, lowest at the
+                           bottom, with the number of import statements from each layer to each one
+                           below it (read from the source, as the test reads it)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
+import matplotlib.patches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
@@ -109,6 +113,38 @@ def decode_vs_context(out: Path, measured: Path) -> bool:
     return True
 
 
+def layers(out: Path):
+    import sys
+
+    sys.path.insert(0, str(HERE.parent))  # tests/ is not installed: read the declared order from the repo
+    from tests.test_layering import LAYERS, LAYER, unit_imports
+
+    fig, ax = plt.subplots(figsize=(11, 0.62 * len(LAYERS) + 0.6))
+    for i, names in enumerate(LAYERS):
+        label = "  ".join(sorted(n or "kvref (the public API)" for n in names))
+        ax.add_patch(matplotlib.patches.FancyBboxPatch((0.02, i + 0.12), 0.74, 0.76, boxstyle="round,pad=0.01",
+                                                       facecolor=plt.cm.Blues(0.15 + 0.06 * i), edgecolor="0.4"))
+        ax.text(0.04, i + 0.5, f"{i}", va="center", fontsize=10, weight="bold")
+        ax.text(0.08, i + 0.5, label, va="center", fontsize=9)
+    counts = {}
+    for a, b, name, _ in unit_imports():
+        if a in LAYER and b in LAYER and LAYER[a] != LAYER[b] and name != "__version__":  # as the test reads them
+            counts[LAYER[a], LAYER[b]] = counts.get((LAYER[a], LAYER[b]), 0) + 1
+    for i in range(len(LAYERS)):
+        below = sorted((j, n) for (a, j), n in counts.items() if a == i)
+        if below:
+            ax.text(0.78, i + 0.5, "imports from " + ", ".join(f"{j} ({n})" for j, n in below), va="center",
+                    fontsize=7.5, color="0.3")
+    ax.set_xlim(0, 1.2)
+    ax.set_ylim(0, len(LAYERS))
+    ax.axis("off")
+    ax.set_title("kvref's layers (tests/test_layering.py): a unit imports only from its own layer and those below",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "layers.png", dpi=110)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "figures")
@@ -117,6 +153,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     cost_per_execution(args.out)
     cache_bytes_by_layout(args.out)
+    layers(args.out)
     made = decode_vs_context(args.out, args.measured)
     print(f"wrote figures to {args.out}" + ("" if made else f" (no measured JSON in {args.measured})"))
 
