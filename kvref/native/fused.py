@@ -15,7 +15,7 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     and V may differ): C writes the new positions' K/V into their slots in the stored form
     (kvref/cache/quant.py's encoding, byte for byte; kivi4 K through the residual rows of
     `Storage.k_residual`, each group quantized as it completes) and attention reads the stored form in place,
-    through the block table of a paged cache (kvref.native.ops.cache_descriptor). A ring layer of R
+    through the block table of a paged cache (kvref.native.descriptors.cache_descriptor). A ring layer of R
     slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
     then attend), so no query reads a slot a later position overwrote.
 
@@ -78,6 +78,7 @@ import numpy as np
 from ..errors import BackendError, DTypeError, ShapeError
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
+from .descriptors import cache_descriptor, in_place_problem
 from .ops import check_status, check_weight, ffi, lib
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
@@ -222,7 +223,7 @@ class FusedForward:
     def cache_problem(self, cache) -> str | None:
         """Why this C forward cannot run executions on `cache` (None when it can): a layout or K/V type
         the native kernels cannot use in place. Fixed for the cache's life, so a model asks once."""
-        problem = native_ops.in_place_problem(cache)
+        problem = in_place_problem(cache)
         return None if problem is None else f"the C forward cannot use this {cache.layout} cache in place: {problem}"
 
     def serves(self, weights) -> bool:
@@ -251,7 +252,7 @@ class FusedForward:
             e = executions[0]
             ids = np.array(e.token_ids, dtype=np.int64)  # [T], C-contiguous
             logits = np.empty((ids.shape[0] if all_logits else 1, V), dtype=np.float32)
-            kv = native_ops.cache_descriptor(e.cache, e.write_in_place(), checked)  # reserved blocks included
+            kv = cache_descriptor(e.cache, e.write_in_place(), checked)  # reserved blocks included
             with self._lock:
                 status = lib.kvref_forward(kernels.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
                                            ids.shape[0], kv.ptr, e.cache.length, ACTIVATIONS[self.activations],
@@ -261,7 +262,7 @@ class FusedForward:
             return [logits]
         ids = np.concatenate([e.token_ids for e in executions]).astype(np.int64)  # [N], C-contiguous
         logits = np.empty((ids.shape[0] if all_logits else B, V), dtype=np.float32)
-        kvs = [native_ops.cache_descriptor(e.cache, e.write_in_place(), checked) for e in executions]
+        kvs = [cache_descriptor(e.cache, e.write_in_place(), checked) for e in executions]
         bounds = np.cumsum([0, *(len(e.token_ids) for e in executions)]).astype(np.int64)  # [B + 1]
         lengths = np.array([e.cache.length for e in executions], dtype=np.int64)  # [B]
         descriptors = ffi.new("kvref_kv[]", B)
