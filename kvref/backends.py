@@ -18,7 +18,6 @@ import warnings
 from . import native
 from .errors import BackendError, DTypeError
 from .errors import KVRefError
-from .config import FAMILY_FIELDS
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")

@@ -20,7 +20,6 @@ from .executor import NativeExecutor, SpecExecutor
 from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
 from .generation_config import GenerationConfig
 from .scoring import SCORE_CHUNK, score
-from .spec import decoder
 from .weights import Weights, freeze, random_weights
 
 MODEL_DTYPES = ("float32", "float64")

@@ -148,7 +148,7 @@ LAYERS = [
     {"generation_config", "stream", "trace", "backends", "executor"},  # what a model is made of and runs
     {"model"},
     {"generate", "batch", "conversation", "loader"},  # generation over a model; loading one from files
-    {"perplexity", "serve", "conformance", "bench"},  # programs above the API
+    {"perplexity", "serve", "conformance", "bench", "cli_info"},  # programs above the API
     {"cli"},
     {""},  # kvref itself: the public API, re-exported names only
 ]

@@ -1,0 +1,181 @@
+"""`kvref inspect`, `kvref trace` and `kvref memory`: what a model file holds, what the cache saves an
+execution, and what a cache costs, each without generating text (the `kvref` command: kvref/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import trace
+from .cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
+from .cache.report import window_summary
+from .cli_common import count, human_bytes
+from .config import ModelConfig
+from .errors import ConfigError
+from .generate import generate
+from .model import Model
+
+
+def add_inspect(commands):
+    p = commands.add_parser("inspect", help="architecture, metadata, tensors and KV cache size of a GGUF file "
+                                            "or a Hugging Face checkpoint directory")
+    p.add_argument("path", nargs="?", default=None,
+                   help="GGUF file, checkpoint directory or short name (default: the default model)")
+    p.set_defaults(run=run_inspect)
+
+
+def run_inspect(args) -> int:
+    from .loader import load_config
+
+    if args.path is not None and Path(args.path).is_dir():
+        print_checkpoint(Path(args.path))
+    else:
+        print_gguf(args.path)
+    config = load_config(args.path)
+    print(f"\narchitecture: {config}")
+    print(f"attention: {window_summary(config)}")
+    for dtype in ("float32", "float16"):
+        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
+        full = per_token * config.max_seq_len
+        print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
+              f"of {config.max_seq_len:,} positions")
+    if config.layer_windows is not None:
+        from .cache.report import hybrid_report
+
+        print(hybrid_report(config, config.max_seq_len, "float16"))
+    return 0
+
+
+def print_gguf(path):
+    from .formats.gguf import GGUFFile
+    from .loader import model_path
+
+    with GGUFFile(model_path(path)) as gguf:
+        meta = gguf.metadata
+        print(f"{gguf.path}: GGUF v{gguf.version}, {len(meta)} metadata keys, {len(gguf.tensors)} tensors")
+        for key in sorted(meta):
+            value = meta[key]
+            if isinstance(value, str) and len(value) > 60:
+                value = value[:57].replace("\n", " ") + "..."
+            elif not isinstance(value, (str, int, float, bool)):
+                value = f"[{len(value)} items]"
+            print(f"  {key:<45} {value}")
+        rows = [(name, info.ggml_type.name, info.shape, info.nbytes) for name, info in gguf.tensors.items()]
+    print_tensors(rows)
+
+
+def print_checkpoint(directory):
+    from .formats.safetensors import Checkpoint
+    from .loader import read_config_json
+
+    config_json = read_config_json(directory)
+    checkpoint = Checkpoint(directory)
+    print(f"{directory}: Hugging Face checkpoint, model_type {config_json.get('model_type')!r}, "
+          f"{len(checkpoint.files)} safetensors file(s), {len(checkpoint.keys())} tensors")
+    rows = [(name, dtype, shape, end - begin) for file in checkpoint.files
+            for name, (dtype, shape, begin, end) in file.tensors.items()]
+    print_tensors(rows)
+
+
+def print_tensors(rows):
+    # rows of (name, type, shape, bytes)
+    print(f"\n  {'tensor':<44} {'type':<6} {'shape':<16} {'bytes':>12}")
+    for name, kind, shape, nbytes in rows:
+        print(f"  {name:<44} {kind:<6} {'x'.join(map(str, shape)):<16} {nbytes:>12,}")
+    print(f"  {'total':<68} {sum(r[3] for r in rows):>12,}")
+
+
+def add_trace(commands):
+    p = commands.add_parser("trace", help="executions x positions with and without the KV cache")
+    p.add_argument("--prompt-tokens", type=count, default=3, help="prompt length (default 3: p0 p1 p2)")
+    p.add_argument("--new-tokens", type=count, default=4, help="tokens to generate (default 4)")
+    p.add_argument("--layers", type=count, default=2)
+    p.add_argument("--d-model", type=count, default=64)
+    p.add_argument("--heads", type=count, default=4)
+    p.add_argument("--kv-heads", type=count, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_trace)
+
+
+def run_trace(args) -> int:
+    config = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                         n_kv_heads=args.kv_heads, d_ff=4 * args.d_model, vocab_size=256,
+                         max_seq_len=max(args.prompt_tokens + args.new_tokens, 1))
+    model = Model.random(config, seed=args.seed)
+    prompt = list(range(1, args.prompt_tokens + 1))
+    runs = {}
+    for use_cache in (False, True):
+        runs[use_cache] = executions = []
+        tokens = list(generate(model, prompt, args.new_tokens, use_cache=use_cache, executions=executions))
+    labels = [f"p{i}" for i in range(len(prompt))] + [f"x{i}" for i in range(len(tokens) - 1)]
+    print(f"random model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, "
+          f"{config.n_kv_heads} kv heads; prompt {len(prompt)} tokens, {len(tokens)} generated (greedy)")
+    print("N = computed for the first time, R = recomputed, c = K/V read from the cache\n")
+    for use_cache, title in ((False, "without a cache: every execution recomputes the whole history"),
+                             (True, "with the KV cache: each execution computes only its new positions")):
+        print(title)
+        print(trace.render_grid(runs[use_cache], labels))
+        t = trace.totals(runs[use_cache])
+        print(f"total: {t['new'] + t['recomputed']} positions computed ({t['recomputed']} recomputed), "
+              f"{t['cached']} cached positions read, {t['projection_flops'] + t['attention_flops']:,} FLOPs\n")
+    without, with_ = trace.totals(runs[False]), trace.totals(runs[True])
+    flops = lambda t: t["projection_flops"] + t["attention_flops"]  # noqa: E731
+    print(f"the cache computes {with_['new'] + with_['recomputed']} positions instead of "
+          f"{without['new'] + without['recomputed']} and {flops(without) / flops(with_):.2f}x fewer FLOPs; "
+          "without it the work grows with the square of the length, with it linearly")
+    return 0
+
+
+def add_memory(commands):
+    p = commands.add_parser("memory", help="KV cache size: 2 x layers x tokens x kv heads x head_dim x bytes")
+    p.add_argument("-m", "--model", help="take layers, kv heads, head_dim, windows (and tokens) from a GGUF "
+                                         "file, a Hugging Face checkpoint directory or a short name")
+    p.add_argument("--layers", type=count)
+    p.add_argument("--kv-heads", type=count)
+    p.add_argument("--head-dim", type=count)
+    p.add_argument("--tokens", type=count, help="positions held (default with -m: the model's max context)")
+    p.add_argument("--batch", type=count, default=1, help="sequences held at once")
+    p.add_argument("--dtype", default="float16", choices=sorted(ELEMENT_BYTES))
+    p.add_argument("--layouts", action="store_true",
+                   help="also compare the cache layouts (contiguous, paged, window) and K/V types")
+    p.set_defaults(run=run_memory)
+
+
+def run_memory(args) -> int:
+    config = None
+    if args.model:
+        from .loader import load_config
+
+        config = load_config(args.model)
+        args.layers = config.n_layers if args.layers is None else args.layers
+        args.kv_heads = config.n_kv_heads if args.kv_heads is None else args.kv_heads
+        args.head_dim = config.head_dim if args.head_dim is None else args.head_dim
+        args.tokens = config.max_seq_len if args.tokens is None else args.tokens
+    missing = [name for name in ("layers", "kv_heads", "head_dim", "tokens") if getattr(args, name) is None]
+    if missing:
+        raise ConfigError("kvref memory needs -m MODEL or " + ", ".join(f"--{m.replace('_', '-')}" for m in missing))
+    # the formula's bytes, plus int8's float32 scales (what cache.nbytes and --layouts count)
+    per_sequence = bytes_per_position(args.layers, args.kv_heads, args.head_dim, args.dtype) * args.tokens
+    total = per_sequence * args.batch
+    scales = per_sequence - cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
+    print(f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "
+          f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype})"
+          + (f" + {scales:,} bytes of float32 scales" if scales else "")
+          + f" x {args.batch} sequence{'s' if args.batch != 1 else ''}")
+    print(f"= {total:,} bytes ({human_bytes(total)})")
+    if args.tokens:
+        print(f"  {per_sequence // args.tokens:,} bytes per token per sequence")
+    if config is not None and config.layer_windows is not None and args.tokens:
+        from .cache.report import hybrid_report
+
+        print()
+        print(hybrid_report(config, args.tokens, args.dtype, args.batch))
+    if args.layouts:
+        from .cache.report import layout_report
+
+        # only the cache's own sizes matter to the layouts; the other numbers are placeholders
+        sizes = ModelConfig(n_layers=args.layers, d_model=args.kv_heads * args.head_dim, n_heads=args.kv_heads,
+                            n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=1, vocab_size=1,
+                            max_seq_len=max(args.tokens, 1))
+        print()
+        print(layout_report(sizes, args.tokens, args.batch))
+    return 0
