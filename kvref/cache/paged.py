@@ -328,9 +328,6 @@ class PagedCache(KVCache):
         self._index_full_blocks()  # the loaded sequence's ids, when the file had them
 
 
-BlockPool.sequence_type = PagedCache  # pool.new_cache() makes one
-
-
 def __getattr__(name):
     if name == "block_key":  # moved with the prefix index
         warnings.warn("kvref.cache.paged.block_key is deprecated: it is kvref.cache.prefix.block_key",

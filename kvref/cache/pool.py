@@ -51,8 +51,6 @@ class Reservation:
 class BlockPool:
     """num_blocks blocks of block_size positions for every layer, with refcounts, a free list and a prefix index."""
 
-    sequence_type = None  # what new_cache makes: set to PagedCache by paged.py
-
     def __init__(self, n_layers, n_kv_heads, head_dim, *, num_blocks, block_size=DEFAULT_BLOCK_SIZE,
                  k_dtype="float32", v_dtype=None, group_size=None, rope_theta=None, max_positions=None,
                  prefix_reuse=False, model_fingerprint=None):
@@ -126,9 +124,10 @@ class BlockPool:
         return self.store.allocated_nbytes
 
     def new_cache(self):
-        """An empty sequence in this pool: a PagedCache, the class paged.py registers as `sequence_type`
-        (the sequence sits above its pool, which never imports it)."""
-        return self.sequence_type(self)
+        """An empty sequence in this pool."""
+        from .paged import PagedCache  # the sequence sits above its pool
+
+        return PagedCache(self)
 
     def check(self, caches=()) -> None:
         """Assert the pool's invariants (tests): a block is free exactly when nobody references it, and
