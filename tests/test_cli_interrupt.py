@@ -61,8 +61,9 @@ def test_sigint_inside_the_c_forward_is_handled_when_it_returns_and_leaves_the_c
     out, err = child.communicate(timeout=120)
     assert child.returncode == 130, (out, err)
     assert "Traceback" not in err
-    # the interrupt came out of the fused forward (right after the C call), and the cache is unchanged
-    assert re.search(r"interrupted in forward after [0-9.]+s; length 3 executing False same True", out), out
+    # the interrupt came out of the fused forward (FusedForward.run, right after the C call), and the cache
+    # is unchanged
+    assert re.search(r"interrupted in run after [0-9.]+s; length 3 executing False same True", out), out
 
 
 def test_kvref_run_interrupted_exits_130_without_a_traceback():
