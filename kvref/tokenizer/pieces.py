@@ -33,7 +33,7 @@ def split_isolated(patterns, text: str) -> list[str]:
 # symbols from which merge_adjacent merges by rounds (every pair of one rank at once, in NumPy) instead
 # of by a heap. The heap costs microseconds per merge and more as it outgrows the CPU caches (1 MiB of
 # one letter: ~10 s); a round costs ~0.1 ms however many pairs it merges. Below this length varied
-# text (few merges per round) is merged faster by the heap (docs/benchmarks.md, "Tokenizer").
+# text (few merges per round) is merged faster by the heap (docs/benchmarks.md, "Long words").
 LONG_PIECE = 2**16
 FEW_PAIRS = 64  # pairs ranked one by one below this count, through np.unique above it
 
@@ -125,21 +125,8 @@ class _Rounds:
     def _round(self, r: float) -> bool:
         """Merge the pairs filed under rank r that are still there, left to right; False (and nothing
         merged) if a merge would form a pair of rank <= r."""
-        chunks = self.filed.pop(r)
-        left, keys, merged = chunks[0] if len(chunks) == 1 else map(np.concatenate, zip(*chunks))
-        right = self.nxt[left]
-        there = self.alive[left] & (right >= 0)
-        there[there] = self._keys(left[there], right[there]) == keys[there]
-        order = np.argsort(left[there], kind="stable")
-        left, merged = left[there][order], merged[there][order]
-        # of a chain of overlapping pairs (each one's left symbol the previous one's right), every other
-        n = len(left)
-        chained = np.zeros(n, dtype=bool)
-        chained[1:] = left[1:] == self.nxt[left[:-1]]
-        steps = np.arange(n)
-        take = (steps - np.maximum.accumulate(np.where(chained, 0, steps))) % 2 == 0
-        p, merged = left[take], merged[take]  # [m] merging positions and what they become
-        q = self.nxt[p]  # [m] positions that die
+        p, merged = self._mergeable(r)  # [m] merging positions and what they become
+        q = self.nxt[p]  # [m] positions that retire
         after = self.nxt[q]  # [m] positions right of each merge, -1 at the end
         has_after = after >= 0
         after_before = self.sym[after[has_after]]  # their symbols before this round
@@ -150,7 +137,7 @@ class _Rounds:
         # merge happened (a right neighbour that merges too forms the final pair as the left of its own)
         before = self.prev[p]
         has_before = before >= 0
-        left_pairs = self._ranked(self._keys(before[has_before], p[has_before]))
+        left_pairs = self._ranked(self._keys(before[has_before], p[has_before]))  # (keys, ranks, merged)
         right_pairs = self._ranked((self.sym[p[has_after]] << 32) | after_before)
         if (left_pairs[1] <= r).any() or (right_pairs[1] <= r).any():
             self.sym[p], self.alive[q], self.nxt[p] = undo, True, q
@@ -160,6 +147,23 @@ class _Rounds:
         alone = (after != np.append(p[1:], -1))[has_after]  # a right neighbour that merges is the next p
         self._file(p[has_after][alone], *(part[alone] for part in right_pairs))
         return True
+
+    def _mergeable(self, r: float):
+        """(left positions [m], merged symbols [m]) of the pairs filed under rank r that are still there,
+        left to right; of a chain of overlapping ones (each one's left symbol the previous one's right),
+        every other from the first, as the heap takes them."""
+        chunks = self.filed.pop(r)
+        left, keys, merged = chunks[0] if len(chunks) == 1 else map(np.concatenate, zip(*chunks))
+        right = self.nxt[left]
+        there = self.alive[left] & (right >= 0)
+        there[there] = self._keys(left[there], right[there]) == keys[there]
+        order = np.argsort(left[there], kind="stable")
+        left, merged = left[there][order], merged[there][order]
+        chained = np.zeros(len(left), dtype=bool)
+        chained[1:] = left[1:] == self.nxt[left[:-1]]
+        steps = np.arange(len(left))
+        take = (steps - np.maximum.accumulate(np.where(chained, 0, steps))) % 2 == 0
+        return left[take], merged[take]
 
     def _file(self, left, keys, ranks, merged):
         """File the pairs at positions `left` under their ranks (pairs without one are dropped)."""
