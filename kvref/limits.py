@@ -40,7 +40,7 @@ DEFAULT_CACHE_BUDGET = 4 * 2**30
 # blocks of a paged pool a saved cache file may ask for (each block costs ~100 bytes of bookkeeping
 # besides its K/V, so a file of tiny blocks is bounded by this count, not by the budget)
 MAX_POOL_BLOCKS = 2**20
-MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a JSON document read from a file
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a JSON document read from a file or a request body
 # a JSON file of a checkpoint directory (config.json, tokenizer.json, ...): the largest tokenizer.json
 # files are tens of MB
 MAX_JSON_FILE_BYTES = 2**28

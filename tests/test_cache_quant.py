@@ -2,6 +2,7 @@
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import kvref
-from kvref.cache.quant import Codec, dequantize_int8, from_bfloat16, quantize_int8, to_bfloat16
+from kvref.cache.quant import (Codec, dequantize_int8, dequantize_uint4, from_bfloat16, quantize_int8,
+                               quantize_uint4, to_bfloat16)
 from kvref.errors import CacheError
 from kvref.tolerance import FLOAT32_KERNEL_RTOL, INT8_KV_ROUNDING, SMOLLM2_QUANTIZED_KV_BOUNDS, UNDERFLOW_SLACK
 
@@ -59,6 +61,28 @@ def test_int8_stores_an_all_zero_group_as_zeros_and_the_max_exactly():
     assert s[0, 0] == 0 and not q[0, :4].any()
     out = dequantize_int8(q, s, 4)
     assert out[0, 4] == -2.0 and np.all(out[0, :4] == 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("quantize, dequantize", [(quantize_int8, dequantize_int8), (quantize_uint4, dequantize_uint4)],
+                         ids=["int8", "kivi4"])
+def test_a_group_holding_a_nan_or_an_infinity_stores_zeros_without_a_warning_and_decodes_to_nan(
+        quantize, dequantize, bad):
+    # issue 28: NaN K/V (the fused forward's NaN test) cast NaN quotients to int8: undefined, and warned
+    x = np.linspace(-4, 4, 32, dtype=np.float32).reshape(2, 16)
+    poisoned = x.copy()
+    poisoned[1, 5] = bad  # group 0 of row 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data, params = quantize(poisoned, 8)
+    clean_data, _ = quantize(x, 8)
+    half = data.shape[-1] // 2  # the stored bytes of group 0 (levels or nibble pairs)
+    assert not data[1, :half].any()
+    np.testing.assert_array_equal(data[1, half:], clean_data[1, half:])
+    np.testing.assert_array_equal(data[0], clean_data[0])
+    with np.errstate(invalid="ignore"):  # 0 * inf: the NaN asked for
+        out = dequantize(data, params, 8)
+    assert np.isnan(out[1, :8]).all() and np.isfinite(out[1, 8:]).all() and np.isfinite(out[0]).all()
 
 
 def test_codecs_report_their_bytes_and_refuse_bad_group_sizes():

@@ -25,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from kvref.limits import MAX_JSON_DEPTH  # noqa: E402
 from kvref.serve import Limits, bind, create_server  # noqa: E402  (after the skips)
 
 NAME = "smollm2"
@@ -209,10 +210,24 @@ def test_an_over_long_request_or_body_is_refused_before_any_work(served):
                                                          "stop": ["y" * 70000] * 16})
     assert r.status_code == 413
     r = httpx.post(served.url + "/v1/completions", content=b"{not json")
-    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "cannot be read as JSON" in r.json()["error"]["message"]
     r = httpx.post(served.url + "/v1/completions", json={"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert metrics(served.url)["kvref_steps_total"] == before
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"prompt": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001])
+def test_a_body_nested_deeper_than_the_limit_is_a_json_400_naming_it(served, body):
+    r = httpx.post(served.url + "/v1/completions", content=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels"
+
+
+def test_brackets_inside_a_string_are_text_not_nesting(served):
+    prompt = "[{" * 100 + '\\"' + "}]" * 100
+    r = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
 
 
 # ---- the engine under clients ------------------------------------------------------------------------
@@ -327,6 +342,16 @@ def test_the_api_key_guards_v1_and_metrics_but_not_health(tiny):
     ok = tiny.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
     want = "".join(f"<{t}>" for t in kvref.generate(tiny.model, [1, 2, 3], 4))
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize("header, status", [
+    ("bearer s3cret", 200), ("BEARER s3cret", 200), ("Bearer   s3cret", 200),  # RFC 9110: any case, 1*SP
+    ("s3cret", 401), ("Bearers3cret", 401), ("Basic s3cret", 401), ("bearer s3cre", 401), ("bearer S3CRET", 401),
+])
+def test_the_auth_scheme_is_case_insensitive_and_the_key_is_not(tiny, header, status):
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+    r = tiny.client.post("/v1/completions", json=body, headers={"Authorization": header})
+    assert r.status_code == status, r.text
 
 
 def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):

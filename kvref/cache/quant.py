@@ -238,8 +238,8 @@ def quantize_int8(x, group_size: int):
     amax = np.max(np.abs(groups), axis=-1)  # [..., D/g]
     scales = (amax / np.float32(INT8_MAX)).astype(np.float32)
     # an all-zero group has scale 0 and stores zeros; dividing by 1 there avoids 0/0
-    safe = np.where(scales > 0, scales, np.float32(1))[..., None]
-    q = np.clip(np.rint(groups / safe), -INT8_MAX, INT8_MAX).astype(np.int8)
+    safe = np.where(scales > 0, _finite_or_one(scales), np.float32(1))[..., None]
+    q = _levels(np.rint(groups / safe), scales, -INT8_MAX, INT8_MAX, np.int8)
     return q.reshape(x.shape), scales
 
 
@@ -256,9 +256,21 @@ def quantize_uint4_levels(groups):
     lo = np.min(groups, axis=-1)
     scale = ((np.max(groups, axis=-1) - lo) / np.float32(NIBBLE_MAX)).astype(np.float32)
     # a constant group has scale 0 and stores zeros; dividing by 1 there avoids 0/0
-    safe = np.where(scale > 0, scale, np.float32(1))[..., None]
-    q = np.clip(np.rint((groups - lo[..., None]) / safe), 0, NIBBLE_MAX).astype(np.uint8)
+    safe = np.where(scale > 0, _finite_or_one(scale), np.float32(1))[..., None]
+    shift = np.where(np.isfinite(scale), lo, np.float32(0))[..., None]
+    q = _levels(np.rint((groups - shift) / safe), scale, 0, NIBBLE_MAX, np.uint8)
     return q, np.stack([scale, lo], axis=-1).astype(np.float32)
+
+
+def _finite_or_one(scales):
+    return np.where(np.isfinite(scales), scales, np.float32(1))
+
+
+def _levels(r, scales, low, high, dtype):
+    # [..., n/g, g] rounded values -> stored levels. A group holding a NaN or an infinity has a NaN or
+    # infinite scale, so it decodes to NaN whatever its levels (0 * inf and q * NaN are NaN): it stores
+    # zeros, as csrc/kvcache.c does, where a cast of its NaN quotients would be undefined (and warns)
+    return np.where(np.isfinite(scales)[..., None], np.clip(r, low, high), 0).astype(dtype)
 
 
 def quantize_uint4(x, group_size: int):

@@ -6,11 +6,12 @@
     GET  /health                {"status": "ok"} (never needs the API key)
     GET  /metrics               Prometheus text: requests, tokens, batch sizes, blocks, prefix hits, queue
 
-A request is read (at most max_body_bytes), checked (kvref.serve.protocol) and tokenized before the
-engine sees it, so a bad one costs no execution. Errors are JSON in OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}, with status 400 (a field), 401 (the API key), 404
-(a model or route), 413 (the body) or 500. A client that disconnects, streaming or not, cancels its
-request: its sequences leave the batch at the next step and their blocks go back to the pool.
+A request is read (at most max_body_bytes, nested at most kvref.limits.MAX_JSON_DEPTH deep), checked
+(kvref.serve.protocol) and tokenized before the engine sees it, so a bad one costs no execution. Errors
+are JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with status 400 (a field,
+or a body that is not JSON or nests too deep), 401 (the API key), 404 (a model or route), 413 (the body's
+size) or 500. A client that disconnects, streaming or not, cancels its request: its sequences leave the
+batch at the next step and their blocks go back to the pool.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from ..errors import CacheFullError, KVRefError, RequestError
+from ..limits import bounded_json
 from .engine import BATCH_BUCKETS, EngineThread, Job
 from .protocol import Limits, Spec, make_spec, parse_chat, parse_completion
 
@@ -98,8 +100,10 @@ class _Server:
     def _authorize(self, request):
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive and may be followed by several spaces (RFC 9110, 11.1 and 11.4); the key is
+        # compared in constant time
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.lstrip(" ").encode(), self.api_key.encode()):
             raise RequestError("missing or wrong API key: send the header Authorization: Bearer KEY", None,
                                status=401, code="invalid_api_key")
 
@@ -118,10 +122,7 @@ class _Server:
             body += chunk
             if len(body) > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise RequestError(f"the body is not JSON: {error}") from None
+        return bounded_json(bytes(body), "the body", RequestError)  # json.loads alone recurses once per level
 
     # ---- prompts (in a worker thread: tokenizing and rendering a template take time) -------------------
 
