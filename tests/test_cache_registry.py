@@ -86,3 +86,11 @@ def test_a_name_is_registered_once():
 
 def test_the_conformance_suite_runs_every_registered_layout():
     assert set(LAYOUTS) == set(layout_names()) == {"contiguous", "hybrid", "paged", "window"}
+
+
+def test_the_names_the_registry_replaces_warn_and_still_answer(model):
+    with pytest.warns(DeprecationWarning, match="Model.check_cache_budget is deprecated"):
+        model.check_cache_budget(CFG.max_seq_len, "float32", "float32")
+    with pytest.warns(DeprecationWarning, match="fileformat.LAYOUT_OPTIONS is deprecated"):
+        from kvref.cache.fileformat import LAYOUT_OPTIONS
+    assert LAYOUT_OPTIONS["window"] == ("window", "sinks")

@@ -175,13 +175,13 @@ def test_decode_of_anything_but_token_ids_is_a_token_error(tmp_path, ids):
 
 
 def test_a_cache_the_machine_cannot_allocate_is_a_cache_error(tmp_path, monkeypatch):
-    import kvref.model
+    from kvref.cache import ContiguousCache
 
     def no_memory(*args, **kwargs):
         raise MemoryError
 
     model = load_tiny(tmp_path)
-    monkeypatch.setattr(kvref.model, "ContiguousCache", no_memory)
+    monkeypatch.setattr(ContiguousCache, "create", classmethod(no_memory))
     with pytest.raises(CacheError, match="not enough memory for the K/V arrays"):
         model.new_cache(capacity=8)
 

@@ -1,20 +1,20 @@
 """The explicit KV cache: one interface (KVCache) and its execution transaction, several layouts behind it.
 
-    KVCache           the interface                                              (base.py)
-    KVCache.begin     an execution (Execution); begin_all: one over several caches  (execution.py)
-                      (ExecutionGroup), with Ctrl-C held while it commits           (interrupts.py)
-    Sequence          what the executions recorded: model, token ids, last logits   (sequence.py)
-                      (cache.sequence)
-    Storage           where the K/V lie, for code that reads them in place          (storage.py)
-                      (cache.storage())
-    reorder           beam search over a batch of caches                             (reordering.py)
+    KVCache               the interface                                                    (base.py)
+    KVCache.begin         an execution (Execution); begin_all: one over several caches     (execution.py)
+                          (ExecutionGroup), Ctrl-C held while it commits                    (interrupts.py)
+    KVCache.capabilities  what the cache can do exactly, or why not                         (capabilities.py)
+    Sequence              what the executions recorded: model, token ids, last logits       (sequence.py)
+                          (cache.sequence)
+    Storage               where the K/V lie, for code that reads them in place (cache.storage()) (storage.py)
+    reorder               beam search over a batch of caches                                 (reordering.py)
 
-    ContiguousCache   one [capacity, Hkv, D] array per layer for K and V          (contiguous.py)
-    PagedCache        a block table into a BlockPool shared by many sequences     (paged.py)
-    BlockPool         the blocks, their refcounts and allocator (pool.py); its PrefixIndex (prefix.py)
-    WindowCache       attention sinks + a ring buffer of the last W positions     (window.py)
-    HybridCache       per layer: a ring for a sliding-window layer, all positions  (hybrid.py)
-                      for the others (Gemma 3)
+    ContiguousCache       one [capacity, Hkv, D] array per layer for K and V                 (contiguous.py)
+    PagedCache            a block table into a BlockPool shared by many sequences            (paged.py)
+    BlockPool             the blocks, their refcounts and allocator (pool.py); its PrefixIndex  (prefix.py)
+    WindowCache           attention sinks + a ring buffer of the last W positions            (window.py)
+    HybridCache           per layer: a ring for a sliding-window layer, all positions        (hybrid.py)
+                          for the others (Gemma 3)
 
 Each layout registers itself by name (registry.py): `make(shape, codecs, layout, **options)` builds
 one for a model described by a CacheShape (shape.py), and a new layout is one new file. Each stores

@@ -35,7 +35,7 @@ from . import execution, quant, reordering, shape
 from .capabilities import Capable
 from .execution import Transactional
 from .moved import moved_names
-from .quant import Codec
+from .quant import Codec, Codecs
 from .sequence import Sequence, readonly
 from .storage import Storage
 
@@ -135,7 +135,9 @@ class KVCache(Transactional, Capable):
 
     @property
     def bytes_per_position(self) -> int:
-        return self.n_layers * self.n_kv_heads * (self.k_codec.bytes_per_vector() + self.v_codec.bytes_per_vector())
+        """Bytes one position occupies in every layer (a layout whose layers hold different positions
+        counts its nbytes layer by layer)."""
+        return Codecs(self.k_codec, self.v_codec).bytes_per_position(self.n_layers, self.n_kv_heads)
 
     @property
     def nbytes(self) -> int:

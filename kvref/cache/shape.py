@@ -21,9 +21,9 @@ def cache_bytes(n_layers: int, n_tokens: int, n_kv_heads: int, head_dim: int, dt
 
 def bytes_per_position(n_layers, n_kv_heads, head_dim, k_dtype, v_dtype=None, group_size=None) -> int:
     """Bytes one position occupies in every layer: K and V vectors per kv head, plus int8 scales."""
-    k = Codec(k_dtype, head_dim, group_size)
-    v = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
-    return n_layers * n_kv_heads * (k.bytes_per_vector() + v.bytes_per_vector())
+    codecs = Codecs(Codec(k_dtype, head_dim, group_size), Codec(k_dtype if v_dtype is None else v_dtype, head_dim,
+                                                                group_size))
+    return codecs.bytes_per_position(n_layers, n_kv_heads)
 
 
 @dataclass(frozen=True)
