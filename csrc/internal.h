@@ -521,8 +521,9 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  *     signed integer of kvref_q8_weight_block (bias 8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 32 for
  *     Q6_K, 0 for Q4_1 and Q4_K), in 8 vectors of 64 bytes: vector v holds values 4v .. 4v+3 of row
  *     r at bytes 4r .. 4r+3. Q8_0 stores them; the others store u % 16, vectors v and v + 4 as the
- *     low and high nibbles of one (4 vectors), and bit 4 (Q5_0, Q6_K) and bit 5 (Q6_K) of u as planes
- *     of 8 masks of 64 bits (bit 4r + i of mask v: value 4v + i of row r).
+ *     low and high nibbles of one (4 vectors); Q5_0's bit 4 of u as 8 masks of 64 bits (bit 4r + i of
+ *     mask v: value 4v + i of row r), Q6_K's bits 4-5 as two vectors of 2-bit fields (byte 4r + i of
+ *     vector g: those of vectors 4g, 4g + 1, 4g + 2, 4g + 3 in its bits 0-1, 2-3, 4-5, 6-7).
  * A K-quant super-block (256 values: 8 records) of the 16 rows starts with a header of
  * KVREF_PACK_HEADER bytes, the file's fields of the 16 rows side by side (row r at index r):
  *   - Q4_K: d [16], dmin [16] float16; the 6-bit scales sc [8][16] and mins m [8][16], a byte each
@@ -556,7 +557,8 @@ static inline int32_t kvref_pack_bias(int32_t type) {
     default: return 0; /* Q4_1, Q4_K */
     }
 }
-/* whether the type's scales live in super-block headers (the K-quants), and its high-bit planes (0, 1 or 2) */
+/* whether the type's scales live in super-block headers (the K-quants), and its 64-byte vectors of high
+ * bits (0, 1 or 2) */
 static inline int kvref_pack_kquant(int32_t type) { return type == KVREF_TYPE_Q4_K || type == KVREF_TYPE_Q6_K; }
 static inline int kvref_pack_planes(int32_t type) {
     return type == KVREF_TYPE_Q5_0 ? 1 : type == KVREF_TYPE_Q6_K ? 2 : 0;

@@ -921,12 +921,18 @@ TARGET static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec,
         u[j] = _mm256_and_si256(b, low4);
         u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
     }
-    for (int p = 0; p < kvref_pack_planes(type); p++) /* bit 4, then bit 5 */
+    const uint8_t *high = rec + kvref_pack_planes_at(type);
+    if (type == KVREF_TYPE_Q5_0) /* bit 4 from its masks */
         for (int v = 0; v < 8; v++) {
-            uint64_t high;
-            memcpy(&high, rec + kvref_pack_planes_at(type) + 64 * p + 8 * v, 8);
-            const __m256i bit4 = high_bits32((uint32_t)(high >> (32 * h)));
-            u[v] = _mm256_or_si256(u[v], p == 0 ? bit4 : _mm256_add_epi8(bit4, bit4));
+            uint64_t mask;
+            memcpy(&mask, high + 8 * v, 8);
+            u[v] = _mm256_or_si256(u[v], high_bits32((uint32_t)(mask >> (32 * h))));
+        }
+    if (type == KVREF_TYPE_Q6_K) /* bits 4-5: field v % 4 of vector v / 4 moved to bits 4-5, or-ed in */
+        for (int g = 0; g < 2; g++) {
+            const __m256i f = _mm256_loadu_si256((const __m256i *)(const void *)(high + 64 * g + 32 * h));
+            const __m256i at45[4] = {_mm256_slli_epi16(f, 4), _mm256_slli_epi16(f, 2), f, _mm256_srli_epi16(f, 2)};
+            for (int k = 0; k < 4; k++) u[4 * g + k] = _mm256_or_si256(u[4 * g + k], _mm256_and_si256(at45[k], _mm256_set1_epi8(0x30)));
         }
 }
 

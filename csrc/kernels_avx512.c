@@ -1065,11 +1065,18 @@ TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t 
         u[j] = _mm512_and_si512(b, low4);
         u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
-    for (int p = 0; p < kvref_pack_planes(type); p++) /* bit 4, then bit 5 */
+    const uint8_t *high = rec + kvref_pack_planes_at(type);
+    if (type == KVREF_TYPE_Q5_0) /* bit 4 from its masks */
         for (int v = 0; v < 8; v++) {
-            uint64_t high;
-            memcpy(&high, rec + kvref_pack_planes_at(type) + 64 * p + 8 * v, 8);
-            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)high, u[v], _mm512_set1_epi8((char)(16 << p)));
+            uint64_t mask;
+            memcpy(&mask, high + 8 * v, 8);
+            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)mask, u[v], _mm512_set1_epi8(16));
+        }
+    if (type == KVREF_TYPE_Q6_K) /* bits 4-5: field v % 4 of vector v / 4 moved to bits 4-5, or-ed in */
+        for (int g = 0; g < 2; g++) {
+            const __m512i h = _mm512_loadu_si512(high + 64 * g), bits45 = _mm512_set1_epi8(0x30);
+            const __m512i at45[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
+            for (int k = 0; k < 4; k++) u[4 * g + k] = _mm512_ternarylogic_epi32(u[4 * g + k], at45[k], bits45, 0xF8);
         }
 }
 

@@ -263,8 +263,7 @@ static void pack_kquant_row(int32_t type, const uint8_t *row, int64_t s, int r, 
             const int v = k / 4, lane = 4 * r + k % 4;
             const uint8_t u = (uint8_t)(q[k] + kvref_pack_bias(type));
             vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
-            for (int p = 0; p < kvref_pack_planes(type); p++)
-                if (u >> (4 + p) & 1) planes[64 * p + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8));
+            if (type == KVREF_TYPE_Q6_K) planes[64 * (v / 4) + lane] |= (uint8_t)((u >> 4) << (2 * (v % 4)));
         }
     }
 }

@@ -371,7 +371,8 @@ static int32_t packed_value(int32_t type, const uint8_t *rec, int v, int r, int 
     if (type == KVREF_TYPE_Q8_0) return vals[64 * v + lane];
     const uint8_t byte = vals[64 * (v % 4) + lane];
     int32_t u = v < 4 ? byte & 15 : byte >> 4;
-    for (int p = 0; p < kvref_pack_planes(type); p++) u |= (planes[64 * p + 8 * v + lane / 8] >> (lane % 8) & 1) << (4 + p);
+    if (type == KVREF_TYPE_Q5_0) u |= (planes[8 * v + lane / 8] >> (lane % 8) & 1) << 4;
+    if (type == KVREF_TYPE_Q6_K) u |= (planes[64 * (v / 4) + lane] >> (2 * (v % 4)) & 3) << 4;
     return u;
 }
 

@@ -930,9 +930,9 @@ def packed_layout(w):
     """The int8 mode's packed layout in NumPy (csrc/internal.h), from the blocks' signed integers and
     scales (block_integers): per group of 16 rows and 32-value block, s0 [16] float16 (then s1 [16] for
     Q4_1; the K-quants' scales are in a header before each super-block's 8 records, kquant_header), the
-    high-bit planes of u = q + bias (bit 4 for Q5_0, bits 4 and 5 for Q6_K: 8 masks of 64 bits each),
-    then u in vectors v of 64 bytes, value 4v + i of row r at byte 4r + i, vectors v and v + 4 sharing
-    bytes as low and high nibbles but for Q8_0."""
+    high bits of u = q + bias (Q5_0's bit 4: 8 masks of 64 bits; Q6_K's bits 4-5: 2 vectors of 2-bit
+    fields), then u in vectors v of 64 bytes, value 4v + i of row r at byte 4r + i, vectors v and v + 4
+    sharing bytes as low and high nibbles but for Q8_0."""
     gtype = w.ggml_type
     values, s0, s1 = block_integers(w)
     N, K = values.shape
@@ -943,7 +943,6 @@ def packed_layout(w):
     scales = [np.zeros((G * 16, K // 32), np.float16) for _ in range(2)]
     if not kquant:
         scales[0][:N], scales[1][:N] = s0, s1
-    planes = {GGMLType.Q5_0: 1, GGMLType.Q6_K: 2}.get(gtype, 0)
     out = []
     for g in range(G):
         for b in range(K // 32):
@@ -952,7 +951,10 @@ def packed_layout(w):
             rec = [kquant_header(w, rows, b // 8)] if kquant and b % 8 == 0 else []
             if not kquant:
                 rec += [np.ascontiguousarray(scales[i][rows, b]).view(np.uint8) for i in range(1 + (gtype == GGMLType.Q4_1))]
-            rec += [np.packbits(vec >> (4 + p) & 1, axis=1, bitorder="little").reshape(-1) for p in range(planes)]
+            if gtype == GGMLType.Q5_0:
+                rec.append(np.packbits(vec >> 4 & 1, axis=1, bitorder="little").reshape(-1))
+            if gtype == GGMLType.Q6_K:
+                rec += [sum((vec[4 * g + k] >> 4 & 3) << (2 * k) for k in range(4)) for g in range(2)]
             rec.append(vec.reshape(-1) if gtype == GGMLType.Q8_0 else (vec[:4] & 15) | (vec[4:] & 15) << 4)
             out.append(np.concatenate([np.asarray(r, np.uint8).reshape(-1) for r in rec]))
     return np.concatenate(out)
