@@ -1052,7 +1052,15 @@ TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
 
 /* ---- packed weights (internal.h): 16 rows per vector, one lane each -------------------------- */
 
-/* the 8 value vectors of a packed record: u[v] holds values 4v .. 4v+3 of row r in lane r */
+/* What the high-nibble vectors hold, times their values: the 4-bit types (no high bits to add) leave
+ * them in place, 16 u, one operation a vector fewer; the sums of values 16-31 are then 16 times
+ * theirs, which an exact shift takes back (|16 u x| sums stay below 2**20). */
+static inline int32_t high_nibble_scale(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 || type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K ? 16 : 1;
+}
+
+/* the 8 value vectors of a packed record: u[v] holds values 4v .. 4v+3 of row r in lane r (times
+ * high_nibble_scale for v >= 4) */
 TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec, __m512i u[8]) {
     const uint8_t *vals = rec + kvref_pack_values_at(type);
     if (type == KVREF_TYPE_Q8_0) {
@@ -1063,7 +1071,7 @@ TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t 
     for (int j = 0; j < 4; j++) {
         const __m512i b = _mm512_loadu_si512(vals + 64 * j);
         u[j] = _mm512_and_si512(b, low4);
-        u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+        u[j + 4] = high_nibble_scale(type) == 16 ? _mm512_andnot_si512(low4, b) : _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
     const uint8_t *high = rec + kvref_pack_planes_at(type);
     if (type == KVREF_TYPE_Q5_0) /* bit 4 from its masks */
@@ -1134,12 +1142,14 @@ TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, c
             for (int t = 0; t < R; t++) {
                 const int8_t *x = qs + t * K + 32 * b;
                 const int32_t *xs = xsum + t * (K / 16) + 2 * b;
-                __m512i half[2] = {_mm512_set1_epi32(-bias * xs[0]), _mm512_set1_epi32(-bias * xs[1])};
+                const int32_t hs = high_nibble_scale(type);
+                __m512i half[2] = {_mm512_set1_epi32(-bias * xs[0]), _mm512_set1_epi32(-bias * hs * xs[1])};
                 for (int v = 0; v < 8; v++) {
                     int32_t x4;
                     memcpy(&x4, x + 4 * v, 4);
                     half[v / 4] = _mm512_dpbusd_epi32(half[v / 4], u[v], _mm512_set1_epi32(x4));
                 }
+                if (hs == 16) half[1] = _mm512_srai_epi32(half[1], 4);
                 const __m512 dx = _mm512_set1_ps(ds[(t * nb + b) * 2]);
                 if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[0]), _mm512_mul_ps(dx, sc[0]), acc[t]);
