@@ -511,22 +511,33 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  * Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weight rows packed 16 at a time (kvref_pack_int8), so that
  * one 4-byte dot product instruction (VNNI vpdpbusd, AVX2 maddubs) multiplies 16 weight rows by the
  * same 4 bytes of x, each lane its own row: no horizontal sums, and a block's values are decoded
- * once for every row of x. A record is one 32-value block of the 16 rows: first their scales, then
- * the high bits of 5- and 6-bit values, then the values.
- *   - scales: float16 d [16] as in the file (Q4_1: then m [16]); the K-quants' sub-block scales as
- *     kvref_q8_block_scales gives them (products of two file fields, not float16 values), float32:
- *     Q4_K d [16] then m [16], Q6_K the d [16] of values 0-15, then of values 16-31;
- *   - values as unsigned bytes u = q + bias, q the signed integer of kvref_q8_weight_block (bias 8
- *     for Q4_0, 16 for Q5_0, 128 for Q8_0, 32 for Q6_K, 0 for Q4_1 and Q4_K), in 8 vectors of 64
- *     bytes: vector v holds values 4v .. 4v+3 of row r at bytes 4r .. 4r+3. Q8_0 stores them; the
- *     others store u % 16, vectors v and v + 4 as the low and high nibbles of one (4 vectors), and
- *     bit 4 (Q5_0, Q6_K) and bit 5 (Q6_K) of u as planes of 8 masks of 64 bits (bit 4r + i of mask
- *     v: value 4v + i of row r).
- * Q4_0, Q4_1, Q5_0 and Q8_0 take the file's bytes (16 blocks' worth); Q4_K 384 bytes against 288
- * and Q6_K 512 against 420 (their sub-block scales widened). A group of 16 rows is its K / 32 records in block order,
- * and a packed matrix its N / 16 groups. The dot products count u x, and q x = u x - bias sum(x)
- * takes the bias off with x's sums per 16 values (kvref_mv.xsum). */
+ * once for every row of x. Every field keeps the file's bit width, so a decode step reads the bytes
+ * of the file (the K-quants' 6-bit scales and mins take a byte each: Q4_K 1.028x its file bytes,
+ * Q6_K 1.0095x for the header's padding; the others exactly the file's).
+ * A record is one 32-value block of the 16 rows:
+ *   - Q4_0, Q4_1, Q5_0, Q8_0: first their scales, float16 d [16] as in the file (Q4_1: then m [16]);
+ *     the K-quants' records hold no scales (their super-block's header does, below);
+ *   - then the high bits of 5- and 6-bit values, then the values: unsigned bytes u = q + bias, q the
+ *     signed integer of kvref_q8_weight_block (bias 8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 32 for
+ *     Q6_K, 0 for Q4_1 and Q4_K), in 8 vectors of 64 bytes: vector v holds values 4v .. 4v+3 of row
+ *     r at bytes 4r .. 4r+3. Q8_0 stores them; the others store u % 16, vectors v and v + 4 as the
+ *     low and high nibbles of one (4 vectors); Q5_0's bit 4 of u as 8 masks of 64 bits (bit 4r + i of
+ *     mask v: value 4v + i of row r), Q6_K's bits 4-5 as two vectors of 2-bit fields (byte 4r + i of
+ *     vector g: those of vectors 4g, 4g + 1, 4g + 2, 4g + 3 in its bits 0-1, 2-3, 4-5, 6-7).
+ * A K-quant super-block (256 values: 8 records) of the 16 rows starts with a header of
+ * KVREF_PACK_HEADER bytes, the file's fields of the 16 rows side by side (row r at index r):
+ *   - Q4_K: d [16], dmin [16] float16; the 6-bit scales sc [8][16] and mins m [8][16], a byte each
+ *     (sub-block j of row r at 16 j + r);
+ *   - Q6_K: d [16] float16; the 8-bit scales sc [16][16] (16-value sub-block j of row r at 16 j + r);
+ *     32 zero bytes, so the records start 64-byte aligned.
+ * Record b's scales are kvref_q8_block_scales's, products of two of those fields computed in the
+ * kernel (exact in float32): Q4_K d sc_j and -(dmin m_j), Q6_K d sc of each 16-value half.
+ * A group of 16 rows is its K / 32 records in block order (each K-quant super-block's header before
+ * its 8), kvref_pack_group_bytes in all, and a packed matrix its N / 16 groups. The dot products
+ * count u x, and q x = u x - bias sum(x) takes the bias off with x's sums per 16 values
+ * (kvref_mv.xsum). */
 #define KVREF_PACK_ROWS 16
+#define KVREF_PACK_HEADER 320
 /* With 4 or more rows of x, the packed kernels ask for the record this many ahead of the one they
  * multiply: a record then takes long enough to multiply that the hardware prefetcher alone leaves
  * the next one's loads waiting on memory. With fewer rows the kernels stream near the read
@@ -546,18 +557,36 @@ static inline int32_t kvref_pack_bias(int32_t type) {
     default: return 0; /* Q4_1, Q4_K */
     }
 }
-/* whether a record's scales are float32 (the K-quants), and its high-bit planes (0, 1 or 2) */
-static inline int kvref_pack_fp32(int32_t type) { return type == KVREF_TYPE_Q4_K || type == KVREF_TYPE_Q6_K; }
+/* whether the type's scales live in super-block headers (the K-quants), and its 64-byte vectors of high
+ * bits (0, 1 or 2) */
+static inline int kvref_pack_kquant(int32_t type) { return type == KVREF_TYPE_Q4_K || type == KVREF_TYPE_Q6_K; }
 static inline int kvref_pack_planes(int32_t type) {
     return type == KVREF_TYPE_Q5_0 ? 1 : type == KVREF_TYPE_Q6_K ? 2 : 0;
 }
 /* where a record's high-bit planes and values start, and its bytes */
 static inline int64_t kvref_pack_planes_at(int32_t type) {
-    return kvref_pack_fp32(type) ? 128 : type == KVREF_TYPE_Q4_1 ? 64 : 32;
+    return kvref_pack_kquant(type) ? 0 : type == KVREF_TYPE_Q4_1 ? 64 : 32;
 }
 static inline int64_t kvref_pack_values_at(int32_t type) { return kvref_pack_planes_at(type) + 64 * kvref_pack_planes(type); }
 static inline int64_t kvref_pack_record_bytes(int32_t type) {
     return kvref_pack_values_at(type) + (type == KVREF_TYPE_Q8_0 ? 512 : 256);
+}
+/* records per span (a K-quant super-block; 1 for the others), and a span's bytes, header included */
+static inline int64_t kvref_pack_span(int32_t type) { return kvref_pack_kquant(type) ? QK_K / 32 : 1; }
+static inline int64_t kvref_pack_span_bytes(int32_t type) {
+    return (kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0) + kvref_pack_span(type) * kvref_pack_record_bytes(type);
+}
+/* bytes of a group of 16 rows of K values */
+static inline int64_t kvref_pack_group_bytes(int32_t type, int64_t K) {
+    return K / 32 / kvref_pack_span(type) * kvref_pack_span_bytes(type);
+}
+/* the header of record b's span in a group (the K-quants'), and record b */
+static inline const uint8_t *kvref_pack_header(int32_t type, const uint8_t *group, int64_t b) {
+    return group + b / kvref_pack_span(type) * kvref_pack_span_bytes(type);
+}
+static inline const uint8_t *kvref_pack_record(int32_t type, const uint8_t *group, int64_t b) {
+    return kvref_pack_header(type, group, b) + (kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0) +
+           b % kvref_pack_span(type) * kvref_pack_record_bytes(type);
 }
 /* rows 0 .. nr-1 of w (nr <= 16, rb bytes each, K values of a packable type) -> one packed group,
  * rows nr .. 15 zero */

@@ -921,12 +921,18 @@ TARGET static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec,
         u[j] = _mm256_and_si256(b, low4);
         u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
     }
-    for (int p = 0; p < kvref_pack_planes(type); p++) /* bit 4, then bit 5 */
+    const uint8_t *high = rec + kvref_pack_planes_at(type);
+    if (type == KVREF_TYPE_Q5_0) /* bit 4 from its masks */
         for (int v = 0; v < 8; v++) {
-            uint64_t high;
-            memcpy(&high, rec + kvref_pack_planes_at(type) + 64 * p + 8 * v, 8);
-            const __m256i bit4 = high_bits32((uint32_t)(high >> (32 * h)));
-            u[v] = _mm256_or_si256(u[v], p == 0 ? bit4 : _mm256_add_epi8(bit4, bit4));
+            uint64_t mask;
+            memcpy(&mask, high + 8 * v, 8);
+            u[v] = _mm256_or_si256(u[v], high_bits32((uint32_t)(mask >> (32 * h))));
+        }
+    if (type == KVREF_TYPE_Q6_K) /* bits 4-5: field v % 4 of vector v / 4 moved to bits 4-5, or-ed in */
+        for (int g = 0; g < 2; g++) {
+            const __m256i f = _mm256_loadu_si256((const __m256i *)(const void *)(high + 64 * g + 32 * h));
+            const __m256i at45[4] = {_mm256_slli_epi16(f, 4), _mm256_slli_epi16(f, 2), f, _mm256_srli_epi16(f, 2)};
+            for (int k = 0; k < 4; k++) u[4 * g + k] = _mm256_or_si256(u[4 * g + k], _mm256_and_si256(at45[k], _mm256_set1_epi8(0x30)));
         }
 }
 
@@ -950,39 +956,68 @@ TARGET static ALWAYS_INLINE void packed_isums(int32_t type, const __m256i u[8], 
     }
 }
 
-/* scale `which` of rows 8h .. 8h+7 of a packed record: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d of 16-31) */
-TARGET static ALWAYS_INLINE __m256 packed_scales(int32_t type, const uint8_t *rec, int which, int h) {
-    if (kvref_pack_fp32(type)) return _mm256_loadu_ps((const float *)(const void *)(rec + 64 * which + 32 * h));
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(rec + 32 * which + 16 * h)));
+/* 8 bytes of a K-quant header as float32: unsigned (Q4_K's scales and mins) or signed (Q6_K's scales) */
+TARGET static ALWAYS_INLINE __m256 header_bytes(const uint8_t *p, const int is_signed) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(const void *)p);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+TARGET static ALWAYS_INLINE __m256 fp16x8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+}
+
+/* rows 8h .. 8h+7's scales of record j of a span (header hd, record rec): s[0] d (Q6_K: of values
+ * 0-15), s[1] m (Q6_K: d of 16-31); the K-quants' from the header's d (and -dmin, nd), each product exact */
+TARGET static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *hd, const uint8_t *rec, int64_t j, int h,
+                                               __m256 d, __m256 nd, __m256 s[2]) {
+    if (type == KVREF_TYPE_Q4_K) {
+        s[0] = _mm256_mul_ps(d, header_bytes(hd + 64 + 16 * j + 8 * h, 0));
+        s[1] = _mm256_mul_ps(nd, header_bytes(hd + 192 + 16 * j + 8 * h, 0));
+    } else if (type == KVREF_TYPE_Q6_K) {
+        s[0] = _mm256_mul_ps(d, header_bytes(hd + 32 + 32 * j + 8 * h, 1));
+        s[1] = _mm256_mul_ps(d, header_bytes(hd + 48 + 32 * j + 8 * h, 1));
+    } else {
+        s[0] = fp16x8(rec + 16 * h);
+        if (type == KVREF_TYPE_Q4_1) s[1] = fp16x8(rec + 32 + 16 * h);
+    }
 }
 
 /* R rows of x against rows 8h .. 8h+7 of one packed group: the scalar kernel's operations per lane
  * (Q8_0's sums are q x directly, the others' u x less the bias times x's sums) */
 TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                  const float *ds, const int32_t *xsum, const int R, int h, float *out) {
-    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
+    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type), span = kvref_pack_span(type);
+    const int64_t header = kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0;
     const int32_t bias = type == KVREF_TYPE_Q8_0 ? 0 : kvref_pack_bias(type);
     __m256 acc[4];
     for (int t = 0; t < R; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = group + b * rec_bytes;
-        if (R >= 4 && h == 0) kvref_pack_prefetch(rec + KVREF_PACK_PREFETCH_RECORDS * rec_bytes, rec_bytes);
-        __m256i u[8];
-        packed_values(type, rec, h, u);
-        const __m256 d = packed_scales(type, rec, 0, h);
-        for (int t = 0; t < R; t++) {
-            const int32_t *xs = xsum + t * (K / 16) + 2 * b;
-            __m256i half[2] = {_mm256_set1_epi32(-bias * xs[0]), _mm256_set1_epi32(-bias * xs[1])};
-            packed_isums(type, u, qs + t * K + 32 * b, half);
-            const __m256 dx = _mm256_set1_ps(ds[(t * nb + b) * 2]);
-            if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), _mm256_mul_ps(dx, d), acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), _mm256_mul_ps(dx, packed_scales(type, rec, 1, h)), acc[t]);
-                continue;
+    for (int64_t b0 = 0; b0 < nb; b0 += span) {
+        const uint8_t *hd = kvref_pack_header(type, group, b0);
+        __m256 d = _mm256_setzero_ps(), nd = _mm256_setzero_ps();
+        if (kvref_pack_kquant(type)) d = fp16x8(hd + 16 * h);
+        if (type == KVREF_TYPE_Q4_K) nd = _mm256_xor_ps(fp16x8(hd + 32 + 16 * h), _mm256_set1_ps(-0.0f));
+        for (int64_t j = 0; j < span; j++) {
+            const int64_t b = b0 + j;
+            const uint8_t *rec = hd + header + j * rec_bytes;
+            if (R >= 4 && h == 0) kvref_pack_prefetch(rec + KVREF_PACK_PREFETCH_RECORDS * rec_bytes, rec_bytes);
+            __m256i u[8];
+            packed_values(type, rec, h, u);
+            __m256 sc[2];
+            packed_scales(type, hd, rec, j, h, d, nd, sc);
+            for (int t = 0; t < R; t++) {
+                const int32_t *xs = xsum + t * (K / 16) + 2 * b;
+                __m256i half[2] = {_mm256_set1_epi32(-bias * xs[0]), _mm256_set1_epi32(-bias * xs[1])};
+                packed_isums(type, u, qs + t * K + 32 * b, half);
+                const __m256 dx = _mm256_set1_ps(ds[(t * nb + b) * 2]);
+                if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), _mm256_mul_ps(dx, sc[0]), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), _mm256_mul_ps(dx, sc[1]), acc[t]);
+                    continue;
+                }
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(half[0], half[1])), _mm256_mul_ps(dx, sc[0]), acc[t]);
+                if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K)
+                    acc[t] = _mm256_fmadd_ps(sc[1], _mm256_set1_ps(ds[(t * nb + b) * 2 + 1]), acc[t]);
             }
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(half[0], half[1])), _mm256_mul_ps(dx, d), acc[t]);
-            if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K)
-                acc[t] = _mm256_fmadd_ps(packed_scales(type, rec, 1, h), _mm256_set1_ps(ds[(t * nb + b) * 2 + 1]), acc[t]);
         }
     }
     for (int t = 0; t < R; t++) _mm256_storeu_ps(out + KVREF_PACK_ROWS * t + 8 * h, acc[t]);

@@ -1052,7 +1052,15 @@ TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
 
 /* ---- packed weights (internal.h): 16 rows per vector, one lane each -------------------------- */
 
-/* the 8 value vectors of a packed record: u[v] holds values 4v .. 4v+3 of row r in lane r */
+/* What the high-nibble vectors hold, times their values: the 4-bit types (no high bits to add) leave
+ * them in place, 16 u, one operation a vector fewer; the sums of values 16-31 are then 16 times
+ * theirs, which an exact shift takes back (|16 u x| sums stay below 2**20). */
+static inline int32_t high_nibble_scale(int32_t type) {
+    return type == KVREF_TYPE_Q4_0 || type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K ? 16 : 1;
+}
+
+/* the 8 value vectors of a packed record: u[v] holds values 4v .. 4v+3 of row r in lane r (times
+ * high_nibble_scale for v >= 4) */
 TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec, __m512i u[8]) {
     const uint8_t *vals = rec + kvref_pack_values_at(type);
     if (type == KVREF_TYPE_Q8_0) {
@@ -1063,20 +1071,47 @@ TARGET_VNNI static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t 
     for (int j = 0; j < 4; j++) {
         const __m512i b = _mm512_loadu_si512(vals + 64 * j);
         u[j] = _mm512_and_si512(b, low4);
-        u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+        u[j + 4] = high_nibble_scale(type) == 16 ? _mm512_andnot_si512(low4, b) : _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
-    for (int p = 0; p < kvref_pack_planes(type); p++) /* bit 4, then bit 5 */
+    const uint8_t *high = rec + kvref_pack_planes_at(type);
+    if (type == KVREF_TYPE_Q5_0) /* bit 4 from its masks */
         for (int v = 0; v < 8; v++) {
-            uint64_t high;
-            memcpy(&high, rec + kvref_pack_planes_at(type) + 64 * p + 8 * v, 8);
-            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)high, u[v], _mm512_set1_epi8((char)(16 << p)));
+            uint64_t mask;
+            memcpy(&mask, high + 8 * v, 8);
+            u[v] = _mm512_mask_add_epi8(u[v], (__mmask64)mask, u[v], _mm512_set1_epi8(16));
+        }
+    if (type == KVREF_TYPE_Q6_K) /* bits 4-5: field v % 4 of vector v / 4 moved to bits 4-5, or-ed in */
+        for (int g = 0; g < 2; g++) {
+            const __m512i h = _mm512_loadu_si512(high + 64 * g), bits45 = _mm512_set1_epi8(0x30);
+            const __m512i at45[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
+            for (int k = 0; k < 4; k++) u[4 * g + k] = _mm512_ternarylogic_epi32(u[4 * g + k], at45[k], bits45, 0xF8);
         }
 }
 
-/* scale `which` of a packed record's 16 rows: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d of 16-31) */
-TARGET_VNNI static ALWAYS_INLINE __m512 packed_scales(int32_t type, const uint8_t *rec, int which) {
-    if (kvref_pack_fp32(type)) return _mm512_loadu_ps(rec + 64 * which);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(rec + 32 * which)));
+/* 16 bytes of a K-quant header as float32: unsigned (Q4_K's scales and mins) or signed (Q6_K's scales) */
+TARGET_VNNI static ALWAYS_INLINE __m512 header_bytes(const uint8_t *p, const int is_signed) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+TARGET_VNNI static ALWAYS_INLINE __m512 fp16x16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+
+/* the 16 rows' scales of record j of a span (header h, record rec): s[0] d (Q6_K: of values 0-15),
+ * s[1] m (Q6_K: d of 16-31); the K-quants' from the header's d (and -dmin, nd), each product exact */
+TARGET_VNNI static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *h, const uint8_t *rec, int64_t j,
+                                                    __m512 d, __m512 nd, __m512 s[2]) {
+    if (type == KVREF_TYPE_Q4_K) {
+        s[0] = _mm512_mul_ps(d, header_bytes(h + 64 + 16 * j, 0));
+        s[1] = _mm512_mul_ps(nd, header_bytes(h + 192 + 16 * j, 0));
+    } else if (type == KVREF_TYPE_Q6_K) {
+        s[0] = _mm512_mul_ps(d, header_bytes(h + 32 + 32 * j, 1));
+        s[1] = _mm512_mul_ps(d, header_bytes(h + 48 + 32 * j, 1));
+    } else {
+        s[0] = fp16x16(rec);
+        if (type == KVREF_TYPE_Q4_1) s[1] = fp16x16(rec + 32);
+    }
 }
 
 /* R rows of x against one packed group: per block, the record's values decoded once, then per row
@@ -1084,36 +1119,47 @@ TARGET_VNNI static ALWAYS_INLINE __m512 packed_scales(int32_t type, const uint8_
  * chains), the bias off, and the scalar kernel's fused multiply-adds, lane r for weight row r. */
 TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                       const float *ds, const int32_t *xsum, const int R, float *out) {
-    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
+    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type), span = kvref_pack_span(type);
+    const int64_t header = kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0;
     const int32_t bias = kvref_pack_bias(type);
     __m512 acc[8];
     UNROLL_ROWS
     for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = group + b * rec_bytes;
-        if (R >= 4) kvref_pack_prefetch(rec + KVREF_PACK_PREFETCH_RECORDS * rec_bytes, rec_bytes);
-        __m512i u[8];
-        packed_values(type, rec, u);
-        const __m512 d = packed_scales(type, rec, 0);
-        UNROLL_ROWS
-        for (int t = 0; t < R; t++) {
-            const int8_t *x = qs + t * K + 32 * b;
-            const int32_t *xs = xsum + t * (K / 16) + 2 * b;
-            __m512i half[2] = {_mm512_set1_epi32(-bias * xs[0]), _mm512_set1_epi32(-bias * xs[1])};
-            for (int v = 0; v < 8; v++) {
-                int32_t x4;
-                memcpy(&x4, x + 4 * v, 4);
-                half[v / 4] = _mm512_dpbusd_epi32(half[v / 4], u[v], _mm512_set1_epi32(x4));
+    for (int64_t b0 = 0; b0 < nb; b0 += span) {
+        const uint8_t *h = kvref_pack_header(type, group, b0);
+        __m512 d = _mm512_setzero_ps(), nd = _mm512_setzero_ps();
+        if (kvref_pack_kquant(type)) d = fp16x16(h);
+        if (type == KVREF_TYPE_Q4_K) nd = _mm512_xor_ps(fp16x16(h + 32), _mm512_set1_ps(-0.0f));
+        for (int64_t j = 0; j < span; j++) {
+            const int64_t b = b0 + j;
+            const uint8_t *rec = h + header + j * rec_bytes;
+            if (R >= 4) kvref_pack_prefetch(rec + KVREF_PACK_PREFETCH_RECORDS * rec_bytes, rec_bytes);
+            __m512i u[8];
+            packed_values(type, rec, u);
+            __m512 sc[2];
+            packed_scales(type, h, rec, j, d, nd, sc);
+            UNROLL_ROWS
+            for (int t = 0; t < R; t++) {
+                const int8_t *x = qs + t * K + 32 * b;
+                const int32_t *xs = xsum + t * (K / 16) + 2 * b;
+                const int32_t hs = high_nibble_scale(type);
+                __m512i half[2] = {_mm512_set1_epi32(-bias * xs[0]), _mm512_set1_epi32(-bias * hs * xs[1])};
+                for (int v = 0; v < 8; v++) {
+                    int32_t x4;
+                    memcpy(&x4, x + 4 * v, 4);
+                    half[v / 4] = _mm512_dpbusd_epi32(half[v / 4], u[v], _mm512_set1_epi32(x4));
+                }
+                if (hs == 16) half[1] = _mm512_srai_epi32(half[1], 4);
+                const __m512 dx = _mm512_set1_ps(ds[(t * nb + b) * 2]);
+                if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[0]), _mm512_mul_ps(dx, sc[0]), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[1]), _mm512_mul_ps(dx, sc[1]), acc[t]);
+                    continue;
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(half[0], half[1])), _mm512_mul_ps(dx, sc[0]), acc[t]);
+                if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K)
+                    acc[t] = _mm512_fmadd_ps(sc[1], _mm512_set1_ps(ds[(t * nb + b) * 2 + 1]), acc[t]);
             }
-            const __m512 dx = _mm512_set1_ps(ds[(t * nb + b) * 2]);
-            if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[0]), _mm512_mul_ps(dx, d), acc[t]);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[1]), _mm512_mul_ps(dx, packed_scales(type, rec, 1)), acc[t]);
-                continue;
-            }
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(half[0], half[1])), _mm512_mul_ps(dx, d), acc[t]);
-            if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K)
-                acc[t] = _mm512_fmadd_ps(packed_scales(type, rec, 1), _mm512_set1_ps(ds[(t * nb + b) * 2 + 1]), acc[t]);
         }
     }
     UNROLL_ROWS

@@ -240,47 +240,49 @@ static void pack_legacy_row(int32_t type, const uint8_t *block, int r, uint8_t *
     }
 }
 
-/* one row's block b (32 values) -> its integers q and scales: d[0] (Q6_K: of values 0-15, d[1] of
- * 16-31) and m */
-static void weight_block32(int32_t type, const uint8_t *row, int64_t b, int8_t *q, float *d, float *m) {
-    if (type != KVREF_TYPE_Q6_K) {
-        kvref_q8_weight_block(type, row, b, q, &d[0], m);
-        return;
+/* row r of a K-quant's super-block s into its span: the header's fields as in the file, the record's
+ * values one by one */
+static void pack_kquant_row(int32_t type, const uint8_t *row, int64_t s, int r, uint8_t *span) {
+    const uint8_t *w = row + s * (type == KVREF_TYPE_Q4_K ? BYTES_Q4_K : BYTES_Q6_K);
+    if (type == KVREF_TYPE_Q4_K) {
+        memcpy(span + 2 * r, w, 2);      /* d */
+        memcpy(span + 32 + 2 * r, w + 2, 2); /* dmin */
+        for (int j = 0; j < 8; j++) kvref_q4k_scale_min(j, w + 4, span + 64 + 16 * j + r, span + 192 + 16 * j + r);
+    } else {
+        memcpy(span + 2 * r, w + 208, 2); /* d */
+        for (int j = 0; j < 16; j++) span[32 + 16 * j + r] = w[192 + j];
     }
-    kvref_q8_weight_block(type, row, 2 * b, q, &d[0], m); /* two sub-blocks of 16 */
-    kvref_q8_weight_block(type, row, 2 * b + 1, q + 16, &d[1], m);
-}
-
-/* row r of a record from a K-quant's block b, value by value */
-static void pack_kquant_row(int32_t type, const uint8_t *row, int64_t b, int r, uint8_t *rec) {
-    uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
-    int8_t q[32];
-    float d[2] = {0.0f, 0.0f}, m;
-    weight_block32(type, row, b, q, d, &m);
-    memcpy(rec + 4 * r, &d[0], 4); /* Q4_K: d, m; Q6_K: d of each half */
-    memcpy(rec + 64 + 4 * r, type == KVREF_TYPE_Q4_K ? &m : &d[1], 4);
-    for (int k = 0; k < 32; k++) {
-        const int v = k / 4, lane = 4 * r + k % 4;
-        const uint8_t u = (uint8_t)(q[k] + kvref_pack_bias(type));
-        vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
-        for (int p = 0; p < kvref_pack_planes(type); p++)
-            if (u >> (4 + p) & 1) planes[64 * p + 8 * v + lane / 8] |= (uint8_t)(1 << (lane % 8));
+    for (int64_t b = 0; b < 8; b++) {
+        uint8_t *rec = span + KVREF_PACK_HEADER + b * kvref_pack_record_bytes(type);
+        uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
+        int8_t q[32];
+        float d, m;
+        if (type == KVREF_TYPE_Q4_K) kvref_q8_weight_block(type, row, 8 * s + b, q, &d, &m);
+        else for (int h = 0; h < 2; h++) kvref_q8_weight_block(type, row, 16 * s + 2 * b + h, q + 16 * h, &d, &m); /* sub-blocks of 16 */
+        for (int k = 0; k < 32; k++) {
+            const int v = k / 4, lane = 4 * r + k % 4;
+            const uint8_t u = (uint8_t)(q[k] + kvref_pack_bias(type));
+            vals[64 * (v % 4) + lane] |= (uint8_t)((u & 15) << (v < 4 ? 0 : 4));
+            if (type == KVREF_TYPE_Q6_K) planes[64 * (v / 4) + lane] |= (uint8_t)((u >> 4) << (2 * (v % 4)));
+        }
     }
 }
 
 void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group) {
-    const int64_t rec_bytes = kvref_pack_record_bytes(type);
-    memset(group, 0, (size_t)(K / 32 * rec_bytes));
+    memset(group, 0, (size_t)kvref_pack_group_bytes(type, K));
+    if (kvref_pack_kquant(type)) {
+        for (int64_t s = 0; s < K / QK_K; s++)
+            for (int r = 0; r < nr; r++) pack_kquant_row(type, w + r * rb, s, r, group + s * kvref_pack_span_bytes(type));
+        return;
+    }
     for (int64_t b = 0; b < K / 32; b++)
-        for (int r = 0; r < nr; r++) {
-            if (kvref_pack_fp32(type)) pack_kquant_row(type, w + r * rb, b, r, group + b * rec_bytes);
-            else pack_legacy_row(type, w + r * rb + b * kvref_q8_block_bytes(type), r, group + b * rec_bytes);
-        }
+        for (int r = 0; r < nr; r++)
+            pack_legacy_row(type, w + r * rb + b * kvref_q8_block_bytes(type), r, (uint8_t *)kvref_pack_record(type, group, b));
 }
 
 int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols) {
     if (!kvref_packable(type) || rows < 0 || cols < 0 || kvref_row_nbytes(type, cols) < 0) return 0;
-    const int64_t groups = (rows + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS, group = cols / 32 * kvref_pack_record_bytes(type);
+    const int64_t groups = (rows + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS, group = kvref_pack_group_bytes(type, cols);
     if (group > 0 && groups > INT64_MAX / group) return 0;
     return groups * group;
 }
@@ -296,7 +298,7 @@ int kvref_pack_int8(const void *w, int32_t w_type, int64_t w_nbytes, int64_t row
     if (out_nbytes == 0) return KVREF_OK;
     if (w == NULL || out == NULL) return KVREF_ERR_NULL;
     if ((uintptr_t)out % 64 != 0) return KVREF_ERR_VALUE;
-    const int64_t gb = cols / 32 * kvref_pack_record_bytes(w_type); /* a group's bytes */
+    const int64_t gb = kvref_pack_group_bytes(w_type, cols);
     for (int64_t n = 0; n < rows; n += KVREF_PACK_ROWS)
         kvref_pack_group(w_type, cols, (const uint8_t *)w + n * rb, rb, rows - n < KVREF_PACK_ROWS ? rows - n : KVREF_PACK_ROWS,
                          (uint8_t *)out + n / KVREF_PACK_ROWS * gb);
@@ -344,7 +346,7 @@ static void packed_unit(void *vctx, int64_t unit, int thread) {
 }
 
 size_t kvref_matmul_int8_scratch_bytes(int64_t T, int64_t K) {
-    const size_t group = (size_t)(K / 32) * (size_t)kvref_pack_record_bytes(KVREF_TYPE_Q8_0); /* the largest records */
+    const size_t group = (size_t)kvref_pack_group_bytes(KVREF_TYPE_Q8_0, K); /* the largest groups */
     const size_t tile = kvref_matmul_scratch_bytes(T, K);
     return group > tile ? group : tile;
 }
@@ -417,7 +419,7 @@ static void mv_rows(const mv_ctx *c, const kvref_mv_part *p, int64_t n0, int64_t
     const kvref_mv *mv = c->mv;
     const int64_t rb = kvref_row_nbytes(p->type, mv->K), K = mv->K;
     if (mv->xqs != NULL && p->packed != NULL) { /* a unit's groups are one stream the hardware prefetches */
-        const int64_t gb = K / 32 * kvref_pack_record_bytes(p->type); /* a group's bytes */
+        const int64_t gb = kvref_pack_group_bytes(p->type, K);
         for (int64_t n = n0; n < n1; n += KVREF_PACK_ROWS) {
             packed_group_rows(c->kk, p->type, K, p->packed + n / KVREF_PACK_ROWS * gb, mv->xqs, mv->xds, mv->xsum,
                               mv->T, p->y + n, p->ldy, n1 - n < KVREF_PACK_ROWS ? n1 - n : KVREF_PACK_ROWS,

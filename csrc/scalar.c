@@ -371,28 +371,32 @@ static int32_t packed_value(int32_t type, const uint8_t *rec, int v, int r, int 
     if (type == KVREF_TYPE_Q8_0) return vals[64 * v + lane];
     const uint8_t byte = vals[64 * (v % 4) + lane];
     int32_t u = v < 4 ? byte & 15 : byte >> 4;
-    for (int p = 0; p < kvref_pack_planes(type); p++) u |= (planes[64 * p + 8 * v + lane / 8] >> (lane % 8) & 1) << (4 + p);
+    if (type == KVREF_TYPE_Q5_0) u |= (planes[8 * v + lane / 8] >> (lane % 8) & 1) << 4;
+    if (type == KVREF_TYPE_Q6_K) u |= (planes[64 * (v / 4) + lane] >> (2 * (v % 4)) & 3) << 4;
     return u;
 }
 
-/* scale `which` of row r in a packed record: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d of 16-31) */
-static float packed_scale(int32_t type, const uint8_t *rec, int which, int r) {
-    if (!kvref_pack_fp32(type)) return kvref_load_fp16(rec + 32 * which + 2 * r);
-    float d;
-    memcpy(&d, rec + 64 * which + 4 * r, 4);
-    return d;
+/* scale `which` of row r for record b of a packed group: 0 d (Q6_K: of values 0-15), 1 m (Q6_K: d
+ * of 16-31); the K-quants' are kvref_q8_block_scales's products of their header's fields */
+static float packed_scale(int32_t type, const uint8_t *group, int64_t b, int which, int r) {
+    if (!kvref_pack_kquant(type)) return kvref_load_fp16(kvref_pack_record(type, group, b) + 32 * which + 2 * r);
+    const uint8_t *h = kvref_pack_header(type, group, b);
+    const int j = (int)(b % kvref_pack_span(type));
+    if (type == KVREF_TYPE_Q6_K) return kvref_load_fp16(h + 2 * r) * (float)(int8_t)h[32 + 16 * (2 * j + which) + r];
+    return which == 0 ? kvref_load_fp16(h + 2 * r) * (float)h[64 + 16 * j + r]
+                      : -(kvref_load_fp16(h + 32 + 2 * r) * (float)h[192 + 16 * j + r]);
 }
 
 /* the definition of the packed kernels (internal.h, kvref_packed_dot_fn) */
 static void packed_dot(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
                        const int32_t *xsum, int64_t T, float *out) {
-    const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type);
+    const int64_t nb = K / 32;
     const int32_t bias = kvref_pack_bias(type);
     for (int64_t t = 0; t < T; t++)
         for (int r = 0; r < KVREF_PACK_ROWS; r++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *rec = group + b * rec_bytes;
+                const uint8_t *rec = kvref_pack_record(type, group, b);
                 const int8_t *x = qs + t * K + 32 * b;
                 const float *xd = ds + (t * nb + b) * 2;
                 const int32_t *xs = xsum + t * (K / 16) + 2 * b;
@@ -400,12 +404,12 @@ static void packed_dot(int32_t type, int64_t K, const uint8_t *group, const int8
                 for (int v = 0; v < 8; v++)
                     for (int i = 0; i < 4; i++) half[v / 4] += packed_value(type, rec, v, r, i) * (int32_t)x[4 * v + i];
                 if (type == KVREF_TYPE_Q6_K) { /* a scale per 16 values */
-                    acc = fmaf((float)half[0], xd[0] * packed_scale(type, rec, 0, r), acc);
-                    acc = fmaf((float)half[1], xd[0] * packed_scale(type, rec, 1, r), acc);
+                    acc = fmaf((float)half[0], xd[0] * packed_scale(type, group, b, 0, r), acc);
+                    acc = fmaf((float)half[1], xd[0] * packed_scale(type, group, b, 1, r), acc);
                     continue;
                 }
-                acc = fmaf((float)(half[0] + half[1]), xd[0] * packed_scale(type, rec, 0, r), acc);
-                if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K) acc = fmaf(packed_scale(type, rec, 1, r), xd[1], acc);
+                acc = fmaf((float)(half[0] + half[1]), xd[0] * packed_scale(type, group, b, 0, r), acc);
+                if (type == KVREF_TYPE_Q4_1 || type == KVREF_TYPE_Q4_K) acc = fmaf(packed_scale(type, group, b, 1, r), xd[1], acc);
             }
             out[t * KVREF_PACK_ROWS + r] = acc;
         }

@@ -926,54 +926,71 @@ PACK_BIAS = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16, GGMLType.Q8_
              GGMLType.Q6_K: 32}
 
 
-def packed_layout(gtype, values, s0, s1):
-    """The int8 mode's packed layout in NumPy (csrc/internal.h), from the blocks' signed integers
-    values [N, K] and two scales per row and 32-value block, s0 and s1 [N, K/32] (block_integers): per
-    group of 16 rows and block, s0 [16] (then s1 [16] for Q4_1 and the K-quants), the high-bit planes
-    of u = q + bias (bit 4 for Q5_0, bits 4 and 5 for Q6_K: 8 masks of 64 bits each), then u in vectors
-    v of 64 bytes, value 4v + i of row r at byte 4r + i, vectors v and v + 4 sharing bytes as low and
-    high nibbles but for Q8_0."""
+def kquant_header(w, rows, s):
+    """The header of super-block s of a K-quant's 16 rows `rows` (csrc/internal.h): the file's fields
+    side by side, row r at index r: Q4_K d [16], dmin [16] float16, sc [8][16], m [8][16] a byte each;
+    Q6_K d [16], sc [16][16], 32 zero bytes. Rows past the weight's are zero."""
+    N, K = w.shape
+    size = BLOCK_LAYOUT[w.ggml_type][1]
+    blocks = np.zeros((16, size), np.uint8)
+    have = np.arange(rows.start, rows.stop) < N
+    blocks[have] = w.data.reshape(N, K // 256, size)[rows.start:min(rows.stop, N), s]
+    if w.ggml_type == GGMLType.Q4_K:
+        sc, mn = quants._scales_mins_k4(blocks[:, 4:16])  # [16, 8] each
+        return np.concatenate([blocks[:, 0:2].reshape(-1), blocks[:, 2:4].reshape(-1), sc.T.reshape(-1), mn.T.reshape(-1)])
+    return np.concatenate([blocks[:, 208:210].reshape(-1), blocks[:, 192:208].T.reshape(-1), np.zeros(32, np.uint8)])
+
+
+def packed_layout(w):
+    """The int8 mode's packed layout in NumPy (csrc/internal.h), from the blocks' signed integers and
+    scales (block_integers): per group of 16 rows and 32-value block, s0 [16] float16 (then s1 [16] for
+    Q4_1; the K-quants' scales are in a header before each super-block's 8 records, kquant_header), the
+    high bits of u = q + bias (Q5_0's bit 4: 8 masks of 64 bits; Q6_K's bits 4-5: 2 vectors of 2-bit
+    fields), then u in vectors v of 64 bytes, value 4v + i of row r at byte 4r + i, vectors v and v + 4
+    sharing bytes as low and high nibbles but for Q8_0."""
+    gtype = w.ggml_type
+    values, s0, s1 = block_integers(w)
     N, K = values.shape
     G = -(-N // 16)
     u = np.zeros((G * 16, K), np.int64)
     u[:N] = values + PACK_BIAS[gtype]
-    scales = [np.zeros((G * 16, K // 32), s0.dtype), np.zeros((G * 16, K // 32), s1.dtype)]
-    scales[0][:N], scales[1][:N] = s0, s1
-    planes = {GGMLType.Q5_0: 1, GGMLType.Q6_K: 2}.get(gtype, 0)
+    kquant = gtype in (GGMLType.Q4_K, GGMLType.Q6_K)
+    scales = [np.zeros((G * 16, K // 32), np.float16) for _ in range(2)]
+    if not kquant:
+        scales[0][:N], scales[1][:N] = s0, s1
     out = []
     for g in range(G):
         for b in range(K // 32):
             rows = slice(16 * g, 16 * g + 16)
             vec = u[rows, 32 * b:32 * b + 32].reshape(16, 8, 4).transpose(1, 0, 2).reshape(8, 64)  # [v, 4r + i]
-            two = gtype in (GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
-            rec = [np.ascontiguousarray(scales[i][rows, b]).view(np.uint8) for i in range(1 + two)]
-            rec += [np.packbits(vec >> (4 + p) & 1, axis=1, bitorder="little").reshape(-1) for p in range(planes)]
+            rec = [kquant_header(w, rows, b // 8)] if kquant and b % 8 == 0 else []
+            if not kquant:
+                rec += [np.ascontiguousarray(scales[i][rows, b]).view(np.uint8) for i in range(1 + (gtype == GGMLType.Q4_1))]
+            if gtype == GGMLType.Q5_0:
+                rec.append(np.packbits(vec >> 4 & 1, axis=1, bitorder="little").reshape(-1))
+            if gtype == GGMLType.Q6_K:
+                rec += [sum((vec[4 * g + k] >> 4 & 3) << (2 * k) for k in range(4)) for g in range(2)]
             rec.append(vec.reshape(-1) if gtype == GGMLType.Q8_0 else (vec[:4] & 15) | (vec[4:] & 15) << 4)
             out.append(np.concatenate([np.asarray(r, np.uint8).reshape(-1) for r in rec]))
     return np.concatenate(out)
 
 
 def block_integers(w):
-    """A packable weight's signed integers q [N, K] and two scales per 32-value block [N, K/32]: d (and
-    Q4_1's m) as the file's float16; Q4_K's d sc and -dmin m, Q6_K's d sc of each 16-value half, as
-    float32 (csrc/internal.h, kvref_q8_block_scales), read from its file blocks (kvref.spec.quants)."""
+    """A packable weight's signed integers q [N, K] and, but for the K-quants (whose scales the packed
+    headers keep as in the file: kquant_header), two scales per 32-value block [N, K/32]: d and Q4_1's
+    m as the file's float16, read from its file blocks (kvref.spec.quants)."""
     N, K = w.shape
     size = BLOCK_LAYOUT[w.ggml_type][1]
     if w.ggml_type == GGMLType.Q4_K:
         blocks = w.data.reshape(-1, size)
         n = blocks.shape[0]
-        d, dmin = quants._f16(blocks[:, 0:2]), quants._f16(blocks[:, 2:4])
-        sc, mn = quants._scales_mins_k4(blocks[:, 4:16])
-        q = quants._unpack(blocks[:, 16:144].reshape(n, 4, 32), 4).reshape(N, K).astype(np.int64)
-        return q, (d * sc.astype(np.float32)).reshape(N, -1), (-(dmin * mn.astype(np.float32))).reshape(N, -1)
+        return quants._unpack(blocks[:, 16:144].reshape(n, 4, 32), 4).reshape(N, K).astype(np.int64), None, None
     if w.ggml_type == GGMLType.Q6_K:
         blocks = w.data.reshape(-1, size)
         n = blocks.shape[0]
         q_low = quants._unpack(blocks[:, 0:128].reshape(n, 2, 64), 4).reshape(n, 2, 4, 32)
         q_high = quants._unpack(blocks[:, 128:192].reshape(n, 2, 32), 2)
-        q = (q_low | (q_high << np.uint8(4))).astype(np.int64).reshape(N, K) - 32
-        dl = (quants._f16(blocks[:, 208:210]) * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(N, -1, 2)
-        return q, np.ascontiguousarray(dl[..., 0]), np.ascontiguousarray(dl[..., 1])
+        return (q_low | (q_high << np.uint8(4))).astype(np.int64).reshape(N, K) - 32, None, None
     blocks = w.data.reshape(N, K // 32, size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if w.ggml_type == GGMLType.Q4_1 else np.zeros_like(d)
@@ -994,26 +1011,27 @@ def test_pack_int8_writes_the_documented_layout(gtype, N, nb, seed):
     K = (256 if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32) * nb
     w = sane_quantized(gtype, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), rng)
     nbytes = lib.kvref_packed_nbytes(int(gtype), N, K)
-    # per row and 32 values: the file's bytes, but for the K-quants' float32 sub-block scales; rows rounded to 16
-    per_block = {GGMLType.Q4_K: 24, GGMLType.Q6_K: 32}[gtype] if K % 256 == 0 else row_nbytes(gtype, 32)
-    assert nbytes == -(-N // 16) * 16 * (K // 32) * per_block
+    # the file's bytes, rows rounded to 16, but for the K-quants' header per 16 rows and super-block: Q4_K's
+    # 6-bit scales and mins a byte each (+ 64 bytes), Q6_K's padding (+ 32)
+    extra = {GGMLType.Q4_K: 64, GGMLType.Q6_K: 32}.get(gtype, 0) * (K // 256)
+    assert nbytes == -(-N // 16) * (16 * row_nbytes(gtype, K) + extra)
     buf = np.zeros(nbytes + 64, np.uint8)
     out = buf[-buf.ctypes.data % 64:][:nbytes]
     assert lib.kvref_pack_int8(ffi.from_buffer(w.data), int(gtype), w.data.nbytes, N, K, ffi.from_buffer(out),
                                nbytes) == lib.KVREF_OK
-    np.testing.assert_array_equal(out, packed_layout(gtype, *block_integers(w)))
+    np.testing.assert_array_equal(out, packed_layout(w))
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_a_fused_forward_reads_the_packed_bytes_of_its_int8_projections(activations):
-    # what kvref bench's roofline counts: the K-quants' packed copies are larger than the file's blocks
+    # what kvref bench's roofline counts: a Q4_K packed copy holds its 6-bit scales and mins a byte each
     config = kvref.ModelConfig(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=32, max_seq_len=8)
     weights = random_weights(config, seed=2)
     rng = np.random.default_rng(2)
     wq = sane_quantized(GGMLType.Q4_K, np.asarray(weights.layers[0].wq), rng)
     weights = replace(weights, layers=[replace(weights.layers[0], wq=wq)])
     ff = fused.FusedForward(config, weights, activations)
-    want = 256 * 8 * 24 if activations == "int8" else wq.data.nbytes  # 24 bytes per row and 32 values
+    want = 16 * (16 * 144 + 64) if activations == "int8" else wq.data.nbytes  # 16 groups of 16 rows
     assert ff.read_nbytes(wq) == want and wq.data.nbytes == 256 * 144
     assert ff.read_nbytes(weights.layers[0].wk) == weights.layers[0].wk.nbytes  # float32: no packed form
 
