@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvref
 from kvref.cache import reorder
-from kvref.cache.paged import blocks_for
+from kvref.cache.pool import blocks_for
 from kvref.errors import CacheError, CacheFullError
 from kvref.spec.ops import rope
 

@@ -11,7 +11,7 @@ positions whatever the length.
 from __future__ import annotations
 
 from .hybrid import DEFAULT_SPARE, positions_held
-from .paged import DEFAULT_BLOCK_SIZE, blocks_for
+from .pool import DEFAULT_BLOCK_SIZE, blocks_for
 from .quant import ELEMENT_BYTES, SCALE_DTYPE, Codec, default_group_size
 
 DTYPE_PAIRS = (("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"),
