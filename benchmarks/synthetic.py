@@ -1,9 +1,12 @@
 """Bench models of real shapes: random-weight GGUF files with the exact tensor shapes of released models.
 
-    /work/llama-venv/bin/python benchmarks/synthetic.py [--shapes llama3.2-1b llama3.2-3b qwen2.5-1.5b llama3.1-8b]
-        [--types Q4_K_M Q4_0 Q8_0 Q6_K] [--out /work/bench-models] [--tokenizer GGUF] [--keep-f16]
+    PYTHONPATH=. /work/llama-venv/bin/python benchmarks/synthetic.py [--shapes llama3.2-1b llama3.2-3b qwen2.5-1.5b
+        llama3.1-8b] [--types Q4_K_M Q4_0 Q8_0 Q6_K] [--out /work/bench-models] [--tokenizer GGUF] [--keep-f16]
+    PYTHONPATH=. /work/llama-venv/bin/python benchmarks/synthetic.py --check FILE...
 
-writes OUT/<shape>-<type>.gguf for each shape and type (issue 24). Each shape is written once in f16
+writes OUT/<shape>-<type>.gguf for each shape and type (issue 24), then checks each: kvref (native
+backend) and llama.cpp both load it and give finite logits for the same prompt (--check does only
+that, on the files given). Each shape is written once in f16
 (norm gains, biases and rope_freqs in f32, as llama.cpp's converter writes them), then quantized by
 llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize), which picks per-tensor types as it
 does for a real model (Q4_K_M: Q6_K for the LM head or the tied embedding and for some V/down
@@ -18,23 +21,26 @@ tokenizer GGUF's (default: kvref's default model, SmolLM2) padded with unused fi
 real vocabulary size. These files measure speed and memory only; the text they generate means
 nothing, and accuracy is measured on the real models.
 
-Needs the gguf and llama-cpp-python packages (the benchmark venv's, never kvref's runtime dependencies).
+Needs the gguf and llama-cpp-python packages (the benchmark venv's, never kvref's runtime dependencies)
+and kvref importable there (PYTHONPATH=. with its native module built, its dependencies installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvref.loader import model_path
+
 WEIGHT_STD = 0.02  # the initializer range of Llama / Qwen configs: q.k and the logits stay O(1)
 FILLER_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED (kvref.tokenizer.UNUSED): never produced by encoding
 QUANT_TYPES = ("Q4_K_M", "Q4_0", "Q8_0", "Q6_K")
+CHECK_PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 @dataclass(frozen=True)
@@ -186,11 +192,24 @@ def quantize(source: Path, target: Path, quant_type: str, threads: int) -> None:
         raise SystemExit(f"llama_model_quantize({source} -> {quant_type}) failed with status {status}")
 
 
-def default_tokenizer() -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kvref.loader import model_path
+def check(path: Path, threads: int) -> str:
+    """kvref's native backend and llama.cpp both load `path` and give finite last-position logits for
+    CHECK_PROMPT; -> a line with their argmax and correlation (random weights: close, not equal)."""
+    import kvref
+    import llama_cpp
 
-    return model_path()
+    model = kvref.load(path, backend="c", threads=threads)
+    ids = model.tokenizer.encode(CHECK_PROMPT)
+    ours = model.forward(ids, model.new_cache(capacity=len(ids)))  # [vocab]
+    llm = llama_cpp.Llama(str(path), n_ctx=len(ids), n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.eval(ids)
+    theirs = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))  # [vocab]
+    for engine, logits in (("kvref", ours), ("llama.cpp", theirs)):
+        if logits.shape != (model.config.vocab_size,) or not np.isfinite(logits).all():
+            raise SystemExit(f"{path}: {engine} gave logits of shape {logits.shape}, finite: "
+                             f"{bool(np.isfinite(logits).all())}; expected {model.config.vocab_size} finite values")
+    return (f"{path.name}: finite logits in kvref and llama.cpp; argmax {int(np.argmax(ours))} / "
+            f"{int(np.argmax(theirs))}, correlation {np.corrcoef(ours, theirs)[0, 1]:.4f}")
 
 
 def main():
@@ -200,11 +219,17 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("/work/bench-models"))
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="GGUF whose tokenizer is padded (default: kvref's default model, or $KVREF_MODEL)")
-    parser.add_argument("--threads", type=int, default=2, help="quantizer threads")
+    parser.add_argument("--threads", type=int, default=2, help="threads of the quantizer and the check")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-f16", action="store_true", help="keep OUT/<shape>-F16.gguf")
+    parser.add_argument("--check", nargs="+", type=Path, default=None, metavar="FILE",
+                        help="only check these files (kvref and llama.cpp load them, finite logits)")
     args = parser.parse_args()
-    tokenizer = args.tokenizer or default_tokenizer()
+    if args.check:
+        for path in args.check:
+            print(check(path, args.threads), flush=True)
+        return
+    tokenizer = args.tokenizer or model_path()
     args.out.mkdir(parents=True, exist_ok=True)
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
@@ -218,6 +243,7 @@ def main():
             quantize(f16, target, quant_type, args.threads)
             print(f"{target}: {target.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - start:.0f} s",
                   flush=True)
+            print(check(target, args.threads), flush=True)
         if not args.keep_f16:
             f16.unlink()
 
