@@ -152,19 +152,14 @@ def write_f16(shape_name: str, shape: Shape, tokenizer: Path, path: Path, seed: 
     arch = shape.architecture
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"random-weight {shape_name} (kvref benchmarks/synthetic.py: speed only)")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_block_count(shape.n_layers)
-    writer.add_context_length(shape.context_length)
-    writer.add_embedding_length(shape.d_model)
-    writer.add_feed_forward_length(shape.d_ff)
-    writer.add_head_count(shape.n_heads)
-    writer.add_head_count_kv(shape.n_kv_heads)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(shape.norm_eps)
-    writer.add_vocab_size(shape.vocab_size)
+    numbers = {"file_type": gguf.LlamaFileType.MOSTLY_F16, "block_count": shape.n_layers,
+               "context_length": shape.context_length, "embedding_length": shape.d_model,
+               "feed_forward_length": shape.d_ff, "head_count": shape.n_heads, "head_count_kv": shape.n_kv_heads,
+               "key_length": shape.head_dim, "value_length": shape.head_dim,
+               "rope_dimension_count": shape.head_dim, "rope_freq_base": shape.rope_theta,
+               "layer_norm_rms_eps": shape.norm_eps, "vocab_size": shape.vocab_size}
+    for name, value in numbers.items():  # GGUFWriter.add_<name> writes <architecture>.<its key>
+        getattr(writer, f"add_{name}")(value)
     for key, value, vtype, item_type in tokenizer_fields(tokenizer, shape.vocab_size):
         writer.add_key_value(key, value, vtype, sub_type=item_type)
     shapes = tensor_shapes(shape)
