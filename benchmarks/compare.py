@@ -385,8 +385,23 @@ def environment() -> dict:
             "commit": git("rev-parse", "--short", "HEAD"), "modified_files": dirty.splitlines() if dirty else [],
             "native_module_built": datetime.datetime.fromtimestamp(so[0].stat().st_mtime).astimezone().isoformat(
                 timespec="seconds") if so else None,
-            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "cpu": cpu(), "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "load_avg_start": list(os.getloadavg())}
+
+
+def cpu() -> dict:
+    """The CPU as /proc/cpuinfo names it (a VM's model name can be just "AMD EPYC": family 25 model 17
+    is Zen 4), and whether it has AVX-512 and AMX."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {"model_name": platform.processor() or None}
+    flags = fields.get("flags", "").split()
+    return {"model_name": fields.get("model name"), "family": fields.get("cpu family"), "model": fields.get("model"),
+            "avx512": "avx512f" in flags, "amx": "amx_tile" in flags}
 
 
 def main():
@@ -395,7 +410,7 @@ def main():
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
@@ -427,7 +442,7 @@ def main():
     print(f"compare: {', '.join(engines)}; threads {args.threads}; cases {', '.join(args.cases)}; "
           f"{args.rounds} rounds; commit {env['commit']}"
           f"{' + ' + str(len(env['modified_files'])) + ' modified files' if env['modified_files'] else ''}; "
-          f"load average {env['load_avg_start'][0]:.2f}", file=sys.stderr)
+          f"load average {env['load_avg_start'][0]:.2f}; CPU {describe_cpu(env['cpu'])}", file=sys.stderr)
     started = time.perf_counter()
     runs = []
     for r in range(args.rounds):
@@ -446,6 +461,7 @@ def main():
                       f"({time.perf_counter() - t0:.0f} s; load average {load:.2f} -> {res['load_avg_after']:.2f})",
                       file=sys.stderr)
     elapsed = time.perf_counter() - started
+    env["load_avg_end"] = list(os.getloadavg())
 
     medians, best = {}, {}  # (case, threads, engine) -> median / highest tok/s over rounds
     for case in args.cases:
@@ -460,12 +476,16 @@ def main():
         print(table(best, engines, args, "\nbest round (the least disturbed by other processes; a round another "
                     "process slowed shows as a gap between this table and the medians)"))
     if args.json:
-        env["load_avg_end"] = list(os.getloadavg())
         Path(args.json).write_text(json.dumps({
             "environment": env, "elapsed_s": elapsed, "settings": {k: v for k, v in vars(args).items() if k != "worker"},
             "medians": [{"case": c, "threads": t, "engine": e, "tok_s": v, "best_tok_s": best[(c, t, e)]}
                         for (c, t, e), v in medians.items()],
             "runs": runs}, indent=1))
+
+
+def describe_cpu(c) -> str:
+    return (f"{c.get('model_name')} (family {c.get('family')} model {c.get('model')}, "
+            f"AVX-512 {'yes' if c.get('avx512') else 'no'}, AMX {'yes' if c.get('amx') else 'no'})")
 
 
 def table(medians, engines, args, title) -> str:
@@ -492,7 +512,8 @@ def table(medians, engines, args, title) -> str:
 
 def report(medians, runs, engines, args, env, elapsed) -> str:
     lines = [table(medians, engines, args, f"\nmedian tok/s over {args.rounds} round(s); ratio = engine / llama.cpp "
-                   f"(commit {env['commit']}, {env['date']}, {elapsed / 60:.1f} min)")]
+                   f"(commit {env['commit']}, {env['date']}, {elapsed / 60:.1f} min; load average "
+                   f"{env['load_avg_start'][0]:.2f} -> {env['load_avg_end'][0]:.2f})")]
     if "context" in args.cases:
         fills = []
         for threads in args.threads:
