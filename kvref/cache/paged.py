@@ -44,7 +44,7 @@ from ..errors import CacheError, CacheFullError, TokenError
 from ..limits import MAX_POOL_BLOCKS
 from . import prefix
 from .base import KVCache
-from .pool import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for  # noqa: F401  (DEFAULT_BLOCK_SIZE: re-exported)
+from .pool import DEFAULT_BLOCK_SIZE, BlockPool, blocks_for
 from .quant import KIVI_NO_ROWS, KiviResidual, SlotStore
 from .registry import LayoutOptions, flag, handle, option, register
 from .storage import Storage
