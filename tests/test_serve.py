@@ -26,7 +26,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from kvref.limits import MAX_JSON_DEPTH  # noqa: E402
-from kvref.serve import Limits, bind, create_server  # noqa: E402  (after the skips)
+from kvref.serving import Limits, bind, create_server  # noqa: E402  (after the skips)
 
 NAME = "smollm2"
 PROMPT = "The capital of France is"
@@ -99,8 +99,8 @@ def test_a_streamed_completion_joins_to_the_unstreamed_text_and_ends_with_its_re
 def test_chat_streamed_and_not_gives_the_templates_reply(served):
     messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}]
     whole = served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=12).choices[0]
-    ids = served.model.chat_ids(messages)
-    want = kvref.stream.TextStream(served.model.tokenizer, (), served.model.tokenizer.eos_ids).text(
+    ids = served.model.text.chat_ids(messages)
+    want = kvref.generation.stream.TextStream(served.model.tokenizer, (), served.model.tokenizer.eos_ids).text(
         kvref.generate(served.model, ids, 12))
     assert whole.message.content == want and whole.message.role == "assistant" and want
     deltas = list(served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, stream=True))
@@ -140,7 +140,7 @@ def test_n_choices_share_the_prompt_and_sample_apart(served):
     assert joined == texts
     assert r.usage.completion_tokens == 4 * 8 or r.usage.completion_tokens < 4 * 8 and any(
         c.finish_reason == "stop" for c in r.choices)
-    assert r.usage.prompt_tokens == len(served.model.chat_ids(kwargs["messages"]))
+    assert r.usage.prompt_tokens == len(served.model.text.chat_ids(kwargs["messages"]))
 
 
 def test_logprobs_are_the_models_log_softmax_with_the_top_tokens(served):
@@ -310,8 +310,8 @@ def test_metrics_report_the_pool_and_blocks_return_when_idle(served):
 def tiny():
     from starlette.testclient import TestClient
 
-    from kvref.serve.app import create_app
-    from kvref.serve.engine import EngineThread
+    from kvref.serving.app import create_app
+    from kvref.serving.engine import EngineThread
 
     cfg = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
     model = kvref.Model.random(cfg, seed=0, dtype="float64", backend="numpy")  # batch-invariant to 1e-10: no near ties
@@ -371,8 +371,8 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
 def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exactly(tiny):
     # the engine alone, its requests queued before its thread starts, so all four are admitted together:
     # 16 blocks of 4, each request needs up to 10 (40 positions), so they cannot all grow
-    from kvref.serve.engine import EngineThread, Job
-    from kvref.serve.protocol import Spec
+    from kvref.serving.engine import EngineThread, Job
+    from kvref.serving.protocol import Spec
 
     prompts = [[(7 * i + j) % 64 for j in range(10)] for i in range(4)]
 
@@ -399,10 +399,10 @@ def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exac
 
 
 def test_the_old_engine_name_is_the_engine_thread_with_a_deprecation_warning():
-    import kvref.serve
-    from kvref.serve.engine import EngineThread
+    import kvref.serving
+    from kvref.serving.engine import EngineThread
 
     with pytest.warns(DeprecationWarning, match="EngineThread"):
-        assert kvref.serve.Engine is EngineThread
+        assert kvref.serving.Engine is EngineThread
     with pytest.raises(AttributeError):
-        kvref.serve.Engines  # noqa: B018
+        kvref.serving.Engines  # noqa: B018

@@ -10,21 +10,22 @@ import time
 import warnings
 from pathlib import Path
 
-from . import __version__
-from .bench import add_bench, blas_threads
-from .cache import bytes_per_position
-from .cli_common import Progress, add_model_arguments, available_memory, count, count_in, human_bytes
-from .cli_info import add_inspect, add_memory, add_trace
-from .conformance.command import add_conformance, add_fixtures
-from .errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
-from .executor import describe
-from .generate import generate, prefill_in_chunks
-from .generation_config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
-from .native import MAX_THREADS
+from .. import __version__
+from ..cache import bytes_per_position
+from ..conformance.command import add_conformance, add_fixtures
+from ..errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
+from ..executor import describe
+from ..generation.config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
+from ..generation.generate import generate, prefill_in_chunks
+from ..generation.sampling import check_penalties, check_sampling
+from ..generation.speculative import SpeculationStats
+from ..generation.stream import TextStream
+from ..native import MAX_THREADS
+from .bench import add_bench
+from .machine import blas_threads
+from .common import Progress, add_model_arguments, available_memory, count, count_in, human_bytes
+from .info import add_inspect, add_memory, add_trace
 from .perplexity import add_perplexity
-from .sampling import check_penalties, check_sampling
-from .speculative import SpeculationStats
-from .stream import TextStream
 
 
 def main(argv=None) -> int:
@@ -142,7 +143,7 @@ def generation_config(args, model) -> GenerationConfig:
 
 def load_model(args):
     """The model of -m/--backend/--threads, with a progress line on a terminal (not with --quiet)."""
-    from .loader import load
+    from ..loader import load
 
     progress = Progress(enabled=sys.stderr.isatty() and not getattr(args, "quiet", False),
                         label=f"kvref {args.command}")
@@ -312,7 +313,7 @@ def run_run(args) -> int:
     model = load_text_model(args, chat=args.chat)
     tok = model.tokenizer
     if args.chat:
-        prompt_ids = model.chat_ids([{"role": "user", "content": text}])
+        prompt_ids = model.text.chat_ids([{"role": "user", "content": text}])
     else:
         prompt_ids = tok.encode(text, add_special=True)
     config = generation_config(args, model)
@@ -370,7 +371,7 @@ class Timing:
 
 
 def stream_text(tokenizer, tokens, config: GenerationConfig) -> Timing:
-    """Print token ids as text as soon as it is final (kvref.stream.TextStream: whole characters, never
+    """Print token ids as text as soon as it is final (kvref.generation.stream.TextStream: whole characters, never
     a stop string or an end id's text); return the timing."""
     timing = Timing()
     text = TextStream(tokenizer, config.stop, config.end_ids(tokenizer))
@@ -396,7 +397,7 @@ def add_chat(commands):
 
 
 def run_chat(args) -> int:
-    from .conversation import Conversation
+    from ..generation.conversation import Conversation
 
     model = load_text_model(args, chat=True)
     chat = Conversation(model, system=args.system, cache=new_cli_cache(model, args),
@@ -494,11 +495,11 @@ SERVE_CACHE_MIB = 512
 
 def run_serve(args) -> int:
     try:
-        from .serve import create_server
-        from .serve.protocol import Limits
+        from ..serving import create_server
+        from ..serving.protocol import Limits
     except ImportError as error:
         raise ConfigError(f"kvref serve needs the serve extra (pip install 'kvref[serve]'): {error}") from None
-    from .loader import SHORT_NAMES, model_path
+    from ..loader import SHORT_NAMES, model_path
 
     model = load_text_model(args)
     c = model.config
@@ -525,6 +526,3 @@ def run_serve(args) -> int:
                  f"backend {model.backend})")
     server.run()
     return 0
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@
 Three layers, each usable alone:
 
     protocol.py  request bodies checked field by field into a Spec (RequestError -> HTTP 400)
-    engine.py    one thread (EngineThread) that owns a kvref.batch.Engine (prefix reuse, chunked prefill,
+    engine.py    one thread (EngineThread) that owns a kvref.generation.batch.Engine (prefix reuse, chunked prefill,
                  preemption, n > 1 by copy-on-write forks) and turns its tokens into text events
     app.py       the Starlette app: routes, server-sent events, /metrics, API key, body limit
 
@@ -54,7 +54,7 @@ def bind(host="127.0.0.1", port=0) -> socket.socket:
 
 
 def __getattr__(name):
-    if name == "Engine":  # deprecated: kvref.serve.EngineThread
+    if name == "Engine":  # deprecated: kvref.serving.EngineThread
         return _engine.__getattr__(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_common import add_model_arguments, count
-from .errors import InputFileError, ScoringError
-from .scoring import SCORE_CHUNK, next_token_logprobs
+from ..errors import InputFileError, ScoringError
+from ..scoring import SCORE_CHUNK, next_token_logprobs
+from .common import add_model_arguments, count
 
 LOGITS_FORMAT = "kvref-logprobs-1"  # what a --save-logits file holds; a new layout gets a new name
 
@@ -193,7 +193,7 @@ def add_perplexity(commands):
 
 
 def run_perplexity(args) -> int:
-    from .loader import load
+    from ..loader import load
 
     text = read_text(args.file)
     model = load(args.model, backend=args.backend)

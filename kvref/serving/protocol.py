@@ -13,7 +13,7 @@ What the fields mean where kvref departs from, or adds to, the OpenAI API:
   top_k, min_p, repetition_penalty, ignore_eos   kvref's (and vLLM's / llama.cpp's) extensions.
   return_tokens_as_token_ids   vLLM's extension: logprobs name each token "token_id:<id>", not its text.
   penalties                count the last 64 tokens of prompt + completion (kvref.generate's rule).
-  seed                     with n > 1, choice i > 0 draws from the stream [seed, i] (kvref.batch).
+  seed                     with n > 1, choice i > 0 draws from the stream [seed, i] (kvref.generation.batch).
   logprobs                 log-probabilities of the model's own next-token distribution (log-softmax
                            of its logits), before penalties, temperature and filters; every selected
                            token has one except an end id (EOS), whose text is never shown.
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import KVRefError, RequestError
-from ..generation_config import GenerationConfig
+from ..generation.config import GenerationConfig
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # as OpenAI
