@@ -85,7 +85,7 @@ def model_path(path=None) -> Path:
     return path
 
 
-def load(path=None, backend="auto", dtype="float32", threads=None, progress=None) -> Model:
+def load(path=None, backend="auto", dtype="float32", threads=None, progress=None, activations=None) -> Model:
     """Load a GGUF model (the architectures of kvref.formats.architectures), or a Hugging Face
     checkpoint directory (load_hf).
 
@@ -93,9 +93,11 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
     keeps every matrix as the file's blocks, memory-mapped, and the kernels read them in place.
     threads: size of the native thread pool (default: KVREF_THREADS, else every available core).
     progress: called as progress(tensors_done, tensors_total) while weights are prepared.
+    activations: how the C forward feeds its projections, "float32" (exact) or "int8" (rounded to
+    8-bit blocks, as llama.cpp does); default KVREF_ACTIVATIONS, else kvref.native.fused's default.
     """
     if path is not None and Path(path).is_dir():
-        return load_hf(path, backend, dtype, threads)
+        return load_hf(path, backend, dtype, threads, activations)
     dtype = model_dtype(dtype)
     with GGUFFile(model_path(path)) as gguf:
         config = gguf_config(gguf)
@@ -119,7 +121,7 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         chat_template = gguf.metadata.get("tokenizer.chat_template")
         defaults = generation_config.from_gguf_metadata(gguf.metadata)
     return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
-                 threads=threads, generation_config=defaults)
+                 threads=threads, generation_config=defaults, activations=activations)
 
 
 def load_config(path=None):
@@ -148,7 +150,7 @@ def read_config_json(directory: Path) -> dict:
     return config_json
 
 
-def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
+def load_hf(directory, backend="auto", dtype="float32", threads=None, activations=None) -> Model:
     """A Model from a Hugging Face checkpoint directory: config.json and model.safetensors (or the
     shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
     kvref.formats.hf. The weights are converted to `dtype` once. The tokenizer, chat template and
@@ -162,7 +164,7 @@ def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
     tokenizer = Tokenizer.from_hf_directory(directory)
     return Model(config, weights, dtype, backend, tokenizer=tokenizer,
                  chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads,
-                 generation_config=generation_config.from_hf_directory(directory))
+                 generation_config=generation_config.from_hf_directory(directory), activations=activations)
 
 
 def native_weight_types():

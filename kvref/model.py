@@ -37,7 +37,7 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype="float32", backend="auto",
                  tokenizer=None, chat_template: str | None = None, threads: int | None = None,
-                 generation_config: GenerationConfig | None = None):
+                 generation_config: GenerationConfig | None = None, activations: str | None = None):
         self.config = config
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype, config)
@@ -46,18 +46,20 @@ class Model:
         # keeps them as given (freezing would copy every dequantized array once more at load).
         self.weights = freeze(weights) if self.backend == "c" else weights
         self.ops = backends.kernels(self.backend, threads)  # the kernel set (kvref.executor.KernelSet)
-        # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
-        # None (and why): every execution runs the shared decoder kernel by kernel
-        self.fused, self._no_fused = backends.fused_forward(self.backend, config, self.weights)
+        # the fused C forward (kvref.native.fused) on the native backend when it can take the weights,
+        # feeding its projections `activations` (backends.fused_forward); None (and why): every execution
+        # runs the shared decoder kernel by kernel
+        self.fused, self._no_fused = backends.fused_forward(self.backend, config, self.weights, activations)
         self.text = TextFrontEnd(tokenizer, chat_template,
                                  GenerationConfig() if generation_config is None else generation_config)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto",
-               threads: int | None = None) -> "Model":
+               threads: int | None = None, activations: str | None = None) -> "Model":
         """Deterministic random weights (see kvref.weights.random_weights)."""
         dtype = model_dtype(dtype)
-        return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
+        return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads,
+                   activations=activations)
 
     def new_cache(self, layout="auto", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
                   group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,

@@ -145,7 +145,7 @@ def _cycles(edges) -> list[str]:
 
 # Lowest first. A new unit (module or subpackage) is placed here, at the lowest layer its imports allow.
 LAYERS = [
-    {"errors", "limits", "digest", "config", "moved", "tools.common"},  # the ground floor: numbers, failures, bounds
+    {"errors", "limits", "digest", "config", "moved"},  # the ground floor: numbers, failures, bounds
     {"weights", "text", "generation.sampling", "generation.speculative"},  # plain data and pure functions
     {"spec"},  # the readable specification
     {"cache", "formats", "tolerance", "scoring"},  # the explicit KV cache; file readers; rules on logits

@@ -62,7 +62,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..executor import describe
 from ..generation.sampling import greedy
-from .common import Progress, add_model_arguments, count, human_bytes
+from .common import Progress, activations, add_activations_argument, add_model_arguments, count, human_bytes
 from .machine import (READ_TRIES, blas_threads, current_rss, kv_cache_bytes, kv_read, kvref_version, machine, median,
                       peak_rss, roofline, threads_of)
 
@@ -377,6 +377,7 @@ def add_bench(commands):
     """Register `kvref bench` on the CLI's subcommands."""
     p = commands.add_parser("bench", help="prefill/decode tokens/s, time per token by kernel family, peak memory")
     add_model_arguments(p)
+    add_activations_argument(p)
     p.add_argument("--threads", type=count, default=None,
                    help="native pool size, or NumPy BLAS threads (default: KVREF_THREADS, else every core)")
     p.add_argument("--prompt-tokens", type=count, default=32, help="prompt before the decode steps (default 32)")
@@ -398,7 +399,7 @@ def run_bench(args) -> int:
     progress = Progress(label="kvref bench")
     path = model_path(args.model)
     progress(f"loading {path.name}", force=True)
-    model = load(path, backend=args.backend, threads=args.threads)
+    model = load(path, backend=args.backend, threads=args.threads, activations=activations(args))
     if model.backend == "numpy" and args.threads is not None and blas_threads(args.threads) is None:
         print("kvref bench: cannot set NumPy's BLAS threads here; set OPENBLAS_NUM_THREADS before starting",
               file=sys.stderr)

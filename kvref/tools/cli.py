@@ -23,7 +23,8 @@ from ..generation.stream import TextStream
 from ..native import MAX_THREADS
 from .bench import add_bench
 from .machine import blas_threads
-from .common import Progress, add_model_arguments, available_memory, count, count_in, human_bytes
+from .common import (Progress, activations, add_activations_argument, add_model_arguments, available_memory, count,
+                     count_in, human_bytes)
 from .info import add_inspect, add_memory, add_trace
 from .perplexity import add_perplexity
 
@@ -148,7 +149,7 @@ def load_model(args):
     progress = Progress(enabled=sys.stderr.isatty() and not getattr(args, "quiet", False),
                         label=f"kvref {args.command}")
     threads = getattr(args, "threads", None)
-    model = load(args.model, backend=args.backend, threads=threads,
+    model = load(args.model, backend=args.backend, threads=threads, activations=activations(args),
                  progress=lambda done, total: progress(f"loading weights {done}/{total}"))
     progress.done()
     if model.backend == "numpy" and threads is not None and blas_threads(threads) is None:
@@ -240,6 +241,7 @@ def add_run(commands):
                             description="Generate text from a prompt, streamed to stdout as it is generated. "
                                         "Greedy (deterministic) unless --temperature is given.")
     add_model_arguments(p)
+    add_activations_argument(p)
     add_sampling_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -389,6 +391,7 @@ def add_chat(commands):
                                         "line, Ctrl-D or Ctrl-C at the prompt ends the chat. Greedy "
                                         "(deterministic) unless --temperature is given.")
     add_model_arguments(p)
+    add_activations_argument(p)
     add_sampling_arguments(p)
     add_runtime_arguments(p, chat=True)
     p.add_argument("--system", default=None, help="system message")
@@ -460,6 +463,7 @@ def add_serve(commands):
                                         "computed, and the newest is preempted (freed, recomputed later) when "
                                         "the pool runs out. Needs the serve extra: pip install 'kvref[serve]'.")
     add_model_arguments(p)
+    add_activations_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                         "only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=count_in(0, 65535), default=8080, help="port (default 8080)")
@@ -523,6 +527,6 @@ def run_serve(args) -> int:
                            max_body_bytes=args.max_body_bytes, log_level="warning" if args.quiet else "info")
     notice(args, f"serving {name!r} at http://{args.host}:{args.port}/v1 ({num_blocks} blocks of {args.block_size} "
                  f"positions, {human_bytes(num_blocks * per_block)} of {args.kv_dtype} K/V, batch {args.max_batch}, "
-                 f"backend {model.backend})")
+                 f"backend {model.backend}, {model.activations or 'float32'} activations)")
     server.run()
     return 0

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import InputFileError, ScoringError
 from ..scoring import SCORE_CHUNK, next_token_logprobs
-from .common import add_model_arguments, count
+from .common import activations, add_activations_argument, add_model_arguments, count
 
 LOGITS_FORMAT = "kvref-logprobs-1"  # what a --save-logits file holds; a new layout gets a new name
 
@@ -178,6 +178,7 @@ def add_perplexity(commands):
                                                "saved base run)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
+    add_activations_argument(p)
     p.add_argument("-f", "--file", required=True, help="the text to score (UTF-8)")
     p.add_argument("--ctx", type=count, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=count, default=None,
@@ -196,7 +197,7 @@ def run_perplexity(args) -> int:
     from ..loader import load
 
     text = read_text(args.file)
-    model = load(args.model, backend=args.backend)
+    model = load(args.model, backend=args.backend, activations=activations(args))
     tok = model.tokenizer
     if tok is None:
         raise ScoringError(f"{args.model} has no tokenizer to read the text with")
