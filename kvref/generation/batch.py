@@ -213,12 +213,18 @@ class Scheduler:
         (prompt + max_new_tokens - 1) and one block for a copy-on-write. CacheFullError if the pool has
         fewer in all, since such a request could never run. submit checks it; the server checks it before
         it queues a request (it reads only the pool's fixed sizes, so any thread may call it)."""
-        reserve = blocks_for(n_prompt + max(max_new_tokens - 1, 0), self.pool.block_size) + 1
-        if reserve > self.pool.num_blocks:
+        positions = n_prompt + max(max_new_tokens - 1, 0)
+        reserve = blocks_for(positions, self.pool.block_size) + 1
+        if positions > self.most_positions():
             raise CacheFullError(f"a prompt of {n_prompt} tokens and max_new_tokens={max_new_tokens} may need "
                                  f"{reserve} blocks of {self.pool.block_size}; the pool has {self.pool.num_blocks} "
                                  f"in all")
         return reserve
+
+    def most_positions(self) -> int:
+        """The most positions one sequence may hold in this pool: every block but one, kept for a
+        copy-on-write (check_fits)."""
+        return (self.pool.num_blocks - 1) * self.pool.block_size
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         """End a request now, waiting or running, and free its blocks; its unforked siblings end too.

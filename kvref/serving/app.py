@@ -135,14 +135,15 @@ class _Server:
             ids = parsed.prompt
             echo = tokenizer.decode(ids) if parsed.echo else ""
         return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits,
-                         echo if parsed.echo else "")
+                         echo if parsed.echo else "", self.engine.scheduler.most_positions())
 
     def _chat_spec(self, parsed) -> Spec:
         if not self.model.chat_template:
             raise RequestError("this model has no chat template; use /v1/completions (or start the server with "
                                "--chat-template FILE)", "messages")
         ids = _tokenize(lambda: self.model.text.chat_ids(parsed.prompt), "messages")
-        return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits)
+        return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits,
+                         pool_positions=self.engine.scheduler.most_positions())
 
     # ---- answers --------------------------------------------------------------------------------------
 

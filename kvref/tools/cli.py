@@ -117,6 +117,11 @@ def _checked(parse, check):
     return convert
 
 
+def _check_seconds(value):
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{value} is not a number of seconds >= 0")
+
+
 def _check_last_n(value):
     check_penalties(penalty_last_n=None if value == -1 else value)
 
@@ -481,8 +486,12 @@ def add_serve(commands):
     p.add_argument("--prefill-chunk", type=count_in(1), default=256,
                    help="prompt positions one step computes at most, so a long prompt does not stall the "
                         "running requests (default 256)")
-    p.add_argument("--max-tokens", type=count_in(1), default=256,
-                   help="the largest max_tokens a request may ask for, and its default (default 256)")
+    p.add_argument("--shutdown-timeout", type=_checked(float, _check_seconds), default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are "
+                        "cancelled (default 10)")
+    p.add_argument("--max-tokens", type=count_in(1), default=None,
+                   help="the largest max_tokens a request may ask for, and its default (default: no cap; a "
+                        "request without max_tokens gets what the context and the pool leave)")
     p.add_argument("--max-body-bytes", type=count_in(1), default=1 << 20, help="request body limit (default 1 MiB)")
     p.add_argument("--api-key", default=os.environ.get("KVREF_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $KVREF_API_KEY; none)")
@@ -524,7 +533,8 @@ def run_serve(args) -> int:
                            num_blocks=num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
                            prefill_chunk=args.prefill_chunk, api_key=args.api_key,
                            limits=Limits(max_tokens=args.max_tokens, max_n=min(16, args.max_batch)),
-                           max_body_bytes=args.max_body_bytes, log_level="warning" if args.quiet else "info")
+                           max_body_bytes=args.max_body_bytes, log_level="warning" if args.quiet else "info",
+                           shutdown_timeout=args.shutdown_timeout)
     notice(args, f"serving {name!r} at http://{args.host}:{args.port}/v1 ({num_blocks} blocks of {args.block_size} "
                  f"positions, {human_bytes(num_blocks * per_block)} of {args.kv_dtype} K/V, batch {args.max_batch}, "
                  f"backend {model.backend}, {model.activations or 'float32'} activations)")
