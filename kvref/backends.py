@@ -20,9 +20,13 @@ from .errors import BackendError, DTypeError, KVRefError
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
-# how the fused C forward feeds its projections: exact float32, or rounded to 8-bit blocks (kvref.native.fused)
-ACTIVATION_MODES = ("float32", "int8")
-DEFAULT_ACTIVATIONS = "float32"  # unless KVREF_ACTIVATIONS or the caller says otherwise
+# how the fused C forward feeds its projections: exact float32, or rounded to 8-bit blocks (kvref.native.fused);
+# "auto": int8 where the C forward runs, and the spec's own (unrounded) elsewhere
+ACTIVATION_MODES = ("auto", "float32", "int8")
+DEFAULT_ACTIVATIONS = "float32"  # the API's, unless KVREF_ACTIVATIONS or the caller says otherwise: the reference
+# the programs' (kvref run, chat, serve, bench, perplexity): the fastest mode at least as accurate as
+# llama.cpp's own 8-bit path on the same file (docs/benchmarks.md, "What 8-bit activations cost")
+PROGRAM_ACTIVATIONS = "auto"
 # the ModelConfig family fields the native kernels and the fused C forward compute, named one by one: a
 # field added for a new family stays on the spec until its native side exists and it is listed here
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
@@ -90,9 +94,9 @@ def kernels(backend: str, threads: int | None = None):
     return native_ops.kernels(threads=threads)
 
 
-def default_activations() -> str:
-    """KVREF_ACTIVATIONS (float32 | int8), else DEFAULT_ACTIVATIONS."""
-    name = os.environ.get("KVREF_ACTIVATIONS", "").strip().lower() or DEFAULT_ACTIVATIONS
+def default_activations(default: str = DEFAULT_ACTIVATIONS) -> str:
+    """KVREF_ACTIVATIONS (auto | float32 | int8), else `default`."""
+    name = os.environ.get("KVREF_ACTIVATIONS", "").strip().lower() or default
     if name not in ACTIVATION_MODES:
         raise BackendError(f"KVREF_ACTIVATIONS={name!r} is unknown; expected one of {ACTIVATION_MODES}")
     return name
@@ -103,21 +107,22 @@ def fused_forward(backend: str, config, weights, activations: str | None = None)
     weights the C forward cannot take (a type the native kernels do not read, a non-contiguous matrix),
     which then run the shared decoder over the native kernels.
 
-    activations: "float32" (exact) or "int8" (projections round their inputs to 8-bit blocks; see
-    kvref.native.fused); None: KVREF_ACTIVATIONS, else DEFAULT_ACTIVATIONS. The spec computes in the
-    model dtype only, so "int8" asked of it is an error.
+    activations: "float32" (exact), "int8" (projections round their inputs to 8-bit blocks; see
+    kvref.native.fused) or "auto" (int8 here); None: KVREF_ACTIVATIONS, else DEFAULT_ACTIVATIONS. The
+    spec computes in the model dtype only, so "int8" asked of it is an error.
     """
     if activations is not None and activations not in ACTIVATION_MODES:
         raise BackendError(f"activations={activations!r} is unknown; expected one of {ACTIVATION_MODES}")
     if backend != "c":
         if activations == "int8":
             raise BackendError("activations='int8' is the fused C forward's mode; the NumPy spec computes every "
-                               "projection on unrounded activations (backend='c', or leave activations unset)")
+                               "projection on unrounded activations (backend='c', or 'auto')")
         return None, "this model runs the NumPy spec"
     from .native import fused
 
+    mode = activations or default_activations()
     try:
-        return fused.FusedForward(config, weights, activations or default_activations()), None
+        return fused.FusedForward(config, weights, "int8" if mode == "auto" else mode), None
     except KVRefError as exc:
         if activations is not None or isinstance(exc, BackendError):
             raise  # a mode was asked for explicitly, or KVREF_ACTIVATIONS is wrong: say so

@@ -14,18 +14,18 @@ def default_model():
 
 
 def test_run_stops_at_the_end_of_sequence_by_itself_and_ignore_eos_goes_on(capsys):
-    assert main(["run", "--verbose", PROMPT]) == 0
+    assert main(["run", "--exact", "--verbose", PROMPT]) == 0  # the exact mode's text, as transformers writes it
     captured = capsys.readouterr()
     assert captured.out == " Paris.\n\nThe answer is: 2018-01-22 12:12:53.\n"  # the text, then a newline
     assert "over 30 tokens" in captured.err  # the 30th is <|im_end|>, not printed
-    assert main(["run", "--ignore-eos", "--max-tokens", "32", PROMPT]) == 0
+    assert main(["run", "--exact", "--ignore-eos", "--max-tokens", "32", PROMPT]) == 0
     assert capsys.readouterr().out.endswith("12:12:53.<|im_end|>\n<|im_start|>\n")
 
 
 def test_run_stops_before_a_stop_string_that_begins_inside_a_token(capsys):
-    assert main(["run", "--stop", "answer", "--stop", "\\n\\n", PROMPT]) == 0
+    assert main(["run", "--exact", "--stop", "answer", "--stop", "\\n\\n", PROMPT]) == 0
     assert capsys.readouterr().out == " Paris.\n"
-    assert main(["run", "--stop", "swer is", PROMPT]) == 0  # " answer" is one token: cut inside it
+    assert main(["run", "--exact", "--stop", "swer is", PROMPT]) == 0  # " answer" is one token: cut inside it
     assert capsys.readouterr().out == " Paris.\n\nThe an\n"
 
 
@@ -64,9 +64,9 @@ def test_help_says_decoding_is_greedy_unless_a_temperature_is_given(capsys):
 def test_chat_replies_stop_at_stop_strings_and_keep_the_text_before_them(capsys, monkeypatch):
     lines = iter(["What is the capital of France?", "", "What is the capital of France?", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert main(["chat", "--max-tokens", "16"]) == 0
+    assert main(["chat", "--exact", "--max-tokens", "16"]) == 0  # "... Paris": the exact mode's reply
     free = capsys.readouterr().out
-    assert main(["chat", "--max-tokens", "16", "--stop", "Paris"]) == 0
+    assert main(["chat", "--exact", "--max-tokens", "16", "--stop", "Paris"]) == 0
     assert capsys.readouterr().out == free[:free.index("Paris")] + "\n"  # the reply, then a newline
 
 

@@ -347,9 +347,9 @@ def test_kvref_run_speculates_with_the_same_text_and_reports_the_acceptance(caps
     from kvref.tools.cli import main
 
     prompt = REQUEST
-    assert main(["run", "--chat", "--max-tokens", "40", prompt]) == 0
+    assert main(["run", "--exact", "--chat", "--max-tokens", "40", prompt]) == 0
     plain = capsys.readouterr().out
-    assert main(["run", "--chat", "--max-tokens", "40", "--speculate", "8", "--verbose", prompt]) == 0
+    assert main(["run", "--exact", "--chat", "--max-tokens", "40", "--speculate", "8", "--verbose", prompt]) == 0
     captured = capsys.readouterr()
     assert captured.out == plain
     assert "speculation:" in captured.err and "accepted" in captured.err

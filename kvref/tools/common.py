@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from ..backends import DEFAULT_ACTIVATIONS
+from ..backends import PROGRAM_ACTIVATIONS, default_activations
 
 
 def add_model_arguments(p):
@@ -23,15 +23,17 @@ def add_model_arguments(p):
 
 def add_activations_argument(p):
     """--exact, for the commands that run a model for speed (run, chat, serve, bench, perplexity)."""
-    other = "8-bit blocks, as llama.cpp rounds them" if DEFAULT_ACTIVATIONS == "int8" else "float32"
+    default = {"auto": "the C forward rounds each projection's input to 8-bit blocks, as llama.cpp does",
+               "int8": "8-bit blocks", "float32": "float32"}[PROGRAM_ACTIVATIONS]
     p.add_argument("--exact", action="store_true",
-                   help=f"float32 activations: every projection of the C forward reads its input unrounded "
-                        f"(default: $KVREF_ACTIVATIONS, else {other})")
+                   help=f"float32 activations: every projection reads its input unrounded (default: "
+                        f"$KVREF_ACTIVATIONS, else {default})")
 
 
-def activations(args) -> str | None:
-    """The activation mode --exact asks for; None: the default (kvref.backends.default_activations)."""
-    return "float32" if args.exact else None
+def activations(args) -> str:
+    """The activation mode of a program's model: float32 with --exact, else KVREF_ACTIVATIONS, else the
+    programs' default (kvref.backends.PROGRAM_ACTIVATIONS)."""
+    return "float32" if args.exact else default_activations(PROGRAM_ACTIVATIONS)
 
 
 def count(text: str) -> int:
