@@ -124,3 +124,6 @@ def test_the_activation_mode_is_the_argument_else_the_environment_else_the_defau
     with pytest.raises(BackendError, match="the fused C forward's mode"):
         kvref.Model.random(CFG, backend="numpy", activations="int8")
     assert kvref.Model.random(CFG, backend="numpy", activations="float32").activations is None  # the spec
+    # "auto", the programs' default: int8 where the C forward runs, the spec's own elsewhere
+    assert kvref.Model.random(CFG, backend="c", activations="auto").activations == "int8"
+    assert kvref.Model.random(CFG, backend="numpy", activations="auto").activations is None
