@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import CacheError, ShapeError
 from . import execution, quant, reordering, shape
 from .capabilities import Capable
-from .execution import Transactional
+from .execution import FREED, Transactional
 from .moved import moved_names
 from .quant import Codec, Codecs
 from .sequence import Sequence, readonly
@@ -309,12 +309,9 @@ class KVCache(Transactional, Capable):
             raise CacheError("truncating to 0 leaves no position whose logits last_logits could be")
         return readonly(logits)
 
-    def _check_live(self):
-        if self._freed:
-            raise CacheError("this cache was freed; make a new one with model.new_cache() or fork a live one")
-
     def _check_idle(self):
-        self._check_live()
+        if self._freed:
+            raise CacheError(FREED)
         if self.executing:
             raise CacheError("an execution is open on this cache; finish it (commit or abort) first")
 

@@ -73,6 +73,8 @@ class ContiguousCache(KVCache):
     def length(self) -> int:
         return self._length
 
+    next_position = length  # position p lives in row p: one property, read once per step by the model and begin
+
     @property
     def capacity(self) -> int:
         return self._capacity
