@@ -754,9 +754,11 @@ def test_a_caches_descriptor_is_kept_while_its_arrays_stand_and_built_again_when
     assert nops.cache_descriptor(paged, kept=kept) is not nops.cache_descriptor(paged, kept=kept)
     hybrid = model.new_cache(layout="hybrid", capacity=16)
     assert nops.cache_descriptor(hybrid, kept=kept) is nops.cache_descriptor(hybrid, kept=kept)
-    del cache, hybrid
+    assert len(kept) == 2
+    hybrid.free()
+    del cache
     gc.collect()
-    assert len(kept) == 0  # a dropped cache's descriptor goes with it
+    assert len(kept) == 0  # a freed or dropped cache's descriptor (and the arrays it holds) goes with its store
 
 
 def test_caches_and_weights_the_c_forward_cannot_take_get_the_spec_executor_which_says_why(small):

@@ -60,11 +60,11 @@ def cache_descriptor(cache, storage=None, checked=False, kept=None) -> KVDescrip
     knows in_place_problem(cache) is None (fixed for a cache's life: the native executor asked when it
     was chosen); the arrays are checked all the same.
 
-    kept: a weakref.WeakKeyDictionary {cache: KVDescriptor} the caller keeps from one call to the next
-    (the fused forward). A cache's descriptor is reused while its storage has no block table and no
-    kivi4 residual (both change every execution) and describes the same array objects, each still
-    writeable, and the same rings tuple: a contiguous or hybrid cache's on every step. The descriptor
-    keeps those objects alive, so no other object can take their ids."""
+    kept: a weakref.WeakKeyDictionary {slot store: KVDescriptor} the caller keeps from one call to the
+    next (the fused forward). A descriptor is reused while the storage has no block table and no kivi4
+    residual (both change every execution) and describes the same array objects, each still writeable,
+    and the same rings tuple: a contiguous or hybrid cache's on every step. The descriptor keeps those
+    objects alive, so no other object can take their ids; it goes when the store does (cache.free())."""
     problem = None if checked else in_place_problem(cache)
     if problem is not None:
         raise CacheError(f"the native kernels cannot use this {cache.layout} cache in place: {problem}")
@@ -75,7 +75,7 @@ def cache_descriptor(cache, storage=None, checked=False, kept=None) -> KVDescrip
             and (ring_tuple is None or type(ring_tuple) is tuple) and type(layer_slots) is int):
         stored = (store.k, store.v, store.k_scales, store.v_scales)
         source = (*map(id, stored), id(ring_tuple), layer_slots)
-        kv = kept.get(cache)
+        kv = kept.get(store)
         for a in stored:
             if a is not None and not a.flags.writeable:
                 kv = None  # made read-only since: checked (and refused) below
@@ -108,7 +108,7 @@ def cache_descriptor(cache, storage=None, checked=False, kept=None) -> KVDescrip
                       None if rings is None else storage.layer_slots, D, storage.k_residual)
     if source is not None:
         kv.source, kv.ring_tuple = source, ring_tuple  # the tuple kept alive: its id is in source
-        kept[cache] = kv
+        kept[store] = kv
     return kv
 
 

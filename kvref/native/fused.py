@@ -127,7 +127,8 @@ class FusedForward:
         # hold, no tensor was rebound and the ~500 getattr calls of a full check are skipped
         self._checked = None
         self._keep = []  # the pin of every array a descriptor pointer points into (no dangling pointers)
-        # each cache's K/V descriptor, reused from step to step while its arrays stand (cache_descriptor)
+        # each cache's K/V descriptor by its slot store, reused from step to step while its arrays stand
+        # (cache_descriptor)
         self._descriptors = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # one state, one call at a time
         c = config
