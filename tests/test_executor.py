@@ -84,7 +84,7 @@ def test_a_batch_with_a_cache_c_cannot_take_runs_every_sequence_on_the_spec_exec
 # forward, check_tokens, check_context, next_position), the executor and its weights check (3), begin (5,
 # and Ctrl-C held: 2), the C forward with the storage, its kept descriptor and C's status (7), the
 # commit (6, and Ctrl-C held: 2).
-MAX_DECODE_STEP_CALLS = 30
+MAX_DECODE_STEP_CALLS = 29
 
 
 @needs_native
