@@ -58,13 +58,12 @@ class CacheShape:
         """CacheError if a cache of `positions` positions would take more than
         kvref.limits.DEFAULT_CACHE_BUDGET bytes: what bounds the caches whose size the model (its
         max_seq_len, from the model file) or a saved cache file chooses, never the caller. A position
-        takes what `layout` (a layout class) declares, layout.position_bytes(self, codecs); None: the
-        contiguous layout's."""
+        takes what `layout` (a layout class) declares, layout.position_bytes(self, codecs); without one,
+        its K and V in every layer."""
         if layout is None:
-            from .registry import layout_class  # the registry imports this module
-
-            layout = layout_class("contiguous")
-        per_position = layout.position_bytes(self, codecs)
+            per_position = codecs.bytes_per_position(self.n_layers, self.n_kv_heads)
+        else:
+            per_position = layout.position_bytes(self, codecs)
         if positions * per_position > DEFAULT_CACHE_BUDGET:
             raise CacheError(
                 f"{what} of {positions:,} positions would take {positions * per_position / 2**30:.1f} GiB of "
