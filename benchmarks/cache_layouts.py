@@ -31,8 +31,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import kvref  # noqa: E402
-from kvref.batch import Engine, forward_batch  # noqa: E402
 from kvref.cache import cache_bytes  # noqa: E402
+from kvref.generation.batch import Engine, forward_batch  # noqa: E402
 
 MEMORY_LAYOUTS = [
     ("contiguous", {"kv_dtype": "float32"}), ("contiguous", {"kv_dtype": "float16"}),

@@ -26,13 +26,13 @@ Cases (the targets of issue 4; --context, --new-tokens etc. change the sizes):
   prefill  one 512-token prompt into an empty cache: tokens / seconds
   batch    --batch sequences (8), each its own --prompt-tokens prompt prefilled in one batched execution
            (not timed), then --new-tokens decode steps of all of them together: sequences x steps /
-           seconds (kvref: kvref.batch.forward_batch; llama.cpp: one llama_decode per step over a
+           seconds (kvref: kvref.generation.batch.forward_batch; llama.cpp: one llama_decode per step over a
            sequence id per row, in a second context with n_seq_max = --batch; others: not run)
   context  the cache is filled with 4096 positions by prefills of 512 (not timed; its rate is reported as
            "fill"), then 64 decode steps are timed (llama-bench's `-d 4096 -n 64`)
 A decode step is, for every engine: the forward over the token just selected, then the argmax of the
 last logits (greedy, the end token ignored). Every engine gets the same token ids (kvref's tokenizer on
-PASSAGE of kvref.bench, repeated); each worker warms up (8-token prompt, 4 steps) before timing.
+PASSAGE of kvref.tools.bench, repeated); each worker warms up (8-token prompt, 4 steps) before timing.
 
 Every (engine, thread count) pair runs in its own subprocess per round (thread pools and BLAS thread
 counts are fixed at start-up; no engine shares a process with another), with OMP_NUM_THREADS,
@@ -91,9 +91,10 @@ class KvrefEngine:
         self.caches = [self.model.new_cache(capacity=capacity, kv_dtype=self.kv_dtype) for _ in range(n)]
 
     def feed_batch(self, id_lists):
-        # one execution over every sequence's new ids (kvref.batch.forward_batch: one C call)
+        # one execution over every sequence's new ids (kvref.generation.batch.forward_batch: one C call)
         import numpy as np
-        from kvref.batch import forward_batch
+
+        from kvref.generation.batch import forward_batch
 
         return [int(np.argmax(logits)) for logits in forward_batch(self.model, id_lists, self.caches)]
 
@@ -254,9 +255,9 @@ def fill(engine, ids):
 
 
 def worker(args) -> dict:
-    from kvref.bench import prompt_ids
     from kvref.formats.gguf import GGUFFile
-    from kvref.tokenizer import Tokenizer
+    from kvref.text import Tokenizer
+    from kvref.tools.bench import prompt_ids
 
     path = model_file(args.model)
     with GGUFFile(path) as f:

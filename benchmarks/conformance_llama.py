@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         model, flags = RUNS[name]
         model = paths[model] or packaged(model)
         stem = out / f"{name}-{args.suite}"
-        command = [sys.executable, "-m", "kvref.cli", "conformance", "llama-cpp-python", "-m", model,
+        command = [sys.executable, "-m", "kvref", "conformance", "llama-cpp-python", "-m", model,
                    "--suite", args.suite, "--json", f"{stem}.json", "--report", f"{stem}.md", *flags]
         print(" ".join(command), flush=True)
         subprocess.run(command, check=False)  # exit status 1 = some check failed: a finding, not an error

@@ -30,7 +30,7 @@ Section "forward" (the whole model, kvref.load(backend="c", threads=N)):
   context    decode steps at 4096 cached positions (the cache filled with random K/V through its
              own update: decode speed does not depend on the values), K/V stored as float32,
              float16, bfloat16 and int8, and float16 in a paged cache; attention ms per step against
-             the time to read that K/V once (kvref.bench.kv_read: the cache's own arrays read 7
+             the time to read that K/V once (kvref.tools.machine.kv_read: the cache's own arrays read 7
              times right after, with the same thread count, at the median rate);
 for the fused forward in both activation modes (float32 exact, int8), the shared decoder calling the
 native kernels one by one, and the spec (NumPy) decoder (decode only).
@@ -57,11 +57,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvref import native  # noqa: E402
-from kvref.bench import kv_read  # noqa: E402
-from kvref.spec.ggml import GGMLType, QuantizedTensor, row_nbytes  # noqa: E402
 from kvref.formats.gguf import GGUFFile  # noqa: E402
 from kvref.spec import ops as spec  # noqa: E402
+from kvref.spec.ggml import GGMLType, QuantizedTensor, row_nbytes  # noqa: E402
 from kvref.spec.quants import dequantize as _dequantize  # noqa: E402
+from kvref.tools.bench import kv_read  # noqa: E402
 
 
 def quants_dequantize(w):

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvref.formats.gguf import GGUFFile
 from kvref.loader import GEMMA3_INSTALL, default_model_path
-from kvref.tokenizer import Tokenizer, pieces
+from kvref.text import Tokenizer, pieces
 
 WORDS = {
     "a": lambda n: "a" * n,

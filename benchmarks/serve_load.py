@@ -144,7 +144,7 @@ def percentile(values, q):
 
 def start_server(args):
     import kvref
-    from kvref.serve import bind, create_server
+    from kvref.serving import bind, create_server
 
     model = kvref.load(args.model_path, threads=args.threads)
     server = create_server(model, args.model, max_batch=args.max_batch, num_blocks=args.num_blocks,

@@ -26,7 +26,7 @@ def worker(engine: str, n_new: int) -> dict:
     import kvref
     from kvref.formats.gguf import GGUFFile
     from kvref.loader import model_path
-    from kvref.tokenizer import Tokenizer
+    from kvref.text import Tokenizer
 
     path = model_path()
     with GGUFFile(path) as f:

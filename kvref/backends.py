@@ -16,11 +16,13 @@ import os
 import warnings
 
 from . import native
-from .errors import BackendError, DTypeError
-from .errors import KVRefError
+from .errors import BackendError, DTypeError, KVRefError
 from .spec import ops as spec_ops
 
 BACKENDS = ("auto", "numpy", "c")
+# how the fused C forward feeds its projections: exact float32, or rounded to 8-bit blocks (kvref.native.fused)
+ACTIVATION_MODES = ("float32", "int8")
+DEFAULT_ACTIVATIONS = "float32"  # unless KVREF_ACTIVATIONS or the caller says otherwise
 # the ModelConfig family fields the native kernels and the fused C forward compute, named one by one: a
 # field added for a new family stays on the spec until its native side exists and it is listed here
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
@@ -88,20 +90,34 @@ def kernels(backend: str, threads: int | None = None):
     return native_ops.kernels(threads=threads)
 
 
+def default_activations() -> str:
+    """KVREF_ACTIVATIONS (float32 | int8), else DEFAULT_ACTIVATIONS."""
+    name = os.environ.get("KVREF_ACTIVATIONS", "").strip().lower() or DEFAULT_ACTIVATIONS
+    if name not in ACTIVATION_MODES:
+        raise BackendError(f"KVREF_ACTIVATIONS={name!r} is unknown; expected one of {ACTIVATION_MODES}")
+    return name
+
+
 def fused_forward(backend: str, config, weights, activations: str | None = None):
     """(FusedForward, None) for a Model of the native backend, or (None, why not): the spec backend, or
     weights the C forward cannot take (a type the native kernels do not read, a non-contiguous matrix),
     which then run the shared decoder over the native kernels.
 
     activations: "float32" (exact) or "int8" (projections round their inputs to 8-bit blocks; see
-    kvref.native.fused); default KVREF_ACTIVATIONS, else "float32". Native only.
+    kvref.native.fused); None: KVREF_ACTIVATIONS, else DEFAULT_ACTIVATIONS. The spec computes in the
+    model dtype only, so "int8" asked of it is an error.
     """
+    if activations is not None and activations not in ACTIVATION_MODES:
+        raise BackendError(f"activations={activations!r} is unknown; expected one of {ACTIVATION_MODES}")
     if backend != "c":
+        if activations == "int8":
+            raise BackendError("activations='int8' is the fused C forward's mode; the NumPy spec computes every "
+                               "projection on unrounded activations (backend='c', or leave activations unset)")
         return None, "this model runs the NumPy spec"
     from .native import fused
 
     try:
-        return fused.FusedForward(config, weights, activations), None
+        return fused.FusedForward(config, weights, activations or default_activations()), None
     except KVRefError as exc:
         if activations is not None or isinstance(exc, BackendError):
             raise  # a mode was asked for explicitly, or KVREF_ACTIVATIONS is wrong: say so

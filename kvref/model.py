@@ -12,14 +12,15 @@ import numpy as np
 from . import backends
 from .cache import CacheShape, Codecs, KVCache, dtype_name, layout_names, make
 from .cache.fileformat import load_cache
-from .cache.moved import deprecated, moved_names
 from .cache.registry import AUTO, options_by_layout
 from .config import FAMILY_FIELDS, ModelConfig
 from .digest import sha256
+from .errors import CacheError, ContextOverflowError, DTypeError, TokenError
 from .executor import NativeExecutor, SpecExecutor
-from .errors import CacheError, ContextOverflowError, DTypeError, TokenError, TokenizerError
-from .generation_config import GenerationConfig
+from .generation.config import GenerationConfig
+from .moved import deprecated, moved_names
 from .scoring import SCORE_CHUNK, score
+from .text.frontend import TextFrontEnd
 from .weights import Weights, freeze, random_weights
 
 MODEL_DTYPES = ("float32", "float64")
@@ -36,7 +37,7 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype="float32", backend="auto",
                  tokenizer=None, chat_template: str | None = None, threads: int | None = None,
-                 generation_config: GenerationConfig | None = None):
+                 generation_config: GenerationConfig | None = None, activations: str | None = None):
         self.config = config
         self.dtype = model_dtype(dtype)
         self.backend = backends.resolve(backend, self.dtype, config)
@@ -45,23 +46,20 @@ class Model:
         # keeps them as given (freezing would copy every dequantized array once more at load).
         self.weights = freeze(weights) if self.backend == "c" else weights
         self.ops = backends.kernels(self.backend, threads)  # the kernel set (kvref.executor.KernelSet)
-        # the fused C forward (kvref.native.fused) on the native backend when it can take the weights;
-        # None (and why): every execution runs the shared decoder kernel by kernel
-        self.fused, self._no_fused = backends.fused_forward(self.backend, config, self.weights)
-        self.tokenizer = tokenizer
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TokenizerError(f"a chat template (tokenizer.chat_template) is a string; this one is "
-                                 f"{type(chat_template).__name__}")
-        self.chat_template = chat_template
-        # what kvref.generate does unless told otherwise: the model file's recommendations, else greedy
-        self.generation_config = GenerationConfig() if generation_config is None else generation_config
+        # the fused C forward (kvref.native.fused) on the native backend when it can take the weights,
+        # feeding its projections `activations` (backends.fused_forward); None (and why): every execution
+        # runs the shared decoder kernel by kernel
+        self.fused, self._no_fused = backends.fused_forward(self.backend, config, self.weights, activations)
+        self.text = TextFrontEnd(tokenizer, chat_template,
+                                 GenerationConfig() if generation_config is None else generation_config)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype="float32", backend="auto",
-               threads: int | None = None) -> "Model":
+               threads: int | None = None, activations: str | None = None) -> "Model":
         """Deterministic random weights (see kvref.weights.random_weights)."""
         dtype = model_dtype(dtype)
-        return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads)
+        return cls(config, random_weights(config, seed, dtype), dtype, backend, threads=threads,
+                   activations=activations)
 
     def new_cache(self, layout="auto", kv_dtype=None, capacity=None, *, k_dtype=None, v_dtype=None,
                   group_size=None, block_size=None, num_blocks=None, prefix_reuse=None, pool=None,
@@ -234,28 +232,48 @@ class Model:
     def timings(self) -> dict | None:
         """Seconds the C forward spent since the model was made or reset_timings(), by kernel family:
         {"projections", "attention", "other": seconds, "calls": C forwards}. None when the forward keeps no
-        counters (the shared decoder; kvref.bench times it with shims around each kernel instead)."""
+        counters (the shared decoder; kvref.tools.bench times it with shims around each kernel instead)."""
         return None if self.fused is None else self.fused.timings()
 
     def reset_timings(self) -> None:
         if self.fused is not None:
             self.fused.reset_timings()
 
+    # ---- the text front end (model.text), read through the model ------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (model.text.tokenizer); None for a model made from weights alone."""
+        return self.text.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer):
+        self.text.tokenizer = tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.text.chat_template
+
+    @chat_template.setter
+    def chat_template(self, template):
+        self.text = dataclasses.replace(self.text, chat_template=template)  # checked as at load
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        """What kvref.generate does unless told otherwise (model.text.generation_config)."""
+        return self.text.generation_config
+
+    @generation_config.setter
+    def generation_config(self, config: GenerationConfig):
+        self.text.generation_config = config
+
+    @deprecated("model.text.chat_ids(messages)")
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template (special tokens as ids)."""
-        text = self.chat_text(messages, add_generation_prompt)  # refuses a model without a tokenizer
-        return self.tokenizer.encode(text, special=True)
+        return self.text.chat_ids(messages, add_generation_prompt)
 
+    @deprecated("model.text.chat_text(messages)")
     def chat_text(self, messages, add_generation_prompt=True) -> str:
-        """A conversation rendered with the model's chat template, before tokenization."""
-        # imported here: jinja2 costs ~7 MB resident, which a process that renders no template never pays
-        from .chat import render_chat
-
-        tok = self.tokenizer
-        if tok is None or not self.chat_template:
-            raise TokenizerError("this model has no tokenizer or chat template (tokenizer.chat_template)")
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=_token_text(tok, tok.bos_id), eos_token=_token_text(tok, tok.eos_id))
+        return self.text.chat_text(messages, add_generation_prompt)
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """Token ids as a non-empty 1-D int64 array, every id in [0, vocab_size)."""
@@ -307,6 +325,3 @@ def model_dtype(dtype) -> str:
         raise DTypeError(f"model dtype {name!r} is not supported; expected one of {MODEL_DTYPES}")
     return name
 
-
-def _token_text(tokenizer, token_id) -> str:
-    return "" if token_id is None else tokenizer.token_text(token_id)

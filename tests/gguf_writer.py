@@ -87,7 +87,7 @@ def tiny_model(n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, d_ff=16, context=
     """
     import numpy as np
 
-    from kvref.tokenizer.bytelevel import BYTE_TO_CHAR
+    from kvref.text.bytelevel import BYTE_TO_CHAR
 
     merged = ["Ġt", "he", "Ġthe", "in"]
     tokens = list(BYTE_TO_CHAR) + merged + ["<|im_start|>", "<|im_end|>"]

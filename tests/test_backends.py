@@ -110,3 +110,17 @@ def test_a_new_family_field_stays_on_the_spec_until_the_native_side_names_it(mon
             kvref.Model.random(config, backend="c")
     plain = ToyFamilyConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=20, max_seq_len=8)
     assert plain.family_fields() == {}  # at its default the field changes nothing: Llama's path
+
+
+@pytest.mark.skipif(not native.available(), reason="the native module is not built")
+def test_the_activation_mode_is_the_argument_else_the_environment_else_the_default(monkeypatch):
+    monkeypatch.delenv("KVREF_ACTIVATIONS", raising=False)
+    assert kvref.Model.random(CFG, backend="c").activations == backends.DEFAULT_ACTIVATIONS
+    monkeypatch.setenv("KVREF_ACTIVATIONS", "int8")
+    assert kvref.Model.random(CFG, backend="c").activations == "int8"
+    assert kvref.Model.random(CFG, backend="c", activations="float32").activations == "float32"
+    with pytest.raises(BackendError, match="activations='int4' is unknown"):
+        kvref.Model.random(CFG, backend="c", activations="int4")
+    with pytest.raises(BackendError, match="the fused C forward's mode"):
+        kvref.Model.random(CFG, backend="numpy", activations="int8")
+    assert kvref.Model.random(CFG, backend="numpy", activations="float32").activations is None  # the spec

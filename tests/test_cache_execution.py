@@ -20,10 +20,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvref
 from kvref import native
-from kvref.batch import forward_batch
 from kvref.cache import begin_all, reorder
-from kvref.executor import SpecExecutor
 from kvref.errors import BackendError, CacheError, CacheFullError, ShapeError
+from kvref.executor import SpecExecutor
+from kvref.generation.batch import forward_batch
 
 CFG = kvref.ModelConfig(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=40, max_seq_len=64)
 BACKENDS = ["numpy", "c"] if native.available() else ["numpy"]

@@ -9,8 +9,7 @@ from hypothesis.extra import numpy as hnp
 
 import kvref
 from kvref import native
-from kvref.cache.quant import (NIBBLE_MAX, Codec, dequantize_uint4, pack_nibbles, quantize_uint4,
-                               unpack_nibbles)
+from kvref.cache.quant import NIBBLE_MAX, Codec, dequantize_uint4, pack_nibbles, quantize_uint4, unpack_nibbles
 from kvref.errors import CacheError
 from kvref.spec import decoder
 from kvref.tolerance import FLOAT32, KIVI4_KV_ROUNDING, QUANTIZED_LOGIT_BOUNDS, UNDERFLOW_SLACK

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import kvref
 from kvref.cache import ContiguousCache, reorder
 from kvref.errors import CacheError, CacheFullError, ContextOverflowError
-from kvref.generate import resume
+from kvref.generation.generate import resume
 from kvref.tolerance import FLOAT32, QUANTIZED_LOGIT_BOUNDS, VISIBLE_CHANGE, assert_close, compare
 from tests.conftest import chunkings, configs, token_lists
 

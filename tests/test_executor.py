@@ -9,8 +9,8 @@ import pytest
 
 import kvref
 from kvref import native
-from kvref.batch import forward_batch
 from kvref.executor import NativeExecutor, SpecExecutor, describe
+from kvref.generation.batch import forward_batch
 from kvref.tolerance import assert_close
 from tests.conftest import require
 

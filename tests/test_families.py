@@ -208,7 +208,7 @@ def test_any_value_in_config_json_is_read_or_refused_with_a_config_error(family,
 
 
 def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys):
-    from kvref.cli import main
+    from kvref.tools.cli import main
 
     hf_model("qwen3").save_pretrained(tmp_path)
     assert main(["run", "-m", str(tmp_path), "--backend", "numpy", "hello"]) != 0
@@ -310,7 +310,7 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
 
 
 def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equals_recomputation(tmp_path):
-    from kvref.conversation import Conversation
+    from kvref.generation.conversation import Conversation
     from tests.test_tokenizer_hf import qwen_style
 
     tok, _, _, directory = qwen_style()

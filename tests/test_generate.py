@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref.errors import CacheFullError, ContextOverflowError, GenerationError, TokenError
-from kvref.sampling import apply_penalties, greedy
-from kvref.stream import TextStream
+from kvref.generation.sampling import apply_penalties, greedy
+from kvref.generation.stream import TextStream
 from tests.conftest import configs, token_lists
 from tests.test_stream import ByteTokens
 

@@ -7,7 +7,7 @@ import pytest
 
 import kvref
 from kvref.errors import ConfigError, GenerationError, SamplingError
-from kvref.generation_config import (GenerationConfig, from_gguf_metadata, from_hf_directory,
+from kvref.generation.config import (GenerationConfig, from_gguf_metadata, from_hf_directory,
                                      from_hf_generation_config)
 
 

@@ -6,9 +6,9 @@ import pytest
 
 import kvref
 from kvref import native
-from kvref.conversation import Conversation
 from kvref.executor import SpecExecutor
-from kvref.generate import prefill_in_chunks
+from kvref.generation.conversation import Conversation
+from kvref.generation.generate import prefill_in_chunks
 from kvref.loader import load
 from tests.conftest import require
 from tests.test_cache_execution import StopAtLayer

@@ -3,9 +3,10 @@ loader/CLI/server. LAYERS below declares the order, lowest first: a unit imports
 and the layers below it.
 
 Read from the source with `ast`; no kvref module is imported or executed. A unit is a subpackage
-(kvref.spec, kvref.cache, kvref.native, kvref.formats) or a top-level module (kvref.cli, kvref.model,
-...; kvref itself is its __init__). Every import counts, including those inside functions: a lazy
-import still makes one layer depend on another. Failures name the file:line of each import or access.
+(kvref.spec, kvref.cache, ...), a top-level module (kvref.model, ...; kvref itself is its __init__), or a
+module LAYERS names on its own (kvref.generation.config sits below the rest of kvref.generation). Every
+import counts, including those inside functions: a lazy import still makes one layer depend on another.
+Failures name the file:line of each import or access.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ def where(module: str, node) -> str:
 
 
 def unit(module: str) -> str:
-    """kvref.<subpackage> for any module inside a subpackage, else the module itself."""
+    """The unit a module belongs to: the longest name in LAYERS it is or lies inside (kvref.tools.common
+    sits low while the rest of kvref.tools sits on top), else its subpackage, else the module itself."""
     parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        if ".".join(parts[:n]) in LAYER:
+            return ".".join(parts[:n])
     if len(parts) >= 2 and ".".join(parts[:2]) in PACKAGES:
         return ".".join(parts[:2])
     return module
@@ -140,17 +145,17 @@ def _cycles(edges) -> list[str]:
 
 # Lowest first. A new unit (module or subpackage) is placed here, at the lowest layer its imports allow.
 LAYERS = [
-    {"errors", "limits", "digest", "config", "cli_common"},  # the ground floor: numbers, failures, bounds
-    {"weights", "tokenizer", "chat", "sampling", "speculative"},  # plain data and pure functions
+    {"errors", "limits", "digest", "config", "moved"},  # the ground floor: numbers, failures, bounds
+    {"weights", "text", "generation.sampling", "generation.speculative"},  # plain data and pure functions
     {"spec"},  # the readable specification
     {"cache", "formats", "tolerance", "scoring"},  # the explicit KV cache; file readers; rules on logits
     {"native"},  # the C kernels and the fused forward
-    {"generation_config", "stream", "trace", "backends", "executor"},  # what a model is made of and runs
+    {"generation.config", "generation.stream", "text.frontend", "trace", "backends", "executor"},  # what a model holds
     {"model"},
-    {"generate", "batch", "conversation", "loader"},  # generation over a model; loading one from files
-    {"perplexity", "serve", "conformance", "bench", "cli_info"},  # programs above the API
-    {"cli"},
-    {""},  # kvref itself: the public API, re-exported names only
+    {"generation", "loader"},  # generation over a model (one sequence or a batch); loading one from files
+    {"serving", "conformance", "tools"},  # programs above the API
+    {"tools.cli"},
+    {"", "__main__"},  # kvref itself: the public API, re-exported names only
 ]
 LAYER = {("kvref." + name).rstrip("."): i for i, names in enumerate(LAYERS) for name in names}
 
@@ -181,11 +186,11 @@ def test_every_import_points_down_the_declared_layers():
 
 def test_the_layer_check_fails_on_an_import_up_the_layers():
     # the spec importing generation settings (what issue 26 found passing unnoticed), and a unit in no layer
-    edges = unit_imports() + [("kvref.spec", "kvref.generation_config", "GenerationConfig", "kvref/spec/ops.py:1"),
+    edges = unit_imports() + [("kvref.spec", "kvref.generation.config", "GenerationConfig", "kvref/spec/ops.py:1"),
                               ("kvref.newthing", "kvref.errors", "KVRefError", "kvref/newthing.py:1")]
     problems = layer_problems(edges)
     assert len(problems) == 2
-    assert "kvref.spec (layer 2) imports kvref.generation_config (layer 5)" in problems[0]
+    assert "kvref.spec (layer 2) imports kvref.generation.config (layer 5)" in problems[0]
     assert "in no layer" in problems[1]
 
 
@@ -206,7 +211,7 @@ def test_the_graph_reader_sees_the_layers_it_checks():
     # guards the test above against reading nothing: known edges of the lower layers are found
     edges = set(_edges(lambda module, target: (unit(module), unit(target))))
     assert {("kvref.native", "kvref.cache"), ("kvref.native", "kvref.spec"), ("kvref.formats", "kvref.spec"),
-            ("kvref.cli", "kvref.bench")} <= edges
+            ("kvref.tools.cli", "kvref.tools"), ("kvref.generation.stream", "kvref.text")} <= edges
     assert {"kvref.spec", "kvref.cache", "kvref.native", "kvref.formats"} <= PACKAGES
 
 

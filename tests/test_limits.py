@@ -83,7 +83,7 @@ def test_the_tiny_model_loads_and_chats(tmp_path):
     # guards the refusals below: the same file without the edit is a working model
     model = load_tiny(tmp_path)
     assert model.config.n_layers == 2 and model.chat_template.startswith("{% for")
-    assert len(list(kvref.generate(model, model.chat_ids(CHAT), max_new_tokens=3))) == 3
+    assert len(list(kvref.generate(model, model.text.chat_ids(CHAT), max_new_tokens=3))) == 3
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -151,7 +151,7 @@ def test_the_default_cache_of_a_huge_context_is_refused_by_the_memory_budget(tmp
 
 
 def test_a_chat_template_that_is_not_a_string_is_refused_at_load(tmp_path):
-    # a numeric-array tokenizer.chat_template raised ValueError in Model.chat_ids and Conversation
+    # a numeric-array tokenizer.chat_template raised ValueError in the chat ids and Conversation
     refused(tmp_path, "a chat template .* is a string; this one is ndarray", TokenizerError,
             metadata={"tokenizer.chat_template": (V.ARRAY, (V.UINT8, [1, 2]))})
 

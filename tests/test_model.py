@@ -122,6 +122,6 @@ def test_a_prefill_allocates_the_logits_of_its_last_position_only(backend):
 
 def test_importing_kvref_and_its_command_leaves_jinja2_unimported():
     # jinja2 costs ~7 MB resident: only a process that renders a chat template pays for it
-    code = "import sys, kvref, kvref.cli; print('jinja2' in sys.modules)"
+    code = "import sys, kvref, kvref.tools.cli; print('jinja2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

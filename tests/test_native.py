@@ -28,20 +28,23 @@ from hypothesis import strategies as st
 from kvref import native
 from kvref.cache import BlockPool, ContiguousCache, WindowCache
 from kvref.errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
-from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.spec import ops as spec
 from kvref.spec import quants
+from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
-from kvref.tolerance import INT8_KEY_QUERY_ROUNDING, ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK, gamma
-from tests.conftest import NATIVE_KV_DTYPES, fill_interleaved, guarded_copy, misaligned, reads_like_float_kv, require
+from kvref.tolerance import (INT8_KEY_QUERY_ROUNDING, ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK,
+                             gamma)
+from tests.conftest import (NATIVE_KV_DTYPES, fill_interleaved, guarded_copy, misaligned, reads_like_float_kv,
+                            require)
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
         raise RuntimeError(native.unavailable_reason())
     pytest.skip(native.unavailable_reason(), allow_module_level=True)
 
-from kvref.native import ops as nops  # noqa: E402
 from kvref.native._kvref import ffi, lib  # noqa: E402
+
+from kvref.native import ops as nops  # noqa: E402
 
 ISAS = st.sampled_from(nops.supported_isas())
 THREADS = st.sampled_from([1, 2])

@@ -21,8 +21,8 @@ Tolerances, and why:
 
 import gc
 import json
-from dataclasses import replace
 import os
+from dataclasses import replace
 from pathlib import Path
 import weakref
 
@@ -33,14 +33,12 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref import backends, native
-from kvref.batch import forward_batch
-from kvref.cache import BlockPool, ContiguousCache, begin_all
-from kvref.cache import Storage
+from kvref.cache import BlockPool, ContiguousCache, Storage, begin_all
 from kvref.cache.quant import SlotStore
 from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, KVRefError, ShapeError, TokenError
+from kvref.generation.batch import forward_batch
+from kvref.spec import decoder, quants
 from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
-from kvref.spec import decoder
-from kvref.spec import quants
 from kvref.tolerance import (FLOAT32, INT8_ACTIVATION_ROUNDING, INT8_KEY_LOGIT_BOUND, UNDERFLOW_SLACK, assert_close,
                              compare, gamma)
 from kvref.weights import LayerWeights, Weights, random_weights
@@ -52,9 +50,10 @@ if not native.available():
         raise RuntimeError(native.unavailable_reason())
     pytest.skip(native.unavailable_reason(), allow_module_level=True)
 
+from kvref.native._kvref import ffi, lib  # noqa: E402
+
 from kvref.native import fused  # noqa: E402
 from kvref.native import ops as nops  # noqa: E402
-from kvref.native._kvref import ffi, lib  # noqa: E402
 
 PROMPTS = json.loads((Path(__file__).parent / "data" / "refs" / "smollm2.json").read_text())["prompts"]
 ISAS = st.sampled_from(nops.supported_isas())

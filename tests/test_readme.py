@@ -38,7 +38,7 @@ def test_readme_serve_examples_run_against_kvref_serve(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "kvref.cli", "serve", "--port", str(port), "--cache-mib", "64",
+    server = subprocess.Popen([sys.executable, "-m", "kvref", "serve", "--port", str(port), "--cache-mib", "64",
                                "--quiet"], stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "KVREF_MODEL"})
     try:
         url = f"http://127.0.0.1:{port}"

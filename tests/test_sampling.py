@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvref.errors import SamplingError
-from kvref.sampling import Sampler, apply_penalties, check_penalties, check_sampling, greedy, sample, sampling_probs
+from kvref.generation.sampling import (Sampler, apply_penalties, check_penalties, check_sampling, greedy, sample,
+                                       sampling_probs)
 from kvref.tolerance import FLOAT64_KERNEL, SAMPLING_FREQUENCY_ATOL
 from tests.conftest import require
 

@@ -1,5 +1,5 @@
 """Scoring a given text: per-token log-probabilities (model.score) and strided perplexity with KL
-against a saved base run (kvref.perplexity), against direct computations from model.forward's logits."""
+against a saved base run (kvref.tools.perplexity), against direct computations from model.forward's logits."""
 
 import numpy as np
 import pytest
@@ -7,11 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvref
-from kvref.cli import main
 from kvref.errors import ScoringError
-from kvref.perplexity import kl_divergence, perplexity, windows
 from kvref.spec.ops import log_softmax
 from kvref.tolerance import FLOAT64, TOLERANCES
+from kvref.tools.cli import main
+from kvref.tools.perplexity import kl_divergence, perplexity, windows
 from tests.conftest import require
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=48)

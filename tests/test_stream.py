@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvref.errors import GenerationError
-from kvref.stream import TextStream
+from kvref.generation.stream import TextStream
 
 
 class ByteTokens:

@@ -15,9 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvref.errors import TokenError, TokenizerError
-from kvref.tokenizer import CONTROL, PRE_TOKENIZERS, USER_DEFINED, StreamDecoder, Tokenizer, pieces
-from kvref.tokenizer.vocab import MergeRanks, token_ids
-
+from kvref.text import CONTROL, PRE_TOKENIZERS, USER_DEFINED, StreamDecoder, Tokenizer, pieces
+from kvref.text.vocab import MergeRanks, token_ids
 from tests.conftest import gguf_metadata, require
 
 REFS = Path(__file__).parent / "data" / "refs" / "smollm2.json"

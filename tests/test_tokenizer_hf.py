@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref.errors import TokenizerError
-from kvref.tokenizer import Tokenizer
-
+from kvref.text import Tokenizer
 from tests.conftest import require
 from tests.tokenizer_oracles import corpus, sentencepiece_bpe, trained_model
 
@@ -192,7 +191,7 @@ def test_kvref_load_reads_the_tokenizer_chat_template_and_eos_ids_of_a_checkpoin
     model = kvref.load(tmp_path)
     im_end, eot = hf.token_to_id("<|im_end|>"), hf.token_to_id("<|endoftext|>")
     assert (model.tokenizer.eos_id, model.tokenizer.eos_ids) == (im_end, {im_end, eot})
-    ids = model.chat_ids([{"role": "user", "content": "Hi"}])
+    ids = model.text.chat_ids([{"role": "user", "content": "Hi"}])
     assert ids == hf.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n").ids
     assert model.forward(ids, model.new_cache()).shape == (ours.vocab_size,)
 

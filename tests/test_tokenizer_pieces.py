@@ -1,4 +1,4 @@
-"""merge_adjacent's two ways of merging (kvref.tokenizer.pieces): by rounds, for long pieces, gives
+"""merge_adjacent's two ways of merging (kvref.text.pieces): by rounds, for long pieces, gives
 exactly the symbols the heap gives, whatever the ranks: learned in order, with ties (SentencePiece
 scores), or in any order (the rounds then hand over to the heap)."""
 
@@ -7,8 +7,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvref.tokenizer.pieces import merge_by_heap
-from kvref.tokenizer import pieces
+from kvref.text import pieces
+from kvref.text.pieces import merge_by_heap
 
 
 def ranks(kind: str, seed: int):

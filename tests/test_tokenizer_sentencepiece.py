@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from kvref.errors import TokenError, TokenizerError
 from kvref.formats.gguf import GGUFFile
-from kvref.tokenizer import Tokenizer, pieces
-
+from kvref.text import Tokenizer, pieces
 from tests.conftest import require
 from tests.tokenizer_oracles import sentencepiece_bpe, sentencepiece_gguf, sentencepiece_types
 

@@ -1,12 +1,11 @@
 """Small vocabularies trained with HF `tokenizers`, written where each oracle reads them: a
-tokenizer.json directory (HF tokenizers, kvref.tokenizer.hf) or a GGUF file (transformers' GGUF
-converter, llama.cpp, kvref.tokenizer.gguf). Test-only."""
+tokenizer.json directory (HF tokenizers, kvref.text.hf) or a GGUF file (transformers' GGUF
+converter, llama.cpp, kvref.text.gguf). Test-only."""
 
 import json
 
 from kvref.formats.gguf import ValueType as V
-from kvref.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN
-
+from kvref.text import BYTE, CONTROL, NORMAL, UNKNOWN
 from tests.conftest import require
 from tests.gguf_writer import gguf_bytes
 

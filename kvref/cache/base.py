@@ -31,10 +31,10 @@ import threading
 import numpy as np
 
 from ..errors import CacheError, ShapeError
+from ..moved import moved_names
 from . import execution, quant, reordering, shape
 from .capabilities import Capable
 from .execution import FREED, Transactional
-from .moved import moved_names
 from .quant import Codec, Codecs
 from .sequence import Sequence, readonly
 from .storage import Storage

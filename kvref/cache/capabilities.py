@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..moved import deprecated
 from .fileformat import save_problem
-from .moved import deprecated
 from .quant import SHIFTABLE_K_DTYPES
 
 

@@ -41,8 +41,8 @@ import numpy as np
 from ..digest import sha256_bulk
 from ..errors import CacheError
 from ..limits import bounded_int, bounded_json, open_regular_file, read_exactly
+from ..moved import moved_names
 from .quant import KIVI, Codecs
-from .moved import moved_names
 from .registry import layout_class, layout_names, options_by_layout
 from .shape import CacheShape
 

@@ -1,11 +1,11 @@
-"""The `kvref conformance` and `kvref fixtures` subcommands (registered by kvref.cli)."""
+"""The `kvref conformance` and `kvref fixtures` subcommands (registered by kvref.tools.cli)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from ..cli_common import add_model_arguments
+from ..tools.common import add_model_arguments
 from .checks import CHECKS
 from .engine import ConformanceError
 from .kvref_engine import LAYOUTS, KVRefEngine

@@ -10,7 +10,7 @@ state (llama.cpp removing positions from a window cache) raises Refused: the che
     capability      operation                                    what kvref calls it
     incremental     forward(seq, ids) extends a kept sequence    Model.forward on a cache
     full_logits     Rows carry all V log-probabilities           (else the engine's top-k)
-    batch           forward_batch(seqs, id_lists)                kvref.batch.forward_batch
+    batch           forward_batch(seqs, id_lists)                kvref.generation.batch.forward_batch
     prefix_cache    prefill_cached(ids) -> (seq, rows, reused)   PagedCache.prefill_reuse
                     (rows of the positions after the reused ones;
                     reused -1: not reported, all rows returned),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import weakref
 
-from ..batch import forward_batch
 from ..cache import layout_names
+from ..generation.batch import forward_batch
 from .engine import Engine, Refused, Rows
 
 LAYOUTS = layout_names()

@@ -52,7 +52,7 @@ def prompt_ids(model) -> list:
         return []
     out = []
     if model.chat_template:
-        out.append(model.chat_ids([{"role": "user", "content": CHAT}]))
+        out.append(model.text.chat_ids([{"role": "user", "content": CHAT}]))
     out += [tok.encode(text, add_special=True) for text in TEXTS]
     return out
 

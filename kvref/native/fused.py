@@ -70,7 +70,6 @@ leaves this module.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -83,14 +82,6 @@ from .descriptors import cache_descriptor, in_place_problem
 from .ops import check_status, check_weight, ffi, lib
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
-
-
-def default_activations() -> str:
-    """KVREF_ACTIVATIONS (float32 | int8), else float32 (exact)."""
-    name = os.environ.get("KVREF_ACTIVATIONS", "").strip().lower() or "float32"
-    if name not in ACTIVATIONS:
-        raise BackendError(f"KVREF_ACTIVATIONS={name!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
-    return name
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -116,10 +107,10 @@ class FusedForward:
     read, a non-contiguous matrix); the model then runs the shared decoder (Model.executor says why).
     """
 
-    def __init__(self, config, weights, activations=None):
+    def __init__(self, config, weights, activations="float32"):
         self.config = config
         self.weights = weights
-        self.activations = default_activations() if activations is None else activations
+        self.activations = activations
         if self.activations not in ACTIVATIONS:
             raise BackendError(f"activations={self.activations!r} is unknown; expected one of {tuple(ACTIVATIONS)}")
         self._fingerprint = [id(t) for t in _tensors(weights)]
@@ -317,4 +308,4 @@ class FusedForward:
             lib.kvref_state_reset_timings(self._state)
 
 
-__all__ = ["ACTIVATIONS", "FusedForward", "default_activations"]
+__all__ = ["ACTIVATIONS", "FusedForward"]

@@ -17,7 +17,7 @@ anywhere inside (a bad kernel argument, Ctrl-C) aborts instead, leaving the cach
 new positions are stacked into one [N, E] activation so every position-wise step runs once, and
 only attention is split per sequence, because each sequence attends to its own cache. It runs
 inside one transaction over every cache, opened by the caller (`kvref.cache.begin_all`, which
-kvref.batch.forward_batch uses): all commit or none.
+kvref.generation.batch.forward_batch uses): all commit or none.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 import kvref
-from kvref.chat import render_chat
 from kvref.errors import KVRefError
+from kvref.text.chat import render_chat
 
 HERE = Path(__file__).parent
 CORPUS = HERE / "corpus"
@@ -58,7 +58,7 @@ def gguf(data: bytes) -> None:
     cache = model.new_cache()
     model.forward([0], cache)
     if model.tokenizer is not None and model.chat_template:
-        model.chat_ids(CONVERSATION)
+        model.text.chat_ids(CONVERSATION)
 
 
 def safetensors(data: bytes) -> None:

@@ -1,18 +1,18 @@
 """`kvref inspect`, `kvref trace` and `kvref memory`: what a model file holds, what the cache saves an
-execution, and what a cache costs, each without generating text (the `kvref` command: kvref/cli.py)."""
+execution, and what a cache costs, each without generating text (the `kvref` command: kvref/tools/cli.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from . import trace
-from .cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
-from .cache.report import window_summary
-from .cli_common import count, human_bytes
-from .config import ModelConfig
-from .errors import ConfigError
-from .generate import generate
-from .model import Model
+from .. import trace
+from ..cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
+from ..cache.report import window_summary
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..generation.generate import generate
+from ..model import Model
+from .common import count, human_bytes
 
 
 def add_inspect(commands):
@@ -24,7 +24,7 @@ def add_inspect(commands):
 
 
 def run_inspect(args) -> int:
-    from .loader import load_config
+    from ..loader import load_config
 
     if args.path is not None and Path(args.path).is_dir():
         print_checkpoint(Path(args.path))
@@ -39,15 +39,15 @@ def run_inspect(args) -> int:
         print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
               f"of {config.max_seq_len:,} positions")
     if config.layer_windows is not None:
-        from .cache.report import hybrid_report
+        from ..cache.report import hybrid_report
 
         print(hybrid_report(config, config.max_seq_len, "float16"))
     return 0
 
 
 def print_gguf(path):
-    from .formats.gguf import GGUFFile
-    from .loader import model_path
+    from ..formats.gguf import GGUFFile
+    from ..loader import model_path
 
     with GGUFFile(model_path(path)) as gguf:
         meta = gguf.metadata
@@ -64,8 +64,8 @@ def print_gguf(path):
 
 
 def print_checkpoint(directory):
-    from .formats.safetensors import Checkpoint
-    from .loader import read_config_json
+    from ..formats.safetensors import Checkpoint
+    from ..loader import read_config_json
 
     config_json = read_config_json(directory)
     checkpoint = Checkpoint(directory)
@@ -143,7 +143,7 @@ def add_memory(commands):
 def run_memory(args) -> int:
     config = None
     if args.model:
-        from .loader import load_config
+        from ..loader import load_config
 
         config = load_config(args.model)
         args.layers = config.n_layers if args.layers is None else args.layers
@@ -165,12 +165,12 @@ def run_memory(args) -> int:
     if args.tokens:
         print(f"  {per_sequence // args.tokens:,} bytes per token per sequence")
     if config is not None and config.layer_windows is not None and args.tokens:
-        from .cache.report import hybrid_report
+        from ..cache.report import hybrid_report
 
         print()
         print(hybrid_report(config, args.tokens, args.dtype, args.batch))
     if args.layouts:
-        from .cache.report import layout_report
+        from ..cache.report import layout_report
 
         # only the cache's own sizes matter to the layouts; the other numbers are placeholders
         sizes = ModelConfig(n_layers=args.layers, d_model=args.kv_heads * args.head_dim, n_heads=args.kv_heads,

@@ -24,14 +24,14 @@ A Sampler holds one request's settings and its own seeded generator, and is call
     token = select(logits)                                # [V] -> token id; the next call draws on
 
 Each call consumes the draws of one token, so two samplers made alike select alike over the same
-logits: what makes a request select the same tokens in a batch (kvref.batch) as alone (kvref.generate).
+logits: what makes a request select the same tokens in a batch (kvref.generation.batch) as alone (kvref.generate).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .errors import SamplingError
+from ..errors import SamplingError
 
 
 def check_sampling(temperature=0.0, top_k=None, top_p=None, min_p=None) -> None:

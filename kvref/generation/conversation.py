@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import CacheFullError, KVRefError, TokenizerError
+from ..errors import CacheFullError, KVRefError, TokenizerError
 from .generate import generate, prefill_in_chunks, resolve_config
 from .stream import TextStream
 
@@ -63,13 +63,13 @@ class Conversation:
         a message with "token_ids" (an interrupted reply) enters as exactly those ids."""
         spliced = [m["token_ids"] for m in self.messages if "token_ids" in m]
         if not spliced:
-            return self.model.chat_ids(self.messages)
+            return self.model.text.chat_ids(self.messages)
         marked, n = [], 0
         for m in self.messages:
             if "token_ids" in m:
                 m, n = dict(m, content=f"{self._placeholder}{n}\x00"), n + 1
             marked.append(m)
-        parts = re.split(re.escape(self._placeholder) + "([0-9]+)\x00", self.model.chat_text(marked))
+        parts = re.split(re.escape(self._placeholder) + "([0-9]+)\x00", self.model.text.chat_text(marked))
         # parts: text, index, text, index, ..., text
         if parts[1::2] != [str(i) for i in range(len(spliced))]:
             raise TokenizerError("the chat template dropped, repeated or reordered a message's content, so an "

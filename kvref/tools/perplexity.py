@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_common import add_model_arguments, count
-from .errors import InputFileError, ScoringError
-from .scoring import SCORE_CHUNK, next_token_logprobs
+from ..errors import InputFileError, ScoringError
+from ..scoring import SCORE_CHUNK, next_token_logprobs
+from .common import activations, add_activations_argument, add_model_arguments, count
 
 LOGITS_FORMAT = "kvref-logprobs-1"  # what a --save-logits file holds; a new layout gets a new name
 
@@ -178,6 +178,7 @@ def add_perplexity(commands):
                                                "saved base run)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
+    add_activations_argument(p)
     p.add_argument("-f", "--file", required=True, help="the text to score (UTF-8)")
     p.add_argument("--ctx", type=count, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=count, default=None,
@@ -193,10 +194,10 @@ def add_perplexity(commands):
 
 
 def run_perplexity(args) -> int:
-    from .loader import load
+    from ..loader import load
 
     text = read_text(args.file)
-    model = load(args.model, backend=args.backend)
+    model = load(args.model, backend=args.backend, activations=activations(args))
     tok = model.tokenizer
     if tok is None:
         raise ScoringError(f"{args.model} has no tokenizer to read the text with")

@@ -23,9 +23,9 @@ the last one it yields.
 
 from __future__ import annotations
 
-from .errors import GenerationError
-from .generation_config import check_stop_strings
-from .tokenizer import StreamDecoder
+from ..errors import GenerationError
+from ..text import StreamDecoder
+from .config import check_stop_strings
 
 
 class TextStream:

@@ -7,7 +7,7 @@
     GET  /metrics               Prometheus text: requests, tokens, batch sizes, blocks, prefix hits, queue
 
 A request is read (at most max_body_bytes, nested at most kvref.limits.MAX_JSON_DEPTH deep), checked
-(kvref.serve.protocol) and tokenized before the engine sees it, so a bad one costs no execution. Errors
+(kvref.serving.protocol) and tokenized before the engine sees it, so a bad one costs no execution. Errors
 are JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with status 400 (a field,
 or a body that is not JSON or nests too deep), 401 (the API key), 404 (a model or route), 413 (the body's
 size) or 500. A client that disconnects, streaming or not, cancels its request: its sequences leave the
@@ -135,14 +135,15 @@ class _Server:
             ids = parsed.prompt
             echo = tokenizer.decode(ids) if parsed.echo else ""
         return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits,
-                         echo if parsed.echo else "")
+                         echo if parsed.echo else "", self.engine.scheduler.most_positions())
 
     def _chat_spec(self, parsed) -> Spec:
         if not self.model.chat_template:
             raise RequestError("this model has no chat template; use /v1/completions (or start the server with "
                                "--chat-template FILE)", "messages")
-        ids = _tokenize(lambda: self.model.chat_ids(parsed.prompt), "messages")
-        return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits)
+        ids = _tokenize(lambda: self.model.text.chat_ids(parsed.prompt), "messages")
+        return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits,
+                         pool_positions=self.engine.scheduler.most_positions())
 
     # ---- answers --------------------------------------------------------------------------------------
 

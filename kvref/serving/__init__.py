@@ -5,7 +5,7 @@
 Three layers, each usable alone:
 
     protocol.py  request bodies checked field by field into a Spec (RequestError -> HTTP 400)
-    engine.py    one thread (EngineThread) that owns a kvref.batch.Engine (prefix reuse, chunked prefill,
+    engine.py    one thread (EngineThread) that owns a kvref.generation.batch.Engine (prefix reuse, chunked prefill,
                  preemption, n > 1 by copy-on-write forks) and turns its tokens into text events
     app.py       the Starlette app: routes, server-sent events, /metrics, API key, body limit
 
@@ -26,8 +26,11 @@ from .protocol import Limits, Spec
 
 def create_server(model, model_name: str, *, host="127.0.0.1", port=8080, max_batch=8, num_blocks=None,
                   block_size=16, kv_dtype=None, prefill_chunk=256, api_key=None, limits: Limits = Limits(),
-                  max_body_bytes=None, log_level="info"):
-    """A uvicorn Server running the app over a new EngineThread (not started: call .run(), or .run(sockets=[s]))."""
+                  max_body_bytes=None, log_level="info", shutdown_timeout=10.0):
+    """A uvicorn Server running the app over a new EngineThread (not started: call .run(), or .run(sockets=[s])).
+
+    On SIGTERM or Ctrl-C it stops accepting connections, lets the requests in flight finish for up to
+    shutdown_timeout seconds, then cancels the rest (their streams end, their sequences leave the batch)."""
     import uvicorn
 
     from .app import MAX_BODY_BYTES, create_app
@@ -38,7 +41,8 @@ def create_server(model, model_name: str, *, host="127.0.0.1", port=8080, max_ba
                     prefill_chunk=prefill_chunk)
     app = create_app(model, engine, model_name, api_key=api_key, limits=limits,
                      max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
     server.engine = engine
     return server
@@ -54,7 +58,7 @@ def bind(host="127.0.0.1", port=0) -> socket.socket:
 
 
 def __getattr__(name):
-    if name == "Engine":  # deprecated: kvref.serve.EngineThread
+    if name == "Engine":  # deprecated: kvref.serving.EngineThread
         return _engine.__getattr__(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -10,21 +10,23 @@ import time
 import warnings
 from pathlib import Path
 
-from . import __version__
-from .bench import add_bench, blas_threads
-from .cache import bytes_per_position
-from .cli_common import Progress, add_model_arguments, available_memory, count, count_in, human_bytes
-from .cli_info import add_inspect, add_memory, add_trace
-from .conformance.command import add_conformance, add_fixtures
-from .errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
-from .executor import describe
-from .generate import generate, prefill_in_chunks
-from .generation_config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
-from .native import MAX_THREADS
+from .. import __version__
+from ..cache import bytes_per_position
+from ..conformance.command import add_conformance, add_fixtures
+from ..errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
+from ..executor import describe
+from ..generation.config import DEFAULT_PENALTY_LAST_N, GenerationConfig, check_stop_strings
+from ..generation.generate import generate, prefill_in_chunks
+from ..generation.sampling import check_penalties, check_sampling
+from ..generation.speculative import SpeculationStats
+from ..generation.stream import TextStream
+from ..native import MAX_THREADS
+from .bench import add_bench
+from .machine import blas_threads
+from .common import (Progress, activations, add_activations_argument, add_model_arguments, available_memory, count,
+                     count_in, human_bytes)
+from .info import add_inspect, add_memory, add_trace
 from .perplexity import add_perplexity
-from .sampling import check_penalties, check_sampling
-from .speculative import SpeculationStats
-from .stream import TextStream
 
 
 def main(argv=None) -> int:
@@ -115,6 +117,11 @@ def _checked(parse, check):
     return convert
 
 
+def _check_seconds(value):
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{value} is not a number of seconds >= 0")
+
+
 def _check_last_n(value):
     check_penalties(penalty_last_n=None if value == -1 else value)
 
@@ -142,12 +149,12 @@ def generation_config(args, model) -> GenerationConfig:
 
 def load_model(args):
     """The model of -m/--backend/--threads, with a progress line on a terminal (not with --quiet)."""
-    from .loader import load
+    from ..loader import load
 
     progress = Progress(enabled=sys.stderr.isatty() and not getattr(args, "quiet", False),
                         label=f"kvref {args.command}")
     threads = getattr(args, "threads", None)
-    model = load(args.model, backend=args.backend, threads=threads,
+    model = load(args.model, backend=args.backend, threads=threads, activations=activations(args),
                  progress=lambda done, total: progress(f"loading weights {done}/{total}"))
     progress.done()
     if model.backend == "numpy" and threads is not None and blas_threads(threads) is None:
@@ -239,6 +246,7 @@ def add_run(commands):
                             description="Generate text from a prompt, streamed to stdout as it is generated. "
                                         "Greedy (deterministic) unless --temperature is given.")
     add_model_arguments(p)
+    add_activations_argument(p)
     add_sampling_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -312,7 +320,7 @@ def run_run(args) -> int:
     model = load_text_model(args, chat=args.chat)
     tok = model.tokenizer
     if args.chat:
-        prompt_ids = model.chat_ids([{"role": "user", "content": text}])
+        prompt_ids = model.text.chat_ids([{"role": "user", "content": text}])
     else:
         prompt_ids = tok.encode(text, add_special=True)
     config = generation_config(args, model)
@@ -370,7 +378,7 @@ class Timing:
 
 
 def stream_text(tokenizer, tokens, config: GenerationConfig) -> Timing:
-    """Print token ids as text as soon as it is final (kvref.stream.TextStream: whole characters, never
+    """Print token ids as text as soon as it is final (kvref.generation.stream.TextStream: whole characters, never
     a stop string or an end id's text); return the timing."""
     timing = Timing()
     text = TextStream(tokenizer, config.stop, config.end_ids(tokenizer))
@@ -388,6 +396,7 @@ def add_chat(commands):
                                         "line, Ctrl-D or Ctrl-C at the prompt ends the chat. Greedy "
                                         "(deterministic) unless --temperature is given.")
     add_model_arguments(p)
+    add_activations_argument(p)
     add_sampling_arguments(p)
     add_runtime_arguments(p, chat=True)
     p.add_argument("--system", default=None, help="system message")
@@ -396,7 +405,7 @@ def add_chat(commands):
 
 
 def run_chat(args) -> int:
-    from .conversation import Conversation
+    from ..generation.conversation import Conversation
 
     model = load_text_model(args, chat=True)
     chat = Conversation(model, system=args.system, cache=new_cli_cache(model, args),
@@ -459,6 +468,7 @@ def add_serve(commands):
                                         "computed, and the newest is preempted (freed, recomputed later) when "
                                         "the pool runs out. Needs the serve extra: pip install 'kvref[serve]'.")
     add_model_arguments(p)
+    add_activations_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                         "only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=count_in(0, 65535), default=8080, help="port (default 8080)")
@@ -476,8 +486,12 @@ def add_serve(commands):
     p.add_argument("--prefill-chunk", type=count_in(1), default=256,
                    help="prompt positions one step computes at most, so a long prompt does not stall the "
                         "running requests (default 256)")
-    p.add_argument("--max-tokens", type=count_in(1), default=256,
-                   help="the largest max_tokens a request may ask for, and its default (default 256)")
+    p.add_argument("--shutdown-timeout", type=_checked(float, _check_seconds), default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are "
+                        "cancelled (default 10)")
+    p.add_argument("--max-tokens", type=count_in(1), default=None,
+                   help="the largest max_tokens a request may ask for, and its default (default: no cap; a "
+                        "request without max_tokens gets what the context and the pool leave)")
     p.add_argument("--max-body-bytes", type=count_in(1), default=1 << 20, help="request body limit (default 1 MiB)")
     p.add_argument("--api-key", default=os.environ.get("KVREF_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $KVREF_API_KEY; none)")
@@ -494,11 +508,11 @@ SERVE_CACHE_MIB = 512
 
 def run_serve(args) -> int:
     try:
-        from .serve import create_server
-        from .serve.protocol import Limits
+        from ..serving import create_server
+        from ..serving.protocol import Limits
     except ImportError as error:
         raise ConfigError(f"kvref serve needs the serve extra (pip install 'kvref[serve]'): {error}") from None
-    from .loader import SHORT_NAMES, model_path
+    from ..loader import SHORT_NAMES, model_path
 
     model = load_text_model(args)
     c = model.config
@@ -519,12 +533,10 @@ def run_serve(args) -> int:
                            num_blocks=num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
                            prefill_chunk=args.prefill_chunk, api_key=args.api_key,
                            limits=Limits(max_tokens=args.max_tokens, max_n=min(16, args.max_batch)),
-                           max_body_bytes=args.max_body_bytes, log_level="warning" if args.quiet else "info")
+                           max_body_bytes=args.max_body_bytes, log_level="warning" if args.quiet else "info",
+                           shutdown_timeout=args.shutdown_timeout)
     notice(args, f"serving {name!r} at http://{args.host}:{args.port}/v1 ({num_blocks} blocks of {args.block_size} "
                  f"positions, {human_bytes(num_blocks * per_block)} of {args.kv_dtype} K/V, batch {args.max_batch}, "
-                 f"backend {model.backend})")
+                 f"backend {model.backend}, {model.activations or 'float32'} activations)")
     server.run()
     return 0
-
-if __name__ == "__main__":
-    sys.exit(main())

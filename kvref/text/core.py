@@ -1,9 +1,9 @@
 """Tokenizer: one API over the model types (byte-level BPE, SentencePiece-style BPE).
 
 encode: split out special tokens -> each stretch of text between them goes to the model type's
-encoder (kvref.tokenizer.bytelevel, kvref.tokenizer.sentencepiece) -> ids. decode: each token's
+encoder (kvref.text.bytelevel, kvref.text.sentencepiece) -> ids. decode: each token's
 bytes, joined, as UTF-8. The readers build a Tokenizer from a GGUF file's metadata
-(kvref.tokenizer.gguf) or a Hugging Face tokenizer.json (kvref.tokenizer.hf). docs/tokenizer.md
+(kvref.text.gguf) or a Hugging Face tokenizer.json (kvref.text.hf). docs/tokenizer.md
 walks through it.
 """
 

@@ -6,26 +6,24 @@ the baseline the cache exists to avoid. Both select the same tokens.
 
 What to select and when to stop is a kvref.GenerationConfig: the model's defaults
 (model.generation_config: greedy unless its file recommends sampling), with any field replaced by
-keyword (temperature=0.7, stop=["\n\n"], ...). Generation ends after max_new_tokens, after one of
-the model's end ids (EOS, end of turn; not with ignore_eos) or a stop id, or after the token that
-completes a stop string; that last token is yielded (kvref.stream.TextStream shows the text before
-the stop string).
+keyword (temperature=0.7, stop=["\n\n"], ...). Generation ends after max_new_tokens or where its
+StopCondition (kvref.generation.stop) says: after one of the model's end ids (EOS, end of turn; not
+with ignore_eos) or a stop id, or after the token that completes a stop string; that last token is
+yielded (kvref.TextStream shows the text before the stop string).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import trace
-from .cache import KVCache
-from .errors import CacheError, CacheFullError, ContextOverflowError, GenerationError
-from .generation_config import GenerationConfig
+from .. import trace
+from ..cache import KVCache
+from ..errors import CacheError, CacheFullError, ContextOverflowError, GenerationError
+from ..tolerance import speculative_margin_bound
+from .config import GenerationConfig
 from .sampling import Sampler
-from .speculative import (SpeculationStats, check_speculate, fit_rollback, next_budget, prompt_lookup,
-                          top2_margin)
-from .tolerance import speculative_margin_bound
-from .stream import TextStream
-
+from .speculative import SpeculationStats, check_speculate, fit_rollback, next_budget, prompt_lookup, top2_margin
+from .stop import StopCondition
 
 OVERFLOWS = ("error", "shift")  # what generate does when the context would outgrow the cache
 
@@ -42,7 +40,7 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     new positions after them. Without one, a fresh cache is made (if use_cache).
     executions: a list that receives one trace.Execution per forward pass.
     speculate: draft up to this many tokens per decode step by prompt lookup and verify them in one
-    execution (kvref.speculative; 0 = off); stats: a kvref.SpeculationStats that counts what it did.
+    execution (kvref.generation.speculative; 0 = off); stats: a kvref.SpeculationStats that counts what it did.
     While the generator is suspended, the cache may hold positions of tokens selected but not yet
     yielded; ending, or closing the generator, leaves it as plain decoding would.
     overflow: "error" (default): everything is checked before the first token: the settings, and that
@@ -81,12 +79,12 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
             f"prompt ({len(prompt)}) + {config.max_new_tokens} new tokens need {n_positions} positions; "
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
     history = _earlier_ids(cache) + [int(t) for t in prompt]
-    select, ends_after = Sampler.from_config(config), end_condition(model, config)
+    select, stop = Sampler.from_config(config), StopCondition(model.tokenizer, config)
     if speculate:
-        return _speculative_loop(model, prompt, config.max_new_tokens, select, ends_after, history, cache,
+        return _speculative_loop(model, prompt, config.max_new_tokens, select, stop, history, cache,
                                  executions, speculate, SpeculationStats() if stats is None else stats)
     loop = _cached_loop if use_cache else _uncached_loop
-    return loop(model, prompt, config.max_new_tokens, select, ends_after, history, cache, executions)
+    return loop(model, prompt, config.max_new_tokens, select, stop, history, cache, executions)
 
 
 def _shifting(model, prompt_ids, config, cache, executions, speculate, stats):
@@ -137,7 +135,7 @@ def resume(model, cache: KVCache, max_new_tokens=None, *, config: GenerationConf
         raise CacheFullError(f"{config.max_new_tokens} new tokens need {n_positions} positions; the cache has "
                              f"{cache.capacity - cache.length} free of {cache.capacity}")
     return _resumed_loop(model, np.array(last_logits), config.max_new_tokens, Sampler.from_config(config),
-                         end_condition(model, config), _earlier_ids(cache), cache, executions)
+                         StopCondition(model.tokenizer, config), _earlier_ids(cache), cache, executions)
 
 
 def resolve_config(model, config, max_new_tokens, settings) -> GenerationConfig:
@@ -150,30 +148,13 @@ def resolve_config(model, config, max_new_tokens, settings) -> GenerationConfig:
     return config.updated(**settings) if settings else config
 
 
-def end_condition(model, config: GenerationConfig):
-    """token id -> whether generation ends after it: an end id, or the token completing a stop string."""
-    end_ids = config.end_ids(model.tokenizer)
-    if not config.stop:
-        return end_ids.__contains__
-    if model.tokenizer is None:
-        raise GenerationError("stop strings need a tokenizer to read the text; this model has none "
-                              "(give stop_ids instead)")
-    text = TextStream(model.tokenizer, config.stop, end_ids)
-
-    def ends_after(token):
-        text.push(token)
-        return text.stopped
-
-    return ends_after
-
-
 def _earlier_ids(cache) -> list[int]:
     """The ids of the positions a cache already holds, where it knows them: the start of the token
     history the penalties count (a cache that lost them, e.g. a window, starts it afresh)."""
     return [] if cache is None else cache.sequence.token_ids or []
 
 
-def _resumed_loop(model, logits, max_new_tokens, select, ends_after, history, cache, executions):
+def _resumed_loop(model, logits, max_new_tokens, select, stop, history, cache, executions):
     for step in range(max_new_tokens):
         if step:  # a decode step for the token just selected
             first = cache.next_position
@@ -181,12 +162,12 @@ def _resumed_loop(model, logits, max_new_tokens, select, ends_after, history, ca
             _record(executions, model, first, first + 1, first)
         token = select(logits, history)
         yield token
-        if ends_after(token):
+        if stop.ends_after(token):
             return
         history.append(token)
 
 
-def _cached_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions):
+def _cached_loop(model, prompt, max_new_tokens, select, stop, history, cache, executions):
     new_tokens = prompt
     for step in range(max_new_tokens):
         # Prefill on the first step (the whole prompt), a decode step after (the token just selected)
@@ -195,13 +176,13 @@ def _cached_loop(model, prompt, max_new_tokens, select, ends_after, history, cac
         _record(executions, model, first, first + len(new_tokens), first)
         token = select(logits, history)
         yield token  # token history is now cache.length + 1 long: this token has no K/V yet
-        if ends_after(token):
+        if stop.ends_after(token):
             return
         history.append(token)
         new_tokens = [token]
 
 
-def _speculative_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions, speculate,
+def _speculative_loop(model, prompt, max_new_tokens, select, stop, history, cache, executions, speculate,
                       stats):
     if max_new_tokens == 0:
         return
@@ -224,7 +205,7 @@ def _speculative_loop(model, prompt, max_new_tokens, select, ends_after, history
                 _roll_back(cache, row0 + i + 1, rows[i])
                 raise
             n_selected += 1
-            if ends_after(token) or n_selected == max_new_tokens:
+            if stop.ends_after(token) or n_selected == max_new_tokens:
                 _roll_back(cache, row0 + i + 1, rows[i])
                 return
             history.append(token)
@@ -269,7 +250,7 @@ def _roll_back(cache, n, last_logits):
         cache.truncate(n, last_logits=last_logits)
 
 
-def _uncached_loop(model, prompt, max_new_tokens, select, ends_after, history, cache, executions):
+def _uncached_loop(model, prompt, max_new_tokens, select, stop, history, cache, executions):
     computed_before = 0
     for step in range(max_new_tokens):
         logits = model.forward(history)  # every position from 0, every time
@@ -277,7 +258,7 @@ def _uncached_loop(model, prompt, max_new_tokens, select, ends_after, history, c
         computed_before = len(history)
         token = select(logits, history)
         yield token
-        if ends_after(token):
+        if stop.ends_after(token):
             return
         history.append(token)
 

@@ -50,36 +50,27 @@ kept apart from the timed runs: the rates are never measured with instrumentatio
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
-import platform
-import resource
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .cli_common import Progress, add_model_arguments, count, human_bytes
-from .errors import ConfigError
-from .executor import describe
-from .sampling import greedy
-
-def median(values):
-    """statistics.median(values), imported here: statistics imports decimal, fractions and random
-    (~0.5 MiB resident), which `kvref run` would otherwise load with the CLI."""
-    import statistics
-
-    return statistics.median(values)
+from ..errors import ConfigError
+from ..executor import describe
+from ..generation.sampling import greedy
+from .common import Progress, activations, add_activations_argument, add_model_arguments, count, human_bytes
+from .machine import (READ_TRIES, blas_threads, current_rss, kv_cache_bytes, kv_read, kvref_version, machine, median,
+                      peak_rss, roofline, threads_of)
 
 
 FAMILIES = ("projections", "attention", "other")
 #: which family each kernel of the kernel set belongs to
 KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "other", "rms_norm": "other",
                  "rope": "other", "swiglu": "other", "geglu": "other"}
-READ_TRIES = 7  # reads of the cache's K/V whose median rate times one read (kv_read)
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
 BUDGET_SLACK = 60 * 10**6  # memory budget: peak RSS <= file + KV cache + 60 MB (interpreter, NumPy, tokenizer, scratch)
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
@@ -288,7 +279,7 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         if prefill_tokens:
             progress(f"{tag} prefill {prefill_tokens} tokens", force=True)
             prefill_s.append(time_prefill(model, prefill_prompt, kv_dtype))
-            cache_sizes.append(_cache_bytes(model, prefill_tokens, kv))
+            cache_sizes.append(kv_cache_bytes(model, prefill_tokens, kv))
         if new_tokens:
             cache = model.new_cache(capacity=prompt_tokens + new_tokens, kv_dtype=kv_dtype)
             token = fill(model, cache, decode_prompt)
@@ -337,7 +328,7 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
             roof[name]["fraction"] = rate["tok_s"] / roof[name]["roofline_tok_s"]
     if splits.get("context"):
         progress("reading the cache's K/V", force=True)
-        splits["context"]["kv_read"] = kv_read(splits["context"], context_cache, _cache_bytes(model, context, kv),
+        splits["context"]["kv_read"] = kv_read(splits["context"], context_cache, kv_cache_bytes(model, context, kv),
                                                threads_of(model) or 1)
     progress.done()
 
@@ -349,7 +340,7 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         memory["budget_bytes"] = file_bytes + cache_max + BUDGET_SLACK
         memory["within_budget"] = bool(peak["maxrss"] <= memory["budget_bytes"])
     return {
-        "kvref_version": _version(),
+        "kvref_version": kvref_version(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(load_start),
         "model": {"path": str(model_path) if model_path else None, "file_bytes": file_bytes,
@@ -372,215 +363,12 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
     }
 
 
-def llc_bytes() -> int:
-    """The largest CPU cache (sysfs, cpu0), or 32 MiB where sysfs does not say."""
-    sizes = []
-    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = size.read_text().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * scale)
-    return max(sizes, default=32 << 20)
 
-
-def read_bandwidth(model, tries=READ_TRIES) -> dict:
-    """Bytes per second the forward's threads read from memory: a buffer 4x the last-level cache (whole
-    probe units), touched first, then read `tries` times whole (see the module docstring)."""
-    threads = threads_of(model) or 1
-    unit = 1 << 20
-    nbytes = -(-4 * llc_bytes() // unit) * unit
-    raw = np.ones(nbytes + 64, dtype=np.uint8)
-    buf = raw[-raw.ctypes.data % 64:][:nbytes]  # 64-byte aligned, as the vector loads want
-    probe = getattr(model.ops, "read_probe", None)
-    seconds = []
-    for _ in range(tries):
-        if probe is None:
-            seconds.extend(read_seconds([buf], threads, tries=1))
-            continue
-        start = time.perf_counter()
-        probe(buf)
-        seconds.append(time.perf_counter() - start)
-    rates = sorted(nbytes / s for s in seconds)
-    return {"bandwidth_gb_s": median(rates) / 1e9, "range_gb_s": [rates[0] / 1e9, rates[-1] / 1e9],
-            "probe_bytes": nbytes, "threads": threads, "loads": getattr(model.ops, "isa", None) or "numpy"}
-
-
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decode step reads: every tensor but the embedding table, of which one row
-    (none apart when the LM head is the table itself: the head reads all of it); the int8 mode's
-    projections as their packed copies (kvref.native.fused)."""
-    w = model.weights
-    tensors = [t for lw in w.layers for t in vars(lw).values() if t is not None] + [w.output_norm, w.output]
-    row = 0 if w.output is w.tok_embeddings else _nbytes(w.tok_embeddings) // model.config.vocab_size
-    fused = getattr(model, "fused", None)
-    read = _nbytes if fused is None else lambda t: fused.read_nbytes(t) if hasattr(t, "ggml_type") else _nbytes(t)
-    return sum(read(t) for t in tensors) + row
-
-
-def kv_bytes_per_token(model, positions, kv_dtype) -> int:
-    """Bytes of K/V one decode step at `positions` cached positions reads: each layer's attended ones."""
-    c = model.config
-    per_layer = _cache_bytes(model, 1, kv_dtype) // c.n_layers  # one position of one layer
-    return int(sum(min(positions, c.window(layer) or positions) for layer in range(c.n_layers)) * per_layer)
-
-
-def roofline(model, kv_dtype, decode_positions, context_positions) -> dict:
-    """The measured read bandwidth and, per decode case (average positions given), the bytes a step
-    reads and the fastest rate those bytes allow."""
-    roof = read_bandwidth(model)
-    weights = weight_bytes_per_token(model)
-    for name, positions in (("decode", decode_positions), ("context", context_positions)):
-        if positions:
-            kv = kv_bytes_per_token(model, positions, kv_dtype)
-            roof[name] = {"weight_bytes": weights, "kv_bytes": kv,
-                          "roofline_tok_s": roof["bandwidth_gb_s"] * 1e9 / (weights + kv)}
-    return roof
-
-
-def _nbytes(t) -> int:
-    return int(t.data.nbytes if hasattr(t, "data") and not isinstance(t, np.ndarray) else t.nbytes)
-
-
-def read_seconds(arrays, threads=1, tries=READ_TRIES) -> list[float]:
-    """Seconds to read every byte of `arrays` once, `tries` times: `threads` Python threads each take
-    np.max over its share of every array (a uint8 view: a reduction that keeps up with the cache and
-    releases the GIL, so the figure is the memory's). For arrays larger than the last-level cache
-    this is DRAM; a smaller cache is partly read from that cache, as attention reads it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    flat = [a.reshape(-1).view(np.uint8) for a in arrays]
-    splits = [np.array_split(f, threads) for f in flat]
-    shares = [[parts[i] for parts in splits] for i in range(threads)]
-
-    def read(share):
-        for part in share:
-            part.max(initial=0)
-
-    seconds = []
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(tries):
-            start = time.perf_counter()
-            list(pool.map(read, shares))
-            seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def kv_read(split, cache, kv_bytes, threads) -> dict:
-    """Attention time per decode step beside the time to read that K/V once from memory (the floor a
-    memory-bound attention cannot beat; their ratio is the figure judged). The cache's own arrays are
-    read READ_TRIES times right after the profiled pass, with as many threads as the forward used; the
-    median read rate gives the time of kv_bytes (the K/V of every layer at the context length; the
-    arrays also hold the slots of the decoded steps)."""
-    arrays = [a for _, a in cache.store.arrays()]  # K, V and any int8 scales (a paged cache: its pool's)
-    stored = sum(a.nbytes for a in arrays)
-    seconds = read_seconds(arrays, threads)
-    rates = sorted(stored / s for s in seconds)
-    rate = median(rates)
-    read_ms = 1e3 * kv_bytes / rate
-    attention_ms = split["ms_per_token"]["attention"]
-    return {"kv_bytes": kv_bytes, "bandwidth_gb_s": rate / 1e9,
-            "bandwidth_range_gb_s": [rates[0] / 1e9, rates[-1] / 1e9], "threads": threads, "read_ms": read_ms,
-            "attention_ms": attention_ms, "ratio": attention_ms / read_ms}
 
 
 def _rate(n, seconds) -> dict:
     med = median(seconds)
     return {"tok_s": n / med, "ms_per_token": 1e3 * med / n, "seconds": [round(s, 6) for s in seconds]}
-
-
-def _cache_bytes(model, positions, kv_dtype) -> int:
-    # what `positions` positions of this K/V type occupy and a step reads: elements plus int8 scales
-    # and kivi4 (scale, zero) pairs at the default group size
-    from .cache import bytes_per_position
-
-    c = model.config
-    return positions * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype)
-
-
-def _version():
-    from . import __version__
-
-    return __version__
-
-
-# ---- machine, threads, memory ----------------------------------------------------------------------
-
-def machine(load_start=None) -> dict:
-    return {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(), "cpu": _cpu_name(), "platform": platform.platform(),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "load_avg_start": list(load_start) if load_start else None, "load_avg_end": list(os.getloadavg())}
-
-
-def _cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def threads_of(model):
-    """Threads the model's kernels run on: the native pool's size, or the NumPy BLAS thread count."""
-    n = getattr(model.ops, "threads", None)
-    return n if n is not None else blas_threads()
-
-
-def _blas_functions():
-    """(get, set) of the OpenBLAS NumPy links, found in this process' mapped libraries, or (None, None)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None, None
-    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and ".so" in line})
-    for path in libs:
-        try:
-            dll = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_openblas_", "openblas_"):
-            for suffix in ("64_", ""):
-                get = getattr(dll, f"{prefix}get_num_threads{suffix}", None)
-                put = getattr(dll, f"{prefix}set_num_threads{suffix}", None)
-                if get is not None and put is not None:
-                    get.restype = ctypes.c_int
-                    put.argtypes = [ctypes.c_int]
-                    return get, put
-    return None, None
-
-
-def blas_threads(n: int | None = None) -> int | None:
-    """NumPy's OpenBLAS thread count (set it first when n is given); None when it cannot be read."""
-    get, put = _blas_functions()
-    if get is None:
-        return None
-    if n is not None:
-        put(int(n))
-    return int(get())
-
-
-def current_rss() -> int | None:
-    return _status_bytes("VmRSS")
-
-
-def peak_rss() -> dict:
-    """Peak resident set size of this process so far: getrusage (KiB on Linux) and VmHWM."""
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    maxrss *= 1 if sys.platform == "darwin" else 1024
-    return {"maxrss": maxrss, "vmhwm": _status_bytes("VmHWM")}
-
-
-def _status_bytes(field) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 # ---- the command -----------------------------------------------------------------------------------
@@ -589,6 +377,7 @@ def add_bench(commands):
     """Register `kvref bench` on the CLI's subcommands."""
     p = commands.add_parser("bench", help="prefill/decode tokens/s, time per token by kernel family, peak memory")
     add_model_arguments(p)
+    add_activations_argument(p)
     p.add_argument("--threads", type=count, default=None,
                    help="native pool size, or NumPy BLAS threads (default: KVREF_THREADS, else every core)")
     p.add_argument("--prompt-tokens", type=count, default=32, help="prompt before the decode steps (default 32)")
@@ -605,12 +394,12 @@ def add_bench(commands):
 
 
 def run_bench(args) -> int:
-    from .loader import load, model_path
+    from ..loader import load, model_path
 
     progress = Progress(label="kvref bench")
     path = model_path(args.model)
     progress(f"loading {path.name}", force=True)
-    model = load(path, backend=args.backend, threads=args.threads)
+    model = load(path, backend=args.backend, threads=args.threads, activations=activations(args))
     if model.backend == "numpy" and args.threads is not None and blas_threads(args.threads) is None:
         print("kvref bench: cannot set NumPy's BLAS threads here; set OPENBLAS_NUM_THREADS before starting",
               file=sys.stderr)

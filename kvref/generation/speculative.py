@@ -6,7 +6,7 @@ tokens can be guessed without the model: find the first earlier occurrence of th
 tokens (prompt lookup, Saxena 2023; llama.cpp's lookup decoding) and draft the tokens that followed
 it, a draft whose length adapts to how well the last one did (next_budget). kvref.generate(..., speculate=N) then runs the token just selected and up to N drafted tokens in one
 execution with every position's logits, and selects position by position exactly as plain decoding
-would (greedy: the argmax; sampling: the speculative acceptance rule, kvref.sampling.accept_draft). The
+would (greedy: the argmax; sampling: the speculative acceptance rule, kvref.generation.sampling.accept_draft). The
 first position whose selection differs from the draft ends the step: that selection is kept, and the
 positions of the drafts after it are removed with cache.truncate. One execution thus yields between 1
 and N + 1 tokens.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .errors import GenerationError
+from ..errors import GenerationError
 
 # Longest and shortest suffix n-gram looked up (transformers' prompt lookup tries 3 down to 1,
 # llama-cpp-python's 2 down to 1). Measured on SmolLM2 rewriting a code block (benchmarks/speculative.py,

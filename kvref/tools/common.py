@@ -11,12 +11,27 @@ import argparse
 import sys
 import time
 
+from ..backends import DEFAULT_ACTIVATIONS
+
 
 def add_model_arguments(p):
     p.add_argument("-m", "--model", help="GGUF file, Hugging Face checkpoint directory or short name (smollm2, "
                                          "gemma3-270m); default: $KVREF_MODEL, else SmolLM2-135M-Instruct")
     p.add_argument("--backend", default="auto", choices=["auto", "numpy", "c"],
                    help="auto (default): the C kernels when built, else the NumPy spec")
+
+
+def add_activations_argument(p):
+    """--exact, for the commands that run a model for speed (run, chat, serve, bench, perplexity)."""
+    other = "8-bit blocks, as llama.cpp rounds them" if DEFAULT_ACTIVATIONS == "int8" else "float32"
+    p.add_argument("--exact", action="store_true",
+                   help=f"float32 activations: every projection of the C forward reads its input unrounded "
+                        f"(default: $KVREF_ACTIVATIONS, else {other})")
+
+
+def activations(args) -> str | None:
+    """The activation mode --exact asks for; None: the default (kvref.backends.default_activations)."""
+    return "float32" if args.exact else None
 
 
 def count(text: str) -> int:

@@ -48,11 +48,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cache import begin_all
-from .cache.paged import PagedCache
-from .cache.pool import BlockPool, blocks_for
-from .errors import CacheError, CacheFullError, GenerationError
+from ..cache import begin_all
+from ..cache.paged import PagedCache
+from ..cache.pool import BlockPool, blocks_for
+from ..errors import CacheError, CacheFullError, GenerationError
 from .sampling import Sampler
+from .stop import StopCondition
 
 
 def forward_batch(model, token_lists, caches, all_logits=False):
@@ -91,8 +92,9 @@ class Request:
     id: int
     prompt: np.ndarray  # [P] token ids
     max_new_tokens: int
-    stop_ids: frozenset
+    stop: StopCondition  # when it ends (an end id, a stop string)
     tokens: list = field(default_factory=list)  # selected so far (the last one has no K/V yet)
+    new_text: str = ""  # the text the last selected token made final (a StopCondition that decodes)
     state: str = "waiting"  # waiting -> running -> finished
     finish_reason: str | None = None  # "length" | "stop"
     reused: int = 0  # prompt positions whose K/V came from the prefix index (first admission)
@@ -107,6 +109,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.state == "finished"
+
+    @property
+    def stop_ids(self) -> frozenset:
+        """The ids it ends after."""
+        return self.stop.end_ids
 
     def unfed(self) -> list:
         """Ids of the request's history with no K/V in its cache yet: the prompt (past any reused
@@ -159,8 +166,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def submit(self, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
-               seed=None, stop_ids=(), *, n: int = 1, **penalties) -> Request:
+               seed=None, stop_ids=(), *, n: int = 1, stop: StopCondition | None = None, **penalties) -> Request:
         """Queue a request; it is checked now (ids, sampling, context, pool size), run by later steps.
+
+        It ends after one of stop_ids, or where `stop` (a kvref.generation.stop.StopCondition, instead of
+        stop_ids: end ids and stop strings, the text of each token on request.new_text) says.
 
         penalties: repetition_penalty, frequency_penalty, presence_penalty, penalty_last_n as
         kvref.Sampler takes them (over the token history, prompt included). n > 1: the request's
@@ -175,12 +185,16 @@ class Scheduler:
             raise GenerationError(f"n={n!r} must be an integer in [1, max_batch={self.max_batch}]")
         model.check_context(0, len(prompt) + max(max_new_tokens - 1, 0))
         reserve = self.check_fits(len(prompt), max_new_tokens)
-        stop = frozenset(int(t) for t in stop_ids)
+        if stop is None:
+            stop = StopCondition.of_ids(stop_ids)
+        elif not isinstance(stop, StopCondition) or stop_ids:
+            raise GenerationError("stop= takes a StopCondition, and stop_ids then go in its settings")
         requests = []
         for i in range(n):
             # sequence i > 0 draws from its own stream, so n samples of one prompt differ
             seed_i = seed if seed is None or i == 0 else [int(seed), i]
-            requests.append(Request(self._next_id, prompt, int(max_new_tokens), stop, index=i,
+            requests.append(Request(self._next_id, prompt, int(max_new_tokens), stop if i == 0 else stop.fresh(),
+                                    index=i,
                                     sampler=Sampler(temperature, top_k, top_p, min_p, seed_i, **penalties),
                                     _blocks_reserved=reserve))
             self._next_id += 1
@@ -199,12 +213,18 @@ class Scheduler:
         (prompt + max_new_tokens - 1) and one block for a copy-on-write. CacheFullError if the pool has
         fewer in all, since such a request could never run. submit checks it; the server checks it before
         it queues a request (it reads only the pool's fixed sizes, so any thread may call it)."""
-        reserve = blocks_for(n_prompt + max(max_new_tokens - 1, 0), self.pool.block_size) + 1
-        if reserve > self.pool.num_blocks:
+        positions = n_prompt + max(max_new_tokens - 1, 0)
+        reserve = blocks_for(positions, self.pool.block_size) + 1
+        if positions > self.most_positions():
             raise CacheFullError(f"a prompt of {n_prompt} tokens and max_new_tokens={max_new_tokens} may need "
                                  f"{reserve} blocks of {self.pool.block_size}; the pool has {self.pool.num_blocks} "
                                  f"in all")
         return reserve
+
+    def most_positions(self) -> int:
+        """The most positions one sequence may hold in this pool: every block but one, kept for a
+        copy-on-write (check_fits)."""
+        return (self.pool.num_blocks - 1) * self.pool.block_size
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         """End a request now, waiting or running, and free its blocks; its unforked siblings end too.
@@ -254,10 +274,12 @@ class Scheduler:
         return sum(r.cache.blocks_needed(len(ids)) for r, ids in feeds.items())
 
     def record(self, request, token: int, logits) -> None:
-        """A token selected for a running request from `logits` [V]; it ends at a stop id or its budget."""
+        """A token selected for a running request from `logits` [V]; it ends where its StopCondition says
+        or at its budget."""
         request.logits = logits
         request.tokens.append(token)
-        if token in request.stop_ids:
+        request.new_text = request.stop.push(token)
+        if request.stop.ended:
             self._finish(request, "stop")
         elif len(request.tokens) == request.max_new_tokens:
             self._finish(request, "length")
@@ -295,7 +317,7 @@ class Scheduler:
         return 0 if self._engine is None else self._engine.steps
 
     def _deprecated(self, name):
-        warnings.warn(f"Scheduler.{name}() is deprecated: kvref.batch.Engine(model, ...).{name}() runs the "
+        warnings.warn(f"Scheduler.{name}() is deprecated: kvref.generation.batch.Engine(model, ...).{name}() runs the "
                       f"scheduler's plans", DeprecationWarning, stacklevel=3)
         if self._engine is None:
             self._engine = Engine.over(self)

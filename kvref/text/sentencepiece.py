@@ -17,7 +17,6 @@ token_to_piece lstrip, HF's Metaspace / Strip decoders).
 from __future__ import annotations
 
 import functools
-
 import unicodedata
 
 from ..errors import TokenizerError

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError, GenerationError, SamplingError
-from .limits import bounded_float, bounded_int, read_json_file
+from ..errors import ConfigError, GenerationError, SamplingError
+from ..limits import bounded_float, bounded_int, read_json_file
 from .sampling import check_penalties, check_sampling
 
 SAMPLING_FILTERS = ("top_k", "top_p", "min_p")
@@ -42,7 +42,7 @@ class GenerationConfig:
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # tokens to select at most
     temperature: float = 0.0  # 0: greedy (argmax); > 0: sample from softmax(logits / temperature)
-    top_k: int | None = None  # sampling filters (kvref.sampling); None = off; only with temperature > 0
+    top_k: int | None = None  # sampling filters (kvref.generation.sampling); None = off; only with temperature > 0
     top_p: float | None = None
     min_p: float | None = None
     seed: int | None = None  # the sampler's generator; None = fresh entropy (no effect when greedy)

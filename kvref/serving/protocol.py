@@ -13,12 +13,16 @@ What the fields mean where kvref departs from, or adds to, the OpenAI API:
   top_k, min_p, repetition_penalty, ignore_eos   kvref's (and vLLM's / llama.cpp's) extensions.
   return_tokens_as_token_ids   vLLM's extension: logprobs name each token "token_id:<id>", not its text.
   penalties                count the last 64 tokens of prompt + completion (kvref.generate's rule).
-  seed                     with n > 1, choice i > 0 draws from the stream [seed, i] (kvref.batch).
+  seed                     with n > 1, choice i > 0 draws from the stream [seed, i] (kvref.generation.batch).
   logprobs                 log-probabilities of the model's own next-token distribution (log-softmax
                            of its logits), before penalties, temperature and filters; every selected
                            token has one except an end id (EOS), whose text is never shown.
-  max_tokens               default: the server's --max-tokens, lowered to the room the context leaves;
-                           prompt + max_tokens beyond the model's context is refused.
+  max_tokens               default: as many as the context and the pool leave (the prompt's positions and
+                           one block for a copy-on-write taken), and no more than the server's
+                           --max-tokens when it was given; prompt + max_tokens beyond the model's
+                           context, or beyond what the pool can hold for one sequence, is refused.
+  tools, functions         refused with a 400 saying so: kvref's chat templates are rendered without
+                           tool definitions, and nothing parses a tool call out of the text.
   echo with logprobs       refused: the prompt's log-probabilities would need every prompt position's
                            logits, which the batched prefill does not keep.
 """
@@ -31,18 +35,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import KVRefError, RequestError
-from ..generation_config import GenerationConfig
+from ..generation.config import GenerationConfig
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_N = 16
 
+# OpenAI's tool calling, which kvref refuses by name (a 400 that says why, not "unknown field")
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
 # fields both endpoints read, and the ones accepted only to be refused with a reason
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
           "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "user",
           "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
-CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "logit_bias"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "logit_bias"} | TOOL_FIELDS
 ROLES = ("system", "user", "assistant")
 
 
@@ -50,7 +56,7 @@ ROLES = ("system", "user", "assistant")
 class Limits:
     """What the server allows one request (kvref serve's options)."""
 
-    max_tokens: int = 256  # default max_tokens, and the largest one a request may ask for
+    max_tokens: int | None = None  # the largest max_tokens a request may ask for, and its default; None: no cap
     max_n: int = MAX_N
 
 
@@ -111,6 +117,9 @@ def parse_chat(body, limits: Limits) -> Parsed:
     body = _object(body, None)
     _known(body, CHAT_FIELDS)
     _refused(body, "logit_bias", ({}, None), "kvref does not bias logits")
+    for name in sorted(TOOL_FIELDS & set(body)):
+        _refused(body, name, None, "kvref does not call tools: the chat template is rendered without tool "
+                 "definitions and no tool call is parsed from the reply (describe the tools in a message instead)")
     messages = _messages(body.get("messages"))
     n = _int(body, "n", 1, limits.max_n, 1)
     logprobs = None
@@ -128,9 +137,11 @@ def parse_chat(body, limits: Limits) -> Parsed:
 
 
 def make_spec(parsed: Parsed, prompt_ids, base: GenerationConfig, max_seq_len: int, limits: Limits,
-              echo_text: str = "") -> Spec:
+              echo_text: str = "", pool_positions: int | None = None) -> Spec:
     """The Spec of a parsed body whose prompt is now token ids: the settings become a GenerationConfig
-    (checked again there), max_tokens is bounded by the context."""
+    (checked again there), max_tokens is bounded by the context. pool_positions: the most positions one
+    sequence may hold in the server's pool (Scheduler.most_positions), which bounds the default too; a
+    larger max_tokens given is left to the scheduler's admission check (a 400 naming the pool)."""
     room = max_seq_len - len(prompt_ids)
     if room < 1:
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {max_seq_len}, "
@@ -138,7 +149,9 @@ def make_spec(parsed: Parsed, prompt_ids, base: GenerationConfig, max_seq_len: i
                            else "messages", code="context_length_exceeded")
     max_tokens = parsed.max_tokens
     if max_tokens is None:
-        max_tokens = min(limits.max_tokens, room)
+        # the last selected token needs no position, hence + 1
+        bounds = [room, limits.max_tokens, None if pool_positions is None else pool_positions - len(prompt_ids) + 1]
+        max_tokens = max(1, min(b for b in bounds if b is not None))
     elif max_tokens > room:
         raise RequestError(f"max_tokens={max_tokens} with a prompt of {len(prompt_ids)} tokens needs "
                            f"{len(prompt_ids) + max_tokens - 1} positions; the model's context holds {max_seq_len}",

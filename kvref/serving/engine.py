@@ -1,4 +1,4 @@
-"""The engine thread: it owns a kvref.batch.Engine and runs its steps, fed by the server's event loop.
+"""The engine thread: it owns a kvref.generation.batch.Engine and runs its steps, fed by the server's event loop.
 
     engine = EngineThread(model, max_batch=8, num_blocks=2048, kv_dtype="float16")
     engine.start()
@@ -15,9 +15,10 @@ prefill (a long prompt is computed over several steps while the others decode), 
 (when the pool runs out mid-generation the newest request is freed and recomputed later: kvref never
 swaps blocks to host memory).
 
-Each selected token goes through the choice's TextStream (stop strings, whole UTF-8 characters); a
-stop string ends the sequence at once. Events put on job.events (an asyncio.Queue, from the engine
-thread through loop.call_soon_threadsafe):
+Each choice's sequence ends where its StopCondition (kvref.generation.stop) says, the one rule of
+kvref.generate: an end id, or the token completing a stop string; the scheduler records each token's
+text with it (whole UTF-8 characters, nothing of a stop string). Events put on job.events (an
+asyncio.Queue, from the engine thread through loop.call_soon_threadsafe):
 
     ("token", index, text, [TokenLogprob...] or None)   text may be "" while a stop string may begin
     ("finish", index, reason, completion_tokens)         reason "stop" | "length"
@@ -35,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import batch
-from ..stream import TextStream
+from ..generation import batch
+from ..generation.stop import StopCondition
 from ..spec.ops import log_softmax
 from .protocol import Spec
 
@@ -59,7 +60,6 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     requests: list = field(default_factory=list)  # the scheduler's Request of each choice
-    streams: list = field(default_factory=list)  # the TextStream of each choice
     open: int = 0  # choices not finished yet
 
     def emit(self, *event):
@@ -68,7 +68,7 @@ class Job:
 
 
 class EngineThread:
-    """The batch engine's thread (see the module docstring). Options as kvref.batch.Scheduler's, plus the
+    """The batch engine's thread (see the module docstring). Options as kvref.generation.batch.Scheduler's, plus the
     tokenizer's end ids for every request."""
 
     def __init__(self, model, *, max_batch=8, num_blocks=None, block_size=16, kv_dtype=None,
@@ -140,19 +140,16 @@ class EngineThread:
         spec, tokenizer = job.spec, self.model.tokenizer
         config = spec.config
         try:
-            end_ids = config.end_ids(tokenizer)
-            streams = [TextStream(tokenizer, config.stop, end_ids) for _ in range(spec.n)]
             first = self.scheduler.submit(
                 list(spec.prompt_ids), config.max_new_tokens, config.temperature, config.top_k, config.top_p,
-                config.min_p, config.seed, end_ids, n=spec.n, repetition_penalty=config.repetition_penalty,
-                frequency_penalty=config.frequency_penalty, presence_penalty=config.presence_penalty,
-                penalty_last_n=config.penalty_last_n)
+                config.min_p, config.seed, n=spec.n, stop=StopCondition(tokenizer, config, text=True),
+                repetition_penalty=config.repetition_penalty, frequency_penalty=config.frequency_penalty,
+                presence_penalty=config.presence_penalty, penalty_last_n=config.penalty_last_n)
         except Exception as error:  # the app checked the request; this is a bug or an exotic limit
             job.emit("error", f"{type(error).__name__}: {error}")
             self.counters["requests_failed"] += 1
             return
         job.requests = [first, *first.siblings]
-        job.streams = streams
         job.open = len(job.requests)
         for i, request in enumerate(job.requests):
             self._owner[request] = (job, i)
@@ -176,14 +173,11 @@ class EngineThread:
     def _deliver(self, request, token):
         job, i = self._owner[request]
         self.counters["generation_tokens"] += 1
-        stream = job.streams[i]
-        text = stream.push(token)
-        if stream.stopped and not request.done:
-            self.scheduler.cancel(request, "stop")  # a stop string: the sequence ends here
+        text = request.new_text
         if request.done:
-            text += stream.flush()
+            text += request.stop.flush()
         logprob = None
-        if job.spec.logprobs is not None and token not in job.spec.config.end_ids(self.model.tokenizer):
+        if job.spec.logprobs is not None and token not in request.stop.end_ids:
             logprob = [token_logprob(request.logits, token, job.spec.logprobs)]
         job.emit("token", i, text, logprob)
         if request.done:
@@ -232,7 +226,7 @@ def token_logprob(logits, token: int, k: int) -> TokenLogprob:
 
 
 def __getattr__(name):
-    if name == "Engine":  # the old name, before kvref.batch.Engine (the step) took it
-        warnings.warn("kvref.serve.engine.Engine is deprecated: it is EngineThread", DeprecationWarning, stacklevel=2)
+    if name == "Engine":  # the old name, before kvref.generation.batch.Engine (the step) took it
+        warnings.warn("kvref.serving.engine.Engine is deprecated: it is EngineThread", DeprecationWarning, stacklevel=2)
         return EngineThread
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,7 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 # A chat template renders under these limits (module docstring). Real templates take tens of steps
 # per message (ChatML, Llama 3, Gemma and SmolLM2's templates: 36k to 216k steps for 2,000 messages of
