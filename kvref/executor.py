@@ -19,6 +19,7 @@ every cache as it was if anything fails. Token ids were checked by the caller (M
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from .spec import decoder
@@ -68,19 +69,19 @@ class SpecExecutor:
         return decoder.forward_batch(self.kernels, model.config, model.weights, executions, all_logits)
 
 
-@dataclass(frozen=True, eq=False)
 class NativeExecutor:
     """A whole execution (or a batch of them) in one C call: kvref.native.fused.FusedForward."""
 
-    fused: object  # kvref.native.fused.FusedForward, built once from the owner's config and weights
-    kernels: KernelSet  # a kvref.native.ops.Kernels: its thread pool runs the C forward
-    owner: object  # the Model
-    fallback = None
     name = "native"
+    fallback = None
 
-    def run(self, executions, all_logits: bool) -> list:
-        # B open executions -> B logits arrays [T_b, V] or [1, V]
-        return self.fused.run(self.kernels, executions, all_logits, checked=True)  # chosen for these caches
+    def __init__(self, fused, kernels: KernelSet, owner):
+        self.fused = fused  # kvref.native.fused.FusedForward, built once from the owner's config and weights
+        self.kernels = kernels  # a kvref.native.ops.Kernels: its thread pool runs the C forward
+        self.owner = owner  # the Model
+        # run(executions, all_logits): B open executions -> B logits arrays [T_b, V] or [1, V]. The fused
+        # forward itself, on these kernels, for caches it was chosen for: no frame of its own per step
+        self.run = partial(fused.run, kernels, checked=True)
 
 
 def describe(executor) -> str:

@@ -18,17 +18,25 @@ CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64
 class ToyOptions(LayoutOptions):
     rows: int | None = option(file_high="max_seq_len")  # an option no other layout has
 
+    def positions(self):
+        return self.rows  # what a saved file asks for: the memory budget bounds it
+
 
 class ToyCache(ContiguousCache):
     """A contiguous cache under a name of its own, sized by `rows` (default 8)."""
 
     layout = "toy"
     Options = ToyOptions
+    copies = 1  # how many times a position's K/V are kept (a test raises it to see the budget follow)
 
     @classmethod
     def create(cls, shape, codecs, options):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.rows or 8, codecs.k.name,
                    v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
+
+    @classmethod
+    def position_bytes(cls, shape, codecs):
+        return cls.copies * codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)
 
     def layout_options(self):
         return {"rows": self.capacity}
@@ -55,6 +63,19 @@ def test_a_registered_layout_is_made_saved_and_loaded_through_the_model(model, t
     loaded = model.load_cache(tmp_path / "toy.kvc")
     assert type(loaded) is ToyCache and loaded.stats() == cache.stats()
     np.testing.assert_array_equal(model.forward([9], loaded), model.forward([9], cache))
+
+
+def test_the_memory_budget_counts_a_position_as_its_layout_declares(model, toy, tmp_path, monkeypatch):
+    cache = model.new_cache(layout="toy", rows=12)
+    per_position = CFG.n_layers * CFG.n_kv_heads * 2 * CFG.head_dim * 4  # float32 K and V
+    assert cache.bytes_per_position == per_position and cache.stats()["bytes_per_position"] == per_position
+    cache.save(tmp_path / "toy.kvc")
+    monkeypatch.setattr(kvref.cache.shape, "DEFAULT_CACHE_BUDGET", 12 * per_position)
+    assert model.load_cache(tmp_path / "toy.kvc").capacity == 12  # 12 positions: within the budget
+    monkeypatch.setattr(ToyCache, "copies", 2)  # a layout keeping each position twice says so
+    assert model.new_cache(layout="toy", rows=12).bytes_per_position == 2 * per_position
+    with pytest.raises(CacheError, match="more than the"):
+        model.load_cache(tmp_path / "toy.kvc")
 
 
 def test_a_layouts_options_are_checked_and_foreign_ones_refused(model, toy):

@@ -19,10 +19,12 @@ Tolerances, and why:
     the decoded K: the logits agree within kvref.tolerance.INT8_KEY_LOGIT_BOUND (assert_same_execution).
 """
 
+import gc
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
+import weakref
 
 import numpy as np
 import pytest
@@ -719,10 +721,13 @@ def test_bad_calls_raise_a_kvref_error_and_leave_the_cache_unchanged(small, ids,
     assert cache.length == 5
 
 
-def test_cache_arrays_that_c_cannot_write_are_refused_before_c_runs(small):
+@pytest.mark.parametrize("steps_before", [0, 2])  # 2: the damage comes after the descriptor was kept
+def test_cache_arrays_that_c_cannot_write_are_refused_before_c_runs(small, steps_before):
     model, ff = small
     for damage in ("readonly", "strided", "dtype"):
         cache = model.new_cache()
+        for token in range(steps_before):
+            c_forward(ff)(model.ops, model.config, model.weights, np.array([token]), cache)
         snap = snapshot(cache)
         if damage == "readonly":
             cache.store.k.flags.writeable = False
@@ -733,6 +738,26 @@ def test_cache_arrays_that_c_cannot_write_are_refused_before_c_runs(small):
         with pytest.raises(CacheError):
             c_forward(ff)(model.ops, model.config, model.weights, np.array([1, 2]), cache)
         assert cache.length == snap[0]
+
+
+def test_a_caches_descriptor_is_kept_while_its_arrays_stand_and_built_again_when_they_change(small):
+    model, ff = small
+    kept = weakref.WeakKeyDictionary()
+    cache = model.new_cache()
+    first = nops.cache_descriptor(cache, kept=kept)
+    assert nops.cache_descriptor(cache, kept=kept) is first and nops.cache_descriptor(cache) is not first
+    cache.store.v = cache.store.v.copy()  # another array: the kept descriptor points into the old one
+    second = nops.cache_descriptor(cache, kept=kept)
+    assert second is not first and nops.cache_descriptor(cache, kept=kept) is second
+    paged = model.new_cache(layout="paged", block_size=4)  # its block table changes with every execution
+    assert nops.cache_descriptor(paged, kept=kept) is not nops.cache_descriptor(paged, kept=kept)
+    hybrid = model.new_cache(layout="hybrid", capacity=16)
+    assert nops.cache_descriptor(hybrid, kept=kept) is nops.cache_descriptor(hybrid, kept=kept)
+    assert len(kept) == 2
+    hybrid.free()
+    del cache
+    gc.collect()
+    assert len(kept) == 0  # a freed or dropped cache's descriptor (and the arrays it holds) goes with its store
 
 
 def test_caches_and_weights_the_c_forward_cannot_take_get_the_spec_executor_which_says_why(small):

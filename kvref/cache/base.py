@@ -34,7 +34,7 @@ from ..errors import CacheError, ShapeError
 from ..moved import moved_names
 from . import execution, quant, reordering, shape
 from .capabilities import Capable
-from .execution import Transactional
+from .execution import FREED, Transactional
 from .quant import Codec, Codecs
 from .sequence import Sequence, readonly
 from .storage import Storage
@@ -59,11 +59,12 @@ class KVCache(Transactional, Capable):
     nbytes        bytes of the stored K/V (cache_bytes of `length` positions, plus any int8 scales)
     sequence      the Sequence: model, token ids and last logits, committed with every execution
 
-    Layouts implement the execution hooks `_reserve`, `_write`, `_commit` (which cannot fail) and
-    `_release`; the operations' `_truncate`, `_fork`, `_shift`, `_free`; the storage description
-    `_storage`; the file hooks `layout_options` and `_load_rows`; and the capability hooks of
-    Capable (`_truncate_problem`, `_rollback_problem`, `_shift_problem`, `_storage_problem`, ...)
-    where the layout's answers differ from the defaults.
+    Layouts declare the classmethods `create` and `position_bytes` (registry.py) and implement the
+    execution hooks `_reserve`, `_write`, `_commit` (which cannot fail) and `_release`; the operations'
+    `_truncate`, `_fork`, `_shift`, `_free`; the storage description `_storage`; the file hooks
+    `layout_options` and `_load_rows`; and the capability hooks of Capable (`_truncate_problem`,
+    `_rollback_problem`, `_shift_problem`, `_storage_problem`, ...) where the layout's answers differ
+    from the defaults.
     """
 
     layout = "abstract"
@@ -133,11 +134,20 @@ class KVCache(Transactional, Capable):
     def capacity(self) -> int:
         raise NotImplementedError
 
+    @classmethod
+    def position_bytes(cls, shape, codecs: Codecs) -> int:
+        """Bytes one position takes in a cache of this layout for a model of `shape` (a CacheShape) storing
+        `codecs`: what the memory budget multiplies by the positions asked for (CacheShape.check_budget)
+        and cache.bytes_per_position. Each layout declares its own."""
+        raise NotImplementedError
+
     @property
     def bytes_per_position(self) -> int:
-        """Bytes one position occupies in every layer (a layout whose layers hold different positions
-        counts its nbytes layer by layer)."""
-        return Codecs(self.k_codec, self.v_codec).bytes_per_position(self.n_layers, self.n_kv_heads)
+        """Bytes one position occupies: the layout's position_bytes for this cache (a layout whose layers
+        hold different positions counts its nbytes layer by layer)."""
+        # the shape of what this cache holds: max_seq_len plays no part in a position's bytes
+        held = shape.CacheShape(self.n_layers, self.n_kv_heads, self.head_dim, max_seq_len=self.capacity)
+        return self.position_bytes(held, Codecs(self.k_codec, self.v_codec))
 
     @property
     def nbytes(self) -> int:
@@ -309,12 +319,9 @@ class KVCache(Transactional, Capable):
             raise CacheError("truncating to 0 leaves no position whose logits last_logits could be")
         return readonly(logits)
 
-    def _check_live(self):
-        if self._freed:
-            raise CacheError("this cache was freed; make a new one with model.new_cache() or fork a live one")
-
     def _check_idle(self):
-        self._check_live()
+        if self._freed:
+            raise CacheError(FREED)
         if self.executing:
             raise CacheError("an execution is open on this cache; finish it (commit or abort) first")
 

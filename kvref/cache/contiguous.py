@@ -35,11 +35,11 @@ class ContiguousOptions(LayoutOptions):
         # a capacity larger than max_seq_len (saved by an older kvref) is lowered to what the model allows
         return self if self.capacity is None else replace(self, capacity=min(self.capacity, shape.max_seq_len))
 
-    def capacity_for(self, shape, codecs) -> int:
+    def capacity_for(self, shape, codecs, layout) -> int:
         """The positions to allocate: the capacity asked for, at most max_seq_len, or max_seq_len
-        within the memory budget when none was."""
+        within the memory budget (by the bytes of a position in `layout`) when none was."""
         if self.capacity is None:
-            shape.check_budget(shape.max_seq_len, codecs, "the default cache")
+            shape.check_budget(shape.max_seq_len, codecs, "the default cache", layout)
             return shape.max_seq_len
         if self.capacity > shape.max_seq_len:
             raise ContextOverflowError(f"capacity={self.capacity} exceeds the model's max_seq_len={shape.max_seq_len}")
@@ -54,8 +54,12 @@ class ContiguousCache(KVCache):
 
     @classmethod
     def create(cls, shape, codecs, options):
-        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs),
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs, cls),
                    codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
+
+    @classmethod
+    def position_bytes(cls, shape, codecs):
+        return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)  # a row in every layer
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
@@ -72,6 +76,8 @@ class ContiguousCache(KVCache):
     @property
     def length(self) -> int:
         return self._length
+
+    next_position = length  # position p lives in row p: one property, read once per step by the model and begin
 
     @property
     def capacity(self) -> int:

@@ -22,6 +22,9 @@ from ..errors import CacheError, ShapeError
 from .interrupts import sigint_deferred
 from .storage import Storage
 
+FREED = "this cache was freed; make a new one with model.new_cache() or fork a live one"
+ENDED = "this execution has ended (committed or aborted); begin a new one"
+
 
 class Transactional:
     """The execution half of KVCache (which inherits it): begin and append, their commit and abort,
@@ -39,10 +42,20 @@ class Transactional:
         raises CacheError if another execution is open on this cache. Use the result as a context
         manager (see the module docstring), or call its commit() / abort() yourself.
         """
-        ids, n_new = new_positions(token_ids)
+        # token ids [T] -> a list of T Python ints; an int T -> None (ids unknown)
+        if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, bool):
+            ids, n_new = None, int(token_ids)
+        else:
+            array = np.asarray(token_ids)
+            if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+                raise ShapeError(f"an execution takes a 1-D sequence of token ids (or their count); got {token_ids!r}")
+            ids, n_new = array.tolist(), len(array)
+        if n_new < 1:
+            raise ShapeError(f"an execution needs at least one new position; got {n_new}")
         with self._lock, sigint_deferred():
-            self._check_live()
-            if self.executing:
+            if self._freed:
+                raise CacheError(FREED)
+            if self._execution is not None and self._execution() is not None:  # self.executing, inlined: every step
                 raise CacheError("an execution is already open on this cache (another thread, or a begin inside "
                                  "an execution): a cache serves one execution at a time; give each thread its "
                                  "own cache (model.new_cache(), or cache.fork())")
@@ -163,7 +176,8 @@ class Execution:
         k, v: [T, Hkv, D] -> k_all, v_all: [S, Hkv, D] (one dtype), k_positions: [S]: everything the
         new queries may attend to (causal masking by position is the attention's job).
         """
-        self._check_open()
+        if not self._open:
+            raise CacheError(ENDED)
         self.cache._check_kv(layer, k, v, self.n_new)
         if int(layer) in self._written:  # a second write would read what the first one put in a ring
             raise CacheError(f"layer {layer}'s K/V were already written in this execution")
@@ -175,7 +189,8 @@ class Execution:
         """The cache's Storage with this execution's reserved slots, for a caller that writes the new
         K/V of every layer in place itself (the fused C forward): from now on every layer counts as
         written. CacheError if the layout cannot be used in place."""
-        self._check_open()
+        if not self._open:
+            raise CacheError(ENDED)
         storage = self.cache.storage()
         if storage.k_residual is not None:  # written in a copy the commit adopts, so an abort changes nothing
             storage = dataclasses.replace(storage, k_residual=self.cache.residual.stage_in_place())
@@ -183,17 +198,24 @@ class Execution:
         return storage
 
     def check_complete(self) -> None:
-        """CacheError unless the execution is open and every layer's K/V were written."""
-        self._check_open()
+        """CacheError unless the execution is open and every layer's K/V were written; ShapeError unless
+        last_logits, if set, are the [V] logits of one position (then kept as a private read-only copy)."""
+        if not self._open:
+            raise CacheError(ENDED)
         missing = sorted(set(range(self.cache.n_layers)) - self._written)
         if missing:
             raise CacheError(f"cannot commit: layers {missing} of the new positions were never written")
+        if self.last_logits is not None:
+            logits = np.array(self.last_logits, copy=True)
+            if logits.ndim != 1:
+                raise ShapeError(f"last_logits must be the [V] logits of one position; got shape {logits.shape}")
+            logits.flags.writeable = False  # what cache.sequence hands out
+            self.last_logits = logits
 
     def commit(self) -> None:
         """Make the new positions part of the cache, with their ids and last logits; aborts if incomplete."""
         try:
             self.check_complete()
-            self._check_logits()
         except BaseException:
             self.abort()
             raise
@@ -202,17 +224,6 @@ class Execution:
     def abort(self) -> None:
         """Forget this execution: the cache is exactly as it was before begin. Idempotent."""
         self.cache._finish(self, commit=False)
-
-    def _check_open(self):
-        if not self._open:
-            raise CacheError("this execution has ended (committed or aborted); begin a new one")
-
-    def _check_logits(self):
-        if self.last_logits is not None:
-            logits = np.array(self.last_logits, copy=True)
-            if logits.ndim != 1:
-                raise ShapeError(f"last_logits must be the [V] logits of one position; got shape {logits.shape}")
-            self.last_logits = logits
 
 
 class ExecutionGroup:
@@ -240,7 +251,6 @@ class ExecutionGroup:
         try:
             for step in self.steps:
                 step.check_complete()
-                step._check_logits()
         except BaseException:
             self.abort()
             raise
@@ -270,16 +280,3 @@ def begin_all(caches, token_lists) -> ExecutionGroup:
         raise
     return ExecutionGroup(steps)
 
-
-def new_positions(token_ids):
-    # token ids [T] -> (list of T ints, T); an int T -> (None, T): ids unknown
-    if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, bool):
-        ids, n_new = None, int(token_ids)
-    else:
-        array = np.asarray(token_ids)
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-            raise ShapeError(f"an execution takes a 1-D sequence of token ids (or their count); got {token_ids!r}")
-        ids, n_new = array.tolist(), len(array)  # Python ints
-    if n_new < 1:
-        raise ShapeError(f"an execution needs at least one new position; got {n_new}")
-    return ids, n_new

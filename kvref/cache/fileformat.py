@@ -250,7 +250,7 @@ def load_cache(path, shape: CacheShape, factory, pool=None):
     else:
         options = _saved_options(fields["cls"], fields["options"], shape, where)
         if options.positions():  # the layout bounds its default size itself
-            shape.check_budget(options.positions(), codecs, where)
+            shape.check_budget(options.positions(), codecs, where, fields["cls"])
         options = vars(options)
     group = {"group_size": fields["group_size"]} if fields["group_size"] is not None else {}
     cache = factory(fields["cls"].layout, k_dtype=fields["k_dtype"], v_dtype=fields["v_dtype"], **group, **options)

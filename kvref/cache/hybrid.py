@@ -71,9 +71,16 @@ class HybridCache(KVCache):
     @classmethod
     def create(cls, shape, codecs, options):
         windows = shape.layer_windows or (None,) * shape.n_layers
-        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs), windows,
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs, cls), windows,
                    codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
                    spare=options.spare)
+
+    @classmethod
+    def position_bytes(cls, shape, codecs):
+        # counted in every layer: a window layer's ring may hold as many positions as the capacity
+        # (its window from the model file), so counting only the global layers could pass a cache
+        # far over the budget
+        return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, layer_windows, dtype="float32", *,
                  v_dtype=None, group_size=None, rope_theta=None, spare=DEFAULT_SPARE):

@@ -76,12 +76,16 @@ class PagedCache(KVCache):
         block_size, num_blocks = options.block_size or DEFAULT_BLOCK_SIZE, options.num_blocks
         if num_blocks is None:
             num_blocks = blocks_for(shape.max_seq_len, block_size)  # one max_seq_len sequence
-            shape.check_budget(num_blocks * block_size, codecs, "the default cache")
+            shape.check_budget(num_blocks * block_size, codecs, "the default cache", cls)
         pool = BlockPool(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks=num_blocks,
                          block_size=block_size, k_dtype=codecs.k.name, v_dtype=codecs.v.name,
                          group_size=codecs.group_size, rope_theta=shape.rope_theta, max_positions=shape.max_seq_len,
                          prefix_reuse=bool(options.prefix_reuse), model_fingerprint=shape.model)
         return pool.new_cache()
+
+    @classmethod
+    def position_bytes(cls, shape, codecs):
+        return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)  # a block slot in every layer
 
     @classmethod
     def _in_pool(cls, shape, codecs, options):

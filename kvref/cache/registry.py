@@ -7,6 +7,8 @@ A layout is a KVCache subclass in a file of its own that declares
                checked when the options are made: a bad value is a CacheError naming it
     create(shape, codecs, options)    a classmethod: an empty cache for a model of that CacheShape,
                storing K/V with those Codecs
+    position_bytes(shape, codecs)     a classmethod: the bytes one position takes in such a cache, by
+               which the memory budget counts (CacheShape.check_budget) and cache.bytes_per_position
     layout_options()   the options a saved file records, so that loading makes the same layout
 
 and registers itself with the @register class decorator; kvref/cache/__init__.py imports the file.

@@ -10,9 +10,13 @@ positions whatever the length.
 
 from __future__ import annotations
 
+from .contiguous import ContiguousCache
 from .hybrid import DEFAULT_SPARE, positions_held
+from .paged import PagedCache
 from .pool import DEFAULT_BLOCK_SIZE, blocks_for
-from .quant import ELEMENT_BYTES, SCALE_DTYPE, Codec, default_group_size
+from .quant import ELEMENT_BYTES, SCALE_DTYPE, Codec, Codecs, default_group_size
+from .shape import CacheShape
+from .window import WindowCache
 
 DTYPE_PAIRS = (("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"),
                ("int8", "int8"), ("float16", "int8"))
@@ -27,22 +31,23 @@ def layout_rows(config, tokens: int | None = None, batch: int = 1, block_size: i
     tokens = config.max_seq_len if tokens is None else int(tokens)
     window = min(1024, tokens) if window is None else int(window)
     L, Hkv, D = config.n_layers, config.n_kv_heads, config.head_dim
+    shape = CacheShape(L, Hkv, D, config.max_seq_len)
     g = default_group_size(D) if group_size is None else group_size
     rows = []
     for k, v in DTYPE_PAIRS:
         kc, vc = Codec(k, D, g), Codec(v, D, g)
-        per_position = L * Hkv * (kc.bytes_per_vector() + vc.bytes_per_vector())
         formula = f"{L} x {Hkv} x ({_vector(kc)} + {_vector(vc)})"
         if k == v and not kc.has_scales:
             formula = f"2 x {L} x {Hkv} x {D} x {ELEMENT_BYTES[k]}"
-        held = {
-            "contiguous": tokens,
-            f"paged (block {block_size})": blocks_for(tokens, block_size) * block_size,
-            f"window (W={window}, sinks {sinks})": min(tokens, window + sinks),
+        held = {  # label: (layout, positions held)
+            "contiguous": (ContiguousCache, tokens),
+            f"paged (block {block_size})": (PagedCache, blocks_for(tokens, block_size) * block_size),
+            f"window (W={window}, sinks {sinks})": (WindowCache, min(tokens, window + sinks)),
         }
-        for layout, positions in held.items():
-            if layout.startswith("window") and (k, v) not in (("float16", "float16"), ("int8", "int8")):
+        for layout, (cls, positions) in held.items():
+            if cls is WindowCache and (k, v) not in (("float16", "float16"), ("int8", "int8")):
                 continue  # the window's saving is in positions, not element types: two rows suffice
+            per_position = cls.position_bytes(shape, Codecs(kc, vc))  # what the layout declares
             rows.append({"layout": layout, "k_dtype": kc.describe(), "v_dtype": vc.describe(),
                          "bytes_per_position": per_position, "formula": formula, "tokens": tokens,
                          "positions_held": positions, "bytes_per_sequence": positions * per_position,

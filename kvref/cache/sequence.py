@@ -44,12 +44,13 @@ class Sequence:
         return Sequence(self.model, self._token_ids, self.last_logits)
 
     def record(self, token_ids, last_logits) -> None:
-        """A commit: the new positions' ids (None: unknown) and the last logits (already a private copy)."""
+        """A commit: the new positions' ids (None: unknown) and the last logits (a private read-only copy
+        already: Execution.check_complete made it)."""
         if token_ids is None or self._token_ids is None:
             self._token_ids = None  # some position's id is unknown from now on
         else:
             self._token_ids.extend(token_ids)
-        self.last_logits = None if last_logits is None else readonly(last_logits)
+        self.last_logits = last_logits
 
     def replace(self, token_ids, last_logits=None) -> None:
         """Positions came from elsewhere (a saved file, an adopted prefix): their ids (None: unknown)

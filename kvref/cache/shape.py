@@ -1,5 +1,6 @@
 """What a cache needs to know of its model, as plain values (kvref.cache never imports the model),
-and the memory formula.
+the memory budget, and the plain formulas (K and V of every layer). What a position of a cache takes
+each layout declares itself (KVCache.position_bytes), and the budget counts by it.
 
 Model.new_cache describes the model with a CacheShape and hands it to kvref.cache.make; a saved
 file is checked against one (kvref/cache/fileformat.py).
@@ -53,12 +54,16 @@ class CacheShape:
         """Whether some layer attends over a sliding window (Gemma 3)."""
         return any(w is not None for w in self.layer_windows or ())
 
-    def check_budget(self, positions: int, codecs: Codecs, what: str = "a cache") -> None:
-        """CacheError if a cache of `positions` positions in every layer would take more than
+    def check_budget(self, positions: int, codecs: Codecs, what: str = "a cache", layout=None) -> None:
+        """CacheError if a cache of `positions` positions would take more than
         kvref.limits.DEFAULT_CACHE_BUDGET bytes: what bounds the caches whose size the model (its
-        max_seq_len, from the model file) or a saved cache file chooses, never the caller. Counts every
-        layer at `positions`, which over-counts a hybrid cache's windowed layers."""
-        per_position = codecs.bytes_per_position(self.n_layers, self.n_kv_heads)
+        max_seq_len, from the model file) or a saved cache file chooses, never the caller. A position
+        takes what `layout` (a layout class) declares, layout.position_bytes(self, codecs); without one,
+        its K and V in every layer."""
+        if layout is None:
+            per_position = codecs.bytes_per_position(self.n_layers, self.n_kv_heads)
+        else:
+            per_position = layout.position_bytes(self, codecs)
         if positions * per_position > DEFAULT_CACHE_BUDGET:
             raise CacheError(
                 f"{what} of {positions:,} positions would take {positions * per_position / 2**30:.1f} GiB of "

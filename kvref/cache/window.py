@@ -59,6 +59,10 @@ class WindowCache(KVCache):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.window, options.sinks, codecs.k.name,
                    v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
 
+    @classmethod
+    def position_bytes(cls, shape, codecs):
+        return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)  # a ring slot in every layer
+
     def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
                  group_size=None, rope_theta=None):
         WindowOptions(window=window, sinks=sinks)  # checks them

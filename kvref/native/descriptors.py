@@ -54,16 +54,33 @@ def in_place_problem(cache) -> str | None:
     return problem
 
 
-def cache_descriptor(cache, storage=None, checked=False) -> KVDescriptor:
+def cache_descriptor(cache, storage=None, checked=False, kept=None) -> KVDescriptor:
     """The kvref_kv of a cache's storage (cache.storage(), or `storage`: an open execution's, reserved
     blocks included), every array checked; CacheError if C cannot use it in place. `checked`: the caller
     knows in_place_problem(cache) is None (fixed for a cache's life: the native executor asked when it
-    was chosen); the arrays are checked all the same."""
+    was chosen); the arrays are checked all the same.
+
+    kept: a weakref.WeakKeyDictionary {slot store: KVDescriptor} the caller keeps from one call to the
+    next (the fused forward). A descriptor is reused while the storage has no block table and no kivi4
+    residual (both change every execution) and describes the same array objects, each still writeable,
+    and the same rings tuple: a contiguous or hybrid cache's on every step. The descriptor keeps those
+    objects alive, so no other object can take their ids; it goes when the store does (cache.free())."""
     problem = None if checked else in_place_problem(cache)
     if problem is not None:
         raise CacheError(f"the native kernels cannot use this {cache.layout} cache in place: {problem}")
     storage = cache.storage() if storage is None else storage
-    store = storage.store
+    store, source = storage.store, None
+    ring_tuple, layer_slots = storage.layer_rings, storage.layer_slots
+    if (kept is not None and storage.block_table is None and storage.k_residual is None
+            and (ring_tuple is None or type(ring_tuple) is tuple) and type(layer_slots) is int):
+        stored = (store.k, store.v, store.k_scales, store.v_scales)
+        source = (*map(id, stored), id(ring_tuple), layer_slots)
+        kv = kept.get(store)
+        for a in stored:
+            if a is not None and not a.flags.writeable:
+                kv = None  # made read-only since: checked (and refused) below
+        if kv is not None and kv.source == source:
+            return kv
     L, Hkv, D, slots = cache.n_layers, cache.n_kv_heads, cache.head_dim, store.k.shape[1:-2]
     rings = _layer_rings(storage, L)
     layers = L if rings is None else 1
@@ -86,9 +103,13 @@ def cache_descriptor(cache, storage=None, checked=False) -> KVDescriptor:
             raise CacheError(f"block table must be int64 ids in [0, {n_blocks}) of blocks of {store.k.shape[2]}")
         table = np.require(table, requirements=["C", "A"])  # C reads int64s: contiguous and aligned
     group = store.k_codec.group_size or store.v_codec.group_size
-    return KVDescriptor(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
-                        KV_TYPES[store.v_codec.name], group, table, storage.block_size, rings,
-                        None if rings is None else storage.layer_slots, D, storage.k_residual)
+    kv = KVDescriptor(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
+                      KV_TYPES[store.v_codec.name], group, table, storage.block_size, rings,
+                      None if rings is None else storage.layer_slots, D, storage.k_residual)
+    if source is not None:
+        kv.source, kv.ring_tuple = source, ring_tuple  # the tuple kept alive: its id is in source
+        kept[store] = kv
+    return kv
 
 
 def _stored_shape(store, name, grid, D):

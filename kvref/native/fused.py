@@ -71,6 +71,7 @@ leaves this module.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -117,6 +118,9 @@ class FusedForward:
         # hold, no tensor was rebound and the ~500 getattr calls of a full check are skipped
         self._checked = None
         self._keep = []  # the pin of every array a descriptor pointer points into (no dangling pointers)
+        # each cache's K/V descriptor by its slot store, reused from step to step while its arrays stand
+        # (cache_descriptor)
+        self._descriptors = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # one state, one call at a time
         c = config
         if len(weights.layers) != c.n_layers:
@@ -243,19 +247,19 @@ class FusedForward:
             e = executions[0]
             ids = np.array(e.token_ids, dtype=np.int64)  # [T], C-contiguous
             logits = np.empty((ids.shape[0] if all_logits else 1, V), dtype=np.float32)
-            kv = cache_descriptor(e.cache, e.write_in_place(), checked)  # reserved blocks included
+            kv = cache_descriptor(e.cache, e.write_in_place(), checked, self._descriptors)  # reserved blocks included
             with self._lock:
                 status = lib.kvref_forward(kernels.c_pool, self._model, self._state, ffi.from_buffer("int64_t[]", ids),
-                                           ids.shape[0], kv.ptr, e.cache.length, ACTIVATIONS[self.activations],
+                                           ids.shape[0], kv.ptr, int(e.positions[0]), ACTIVATIONS[self.activations],
                                            all_logits, ffi.from_buffer("float[]", logits))
             check_status(status, "forward")
             e.last_logits = logits[-1]  # committed with the new positions as the block ends
             return [logits]
         ids = np.concatenate([e.token_ids for e in executions]).astype(np.int64)  # [N], C-contiguous
         logits = np.empty((ids.shape[0] if all_logits else B, V), dtype=np.float32)
-        kvs = [cache_descriptor(e.cache, e.write_in_place(), checked) for e in executions]
+        kvs = [cache_descriptor(e.cache, e.write_in_place(), checked, self._descriptors) for e in executions]
         bounds = np.cumsum([0, *(len(e.token_ids) for e in executions)]).astype(np.int64)  # [B + 1]
-        lengths = np.array([e.cache.length for e in executions], dtype=np.int64)  # [B]
+        lengths = np.array([e.positions[0] for e in executions], dtype=np.int64)  # [B] first new positions
         descriptors = ffi.new("kvref_kv[]", B)
         for b, kv in enumerate(kvs):
             descriptors[b] = kv.ptr[0]

@@ -351,17 +351,14 @@ class Kernels:
         self.threads = _threads(threads)
         self.isa = _isa(isa)
         self._pool = _Pool(self.threads, self.isa)
+        # the C pool (a cffi pointer), for the C calls of kvref.native's own modules (the fused forward);
+        # no cffi object leaves kvref.native. Valid while these kernels live (_Pool closes it when collected)
+        self.c_pool = self._pool.ptr
         if self.isa == "auto":
             self.isa = _ISA_NAMES[lib.kvref_pool_isa(self._pool.ptr)]
 
     def __repr__(self):
         return f"Kernels(threads={self.threads}, isa={self.isa!r})"
-
-    @property
-    def c_pool(self):
-        """The C pool (a cffi pointer) these kernels run on, for the C calls of kvref.native's own
-        modules (the fused forward); no cffi object leaves kvref.native."""
-        return self._pool.ptr
 
     def embed(self, table, token_ids):
         # [V, E], [T] -> [T, E] float32
