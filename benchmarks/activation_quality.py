@@ -7,7 +7,8 @@ each against kvref's exact float32 forward on the same GGUF file, with 95% inter
 The text: the first --chunk tokens of each of --files (docs/*.md pages that are not measurements;
 4,096 positions by default), each chunk one prefill with every position's logits on a fresh cache
 (teacher forcing), for
-  kvref-int8   KVREF_ACTIVATIONS=int8: projections' inputs rounded to 8-bit blocks of 32
+  kvref-int8   KVREF_ACTIVATIONS=int8: projections' inputs rounded to 8-bit blocks of 32, then
+               the LM head's 32 largest logits per row recomputed at float32 (csrc/kvref.h)
   llama.cpp    llama_cpp.Llama(..., logits_all=True), f16 K/V, its own 8-bit activation rounding
                (only where llama-cpp-python is installed)
 Each is compared with kvref's exact mode (float32 activations; within the tolerance module's bound
