@@ -399,6 +399,37 @@ static void store_and_attend(fw *f) {
     attend(f, s->jobs, s->n_jobs);
 }
 
+/* ids [k] of the k largest values of row [V], largest first, of equal values the lower id first
+ * (NaN is never one); returns how many: k, or fewer where the row has fewer values that are not NaN */
+static int64_t top_ids(const float *row, int64_t V, int64_t k, int64_t *ids) {
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; v++) {
+        const float x = row[v];
+        if (x != x || (n == k && !(x > row[ids[k - 1]]))) continue;
+        int64_t i = n < k ? n++ : k - 1;
+        for (; i > 0 && x > row[ids[i - 1]]; i--) ids[i] = ids[i - 1];
+        ids[i] = v;
+    }
+    return n;
+}
+
+/* logits row i's KVREF_HEAD_EXACT_K largest, recomputed from xb row i with float32 activations:
+ * each the single-row dot product of the exact mode (kvref.h, KVREF_ACT_INT8) */
+static void exact_top_row(const fw *f, int64_t i) {
+    const kvref_tensor *w = &f->c->output;
+    const int64_t E = f->c->d_model, V = f->c->vocab_size, rb = kvref_row_nbytes(w->type, E);
+    float *row = f->logits + i * V;
+    const float *x = f->s->xb + i * E;
+    int64_t ids[KVREF_HEAD_EXACT_K];
+    const int64_t n = top_ids(row, V, KVREF_HEAD_EXACT_K, ids);
+    for (int64_t j = 0; j < n; j++) row[ids[j]] = f->kk->vec_dot[w->type](E, (const uint8_t *)w->data + ids[j] * rb, x);
+}
+
+static void exact_top_task(void *vctx, int64_t unit, int thread) {
+    (void)thread;
+    exact_top_row(vctx, unit);
+}
+
 /* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or each sequence's last one */
 static void final_logits(fw *f) {
     int64_t t0 = now_ns();
@@ -418,6 +449,10 @@ static void final_logits(fw *f) {
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, s->xb, n, &c->output, f->logits);
+    }
+    if (packed(f, W_HEAD) != NULL) { /* the head's input was rounded: its likeliest tokens are made exact */
+        if (n == 1) exact_top_row(f, 0);
+        else kvref_pool_run(f->pool, exact_top_task, (void *)f, n);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
 }

@@ -328,8 +328,15 @@ enum kvref_activations {
     KVREF_ACT_INT8 = 1         /* every projection is kvref_matmul_int8: its input rounded to
                                   8-bit blocks of 32 where the weight type has 8-bit kernels, read
                                   from the packed copies (kvref_tensor.packed), which every such
-                                  projection must have, else KVREF_ERR_VALUE */
+                                  projection must have, else KVREF_ERR_VALUE. Then, where the LM
+                                  head was so rounded, the KVREF_HEAD_EXACT_K largest logits of
+                                  each row (of equal ones the lower id first; never NaN) are
+                                  recomputed with float32 activations, each the exact mode's
+                                  single-row dot product (kvref_matmul with one row of x): the
+                                  head's rounding was the largest single share of the mode's error,
+                                  and its likeliest tokens carry nearly all of the probability */
 };
+enum { KVREF_HEAD_EXACT_K = 32 };
 
 /* Run T new tokens at positions length .. length+T-1 of a cache.
  *   token_ids:  int64 [T], each in [0, V)
