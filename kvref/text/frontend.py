@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import TokenizerError
 from ..generation.config import GenerationConfig
 from . import templates
+from .vocab import SPECIAL_TYPES
 
 
 @dataclass
@@ -41,11 +42,13 @@ class TextFrontEnd:
 
     def choose_chat_template(self, architecture: str | None, own: str) -> None:
         """At load: keep the file's own template (`own` says where it came from), else detect a built-in
-        from the architecture and the vocabulary's control tokens (templates.detect)."""
+        from the architecture and the vocabulary's special tokens (templates.detect)."""
         if self.chat_template is not None:
             self.chat_template_origin = (self.chat_template, f"the file's own ({own})")
         elif self.tokenizer is not None:
-            name, why = templates.detect(architecture, self.tokenizer.model.ids)
+            tok = self.tokenizer
+            specials = {text for text, kind in zip(tok.tokens, tok.token_types) if kind in SPECIAL_TYPES}
+            name, why = templates.detect(architecture, specials)
             self.use_builtin_template(name, f"the file has none; {why}")
 
     def use_chat_template(self, name_or_file: str) -> None:
@@ -67,7 +70,8 @@ class TextFrontEnd:
         self.chat_template = builtin.source
         self.chat_template_origin = (builtin.source, f"built-in {name} ({builtin.family}): {why}")
         end = None if self.tokenizer is None else self.tokenizer.model.ids.get(builtin.end_of_turn)
-        if end is not None:
+        # only as a special token: a vocabulary may hold the same text as ordinary text ("</s>" in a code model)
+        if end is not None and self.tokenizer.token_types[end] in SPECIAL_TYPES:
             self.tokenizer.eos_ids = self.tokenizer.eos_ids | {end}
 
     def chat_ids(self, messages, add_generation_prompt=True) -> list[int]:

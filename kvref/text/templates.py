@@ -144,7 +144,7 @@ def builtin_template(name: str) -> BuiltinTemplate:
 
 def detect(architecture: str | None, vocabulary) -> tuple[str, str]:
     """(name, why) of the built-in for a model without a template: its architecture (None if unknown)
-    and its vocabulary (token texts, a container)."""
+    and its vocabulary's special tokens (texts of control and user-defined tokens, a container)."""
     for name, tokens in _BY_TOKENS:
         if all(token in vocabulary for token in tokens):
             return name, f"its vocabulary has {', '.join(tokens)}"
