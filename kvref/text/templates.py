@@ -1,13 +1,15 @@
 """Built-in chat templates: how each family lays out a conversation, for a model file that carries no
 template of its own (a pretrained model such as gemma3-270m, a converted file that lost it).
 
-Each is a Jinja2 template in the style of its family's own, rendered by kvref.text.chat like any
-file's template, and renders what the family's own template renders for conversations of system,
-user and assistant text (tests/test_chat_templates.py compares them). Tool calls, images and other
-content parts are left out: a model that needs them carries its own template.
+Each is a Jinja2 template in the style of its family's own, and renders what the family's own
+template renders for conversations of system, user and assistant text (tests/test_chat_templates.py
+compares them). Jinja rather than Python: a built-in then goes the one way a file's template goes
+(kvref.text.chat's sandbox and budget, the same bos_token/eos_token), and reads side by side with
+the family's own. Tool calls, images and other content parts are left out: a model that needs them
+carries its own template.
 
 A built-in is chosen by name (`--chat-template gemma`, TextFrontEnd.use_chat_template) or detected
-(detect): by the control tokens of the model's vocabulary first, which name the family's turn format
+(detect): by the special tokens of the model's vocabulary first, which name the family's turn format
 whatever the architecture (a Llama 3 vocabulary is Llama 3's format, a ChatML vocabulary ChatML's),
 then by the architecture, then ChatML, llama.cpp's own fallback.
 """
@@ -58,8 +60,8 @@ _LLAMA3 = """\
 {% endfor %}
 {% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
 
-# Mistral Instruct (v0.1 to v0.3, Mixtral): [INST] ... [/INST] turns after one BOS; a system text opens
-# the first user turn, a blank line after it.
+# Mistral Instruct (mistralai's v1 format, Mistral 7B Instruct v0.2's template): [INST] ... [/INST] turns
+# after one BOS; a system text opens the first user turn, a blank line after it.
 _MISTRAL = """\
 {% if messages and messages[0]['role'] == 'system' %}
 {% set system = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}
@@ -112,17 +114,18 @@ _DEEPSEEK_R1 = """\
 {% if add_generation_prompt %}{{ '<｜Assistant｜><think>\n' }}{% endif %}"""
 
 BUILTIN_TEMPLATES = {
-    "chatml": BuiltinTemplate(_CHATML, "<|im_end|>", "ChatML: Qwen 2/2.5/3, SmolLM, OpenHermes, Yi"),
-    "llama2": BuiltinTemplate(_LLAMA2, "</s>", "Llama 2 chat, TinyLlama chat"),
+    "chatml": BuiltinTemplate(_CHATML, "<|im_end|>", "ChatML: Qwen 2/2.5/3, SmolLM, OpenHermes"),
+    "llama2": BuiltinTemplate(_LLAMA2, "</s>", "Llama 2 chat"),
     "llama3": BuiltinTemplate(_LLAMA3, "<|eot_id|>", "Llama 3, 3.1, 3.2, 3.3"),
-    "mistral": BuiltinTemplate(_MISTRAL, "</s>", "Mistral 7B Instruct v0.1 to v0.3, Mixtral"),
+    "mistral": BuiltinTemplate(_MISTRAL, "</s>", "Mistral 7B Instruct v0.2, mistralai's v1 format"),
     "gemma": BuiltinTemplate(_GEMMA, "<end_of_turn>", "Gemma, Gemma 2, Gemma 3"),
     "phi3": BuiltinTemplate(_PHI3, "<|end|>", "Phi-3, Phi-3.5"),
     "deepseek-r1": BuiltinTemplate(_DEEPSEEK_R1, "<｜end▁of▁sentence｜>", "DeepSeek R1 and its Llama/Qwen distills"),
 }
 
-# Detection, in order: a template whose control tokens are all in the vocabulary; else one made for
-# the architecture (general.architecture, config.json's model_type).
+# Detection, in order: a template whose special tokens are all in the vocabulary; else one made for
+# the architecture (general.architecture, config.json's model_type). A llama file that gets this far
+# has none of Llama 3's, ChatML's or Mistral's tokens: a SentencePiece vocabulary as Llama 2's.
 _BY_TOKENS = (("gemma", ("<start_of_turn>", "<end_of_turn>")),
               ("llama3", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
               ("deepseek-r1", ("<｜User｜>", "<｜Assistant｜>")),
