@@ -95,6 +95,7 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
     progress: called as progress(tensors_done, tensors_total) while weights are prepared.
     activations: how the C forward feeds its projections, "float32" (exact) or "int8" (rounded to
     8-bit blocks, as llama.cpp does); default KVREF_ACTIVATIONS, else kvref.native.fused's default.
+    A file without a chat template gets a built-in one (kvref.text.templates; model.text.chat_template_note).
     """
     if path is not None and Path(path).is_dir():
         return load_hf(path, backend, dtype, threads, activations)
@@ -120,8 +121,10 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         chat_template = gguf.metadata.get("tokenizer.chat_template")
         defaults = generation_config.from_gguf_metadata(gguf.metadata)
-    return Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
-                 threads=threads, generation_config=defaults, activations=activations)
+    model = Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
+                  threads=threads, generation_config=defaults, activations=activations)
+    model.text.choose_chat_template(gguf.metadata["general.architecture"], "tokenizer.chat_template")
+    return model
 
 
 def load_config(path=None):
@@ -155,16 +158,19 @@ def load_hf(directory, backend="auto", dtype="float32", threads=None, activation
     shards model.safetensors.index.json names), float32, float16 or bfloat16; the families of
     kvref.formats.hf. The weights are converted to `dtype` once. The tokenizer, chat template and
     end-of-generation ids come from tokenizer.json, tokenizer_config.json and generation_config.json
-    (kvref.text.hf); without a tokenizer.json the model has no tokenizer (token ids in, logits out).
+    (kvref.text.hf), a built-in template where there is none (kvref.text.templates); without a
+    tokenizer.json the model has no tokenizer (token ids in, logits out).
     generation_config.json also gives the generation defaults (kvref.generation.config)."""
     directory = Path(directory)
     dtype = model_dtype(dtype)
     config_json = read_config_json(directory)
     config, weights = hf.weights_from_hf(config_json, Checkpoint(directory), dtype)
     tokenizer = Tokenizer.from_hf_directory(directory)
-    return Model(config, weights, dtype, backend, tokenizer=tokenizer,
-                 chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads,
-                 generation_config=generation_config.from_hf_directory(directory), activations=activations)
+    model = Model(config, weights, dtype, backend, tokenizer=tokenizer,
+                  chat_template=hf_chat_template(directory) if tokenizer else None, threads=threads,
+                  generation_config=generation_config.from_hf_directory(directory), activations=activations)
+    model.text.choose_chat_template(config_json.get("model_type"), "chat_template.jinja or tokenizer_config.json")
+    return model
 
 
 def native_weight_types():

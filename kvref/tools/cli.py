@@ -21,6 +21,7 @@ from ..generation.sampling import check_penalties, check_sampling
 from ..generation.speculative import SpeculationStats
 from ..generation.stream import TextStream
 from ..native import MAX_THREADS
+from ..text.templates import BUILTIN_TEMPLATES
 from .bench import add_bench
 from .machine import blas_threads
 from .common import (Progress, activations, add_activations_argument, add_model_arguments, available_memory, count,
@@ -163,26 +164,25 @@ def load_model(args):
 
 
 def load_text_model(args, chat=False):
-    """load_model for the commands that read and write text: the model must have a tokenizer, and
-    for a chat a template (its own, or --chat-template FILE, which replaces it)."""
+    """load_model for the commands that read and write text: the model must have a tokenizer. Its chat
+    template is its own, else a built-in the loader detected, or --chat-template FILE or NAME; a chat
+    says which and why."""
     model = load_model(args)
     if model.tokenizer is None:
         raise TokenizerError(f"{args.model} loaded without a tokenizer (a Hugging Face directory needs its "
                              "tokenizer.json), and this command needs one to read text")
     if args.chat_template is not None:
-        try:
-            model.chat_template = Path(args.chat_template).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TokenizerError(f"cannot read the chat template {args.chat_template}: {exc}") from None
-    if chat and not model.chat_template:
-        raise TokenizerError(f"{args.model or 'the model'} has no chat template (a pretrained model such as "
-                             "gemma3-270m carries none); give one with --chat-template FILE")
+        model.text.use_chat_template(args.chat_template)
+    if chat:
+        notice(args, f"chat template: {model.text.chat_template_note}")
     return model
 
 
 def add_chat_template_argument(p):
-    p.add_argument("--chat-template", metavar="FILE", default=None,
-                   help="a Jinja chat template to use instead of the model's own (or where it has none)")
+    p.add_argument("--chat-template", metavar="FILE|NAME", default=None,
+                   help=f"a Jinja chat template file, or a built-in by name ({', '.join(BUILTIN_TEMPLATES)}), "
+                        "instead of the model's own; a file that has none gets the built-in its vocabulary "
+                        "or architecture names")
 
 
 KV_DTYPES = ("float16", "bfloat16", "float32", "int8", "kivi4")
