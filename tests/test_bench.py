@@ -143,7 +143,8 @@ MEMORY = {"peak_rss_bytes": 300 * 2**20, "vmhwm_bytes": None, "file_bytes": 100 
 
 def test_the_memory_line_gives_figures_and_judges_only_against_a_budget_given():
     line = bench.memory_line(MEMORY)
-    assert line == "memory: peak RSS 300.00 MiB = file 100.00 MiB + largest cache 150.00 MiB + runtime overhead 50.00 MiB"
+    assert line == ("memory: peak RSS 300.00 MiB = file 100.00 MiB + largest cache 150.00 MiB "
+                    "+ runtime overhead 50.00 MiB")
     within = bench.memory_line({**MEMORY, "budget_bytes": 300 * 2**20, "within_budget": True})
     assert within == line + "; within the --budget of 300.00 MiB"
     over = bench.memory_line({**MEMORY, "budget_bytes": 256 * 2**20, "within_budget": False})

@@ -67,8 +67,8 @@ def config_lines(config) -> list[tuple[str, str]]:
     lines = [("layers", f"{config.n_layers}"), ("d_model", f"{config.d_model:,}"),
              ("heads", f"{heads}, head_dim {config.head_dim}"), ("d_ff", f"{config.d_ff:,}"),
              ("vocabulary", f"{config.vocab_size:,} tokens"), ("context", f"{config.max_seq_len:,} positions"),
-             ("RoPE base", f"{config.rope_theta:g}" + ("" if config.rope_local_theta is None else
-                                                        f" ({config.rope_local_theta:g} on window layers)")),
+             ("RoPE base", _number(config.rope_theta) + ("" if config.rope_local_theta is None else
+                                                         f" ({_number(config.rope_local_theta)} on window layers)")),
              ("norm epsilon", f"{config.norm_eps:g}"),
              ("embeddings", "tied (the LM head reuses them)" if config.tie_embeddings else "separate LM head")]
     family = {name: value for name, value in config.family_fields().items()
@@ -77,8 +77,14 @@ def config_lines(config) -> list[tuple[str, str]]:
         scaling = family["rope_scaling"]
         family["rope_scaling"] = (f"factors ({len(scaling[1])} divisors)" if scaling[0] == "factors"
                                   else ", ".join(map(str, scaling)))
-    lines.append(("family fields", ", ".join(f"{k}={v}" for k, v in family.items()) or "none (Llama's)"))
+    lines.append(("family fields", ", ".join(f"{k}={_number(v) if isinstance(v, float) else v}"
+                                             for k, v in family.items()) or "none (Llama's)"))
     return lines
+
+
+def _number(x: float) -> str:
+    """1000000.0 -> '1,000,000'; 25.298221588134766 -> '25.2982'."""
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:.6g}"
 
 
 def read_gguf(path):
