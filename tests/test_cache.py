@@ -135,18 +135,42 @@ def test_stored_kv_is_read_only_through_the_accessors():
 def test_layout_report_rows_match_what_real_caches_hold():
     from kvref.cache import layout_report, layout_rows
 
-    model = kvref.Model.random(CFG, seed=0, backend="numpy")
-    rows = layout_rows(CFG, tokens=20, batch=3, block_size=8, window=6, sinks=2, group_size=4)
+    config = CFG.replace(layer_windows=(4, None))  # a window layer and a global one: hybrid rows too
+    model = kvref.Model.random(config, seed=0, backend="numpy")
+    rows = layout_rows(config, tokens=20, batch=3, block_size=8, window=6, sinks=2, group_size=4, spare=2)
+    assert {r["layout"].split()[0] for r in rows} == {"contiguous", "paged", "window", "hybrid"}
+    assert {r["k_dtype"] for r in rows} == {"float32", "float16", "bfloat16", "int8/g4", "kivi4/g4"}
     for row in rows:
         k, v = (d.split("/")[0] for d in (row["k_dtype"], row["v_dtype"]))
         layout = row["layout"].split()[0]
-        options = {"paged": {"block_size": 8}, "window": {"window": 6, "sinks": 2}}.get(layout, {})
-        cache = model.new_cache(layout=layout, k_dtype=k, v_dtype=v, group_size=4 if "int8" in (k, v) else None,
-                                **options)
+        options = {"paged": {"block_size": 8}, "window": {"window": 6, "sinks": 2},
+                   "hybrid": {"spare": 2, "capacity": 20}}.get(layout, {})
+        grouped = {"int8", "kivi4"} & {k, v}
+        cache = model.new_cache(layout=layout, k_dtype=k, v_dtype=v, group_size=4 if grouped else None, **options)
         model.forward(list(range(20)), cache)
         assert row["bytes_per_position"] == cache.bytes_per_position
         held = cache.allocated_nbytes if layout == "paged" else cache.nbytes
         assert row["bytes_per_sequence"] == held and row["bytes_total"] == 3 * held
     assert rows[0]["formula"] == "2 x 2 x 2 x 8 x 4"  # float32: the articles' formula
     text = layout_report(CFG, tokens=20, batch=3)
-    assert "window (W=20, sinks 4)" in text and "int8/g8" in text
+    assert "window (W=20, sinks 4)" in text and "int8/g8" in text and "hybrid (" not in text
+
+
+def test_the_layout_report_lines_its_columns_up():
+    from kvref.cache import layout_report
+
+    gemma_like = kvref.ModelConfig(n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, head_dim=256, d_ff=2048,
+                                   vocab_size=64, max_seq_len=32768, layer_windows=((512,) * 5 + (None,)) * 3)
+    lines = layout_report(gemma_like, tokens=4096).splitlines()
+    header, rule = lines[1], lines[2]
+    table = [line for line in lines[3:] if line.startswith(("contiguous ", "paged (", "window (", "hybrid ("))]
+    assert len(table) == 6 * 4 - 2  # every K/V type in every layout, but kivi4 K in a ring
+    assert set(rule) == {"-"} and len(rule) == max(map(len, [header, *table]))
+    # a left-aligned column starts where its header does; a right-aligned one ends where its header does
+    for name in ("K", "V", "formula"):
+        start = header.index(f"  {name} ") + 2
+        assert all(line[start - 2:start] == "  " and line[start] != " " for line in table), name
+    for name in ("bytes/position", "positions held", "per sequence", "x 1"):
+        end = header.index(name) + len(name)
+        assert all(line[end - 1] != " " and line[end:end + 2] in ("  ", "") for line in table), name
+    assert any("576 / 4,096" in line and line.startswith("hybrid") for line in table)

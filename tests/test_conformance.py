@@ -21,7 +21,8 @@ from kvref.conformance.fixtures import SCHEMA_VERSION, to_half_split
 from kvref.conformance.http_engine import OpenAIHTTPEngine
 from kvref.conformance.kvref_engine import LAYOUTS
 from kvref.conformance.spec import full_kl, topk_kl
-from kvref.conformance.suite import table
+from kvref.conformance.checks import CheckResult
+from kvref.conformance.suite import table, verdict
 from kvref.tolerance import FLOAT32
 from kvref.tools.cli import main
 
@@ -317,9 +318,19 @@ def test_the_command_prints_a_table_and_writes_json_and_markdown(hf_dirs, tmp_pa
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "prefix_cache    PASS" in printed and "threshold: max KL <= 1e-05" in printed
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("conformance: PASS: ") and "checks on 1 engine configuration: " in last
     payload = json.loads(out.read_text())
     assert payload["engine"]["layout"] == "paged" and {c["status"] for c in payload["checks"]} <= {"pass", "skip"}
     assert "| prefix_cache | cold == prefix-cached | **pass** |" in report.read_text()
+
+
+def test_the_verdict_is_fail_with_the_failed_checks_named_if_any_check_fails_or_errs_on_any_engine():
+    ok = [CheckResult("golden", "pass", ""), CheckResult("shift", "refused", "")]
+    assert verdict([ok, ok]) == "conformance: PASS: 4 checks on 2 engine configurations: 2 pass, 2 refused"
+    bad = [CheckResult("golden", "pass", ""), CheckResult("fork", "fail", ""), CheckResult("shift", "error", "")]
+    assert verdict([ok, bad]) == ("conformance: FAIL: 5 checks on 2 engine configurations: 2 pass, 1 fail, "
+                                  "1 refused, 1 error (failed: fork, shift)")
 
 
 def test_the_command_names_what_an_engine_needs(hf_dirs, capsys):

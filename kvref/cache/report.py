@@ -10,21 +10,24 @@ positions whatever the length.
 
 from __future__ import annotations
 
-from .contiguous import ContiguousCache
 from .hybrid import DEFAULT_SPARE, positions_held
-from .paged import PagedCache
 from .pool import DEFAULT_BLOCK_SIZE, blocks_for
 from .quant import ELEMENT_BYTES, SCALE_DTYPE, Codec, Codecs, default_group_size
+from .registry import layout_class
 from .shape import CacheShape
-from .window import WindowCache
 
+# every K/V type, and float16 K beside int8 V (K is the more sensitive half)
 DTYPE_PAIRS = (("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"),
-               ("int8", "int8"), ("float16", "int8"))
+               ("int8", "int8"), ("kivi4", "kivi4"), ("float16", "int8"))
 
 
 def layout_rows(config, tokens: int | None = None, batch: int = 1, block_size: int = DEFAULT_BLOCK_SIZE,
-                window: int | None = None, sinks: int = 4, group_size: int | None = None) -> list[dict]:
-    """One dict per (layout, K dtype, V dtype): bytes per position, the formula, bytes at `tokens` x `batch`.
+                window: int | None = None, sinks: int = 4, group_size: int | None = None,
+                spare: int = DEFAULT_SPARE) -> list[dict]:
+    """One dict per (layout, K dtype, V dtype) a cache can store: bytes per position, the formula,
+    positions held, bytes at `tokens` x `batch`. The layouts: contiguous, paged, window, and hybrid for
+    a config with window layers; a K type that quantizes groups of positions (kivi4) only where a group
+    is never split (contiguous; paged with blocks a multiple of the group).
 
     tokens defaults to the model's max_seq_len; window to min(1024, tokens).
     """
@@ -39,34 +42,54 @@ def layout_rows(config, tokens: int | None = None, batch: int = 1, block_size: i
         formula = f"{L} x {Hkv} x ({_vector(kc)} + {_vector(vc)})"
         if k == v and not kc.has_scales:
             formula = f"2 x {L} x {Hkv} x {D} x {ELEMENT_BYTES[k]}"
-        held = {  # label: (layout, positions held)
-            "contiguous": (ContiguousCache, tokens),
-            f"paged (block {block_size})": (PagedCache, blocks_for(tokens, block_size) * block_size),
-            f"window (W={window}, sinks {sinks})": (WindowCache, min(tokens, window + sinks)),
+        block = -(-block_size // g) * g if kc.groups_positions else block_size  # a K group within a block
+        held = {  # layout -> positions each layer holds
+            "contiguous": [tokens] * L,
+            f"paged (block {block})": [blocks_for(tokens, block) * block] * L,
+            f"window (W={window}, sinks {sinks})": [min(tokens, window + sinks)] * L,
         }
-        for layout, (cls, positions) in held.items():
-            if cls is WindowCache and (k, v) not in (("float16", "float16"), ("int8", "int8")):
-                continue  # the window's saving is in positions, not element types: two rows suffice
+        if config.layer_windows is not None:
+            held[f"hybrid (spare {spare})"] = positions_held(config.layer_windows, tokens, spare)
+        for layout, positions in held.items():
+            cls = layout_class(layout.split()[0])
+            if kc.groups_positions and not cls.keeps_groups:
+                continue  # a ring would overwrite part of a K group: the layout refuses this type
             per_position = cls.position_bytes(shape, Codecs(kc, vc))  # what the layout declares
+            per_row = per_position // L  # one position of one layer
             rows.append({"layout": layout, "k_dtype": kc.describe(), "v_dtype": vc.describe(),
                          "bytes_per_position": per_position, "formula": formula, "tokens": tokens,
-                         "positions_held": positions, "bytes_per_sequence": positions * per_position,
-                         "batch": batch, "bytes_total": positions * per_position * batch})
+                         "positions_held": max(positions), "positions_per_layer": tuple(positions),
+                         "bytes_per_sequence": sum(positions) * per_row, "batch": batch,
+                         "bytes_total": sum(positions) * per_row * batch})
     return rows
 
 
 def layout_report(config, tokens: int | None = None, batch: int = 1, **options) -> str:
-    """A table of layout_rows for printing (`kvref memory`)."""
+    """A table of layout_rows for printing (`kvref memory`), each column as wide as its widest cell."""
     rows = layout_rows(config, tokens, batch, **options)
-    head = (f"{'layout':<26} {'K':<9} {'V':<9} {'bytes/position':>14}  {'formula':<34} "
-            f"{'positions held':>14} {'per sequence':>12} {'x ' + str(batch):>12}")
-    lines = [f"KV cache for {config.n_layers} layers x {config.n_kv_heads} kv heads x head_dim {config.head_dim}, "
-             f"{rows[0]['tokens']:,} tokens per sequence, batch {batch}", head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['layout']:<26} {r['k_dtype']:<9} {r['v_dtype']:<9} {r['bytes_per_position']:>14,}  "
-                     f"{r['formula']:<34} {r['positions_held']:>14,} {_human(r['bytes_per_sequence']):>12} "
-                     f"{_human(r['bytes_total']):>12}")
-    return "\n".join(lines)
+    header = ("layout", "K", "V", "bytes/position", "formula", "positions held", "per sequence", f"x {batch}")
+    right = (False, False, False, True, False, True, True, True)  # numbers right-aligned
+    cells = [header] + [(r["layout"], r["k_dtype"], r["v_dtype"], f"{r['bytes_per_position']:,}", r["formula"],
+                         _held(r), _human(r["bytes_per_sequence"]), _human(r["bytes_total"])) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right)).rstrip()
+             for row in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    title = (f"KV cache for {config.n_layers} layers x {config.n_kv_heads} kv heads x head_dim {config.head_dim}, "
+             f"{rows[0]['tokens']:,} tokens per sequence, batch {batch}")
+    notes = []
+    if any(min(r["positions_per_layer"]) != r["positions_held"] for r in rows):
+        notes.append("hybrid: positions held by the window layers' rings / by the global layers")
+    if any(Codec(k, config.head_dim).groups_positions for k, _ in DTYPE_PAIRS):
+        notes.append("kivi4 K quantizes groups of positions, which a ring (window, hybrid) would split: "
+                     "those layouts store kivi4 for V only")
+    return "\n".join([title, *lines, *notes])
+
+
+def _held(row) -> str:
+    """Positions each layer holds: one number, or (hybrid) the window layers' rings / the global layers'."""
+    fewest, most = min(row["positions_per_layer"]), row["positions_held"]
+    return f"{most:,}" if fewest == most else f"{fewest:,} / {most:,}"
 
 
 def window_summary(config) -> str:
@@ -105,7 +128,8 @@ def _ranges(layers) -> str:
 def _vector(codec) -> str:
     text = f"{codec.head_dim} x {ELEMENT_BYTES[codec.name]}"
     if codec.has_scales:
-        text = f"({text} + {codec.n_groups} x {SCALE_DTYPE.itemsize})"
+        pair = " x 2" if codec.scale_width == 2 else ""  # kivi4: a (scale, zero) pair per group
+        text = f"({text} + {codec.n_groups}{pair} x {SCALE_DTYPE.itemsize})"
     return text
 
 

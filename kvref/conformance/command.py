@@ -10,7 +10,7 @@ from .checks import CHECKS
 from .engine import ConformanceError
 from .kvref_engine import LAYOUTS, KVRefEngine
 from .spec import Spec
-from .suite import SUITES, failed, make_plan, markdown, max_positions, run_suite, table, to_json
+from .suite import SUITES, failed, make_plan, markdown, max_positions, run_suite, table, to_json, verdict
 
 ENGINES = ("kvref", "transformers", "llama-cpp-python", "openai-http")
 
@@ -20,7 +20,9 @@ def add_conformance(commands):
                             description="Run an engine through the golden comparison with the float32 spec and "
                                         "the metamorphic cache checks; print a table of checks with evidence. "
                                         "Exit status 1 when a check fails.")
-    p.add_argument("engine", choices=ENGINES)
+    p.add_argument("engine", choices=ENGINES, help="the engine to check: kvref itself, transformers (-m a "
+                                                   "Hugging Face directory), llama-cpp-python, or a server "
+                                                   "speaking the OpenAI API (openai-http, --url)")
     add_model_arguments(p)
     p.add_argument("--suite", choices=sorted(SUITES), default="quick",
                    help="quick (default: 2 prompts of 64 positions, 8 greedy tokens) or full (4 of 128, 32, "
@@ -45,9 +47,9 @@ def add_conformance(commands):
 
 def add_fixtures(commands):
     p = commands.add_parser("fixtures", help="export reference fixtures for other engines' tests (docs/fixtures.md)")
-    actions = p.add_subparsers(dest="action", required=True)
+    actions = p.add_subparsers(dest="action", required=True, help="export (the only action)")
     export = actions.add_parser("export", help="prompts, token ids, logits and per-layer K/V as .npz")
-    export.add_argument("directory")
+    export.add_argument("directory", help="where to write prompt_<i>.npz and manifest.json (made if missing)")
     add_model_arguments(export)
     export.add_argument("--suite", choices=sorted(SUITES), default="quick", help="which prompts (as conformance)")
     export.set_defaults(run=run_fixtures)
@@ -121,7 +123,7 @@ def run_conformance(args) -> int:
     spec = Spec(model)
     plan = make_plan(model, args.suite)
     model_name = str(args.model or "smollm2")
-    reports, payloads, bad = [], [], False
+    reports, payloads, runs = [], [], []
     for engine in engines_for(args, spec):
         try:
             results = run_suite(engine, spec, plan, args.check,
@@ -133,12 +135,13 @@ def run_conformance(args) -> int:
         print()
         reports.append(markdown(results, engine.describe(), model_name))
         payloads.append(to_json(results, engine.describe(), model_name, plan))
-        bad |= failed(results)
+        runs.append(results)
+    print(verdict(runs))
     if args.report:
         Path(args.report).write_text("\n".join(reports))
     if args.json:
         Path(args.json).write_text(payloads[0] if len(payloads) == 1 else "[" + ",\n".join(payloads) + "]")
-    return 1 if bad else 0
+    return 1 if any(failed(results) for results in runs) else 0
 
 
 def run_fixtures(args) -> int:

@@ -97,9 +97,24 @@ def table(results, engine_info: dict) -> str:
         lines.append(f"{r.name:<{width}}  {r.status.upper():<7}  {r.evidence}")
         if r.threshold:
             lines.append(f"{'':<{width}}  {'':<7}  threshold: {r.threshold}")
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "refused", "skip", "error")}
-    lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+    lines += ["", counts(results)]
     return "\n".join(lines)
+
+
+def counts(results) -> str:
+    """'30 pass, 2 refused': how many checks ended in each status, in a fixed order."""
+    n = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "refused", "skip", "error")}
+    return ", ".join(f"{k} {s}" for s, k in n.items() if k)
+
+
+def verdict(runs) -> str:
+    """The last line of `kvref conformance`: PASS or FAIL over every engine run (a list of result lists,
+    one per engine configuration), the counts, and the checks that failed."""
+    results = [r for run in runs for r in run]
+    bad = sorted({r.name for r in results if failed([r])})
+    head = "FAIL" if bad else "PASS"
+    where = f"{len(results)} checks on {len(runs)} engine configuration{'' if len(runs) == 1 else 's'}"
+    return f"conformance: {head}: {where}: {counts(results)}" + (f" (failed: {', '.join(bad)})" if bad else "")
 
 
 def markdown(results, engine_info: dict, model_name: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..cache import bytes_per_position
+from ..cache.capabilities import k_shift_problem
 from ..conformance.command import add_conformance, add_fixtures
 from ..errors import CacheError, ConfigError, ContextOverflowError, GenerationError, KVRefError, TokenizerError
 from ..executor import describe
@@ -25,26 +26,13 @@ from ..text.templates import BUILTIN_TEMPLATES
 from .bench import add_bench
 from .machine import blas_threads
 from .common import (Progress, activations, add_activations_argument, add_model_arguments, available_memory, count,
-                     count_in, human_bytes)
+                     count_in, human_bytes, line_editing)
 from .info import add_inspect, add_memory, add_trace
 from .perplexity import add_perplexity
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvref", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"kvref {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_run(commands)
-    add_chat(commands)
-    add_inspect(commands)
-    add_trace(commands)
-    add_memory(commands)
-    add_bench(commands)
-    add_perplexity(commands)
-    add_serve(commands)
-    add_conformance(commands)
-    add_fixtures(commands)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = lambda message, *_: notice(args, str(message))
@@ -60,6 +48,25 @@ def main(argv=None) -> int:
         # stdout goes to /dev/null so the interpreter's last flush finds nowhere to fail
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `kvref` command line: every subcommand and its flags."""
+    parser = argparse.ArgumentParser(prog="kvref", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvref {__version__}", help="print the version")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     help="what to do (kvref COMMAND --help says more)")
+    add_run(commands)
+    add_chat(commands)
+    add_inspect(commands)
+    add_trace(commands)
+    add_memory(commands)
+    add_bench(commands)
+    add_perplexity(commands)
+    add_serve(commands)
+    add_conformance(commands)
+    add_fixtures(commands)
+    return parser
 
 
 def notice(args, text: str) -> None:
@@ -256,23 +263,27 @@ def add_run(commands):
                         "the text so far, verified in one execution (faster when the output repeats its "
                         "input, e.g. rewriting code; greedy output unchanged; default 0 = off); --verbose "
                         "prints drafted and accepted counts")
-    p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': standard input)")
-    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-': read it from standard input)")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': standard input), less one "
+                                                      "trailing newline (the last line's end)")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-': read it from standard input, one "
+                                                           "trailing newline dropped: echo TEXT | kvref run -)")
     p.set_defaults(run=run_run)
 
 
 def read_prompt(args) -> str:
-    """The prompt of `run`: the argument, or --file FILE, or standard input for '-' (either way)."""
+    """The prompt of `run`: the argument, or --file FILE, or standard input for '-' (either way). Text
+    read from a file or a pipe loses one trailing newline (echo's, an editor's last line end), so that
+    `echo TEXT | kvref run -` prompts with TEXT as `kvref run TEXT` does; more newlines are kept."""
     if (args.prompt is None) == (args.file is None):
         raise GenerationError("give the prompt either as an argument or with -f FILE ('-' reads standard input)")
     source = args.file if args.file is not None else args.prompt
     if args.file is None and source != "-":
         text = source
     elif source == "-":
-        text = sys.stdin.read()
+        text = sys.stdin.read().removesuffix("\n")  # text mode: a \r\n line end reads as \n
     else:
         try:
-            text = Path(source).read_text()
+            text = Path(source).read_text().removesuffix("\n")
         except (OSError, UnicodeDecodeError) as exc:
             raise GenerationError(f"cannot read the prompt from {source}: {exc}") from None
     if not text:
@@ -353,8 +364,9 @@ def check_shift(cache):
     """CacheError unless --context-overflow shift can work on this cache, saying why."""
     problem = cache.capabilities.shift().reason
     if problem is not None:
+        remedy = "give --kv-dtype float32, or " if problem == k_shift_problem(cache.k_dtype) else ""
         raise CacheError(f"--context-overflow shift cannot work on this {cache.layout} cache: {problem}; "
-                         "use --context-overflow truncate or a larger --ctx-size")
+                         f"{remedy}use --context-overflow truncate or a larger --ctx-size")
 
 
 class Timing:
@@ -393,8 +405,10 @@ def add_chat(commands):
     p = commands.add_parser("chat", help="interactive chat that keeps one KV cache across turns",
                             description="An interactive chat over one KV cache: each turn prefills only what the "
                                         "cache does not hold. Ctrl-C stops a reply (the chat goes on); an empty "
-                                        "line, Ctrl-D or Ctrl-C at the prompt ends the chat. Greedy "
-                                        "(deterministic) unless --temperature is given.")
+                                        "line, Ctrl-D or Ctrl-C at the prompt ends the chat. On a "
+                                        "terminal the prompt edits lines and keeps a history (arrow keys, "
+                                        "Ctrl-R) where Python has readline. Greedy (deterministic) unless "
+                                        "--temperature is given.")
     add_model_arguments(p)
     add_activations_argument(p)
     add_sampling_arguments(p)
@@ -411,6 +425,7 @@ def run_chat(args) -> int:
     chat = Conversation(model, system=args.system, cache=new_cli_cache(model, args),
                         drop_oldest=args.context_overflow == "truncate")
     config = generation_config(args, model)
+    line_editing(sys.stdin)
     notice(args, "one KV cache for the whole conversation; Ctrl-C stops a reply; an empty line, Ctrl-D or "
                  "Ctrl-C here ends the chat")
     while True:

@@ -70,6 +70,24 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def plural(n, word) -> str:
+    """'1 thread', '2 threads', '1,024 tokens'; an unknown count (None) says so."""
+    return f"{word}s: unknown" if n is None else f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def line_editing(stream) -> bool:
+    """Line editing and history for input() (arrow keys, Ctrl-R) through the stdlib readline, where the
+    interpreter has it and `stream` is a terminal; False otherwise: input() then reads plain lines. The
+    import is the whole hook, so only an interactive command calls this (a pipe needs none of it)."""
+    if not stream.isatty():
+        return False
+    try:
+        import readline  # noqa: F401  (importing it makes input() edit lines and keep a history)
+    except ImportError:  # Windows, or a Python built without it
+        return False
+    return True
+
+
 def available_memory() -> int | None:
     """Bytes the kernel says can be allocated without swapping (MemAvailable); None when unknown."""
     try:

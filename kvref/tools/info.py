@@ -16,22 +16,28 @@ from .common import count, human_bytes
 
 
 def add_inspect(commands):
-    p = commands.add_parser("inspect", help="architecture, metadata, tensors and KV cache size of a GGUF file "
-                                            "or a Hugging Face checkpoint directory")
+    p = commands.add_parser("inspect", help="architecture, KV cache size, metadata (and with --tensors every "
+                                            "tensor) of a GGUF file or a Hugging Face checkpoint directory",
+                            description="A summary of a model file: its architecture as the decoder reads it, "
+                                        "which layers attend over a window, the KV cache's bytes per token, "
+                                        "then the file's metadata; --tensors adds the table of tensors.")
     p.add_argument("path", nargs="?", default=None,
                    help="GGUF file, checkpoint directory or short name (default: the default model)")
+    p.add_argument("--tensors", action="store_true", help="also list every tensor: name, type, shape and bytes")
     p.set_defaults(run=run_inspect)
 
 
 def run_inspect(args) -> int:
     from ..loader import load_config
 
-    if args.path is not None and Path(args.path).is_dir():
-        print_checkpoint(Path(args.path))
-    else:
-        print_gguf(args.path)
+    directory = args.path is not None and Path(args.path).is_dir()
+    title, architecture, metadata, tensors = (read_checkpoint(Path(args.path)) if directory
+                                              else read_gguf(args.path))
     config = load_config(args.path)
-    print(f"\narchitecture: {config}")
+    print(title)
+    print(f"architecture: {architecture}")
+    for name, value in config_lines(config):
+        print(f"  {name:<16} {value}")
     print(f"attention: {window_summary(config)}")
     for dtype in ("float32", "float16"):
         per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
@@ -42,38 +48,81 @@ def run_inspect(args) -> int:
         from ..cache.report import hybrid_report
 
         print(hybrid_report(config, config.max_seq_len, "float16"))
+    if metadata:
+        print(f"\nmetadata ({len(metadata)} keys):")
+        for key, value in metadata:
+            print(f"  {key:<45} {value}")
+    if args.tensors:
+        print_tensors(tensors)
+    else:
+        print(f"\n{len(tensors)} tensors, {sum(r[3] for r in tensors):,} bytes (--tensors lists them)")
     return 0
 
 
-def print_gguf(path):
+def config_lines(config) -> list[tuple[str, str]]:
+    """The config as (label, value) lines for people: sizes, heads, RoPE, and what makes its family."""
+    heads = f"{config.n_heads} query, {config.n_kv_heads} kv"
+    if config.n_heads != config.n_kv_heads:
+        heads += f" ({config.group_size} query heads share each kv head)"
+    lines = [("layers", f"{config.n_layers}"), ("d_model", f"{config.d_model:,}"),
+             ("heads", f"{heads}, head_dim {config.head_dim}"), ("d_ff", f"{config.d_ff:,}"),
+             ("vocabulary", f"{config.vocab_size:,} tokens"), ("context", f"{config.max_seq_len:,} positions"),
+             ("RoPE base", _number(config.rope_theta) + ("" if config.rope_local_theta is None else
+                                                         f" ({_number(config.rope_local_theta)} on window layers)")),
+             ("norm epsilon", f"{config.norm_eps:g}"),
+             ("embeddings", "tied (the LM head reuses them)" if config.tie_embeddings else "separate LM head")]
+    family = {name: value for name, value in config.family_fields().items()
+              if name not in ("layer_windows", "rope_local_theta")}  # on their own lines
+    if "rope_scaling" in family:
+        scaling = family["rope_scaling"]
+        family["rope_scaling"] = (f"factors ({len(scaling[1])} divisors)" if scaling[0] == "factors"
+                                  else ", ".join(map(str, scaling)))
+    lines.append(("family fields", ", ".join(f"{k}={_number(v) if isinstance(v, float) else v}"
+                                             for k, v in family.items()) or "none (Llama's)"))
+    return lines
+
+
+def _number(x: float) -> str:
+    """1000000.0 -> '1,000,000'; 25.298221588134766 -> '25.2982'."""
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:.6g}"
+
+
+def read_gguf(path):
+    """(title, architecture, metadata lines, tensor rows) of a GGUF file."""
     from ..formats.gguf import GGUFFile
     from ..loader import model_path
 
     with GGUFFile(model_path(path)) as gguf:
         meta = gguf.metadata
-        print(f"{gguf.path}: GGUF v{gguf.version}, {len(meta)} metadata keys, {len(gguf.tensors)} tensors")
-        for key in sorted(meta):
-            value = meta[key]
-            if isinstance(value, str) and len(value) > 60:
-                value = value[:57].replace("\n", " ") + "..."
-            elif not isinstance(value, (str, int, float, bool)):
-                value = f"[{len(value)} items]"
-            print(f"  {key:<45} {value}")
+        title = f"{gguf.path}: GGUF v{gguf.version}, {len(meta)} metadata keys, {len(gguf.tensors)} tensors"
         rows = [(name, info.ggml_type.name, info.shape, info.nbytes) for name, info in gguf.tensors.items()]
-    print_tensors(rows)
+    architecture = str(meta.get("general.architecture", "unknown"))
+    if "general.name" in meta:
+        architecture += f" ({meta['general.name']})"
+    return title, architecture, [(key, metadata_value(meta[key])) for key in sorted(meta)], rows
 
 
-def print_checkpoint(directory):
+def metadata_value(value) -> str:
+    """A metadata value on one line: long text cut, arrays counted."""
+    if isinstance(value, str) and len(value) > 60:
+        return value[:57].replace("\n", " ") + "..."
+    if not isinstance(value, (str, int, float, bool)):
+        return f"[{len(value)} items]"
+    return str(value)
+
+
+def read_checkpoint(directory):
+    """(title, architecture, metadata lines (none), tensor rows) of a Hugging Face checkpoint directory."""
     from ..formats.safetensors import Checkpoint
     from ..loader import read_config_json
 
     config_json = read_config_json(directory)
     checkpoint = Checkpoint(directory)
-    print(f"{directory}: Hugging Face checkpoint, model_type {config_json.get('model_type')!r}, "
-          f"{len(checkpoint.files)} safetensors file(s), {len(checkpoint.keys())} tensors")
+    title = (f"{directory}: Hugging Face checkpoint, model_type {config_json.get('model_type')!r}, "
+             f"{len(checkpoint.files)} safetensors file(s), {len(checkpoint.keys())} tensors")
     rows = [(name, dtype, shape, end - begin) for file in checkpoint.files
             for name, (dtype, shape, begin, end) in file.tensors.items()]
-    print_tensors(rows)
+    return title, str(config_json.get("model_type", "unknown")), [], rows
 
 
 def print_tensors(rows):
@@ -85,14 +134,17 @@ def print_tensors(rows):
 
 
 def add_trace(commands):
-    p = commands.add_parser("trace", help="executions x positions with and without the KV cache")
+    p = commands.add_parser("trace", help="executions x positions with and without the KV cache",
+                            description="Generate a few tokens greedily with a small random model, once without "
+                                        "a cache and once with it, and draw which positions each execution "
+                                        "computes, recomputes or reads from the cache, with FLOP totals.")
     p.add_argument("--prompt-tokens", type=count, default=3, help="prompt length (default 3: p0 p1 p2)")
     p.add_argument("--new-tokens", type=count, default=4, help="tokens to generate (default 4)")
-    p.add_argument("--layers", type=count, default=2)
-    p.add_argument("--d-model", type=count, default=64)
-    p.add_argument("--heads", type=count, default=4)
-    p.add_argument("--kv-heads", type=count, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=count, default=2, help="the random model's layers (default 2)")
+    p.add_argument("--d-model", type=count, default=64, help="its residual width; d_ff is 4x this (default 64)")
+    p.add_argument("--heads", type=count, default=4, help="its query heads (default 4)")
+    p.add_argument("--kv-heads", type=count, default=2, help="its kv heads, a divisor of --heads (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of its random weights (default 0)")
     p.set_defaults(run=run_trace)
 
 
@@ -129,14 +181,16 @@ def add_memory(commands):
     p = commands.add_parser("memory", help="KV cache size: 2 x layers x tokens x kv heads x head_dim x bytes")
     p.add_argument("-m", "--model", help="take layers, kv heads, head_dim, windows (and tokens) from a GGUF "
                                          "file, a Hugging Face checkpoint directory or a short name")
-    p.add_argument("--layers", type=count)
-    p.add_argument("--kv-heads", type=count)
-    p.add_argument("--head-dim", type=count)
+    p.add_argument("--layers", type=count, help="layers (default with -m: the model's)")
+    p.add_argument("--kv-heads", type=count, help="kv heads per layer (default with -m: the model's)")
+    p.add_argument("--head-dim", type=count, help="elements per head vector (default with -m: the model's)")
     p.add_argument("--tokens", type=count, help="positions held (default with -m: the model's max context)")
-    p.add_argument("--batch", type=count, default=1, help="sequences held at once")
-    p.add_argument("--dtype", default="float16", choices=sorted(ELEMENT_BYTES))
+    p.add_argument("--batch", type=count, default=1, help="sequences held at once (default 1)")
+    p.add_argument("--dtype", default="float16", choices=sorted(ELEMENT_BYTES),
+                   help="element type of the cached K and V (default float16)")
     p.add_argument("--layouts", action="store_true",
-                   help="also compare the cache layouts (contiguous, paged, window) and K/V types")
+                   help="also compare every cache layout (contiguous, paged, window, and hybrid for a model "
+                        "with window layers) in every K/V type")
     p.set_defaults(run=run_memory)
 
 
@@ -172,10 +226,12 @@ def run_memory(args) -> int:
     if args.layouts:
         from ..cache.report import layout_report
 
-        # only the cache's own sizes matter to the layouts; the other numbers are placeholders
+        # only the cache's own sizes (and the model's layer windows: the hybrid rows) matter to the
+        # layouts; the other numbers are placeholders
+        windows = config.layer_windows if config is not None and args.layers == config.n_layers else None
         sizes = ModelConfig(n_layers=args.layers, d_model=args.kv_heads * args.head_dim, n_heads=args.kv_heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=1, vocab_size=1,
-                            max_seq_len=max(args.tokens, 1))
+                            max_seq_len=max(args.tokens, 1), layer_windows=windows)
         print()
         print(layout_report(sizes, args.tokens, args.batch))
     return 0

@@ -10,8 +10,10 @@ scored). Each window runs from an empty cache, and only its last `stride` tokens
 given every token before it in the window: every scored token has at least ctx - stride tokens of
 context, and every token from position ctx - stride up to the end of the last window is scored
 exactly once. With --stride ctx - 1 a window scores all its tokens but the first (so one window
-over the whole text scores every token after the first). If the tokenizer adds BOS, each window's
-first token is replaced by BOS, as llama-perplexity does; it is never scored.
+over the whole text scores every token after the first). A text shorter than --ctx is scored as one
+window over the whole text, which the command says: every token after the first, or with --stride S
+its last S. If the tokenizer adds BOS, each window's first token is replaced by BOS, as
+llama-perplexity does; it is never scored.
 
     perplexity = exp(mean over scored tokens of -log p(token | window before it))
 
@@ -38,7 +40,7 @@ import numpy as np
 
 from ..errors import InputFileError, ScoringError
 from ..scoring import SCORE_CHUNK, next_token_logprobs
-from .common import activations, add_activations_argument, add_model_arguments, count
+from .common import activations, add_activations_argument, add_model_arguments, count, plural
 
 LOGITS_FORMAT = "kvref-logprobs-1"  # what a --save-logits file holds; a new layout gets a new name
 
@@ -182,7 +184,8 @@ def add_perplexity(commands):
     p.add_argument("-f", "--file", required=True, help="the text to score (UTF-8)")
     p.add_argument("--ctx", type=count, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=count, default=None,
-                   help="tokens between window starts, and scored per window (default ctx/2)")
+                   help="tokens between window starts, and scored per window (default ctx/2; a text shorter "
+                        "than --ctx is one window, scored from its second token unless --stride is given)")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8"],
                    help="K/V storage of the cache (default float32)")
     p.add_argument("--chunk", type=count, default=SCORE_CHUNK,
@@ -203,12 +206,14 @@ def run_perplexity(args) -> int:
         raise ScoringError(f"{args.model} has no tokenizer to read the text with")
     ids = tok.encode(text, add_special=True)
     bos_id = tok.bos_id if tok.add_bos else None
-    stride = args.ctx // 2 if args.stride is None else args.stride
-    result, stats = perplexity(model, ids, args.ctx, stride, bos_id, args.kv_dtype, save=args.save_logits,
+    ctx, stride = fit_windows(len(ids), args.ctx, args.stride)
+    result, stats = perplexity(model, ids, ctx, stride, bos_id, args.kv_dtype, save=args.save_logits,
                                base=args.kl_base, chunk_size=args.chunk)
-    n_windows = len(windows(len(ids), args.ctx, stride))
-    print(f"{len(ids):,} tokens, {n_windows} windows of {args.ctx} (stride {stride}), {result.nll.size:,} scored "
-          f"(each after >= {args.ctx - stride} tokens of context)")
+    n_windows = len(windows(len(ids), ctx, stride))
+    shape = (f"one window over the whole text (fewer than --ctx {args.ctx})" if ctx < args.ctx else
+             f"{plural(n_windows, 'window')} of {ctx} (stride {stride})")
+    print(f"{plural(len(ids), 'token')}, {shape}, {result.nll.size:,} scored "
+          f"(each after >= {plural(ctx - stride, 'token')} of context)")
     print(f"perplexity {result.value:.4f} +/- {result.standard_error:.4f}")
     print(f"{result.positions_run:,} positions in {result.seconds:.1f} s: "
           f"{result.positions_run / result.seconds:.1f} tokens/s (backend {model.backend}, K/V {args.kv_dtype})")
@@ -220,6 +225,21 @@ def run_perplexity(args) -> int:
     if args.save_logits:
         print(f"saved the scored log-distributions to {args.save_logits}", file=sys.stderr)
     return 0
+
+
+def fit_windows(n_tokens: int, ctx: int, stride: int | None) -> tuple[int, int]:
+    """(ctx, stride) of the command's windows: --ctx and --stride (default ctx/2) as given, or for a text
+    shorter than --ctx one window of the whole text, scoring every token after the first (or the last
+    --stride tokens, when given)."""
+    if n_tokens >= ctx:
+        return ctx, ctx // 2 if stride is None else stride
+    if n_tokens < 2:
+        raise ScoringError(f"the text has {plural(n_tokens, 'token')}; scoring needs at least 2 (one to score, "
+                           "one before it)")
+    if stride is not None and stride >= n_tokens:
+        raise ScoringError(f"--stride {stride} leaves no context in a text of {n_tokens} tokens (one window over "
+                           f"the whole text, as it is shorter than --ctx {ctx}): give --stride below {n_tokens}")
+    return n_tokens, n_tokens - 1 if stride is None else stride
 
 
 def read_text(path) -> str:
