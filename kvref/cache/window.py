@@ -17,9 +17,10 @@ commit, so a failed execution overwrites nothing; for the same reason the native
 them in place (`cache.capabilities.in_place`), and runs this layout kernel by kernel on the decoded K/V.
 
 A ring that has dropped a position cannot be rolled back (`truncate`) to an earlier state: the
-dropped positions would be needed again. `shift(n, keep=sinks)` closes the gap between the sinks
-and the ring by renumbering the ring (keys rotated back by n), so generation can continue past the
-model's max_seq_len, as StreamingLLM does.
+dropped positions would be needed again. Positions never reach the model's max_seq_len (an append
+past it raises CacheFullError, as a contiguous cache's would): `shift(n, keep=sinks)` closes the gap
+between the sinks and the ring by renumbering the ring (keys rotated back by n), so generation can
+continue past max_seq_len, as StreamingLLM does.
 """
 
 from __future__ import annotations
