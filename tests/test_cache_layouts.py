@@ -204,6 +204,30 @@ def test_window_shift_closes_the_gap_so_generation_goes_past_max_seq_len(sinks):
     assert len(list(kvref.generate(model, [5], 10, cache=cache))) == 10
 
 
+
+def test_window_positions_stop_at_max_seq_len_so_every_state_saves_and_loads(tmp_path):
+    # Positions stay absolute and a model reads positions 0..max_seq_len-1 (a cache file records no
+    # next_position beyond max_seq_len): raw K/V past it are refused like model.forward's tokens, the
+    # cache unchanged, and shift(n, keep=sinks) is the way on
+    cfg = CFG.replace(max_seq_len=24)
+    model = kvref.Model.random(cfg, seed=4, backend="numpy")
+    cache = model.new_cache(layout="window", window=8, sinks=2)
+    kv = np.ones((cfg.n_layers, 24, cfg.n_kv_heads, cfg.head_dim), np.float32)
+    cache.append(kv, kv)
+    assert cache.next_position == 24 and not cache.capabilities.append(1)
+    with pytest.raises(CacheFullError, match="positions are at most 23 \\(max_seq_len 24\\)"):
+        cache.append(kv[:, :1], kv[:, :1])
+    assert cache.next_position == 24 and cache.length == 10
+    cache.save(tmp_path / "full.kvc")
+    assert model.load_cache(tmp_path / "full.kvc").next_position == 24
+    cache.shift(14, keep=2)
+    cache.fork().append(kv[:, :14], kv[:, :14])  # a fork keeps the bound
+    with pytest.raises(CacheFullError):
+        cache.fork().append(kv[:, :15], kv[:, :15])
+    cache.append(kv[:, :14], kv[:, :14])
+    cache.save(tmp_path / "shifted.kvc")
+    assert list(model.load_cache(tmp_path / "shifted.kvc").positions()) == list(cache.positions())
+
 def test_shift_refuses_quantized_keys_and_bad_arguments_and_changes_nothing():
     model = kvref.Model.random(CFG, seed=0, backend="numpy")
     for kv in ("float16", "bfloat16", "int8"):

@@ -17,9 +17,10 @@ commit, so a failed execution overwrites nothing; for the same reason the native
 them in place (`cache.capabilities.in_place`), and runs this layout kernel by kernel on the decoded K/V.
 
 A ring that has dropped a position cannot be rolled back (`truncate`) to an earlier state: the
-dropped positions would be needed again. `shift(n, keep=sinks)` closes the gap between the sinks
-and the ring by renumbering the ring (keys rotated back by n), so generation can continue past the
-model's max_seq_len, as StreamingLLM does.
+dropped positions would be needed again. Positions never reach the model's max_seq_len (an append
+past it raises CacheFullError, as a contiguous cache's would): `shift(n, keep=sinks)` closes the gap
+between the sinks and the ring by renumbering the ring (keys rotated back by n), so generation can
+continue past max_seq_len, as StreamingLLM does.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import CacheError
+from ..errors import CacheError, CacheFullError
 from .base import KVCache
 from .quant import SlotStore
 from .registry import LayoutOptions, option, register
@@ -57,18 +58,23 @@ class WindowCache(KVCache):
     @classmethod
     def create(cls, shape, codecs, options):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.window, options.sinks, codecs.k.name,
-                   v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
+                   v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   max_positions=shape.max_seq_len)
 
     @classmethod
     def position_bytes(cls, shape, codecs):
         return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)  # a ring slot in every layer
 
     def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
-                 group_size=None, rope_theta=None):
+                 group_size=None, rope_theta=None, max_positions=None):
         WindowOptions(window=window, sinks=sinks)  # checks them
         super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
                          rope_theta=rope_theta)
         self.window, self.sinks = int(window), int(sinks)
+        # The model's max_seq_len (None: unbounded): positions stay absolute, so the ring holds fewer
+        # positions than that but next_position never passes it; shift renumbers to go on, as Model.forward
+        # and the cache file format expect (no position of a model's cache is >= max_seq_len).
+        self.max_positions = max_positions
         # slots 0..sinks-1 hold positions 0..sinks-1; slots sinks.. are the ring
         self.store = SlotStore(n_layers, (self.sinks + self.window,), n_kv_heads, head_dim, self.k_codec,
                                self.v_codec)
@@ -109,11 +115,20 @@ class WindowCache(KVCache):
     # ---- one execution -------------------------------------------------------------------------------
 
     def _append_problem(self, n_new):
-        # the ring makes room by dropping its oldest positions
-        return "this cache was freed" if self._freed else None
+        # the ring makes room by dropping its oldest positions; only the model's positions run out
+        if self._freed:
+            return "this cache was freed"
+        if self.max_positions is not None and self._next + n_new > self.max_positions:
+            return (f"cannot append {n_new} positions: the next position is {self._next} and positions are at "
+                    f"most {self.max_positions - 1} (max_seq_len {self.max_positions}); shift(n, keep={self.sinks}) "
+                    "renumbers the ring to go on")
+        return None
 
     def _reserve(self, n_new):
-        return n_new, {}  # the ring always has room; the layers' encoded K/V are staged here
+        problem = self._append_problem(n_new)
+        if problem is not None:
+            raise CacheFullError(problem)
+        return n_new, {}  # the ring has room; the layers' encoded K/V are staged here
 
     def _write(self, reservation, layer, k, v):
         T, staged = reservation
@@ -200,7 +215,8 @@ class WindowCache(KVCache):
 
     def _fork(self):
         child = WindowCache(self.n_layers, self.n_kv_heads, self.head_dim, self.window, self.sinks, self.k_dtype,
-                            v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta)
+                            v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta,
+                            max_positions=self.max_positions)
         for name, a in self.store.arrays():
             getattr(child.store, name)[...] = a
         child._n_sinks, child._n_ring, child._head, child._next = self._n_sinks, self._n_ring, self._head, self._next

@@ -36,8 +36,9 @@ An int8 K is the exception, on every instruction set and in either mode: C score
 head rounded to 8 bits per K scale group and exact integer dot products, the group scales applied once
 per group (kvref.spec.ops.int8_key_scores), where the decoder scores the decoded float K. A score moves
 by at most scale sum_b d_b (1/2 + 2**-16) ks_b sum_j |k8_j| (d_b = max|q| / 127 of the query's group)
-beyond float32 rounding (kvref.tolerance.INT8_KEY_QUERY_ROUNDING), and the logits stay within
-kvref.tolerance.INT8_KEY_LOGIT_BOUND of the decoder's. A
+beyond float32 rounding (kvref.tolerance.INT8_KEY_QUERY_ROUNDING); the logits equal, bit for bit,
+the decoder's on a kernel set whose attention reads the cache in place as C does, and stay within
+kvref.tolerance.INT8_KEY_LOGIT_BOUND of the float-query decoder's on models with d_model >= 16. A
 ring layer's keys are in slot order rather than position order, so there the logits are the
 decoder's over a contiguous cache to float32 rounding (the online softmax sums in another order).
 With activations="int8",
