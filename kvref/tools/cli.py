@@ -25,7 +25,9 @@ from .bench import add_bench
 from .machine import blas_threads
 from .common import (Progress, activations, add_activations_argument, add_model_arguments, available_memory, count,
                      count_in, human_bytes)
+from .export import add_export
 from .info import add_inspect, add_memory, add_trace
+from .models import add_models
 from .perplexity import add_perplexity
 
 
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
     add_serve(commands)
     add_conformance(commands)
     add_fixtures(commands)
+    add_export(commands)
+    add_models(commands)
     args = parser.parse_args(argv)
     try:
         with warnings.catch_warnings():
