@@ -82,7 +82,9 @@ def engines_for(args, spec):
     if name == "transformers":
         from .hf_engine import HFEngine
 
-        return [HFEngine(args.model, n)]
+        from ..loader import resolve
+
+        return [HFEngine(resolve(args.model), n)]  # org/name: the cached folder, never a download
     if name == "llama-cpp-python":
         from ..loader import model_path
         from .llama_engine import LlamaCppEngine
@@ -94,10 +96,21 @@ def engines_for(args, spec):
     return [OpenAIHTTPEngine(args.url, spec, precision=args.precision)]
 
 
+def _is_folder(model) -> bool:
+    from ..errors import ModelNotFoundError
+    from ..loader import resolve
+
+    try:
+        return resolve(model).is_dir()
+    except ModelNotFoundError:
+        return False
+
+
 def check_arguments(args) -> None:
     """What an engine needs, checked before any model loads."""
-    if args.engine == "transformers" and (args.model is None or not Path(args.model).is_dir()):
-        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory>")
+    if args.engine == "transformers" and (args.model is None or not _is_folder(args.model)):
+        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory, or org/name "
+                               "in the Hugging Face cache>")
     if args.engine == "openai-http" and not args.url:
         raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
     if args.engine != "openai-http" and args.url:

@@ -24,13 +24,14 @@ def add_inspect(commands):
 
 
 def run_inspect(args) -> int:
-    from ..loader import load_config
+    from ..loader import load_config, resolve
 
-    if args.path is not None and Path(args.path).is_dir():
-        print_checkpoint(Path(args.path))
+    source = resolve(args.path)  # org/name of the HF cache included
+    if source.is_dir():
+        print_checkpoint(source)
     else:
-        print_gguf(args.path)
-    config = load_config(args.path)
+        print_gguf(source)
+    config = load_config(source)
     print(f"\narchitecture: {config}")
     print(f"attention: {window_summary(config)}")
     for dtype in ("float32", "float16"):
