@@ -67,7 +67,7 @@ def test_kvref_load_of_the_export_round_trips_to_the_same_model(exported):
 
 def test_hf_tokenizers_on_the_exported_tokenizer_json_encode_like_kvrefs_gguf_tokenizer(exported):
     tokenizers = require("tokenizers")
-    name, model, directory = exported
+    _, model, directory = exported
     hf = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     for text in TEXTS:
         ids = model.tokenizer.encode(text, special=True, add_special=True)
@@ -76,7 +76,7 @@ def test_hf_tokenizers_on_the_exported_tokenizer_json_encode_like_kvrefs_gguf_to
 
 
 def test_the_tokenizer_config_names_the_special_tokens_and_the_chat_template(exported):
-    name, model, directory = exported
+    _, model, directory = exported
     config = json.loads((directory / "tokenizer_config.json").read_text())
     tokens = model.tokenizer.tokens
     assert config["bos_token"] == tokens[model.tokenizer.bos_id] and config["eos_token"] == tokens[model.tokenizer.eos_id]

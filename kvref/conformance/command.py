@@ -80,9 +80,8 @@ def engines_for(args, spec):
         return [KVRefEngine(model, layout, n, args.kv_dtype) for model in kvref_models(args, spec)
                 for layout in (args.layout or LAYOUTS)]
     if name == "transformers":
-        from .hf_engine import HFEngine
-
         from ..loader import resolve
+        from .hf_engine import HFEngine
 
         return [HFEngine(resolve(args.model), n)]  # org/name: the cached folder, never a download
     if name == "llama-cpp-python":
@@ -109,8 +108,8 @@ def _is_folder(model) -> bool:
 def check_arguments(args) -> None:
     """What an engine needs, checked before any model loads."""
     if args.engine == "transformers" and (args.model is None or not _is_folder(args.model)):
-        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory, or org/name "
-                               "in the Hugging Face cache>")
+        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory> (or org/name "
+                               "in the local Hugging Face cache)")
     if args.engine == "openai-http" and not args.url:
         raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
     if args.engine != "openai-http" and args.url:

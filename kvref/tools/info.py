@@ -3,8 +3,6 @@ execution, and what a cache costs, each without generating text (the `kvref` com
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .. import trace
 from ..cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
 from ..cache.report import window_summary
