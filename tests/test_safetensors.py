@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvref.errors import KVRefError, ModelNotFoundError, SafetensorsError
-from kvref.formats.safetensors import Checkpoint, SafetensorsFile
+from kvref.formats.safetensors import Checkpoint, SafetensorsFile, write_file
 from tests.conftest import require
 
 require("safetensors")
@@ -115,3 +115,32 @@ def test_random_bytes_never_escape_as_anything_but_a_kvref_error(body, size):
         read(body, b"", size)
     except KVRefError:
         pass
+
+
+@given(st.dictionaries(st.text("abcxyz._", min_size=1, max_size=8), ARRAYS, min_size=1, max_size=4),
+       st.booleans())
+def test_what_write_file_writes_the_reference_reader_and_ours_read_back_exactly(tmp_path_factory, tensors, bf16):
+    from safetensors.numpy import load_file
+
+    codes = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.float64): "F64",
+             np.dtype(np.int64): "I64"}
+    path = tmp_path_factory.mktemp("st") / "t.safetensors"
+    entries = {name: (codes[a.dtype], a) for name, a in tensors.items()}
+    if bf16:  # bfloat16 bits of float32 values that bfloat16 holds exactly
+        entries["bf16"] = ("BF16", np.array([0x3F80, 0xC2F7, 0x0001], dtype="<u2"))
+    write_file(path, entries, {"format": "pt"})
+    assert (8 + struct.unpack("<Q", path.read_bytes()[:8])[0]) % 8 == 0  # every tensor starts 8-byte aligned
+    reference = load_file(str(path)) if not bf16 else {}  # safetensors.numpy has no bfloat16
+    f = SafetensorsFile(path)
+    assert f.metadata == {"format": "pt"}
+    for name, a in tensors.items():
+        assert np.array_equal(f.array(name), a) and f.array(name).dtype == a.dtype
+        assert not reference or np.array_equal(reference[name], a)
+    if bf16:
+        np.testing.assert_array_equal(f.array("bf16"), np.array([1.0, -123.5, 2.0 ** -133], np.float32))
+
+
+def test_write_file_refuses_an_array_that_is_not_its_dtype_and_leaves_no_file(tmp_path):
+    with pytest.raises(SafetensorsError, match="float64 array cannot be written as 'F32'"):
+        write_file(tmp_path / "t.safetensors", {"w": ("F32", np.zeros(3))})
+    assert list(tmp_path.iterdir()) == []

@@ -82,9 +82,10 @@ def engines_for(args, spec):
         return [KVRefEngine(model, layout, n, args.kv_dtype) for model in kvref_models(args, spec)
                 for layout in (args.layout or LAYOUTS)]
     if name == "transformers":
+        from ..loader import resolve
         from .hf_engine import HFEngine
 
-        return [HFEngine(args.model, n)]
+        return [HFEngine(resolve(args.model), n)]  # org/name: the cached folder, never a download
     if name == "llama-cpp-python":
         from ..loader import model_path
         from .llama_engine import LlamaCppEngine
@@ -96,10 +97,21 @@ def engines_for(args, spec):
     return [OpenAIHTTPEngine(args.url, spec, precision=args.precision)]
 
 
+def _is_folder(model) -> bool:
+    from ..errors import ModelNotFoundError
+    from ..loader import resolve
+
+    try:
+        return resolve(model).is_dir()
+    except ModelNotFoundError:
+        return False
+
+
 def check_arguments(args) -> None:
     """What an engine needs, checked before any model loads."""
-    if args.engine == "transformers" and (args.model is None or not Path(args.model).is_dir()):
-        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory>")
+    if args.engine == "transformers" and (args.model is None or not _is_folder(args.model)):
+        raise ConformanceError("the transformers engine needs -m <Hugging Face checkpoint directory> (or org/name "
+                               "in the local Hugging Face cache)")
     if args.engine == "openai-http" and not args.url:
         raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
     if args.engine != "openai-http" and args.url:

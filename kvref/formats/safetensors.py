@@ -1,4 +1,5 @@
-"""safetensors reader: the tensor table of a file, and each tensor memory-mapped from it.
+"""safetensors files: the tensor table of a file and each tensor memory-mapped from it (read), and a
+file from arrays (write_file).
 
 A .safetensors file is
 
@@ -12,6 +13,10 @@ entry before any tensor is used: a known dtype, non-negative integer dims, begin
 end - begin = elements x element size, and no two tensors sharing a byte. Anything wrong raises
 SafetensorsError naming the file and the tensor. A checkpoint sharded over several files
 (model.safetensors.index.json, "weight_map": {name: file}) is read with `Checkpoint`.
+
+write_file lays tensors out in the order given, each right after the previous one, behind a header
+padded with spaces to a multiple of 8 bytes (as the reference writer does, so every tensor of a
+float32 file starts 4-byte aligned once mapped).
 
 Reference: https://github.com/huggingface/safetensors (format section of its README).
 """
@@ -34,6 +39,7 @@ DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8",
           "I8": "i1", "U8": "u1", "BOOL": "?"}
 MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation refuses larger headers too
 MAX_DIMS = 8
+HEADER_ALIGNMENT = 8
 
 
 class SafetensorsFile:
@@ -153,3 +159,32 @@ def _check_entries(header, data_size, path):
         if begin < end:
             raise SafetensorsError(f"{path}: tensors {first!r} and {second!r} share bytes")
     return tensors
+
+
+def write_file(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write {name: (dtype, array)} to `path` as one .safetensors file; dtype is a safetensors code
+    ("F32", "BF16", ...) and the array holds exactly its values (a bfloat16 tensor as uint16 bits).
+    Written beside `path` and renamed: an interrupted write never leaves a file that looks complete."""
+    header, offset = {}, 0
+    if metadata:
+        if any(not isinstance(k, str) or not isinstance(v, str) for k, v in metadata.items()):
+            raise SafetensorsError("safetensors __metadata__ must map strings to strings")
+        header["__metadata__"] = metadata
+    for name, (dtype, array) in tensors.items():
+        if dtype not in DTYPES or array.dtype != np.dtype(DTYPES[dtype]):
+            raise SafetensorsError(f"tensor {name!r}: a {array.dtype} array cannot be written as {dtype!r}; "
+                                   f"expected one of {DTYPES}")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % HEADER_ALIGNMENT)
+    path = Path(path)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for _, array in tensors.values():
+                f.write(np.ascontiguousarray(array).data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

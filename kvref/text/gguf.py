@@ -57,12 +57,12 @@ def _byte_level(metadata: dict, tokens: list[str], pre: str) -> ByteLevelBPE:
         raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                              f"expected one of {sorted(PRE_TOKENIZERS)}")
     # a generator: each split pair lives only until MergeRanks has read it
-    merges = (_merge_pair(m) for m in _string_list(metadata, "tokenizer.ggml.merges"))
+    merges = (merge_pair(m) for m in _string_list(metadata, "tokenizer.ggml.merges"))
     # llama.cpp takes a word that is a token whole for Llama 3 (its tokenizer.json's ignore_merges)
     return ByteLevelBPE(tokens, merges, PRE_TOKENIZERS[pre], pre, ignore_merges=pre == "llama-bpe")
 
 
-def _merge_pair(merge: str) -> tuple[str, str]:
+def merge_pair(merge: str) -> tuple[str, str]:
     """"left right" -> (left, right), cut at the first space after the first character, as llama.cpp does."""
     cut = merge.find(" ", 1)
     return (merge[:cut], merge[cut + 1:]) if cut != -1 else (merge, "")

@@ -27,7 +27,9 @@ from .bench import add_bench
 from .machine import blas_threads
 from .common import (Progress, activations, add_activations_argument, add_model_arguments, available_memory, count,
                      count_in, human_bytes, line_editing)
+from .export import add_export
 from .info import add_inspect, add_memory, add_trace
+from .models import add_models
 from .perplexity import add_perplexity
 
 
@@ -66,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     add_serve(commands)
     add_conformance(commands)
     add_fixtures(commands)
+    add_export(commands)
+    add_models(commands)
     return parser
 
 
@@ -527,7 +531,7 @@ def run_serve(args) -> int:
         from ..serving.protocol import Limits
     except ImportError as error:
         raise ConfigError(f"kvref serve needs the serve extra (pip install 'kvref[serve]'): {error}") from None
-    from ..loader import SHORT_NAMES, model_path
+    from ..loader import SHORT_NAMES
 
     model = load_text_model(args)
     c = model.config
@@ -538,10 +542,10 @@ def run_serve(args) -> int:
         name = args.model_name
     elif source is None:
         name = "smollm2"  # the default model, by its short name
-    elif source in SHORT_NAMES:
+    elif source in SHORT_NAMES or not Path(source).exists():  # a short name, or org/name of the HF cache
         name = source
     else:
-        name = Path(source).name if Path(source).is_dir() else Path(model_path(source)).stem
+        name = Path(source).name if Path(source).is_dir() else Path(source).stem
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         notice(args, f"listening on {args.host} without --api-key: anyone who can reach the port can use the model")
     server = create_server(model, name, host=args.host, port=args.port, max_batch=args.max_batch,

@@ -15,8 +15,9 @@ from ..backends import PROGRAM_ACTIVATIONS, default_activations
 
 
 def add_model_arguments(p):
-    p.add_argument("-m", "--model", help="GGUF file, Hugging Face checkpoint directory or short name (smollm2, "
-                                         "gemma3-270m); default: $KVREF_MODEL, else SmolLM2-135M-Instruct")
+    p.add_argument("-m", "--model", help="GGUF file, Hugging Face checkpoint directory, short name (smollm2, "
+                                         "gemma3-270m) or org/name in the local Hugging Face cache (`kvref "
+                                         "models` lists them); default: $KVREF_MODEL, else SmolLM2-135M-Instruct")
     p.add_argument("--backend", default="auto", choices=["auto", "numpy", "c"],
                    help="auto (default): the C kernels when built, else the NumPy spec")
 

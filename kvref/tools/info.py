@@ -3,8 +3,6 @@ execution, and what a cache costs, each without generating text (the `kvref` com
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .. import trace
 from ..cache import ELEMENT_BYTES, bytes_per_position, cache_bytes
 from ..cache.report import window_summary
@@ -28,12 +26,11 @@ def add_inspect(commands):
 
 
 def run_inspect(args) -> int:
-    from ..loader import load_config
+    from ..loader import load_config, resolve
 
-    directory = args.path is not None and Path(args.path).is_dir()
-    title, architecture, metadata, tensors = (read_checkpoint(Path(args.path)) if directory
-                                              else read_gguf(args.path))
-    config = load_config(args.path)
+    source = resolve(args.path)  # org/name of the HF cache included
+    title, architecture, metadata, tensors = read_checkpoint(source) if source.is_dir() else read_gguf(source)
+    config = load_config(source)
     print(title)
     print(f"architecture: {architecture}")
     for name, value in config_lines(config):
