@@ -293,7 +293,7 @@ def generation_config(parts: dict) -> dict:
 
 def add_export(commands):
     p = commands.add_parser("export", help="write a GGUF model in another format")
-    formats = p.add_subparsers(dest="format", required=True)
+    formats = p.add_subparsers(dest="format", required=True, help="the format to write (hf: Hugging Face)")
     hf = formats.add_parser("hf", help="a Hugging Face checkpoint folder (config.json, model.safetensors, "
                                        "tokenizer.json) that transformers and kvref load")
     hf.add_argument("model", help="a GGUF file, a short name (smollm2, gemma3-270m) or org/name in the HF cache")
