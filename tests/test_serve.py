@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import kvref
+from kvref import native
 from kvref.tolerance import near_tie
 from tests.conftest import require, sigint_default
 
@@ -404,7 +405,8 @@ def test_sigterm_stops_accepting_and_ends_the_requests_in_flight_within_the_shut
     sock.close()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "kvref", "serve", "--port", str(port), "--cache-mib", "64",
-                               "--shutdown-timeout", "0.5", "-q"], stderr=subprocess.PIPE, preexec_fn=sigint_default)
+                               "--shutdown-timeout", "0.5"], stderr=subprocess.PIPE, text=True,
+                              preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 120
         while httpx_get_or_none(url + "/health") is None:
@@ -430,6 +432,9 @@ def test_sigterm_stops_accepting_and_ends_the_requests_in_flight_within_the_shut
         reader.join(60)
         assert not reader.is_alive() and len(lines) < 2 * 2000  # the stream ended long before its 2000 tokens
         assert httpx_get_or_none(url + "/health") is None  # and nothing answers any more
+        startup = server.stderr.read()  # the first lines say which chat template and activation mode run
+        assert "kvref serve: chat template: the file's own" in startup
+        assert "activations)" in startup and ("int8 activations" in startup) == native.available()
     finally:
         server.kill()
         server.wait()

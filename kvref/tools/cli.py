@@ -533,7 +533,7 @@ def run_serve(args) -> int:
         raise ConfigError(f"kvref serve needs the serve extra (pip install 'kvref[serve]'): {error}") from None
     from ..loader import SHORT_NAMES
 
-    model = load_text_model(args)
+    model = load_text_model(args, chat=True)  # /v1/chat/completions renders its template: say which
     c = model.config
     per_block = args.block_size * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, args.kv_dtype)
     num_blocks = args.num_blocks or max((args.cache_mib or SERVE_CACHE_MIB) * 2**20 // per_block, 1)
