@@ -28,6 +28,9 @@ EXTRA = "pip install 'kvref[structured]'"
 # token types that stand for no text a grammar could match
 OUT_OF_REACH = frozenset({CONTROL, UNKNOWN, UNUSED})
 # kvref Tokenizer -> its llguidance.LLTokenizer (building one takes 2 s on 262,144 tokens)
+# JSON written one way, with json.dumps's separators and no other whitespace: a model cannot wander
+# in optional whitespace (a schema's "x-guidance" options can still ask for it)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _GRAMMAR_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -123,7 +126,7 @@ def grammar_text(llguidance, json_schema, grammar) -> str:
             raise GenerationError(f"json_schema= is not JSON: {error}") from None
     if not isinstance(json_schema, dict):
         raise GenerationError(f"json_schema= takes a JSON object (a dict); got {type(json_schema).__name__}")
-    return llguidance.LLMatcher.grammar_from_json_schema(json_schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_LAYOUT)
 
 
 def _kind(json_schema) -> str:
