@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import kvref
 from kvref.errors import GenerationError
+from kvref.generation.batch import Engine
 from kvref.generation.grammar import Constrained, Grammar
 from kvref.generation.sampling import Sampler
 from kvref.tools.cli import main
@@ -134,3 +135,24 @@ def test_run_with_a_grammar_file_writes_a_sentence_of_it(smollm2, tmp_path, caps
     grammar.write_text('start: "yes" | "no"\n')
     assert main(["run", "--grammar", str(grammar), "--temperature", "1", "--seed", "3", "Is Paris in France?"]) == 0
     assert capsys.readouterr().out in {"yes\n", "no\n"}
+
+
+def test_batched_requests_each_keep_their_own_grammar_and_validate(smollm2):
+    end_ids = sorted(smollm2.tokenizer.eos_ids)
+    numbers = {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 4}
+    sampled = {"temperature": 1.0, "seed": 5, "n": 2}  # bounded schemas only: a sampled string may run on
+    engine = Engine(smollm2, max_batch=8)
+    requests = {engine.submit(smollm2.tokenizer.encode(PROMPT), 200, stop_ids=end_ids, json_schema=schema,
+                              **settings): schema
+                for schema, settings in [(PERSON, {}), ({"type": "object"}, {}), (numbers, {}), (PERSON, sampled),
+                                         (numbers, sampled)]}
+    requests.update({sibling: schema for request, schema in list(requests.items()) for sibling in request.siblings})
+    engine.run()
+    assert len(requests) == 7
+    for request, schema in requests.items():
+        jsonschema.validate(json.loads(ended_output(smollm2.tokenizer, request.tokens)), schema)
+
+
+def test_a_batched_request_without_the_end_ids_cannot_take_a_grammar(smollm2):
+    with pytest.raises(GenerationError, match="end ids"):
+        Engine(smollm2).submit([1, 2, 3], 5, json_schema={"type": "object"})
