@@ -3,8 +3,8 @@ and outlines-core, on SmolLM2's 49,152-token and Gemma 3's 262,144-token vocabul
 
     python benchmarks/structured_masks.py [--models smollm2,gemma3-270m] [--repeats 5]
 
-Each library gets the vocabulary as token byte strings (kvref's Tokenizer.token_bytes; control tokens
-are kept out of the grammar's reach). Two constraints: a JSON schema with nested fields and an enum,
+Each library gets the vocabulary as token byte strings, as kvref.generation.grammar gives them
+(TokenizerView: Tokenizer.token_bytes; control tokens out of the grammar's reach). Two constraints: a JSON schema with nested fields and an enum,
 and plain JSON mode (any JSON object; outlines-core has only regular languages, so its JSON mode is
 its bounded-depth regex of {"type": "object"}). One fixed valid document is walked token by token: a
 mask before every token, then the token is consumed. Printed: the median and 90th-percentile mask time
@@ -23,10 +23,8 @@ import time
 import numpy as np
 
 import kvref
-from kvref.text.vocab import CONTROL, UNKNOWN, UNUSED
+from kvref.generation.grammar import TokenizerView, grammar_tokenizer
 
-# tokens that stand for no text a grammar could match
-OUT_OF_REACH = frozenset({CONTROL, UNKNOWN, UNUSED})
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -46,29 +44,13 @@ JSON_MODE = {"type": "object"}
 CONSTRAINTS = {"schema": SCHEMA, "json mode": JSON_MODE}
 
 
-def vocabulary(tokenizer) -> list[bytes]:
-    """Token i's bytes; control tokens get bytes no grammar can produce (llguidance's 0xFF prefix)."""
-    return [b"\xff" + tokenizer.tokens[i].encode() if tokenizer.token_types[i] in OUT_OF_REACH
-            else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-
-
 class LLGuidance:
     name = "llguidance"
 
     def __init__(self, tokenizer):
         import llguidance
         self.lib = llguidance
-
-        class Wrapper:  # what llguidance.TokenizerWrapper reads
-            eos_token_id = tokenizer.eos_id
-            bos_token_id = tokenizer.bos_id
-            tokens = vocabulary(tokenizer)
-            special_token_ids = [i for i, t in enumerate(tokenizer.token_types) if t in OUT_OF_REACH]
-
-            def __call__(self, data: bytes):
-                return tokenizer.encode(data.decode("utf-8", "replace"))
-
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Wrapper()))
+        self.tokenizer = grammar_tokenizer(tokenizer)  # what kvref.generation.grammar uses
         self.mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)  # [ceil(V / 32)] bits
 
     def compile(self, schema):
@@ -97,7 +79,7 @@ class OutlinesCore:
         import outlines_core
         self.lib = outlines_core
         by_bytes: dict[bytes, list[int]] = {}
-        for i, piece in enumerate(vocabulary(tokenizer)):
+        for i, piece in enumerate(TokenizerView(tokenizer).tokens):
             if piece and i not in tokenizer.eos_ids and not piece.startswith(b"\xff"):
                 by_bytes.setdefault(piece, []).append(i)
         self.vocabulary = outlines_core.Vocabulary(tokenizer.eos_id, by_bytes)

@@ -50,12 +50,13 @@ def grammar_tokenizer(tokenizer):
         if not tokenizer.eos_ids:
             raise GenerationError("structured output needs an end id to end the output at; the tokenizer has none")
         _GRAMMAR_TOKENIZERS[tokenizer] = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(_TokenizerView(tokenizer)), eos_token=sorted(tokenizer.eos_ids))
+            llguidance.TokenizerWrapper(TokenizerView(tokenizer)), eos_token=sorted(tokenizer.eos_ids))
     return _GRAMMAR_TOKENIZERS[tokenizer]
 
 
-class _TokenizerView:
-    """What llguidance.TokenizerWrapper reads of a tokenizer."""
+class TokenizerView:
+    """What llguidance.TokenizerWrapper reads of a tokenizer: .tokens, each token's bytes (control tokens
+    made unreachable), the end and special ids, and encoding."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
