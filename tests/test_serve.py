@@ -192,6 +192,45 @@ def test_a_bad_completion_field_is_a_400_naming_it(served, body, param):
     assert error.value.status_code == 400 and error.value.body["param"] == param, error.value.body
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_gives_valid_json_in_every_choice_greedy_and_sampled(served):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    format_ = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    messages = [{"role": "user", "content": "The capital of France, as JSON"}]
+    sampled = served.client.chat.completions.create(model=NAME, messages=messages, n=3, temperature=1.0, seed=4,
+                                                     response_format=format_)
+    greedy = served.client.completions.create(model=NAME, prompt=PROMPT, extra_body={"response_format": format_})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    jsonschema.validate(json.loads(greedy.choices[0].text), CITY)
+    anything = served.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=200,
+                                                extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.choices[0].text), dict)
+
+
+@pytest.mark.parametrize("format_, param", [
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 2, "maximum": 1}}},
+     "response_format"),
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}, "response_format.json_schema.extra"),
+    ({"type": "json_object", "ignore_eos": True}, "response_format.ignore_eos"),
+])
+def test_an_unusable_response_format_is_a_400_naming_it(served, format_, param):
+    pytest.importorskip("llguidance")
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "response_format": format_}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(served.url + "/v1/chat/completions", json={**body, "response_format": {"type": "json_object"},
+                                                               "ignore_eos": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
