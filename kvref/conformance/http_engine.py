@@ -32,6 +32,7 @@ from .engine import ConformanceError, Engine, Refused, Rows
 # when they stop there (kvref serve does); llama.cpp's server and vLLM take ignore_eos too.
 EXTRAS = {"return_tokens_as_token_ids": True, "ignore_eos": True}
 TOP_K = 20  # OpenAI's limit for top logprobs on completions is 5 on some servers, 20 on most
+PROBE = [0]  # the prompt of the first request, which finds what the server takes
 TIMEOUT = 300  # seconds per request: a slow server prefilling on a CPU
 
 
@@ -51,13 +52,16 @@ class OpenAIHTTPEngine(Engine):
         self.ids_of = piece_ids(spec.model.tokenizer) if spec.model.tokenizer is not None else {}
         self.requests = 0
         self.extras = dict(EXTRAS)
+        self.decode = spec.model.tokenizer.decode if spec.model.tokenizer is not None else None
+        self.text_prompts = False  # True when the server refuses token-id prompts (llama-cpp-python's server)
         self._probe()
 
     def describe(self) -> dict:
         return {"engine": "openai-http", "url": self.url, "model": self.model, "top_logprobs": self.top_k,
                 "bounds": self.precision,
                 "rows": "one /v1/completions request per position",
-                "extensions": ", ".join(self.extras) or "none"}
+                "extensions": ", ".join(self.extras) or "none",
+                "prompts": "text, checked by the server's prompt token count" if self.text_prompts else "token ids"}
 
     def new_sequence(self):
         return []
@@ -79,16 +83,27 @@ class OpenAIHTTPEngine(Engine):
 
     def _next(self, prompt):
         # -> ([k] ids, [k] log-probabilities) of the next token after prompt, most likely first
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": self.top_k}
+        body = {"model": self.model, "prompt": self._prompt(prompt), "max_tokens": 1, "temperature": 0,
+                "logprobs": self.top_k}
         body.update(self.extras)
         reply = self._post("/v1/completions", body)
         try:
-            top = reply["choices"][0]["logprobs"]["top_logprobs"][0]
-        except (KeyError, IndexError, TypeError):
+            choice = reply["choices"][0]
+            if choice["logprobs"]["top_logprobs"] == []:
+                # llama-cpp-python's server: it stops at an end token without its entry (finish_reason "stop",
+                # ignore_eos unknown to it) and leaves out every entry of its BOS id (finish_reason "length")
+                raise ConformanceError(f"{self.url}/v1/completions generated a token (finish_reason "
+                                       f"{choice.get('finish_reason')!r}) but returned no log-probabilities for it: "
+                                       f"the distribution after position {len(prompt) - 1} cannot be read from it")
+            top = choice["logprobs"]["top_logprobs"][0]
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise ConformanceError(f"{self.url}/v1/completions answered without choices[0].logprobs.top_logprobs[0]: "
                                    f"{json.dumps(reply)[:300]}") from None
+        if self.text_prompts:
+            self._check_prompt_tokens(reply, prompt)
         pairs = [(self._id(text), float(lp)) for text, lp in top.items()]
-        pairs = sorted(((i, lp) for i, lp in pairs if i is not None), key=lambda p: -p[1])
+        # most likely first; a server may add the chosen token's entry past the k asked for (llama-cpp-python)
+        pairs = sorted(((i, lp) for i, lp in pairs if i is not None), key=lambda p: -p[1])[:self.top_k]
         if not pairs:
             raise ConformanceError(f"none of the server's top tokens maps to one id: {list(top)[:5]}")
         pad = self.top_k - len(pairs)  # texts left out: padded with a repeat of nothing (probability 0)
@@ -96,17 +111,31 @@ class OpenAIHTTPEngine(Engine):
         lps = [lp for _, lp in pairs] + [-np.inf] * pad
         return ids, lps
 
+    def _prompt(self, ids):
+        return self.decode(ids) if self.text_prompts else ids
+
+    def _check_prompt_tokens(self, reply, prompt):
+        # the server tokenized the text itself: it must have read as many tokens as the ids it stands for
+        read = (reply.get("usage") or {}).get("prompt_tokens")
+        if read != len(prompt):
+            raise ConformanceError(f"the server read the text of {len(prompt)} token ids as {read} tokens; it takes no "
+                                   "token-id prompts, so its rows cannot be matched to the spec's positions")
+
     def _probe(self):
-        # ask with every extension; drop each one the server refuses by name, then ask again
+        # ask with every extension; drop each one the server refuses by name, then ask again; a server that
+        # refuses token-id prompts gets their text (llama-cpp-python's server takes only strings)
         while True:
             try:
-                self._next([0])
+                self._next(PROBE)
                 return
             except ConformanceError as refusal:
                 named = [field for field in self.extras if field in str(refusal)]
-                if not named:
+                if named:
+                    del self.extras[named[0]]
+                elif "prompt" in str(refusal) and not self.text_prompts and self.decode is not None:
+                    self.text_prompts = True
+                else:
                     raise
-                del self.extras[named[0]]
 
     @property
     def as_ids(self) -> bool:
