@@ -198,6 +198,18 @@ def test_top_k_kl_is_a_lower_bound_of_the_full_kl_and_equals_it_with_every_token
     np.testing.assert_allclose(topk_kl(ref, ids, np.take_along_axis(act, ids, axis=-1)), exact, atol=1e-12)
 
 
+
+def test_top_k_kl_of_a_row_padded_with_repeats_of_probability_zero_equals_the_unpadded_rows():
+    # openai-http pads a row whose server texts do not all map to one id with repeats of its last id at -inf
+    rng = np.random.default_rng(1)
+    ref = Rows.from_logits(rng.normal(size=(4, 30)) * 3).full
+    act = Rows.from_logits(rng.normal(size=(4, 30)) * 3).full
+    ids = np.argsort(-act, axis=-1)[:, :5]
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], 3, axis=-1)], axis=-1)
+    lps = np.take_along_axis(act, ids, axis=-1)
+    padded_lps = np.concatenate([lps, np.full((4, 3), -np.inf)], axis=-1)
+    np.testing.assert_allclose(topk_kl(ref, padded, padded_lps), topk_kl(ref, ids, lps), atol=1e-12)
+
 # ---- transformers, in process --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
