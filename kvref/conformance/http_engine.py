@@ -10,7 +10,7 @@ choices[0].logprobs.top_logprobs[0] holds the K most likely next tokens of the p
 (echo with logprobs would give every prompt position at once, but servers differ: kvref serve and
 llama.cpp's server refuse it, llama-cpp-python's pairs each token with the wrong position.) A server that
 refuses token-id prompts by naming `prompt` (llama-cpp-python's) gets their text instead, and must read it
-as as many tokens as there were ids. The server's top-k keys are token texts; they map back to ids through
+as the same number of tokens. The server's top-k keys are token texts; they map back to ids through
 the spec's tokenizer, or come as "token_id:N" where the server takes vLLM's return_tokens_as_token_ids
 (asked for first, with ignore_eos; each dropped if the server refuses it). A text several ids decode
 to is left out of the k tokens, so it falls into "the rest" on both sides (spec.py's coarsening stays
