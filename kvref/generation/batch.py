@@ -52,6 +52,7 @@ from ..cache import begin_all
 from ..cache.paged import PagedCache
 from ..cache.pool import BlockPool, blocks_for
 from ..errors import CacheError, CacheFullError, GenerationError
+from .grammar import Constrained, Grammar
 from .sampling import Sampler
 from .stop import StopCondition
 
@@ -103,7 +104,7 @@ class Request:
     preempted: int = 0  # times this request was preempted (its blocks freed, its tokens recomputed)
     cache: PagedCache | None = None
     siblings: list = field(default_factory=list)  # sequences to fork from this one after its prefill
-    sampler: Sampler | None = None  # selects its tokens: its own seeded stream, kept across preemptions
+    sampler: Sampler | Constrained | None = None  # selects its tokens: its own seeded stream, kept across preemptions
     _blocks_reserved: int = 0  # the most blocks this request may take from the pool
 
     @property
@@ -166,7 +167,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def submit(self, prompt_ids, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
-               seed=None, stop_ids=(), *, n: int = 1, stop: StopCondition | None = None, **penalties) -> Request:
+               seed=None, stop_ids=(), *, n: int = 1, stop: StopCondition | None = None, grammar: str | None = None,
+               json_schema: dict | str | None = None, **penalties) -> Request:
         """Queue a request; it is checked now (ids, sampling, context, pool size), run by later steps.
 
         It ends after one of stop_ids, or where `stop` (a kvref.generation.stop.StopCondition, instead of
@@ -175,6 +177,8 @@ class Scheduler:
         penalties: repetition_penalty, frequency_penalty, presence_penalty, penalty_last_n as
         kvref.Sampler takes them (over the token history, prompt included). n > 1: the request's
         `siblings` are the other n - 1 sequences, forked from it once its prompt is prefilled.
+        grammar, json_schema: structured output as kvref.generate takes it; each sequence keeps its own
+        grammar state (its sampler is a kvref.generation.grammar.Constrained), across preemptions too.
         """
         model = self.model
         prompt = model.check_tokens(prompt_ids)
@@ -189,14 +193,19 @@ class Scheduler:
             stop = StopCondition.of_ids(stop_ids)
         elif not isinstance(stop, StopCondition) or stop_ids:
             raise GenerationError("stop= takes a StopCondition, and stop_ids then go in its settings")
+        structured = grammar is not None or json_schema is not None
+        if structured and not stop.end_ids & getattr(model.tokenizer, "eos_ids", frozenset()):
+            raise GenerationError("grammar= and json_schema= need the model's end ids among the stop ids (the "
+                                  "grammar ends the output with one)")
         requests = []
         for i in range(n):
             # sequence i > 0 draws from its own stream, so n samples of one prompt differ
             seed_i = seed if seed is None or i == 0 else [int(seed), i]
+            sampler = Sampler(temperature, top_k, top_p, min_p, seed_i, **penalties)
+            if structured:
+                sampler = Constrained(sampler, Grammar(model.tokenizer, json_schema=json_schema, grammar=grammar))
             requests.append(Request(self._next_id, prompt, int(max_new_tokens), stop if i == 0 else stop.fresh(),
-                                    index=i,
-                                    sampler=Sampler(temperature, top_k, top_p, min_p, seed_i, **penalties),
-                                    _blocks_reserved=reserve))
+                                    index=i, sampler=sampler, _blocks_reserved=reserve))
             self._next_id += 1
         request = requests[0]
         if max_new_tokens == 0:

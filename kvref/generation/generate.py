@@ -10,6 +10,9 @@ keyword (temperature=0.7, stop=["\n\n"], ...). Generation ends after max_new_tok
 StopCondition (kvref.generation.stop) says: after one of the model's end ids (EOS, end of turn; not
 with ignore_eos) or a stop id, or after the token that completes a stop string; that last token is
 yielded (kvref.TextStream shows the text before the stop string).
+
+Structured output: grammar= (Lark text) or json_schema= masks the logits before the same Sampler
+(kvref.generation.grammar), so the output is in the grammar's language when it ends at an end id.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..cache import KVCache
 from ..errors import CacheError, CacheFullError, ContextOverflowError, GenerationError
 from ..tolerance import speculative_margin_bound
 from .config import GenerationConfig
+from .grammar import Constrained, Grammar
 from .sampling import Sampler
 from .speculative import SpeculationStats, check_speculate, fit_rollback, next_budget, prompt_lookup, top2_margin
 from .stop import StopCondition
@@ -30,7 +34,8 @@ OVERFLOWS = ("error", "shift")  # what generate does when the context would outg
 
 def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig | None = None, use_cache=True,
              cache: KVCache | None = None, executions: list | None = None, speculate: int = 0,
-             stats: SpeculationStats | None = None, overflow: str = "error", **settings):
+             stats: SpeculationStats | None = None, overflow: str = "error", grammar: str | None = None,
+             json_schema: dict | str | None = None, **settings):
     """Yield up to max_new_tokens selected token ids, one at a time, ending after an end id or stop string.
 
     config: the settings (default model.generation_config); max_new_tokens and `settings` (any
@@ -49,10 +54,18 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
     re-rotated to their new positions (cache.shift), so generation goes on past the cache's capacity
     while the model reads a context with a gap. A seeded sampler starts again from its seed after each
     shift; speculation stats add up over the segments.
+    grammar, json_schema: structured output (kvref.generation.grammar.Grammar; the structured extra):
+    only tokens that keep the output in the grammar's language are selected, and an end id only where
+    the output is complete (an output cut short by max_new_tokens is not). Not with speculate, overflow
+    "shift" or ignore_eos.
     """
     config = resolve_config(model, config, max_new_tokens, settings)
     if overflow not in OVERFLOWS:
         raise GenerationError(f"overflow={overflow!r} is unknown; expected one of {OVERFLOWS}")
+    structured = grammar is not None or json_schema is not None
+    if structured and (speculate or overflow == "shift" or config.ignore_eos):
+        raise GenerationError("grammar= and json_schema= do not work with speculate, overflow='shift' or "
+                              "ignore_eos (the grammar ends the output with an end id)")
     if overflow == "shift":
         return _shifting(model, prompt_ids, config, cache, executions, speculate, stats)
     prompt = model.check_tokens(prompt_ids)
@@ -80,6 +93,8 @@ def generate(model, prompt_ids, max_new_tokens=None, *, config: GenerationConfig
             f"the cache has {cache.capacity - cache.length} free of {cache.capacity}")
     history = _earlier_ids(cache) + [int(t) for t in prompt]
     select, stop = Sampler.from_config(config), StopCondition(model.tokenizer, config)
+    if structured:
+        select = Constrained(select, Grammar(model.tokenizer, json_schema=json_schema, grammar=grammar))
     if speculate:
         return _speculative_loop(model, prompt, config.max_new_tokens, select, stop, history, cache,
                                  executions, speculate, SpeculationStats() if stats is None else stats)

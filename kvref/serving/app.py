@@ -30,7 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import CacheFullError, KVRefError, RequestError
+from ..errors import CacheFullError, GenerationError, KVRefError, RequestError
+from ..generation.grammar import Grammar
 from ..limits import bounded_json
 from .engine import BATCH_BUCKETS, EngineThread, Job
 from .protocol import Limits, Spec, make_spec, parse_chat, parse_completion
@@ -145,9 +146,20 @@ class _Server:
         return make_spec(parsed, ids, self.model.generation_config, self.model.config.max_seq_len, self.limits,
                          pool_positions=self.engine.scheduler.most_positions())
 
+    def _check_schema(self, spec: Spec):
+        """A 400 now for a response_format the engine could not follow (it builds each choice's grammar)."""
+        if spec.config.ignore_eos:
+            raise RequestError("response_format needs the output to end at an end id; drop ignore_eos", "ignore_eos")
+        try:
+            Grammar(self.model.tokenizer, json_schema=spec.json_schema)
+        except GenerationError as error:
+            raise RequestError(str(error), "response_format") from None
+
     # ---- answers --------------------------------------------------------------------------------------
 
     async def _answer(self, request: Request, spec: Spec):
+        if spec.json_schema is not None:
+            await asyncio.to_thread(self._check_schema, spec)
         job = Job(spec, asyncio.get_running_loop())
         try:  # the Scheduler's own admission bound, checked here so it is a 400 before any work
             self.engine.scheduler.check_fits(len(spec.prompt_ids), spec.config.max_new_tokens)

@@ -144,7 +144,8 @@ class EngineThread:
                 list(spec.prompt_ids), config.max_new_tokens, config.temperature, config.top_k, config.top_p,
                 config.min_p, config.seed, n=spec.n, stop=StopCondition(tokenizer, config, text=True),
                 repetition_penalty=config.repetition_penalty, frequency_penalty=config.frequency_penalty,
-                presence_penalty=config.presence_penalty, penalty_last_n=config.penalty_last_n)
+                presence_penalty=config.presence_penalty, penalty_last_n=config.penalty_last_n,
+                json_schema=spec.json_schema)
         except Exception as error:  # the app checked the request; this is a bug or an exotic limit
             job.emit("error", f"{type(error).__name__}: {error}")
             self.counters["requests_failed"] += 1

@@ -23,6 +23,11 @@ What the fields mean where kvref departs from, or adds to, the OpenAI API:
                            context, or beyond what the pool can hold for one sequence, is refused.
   tools, functions         refused with a 400 saying so: kvref's chat templates are rendered without
                            tool definitions, and nothing parses a tool call out of the text.
+  response_format          {"type": "json_object"}: the output is a JSON object; {"type": "json_schema",
+                           "json_schema": {"name": ..., "schema": {...}}}: JSON valid against the schema
+                           (kvref.generation.grammar, the structured extra; "strict" is accepted, and
+                           always holds). A schema that cannot be satisfied is a 400 before any work;
+                           not with ignore_eos (the grammar ends the output at an end id).
   echo with logprobs       refused: the prompt's log-probabilities would need every prompt position's
                            logits, which the batched prefill does not keep.
 """
@@ -46,7 +51,7 @@ TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "functions", "func
 # fields both endpoints read, and the ones accepted only to be refused with a reason
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
           "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "user",
-          "return_tokens_as_token_ids"}
+          "return_tokens_as_token_ids", "response_format"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "logit_bias"} | TOOL_FIELDS
 ROLES = ("system", "user", "assistant")
@@ -73,6 +78,7 @@ class Spec:
     logprobs: int | None = None  # None: off; k: the selected token's and the k most likely
     echo_text: str = ""  # completions with echo: the prompt text, put before each choice's text
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    json_schema: dict | None = None  # response_format: the schema every choice's text is valid against
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class Parsed:
     echo: bool
     max_tokens: int | None
     tokens_as_ids: bool = False
+    json_schema: dict | None = None
 
 
 def parse_completion(body, vocab_size: int, limits: Limits) -> Parsed:
@@ -109,7 +116,8 @@ def parse_completion(body, vocab_size: int, limits: Limits) -> Parsed:
         raise RequestError("echo with logprobs is not supported: the prompt's log-probabilities would need every "
                            "prompt position's logits", "echo")
     return Parsed("completion", prompt, _settings(body), n, *_stream(body), logprobs, echo,
-                  _int(body, "max_tokens", 1, limits.max_tokens, None), _bool(body, "return_tokens_as_token_ids", False))
+                  _int(body, "max_tokens", 1, limits.max_tokens, None), _bool(body, "return_tokens_as_token_ids", False),
+                  _response_format(body))
 
 
 def parse_chat(body, limits: Limits) -> Parsed:
@@ -133,7 +141,8 @@ def parse_chat(body, limits: Limits) -> Parsed:
         raise RequestError(f"max_tokens={given} and max_completion_tokens={max_tokens} disagree; give one",
                            "max_tokens")
     return Parsed("chat", messages, _settings(body), n, *_stream(body), logprobs, False,
-                  given if max_tokens is None else max_tokens, _bool(body, "return_tokens_as_token_ids", False))
+                  given if max_tokens is None else max_tokens, _bool(body, "return_tokens_as_token_ids", False),
+                  _response_format(body))
 
 
 def make_spec(parsed: Parsed, prompt_ids, base: GenerationConfig, max_seq_len: int, limits: Limits,
@@ -161,7 +170,29 @@ def make_spec(parsed: Parsed, prompt_ids, base: GenerationConfig, max_seq_len: i
     except KVRefError as error:  # a combination GenerationConfig refuses (a filter with greedy decoding)
         raise RequestError(str(error), _field_named_in(str(error), parsed.settings)) from None
     return Spec(parsed.kind, tuple(int(t) for t in prompt_ids), config, parsed.n, parsed.stream,
-                parsed.include_usage, parsed.logprobs, echo_text, parsed.tokens_as_ids)
+                parsed.include_usage, parsed.logprobs, echo_text, parsed.tokens_as_ids, parsed.json_schema)
+
+
+def _response_format(body) -> dict | None:
+    """The JSON schema response_format asks for (json_object: any object); None for text or no field."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    value = _object(value, "response_format")
+    kind = value.get("type")
+    fields = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if kind not in fields:
+        raise RequestError(f"response_format.type must be one of {', '.join(fields)}; got {_describe(kind)}",
+                           "response_format.type")
+    _known(value, fields[kind], "response_format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = _object(value.get("json_schema"), "response_format.json_schema")
+    _known(spec, {"name", "description", "schema", "strict"}, "response_format.json_schema.")
+    _bool(spec, "strict", False, "response_format.json_schema.strict")
+    return _object(spec.get("schema", {}), "response_format.json_schema.schema")
 
 
 # ---- fields --------------------------------------------------------------------------------------

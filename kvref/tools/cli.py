@@ -21,6 +21,7 @@ from ..generation.generate import generate, prefill_in_chunks
 from ..generation.sampling import check_penalties, check_sampling
 from ..generation.speculative import SpeculationStats
 from ..generation.stream import TextStream
+from ..limits import read_json_file
 from ..native import MAX_THREADS
 from ..text.templates import BUILTIN_TEMPLATES
 from .bench import add_bench
@@ -267,6 +268,13 @@ def add_run(commands):
                         "the text so far, verified in one execution (faster when the output repeats its "
                         "input, e.g. rewriting code; greedy output unchanged; default 0 = off); --verbose "
                         "prints drafted and accepted counts")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="structured output: the output is JSON valid against the JSON schema in FILE, ended "
+                            "by the model's end id (needs the structured extra: pip install 'kvref[structured]')")
+    shape.add_argument("--grammar", default=None, metavar="FILE",
+                       help="structured output: the output is in the language of the Lark grammar in FILE "
+                            "(llguidance's dialect; needs the structured extra)")
     p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': standard input), less one "
                                                       "trailing newline (the last line's end)")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-': read it from standard input, one "
@@ -293,6 +301,21 @@ def read_prompt(args) -> str:
     if not text:
         raise GenerationError("the prompt is empty")
     return text
+
+
+def read_structure(args) -> dict:
+    """generate's structured-output arguments from --json-schema FILE or --grammar FILE (none without them)."""
+    if args.json_schema is not None:
+        try:
+            return {"json_schema": read_json_file(args.json_schema, "--json-schema file", GenerationError)}
+        except FileNotFoundError:
+            raise GenerationError(f"no --json-schema file at {args.json_schema}") from None
+    if args.grammar is not None:
+        try:
+            return {"grammar": Path(args.grammar).read_text()}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GenerationError(f"cannot read the grammar from {args.grammar}: {exc}") from None
+    return {}
 
 
 def fit_prompt(args, model, prompt_ids, capacity, max_new_tokens) -> list:
@@ -332,6 +355,7 @@ def prefill_progress(args, n_cached=0):
 
 def run_run(args) -> int:
     text = read_prompt(args)
+    structure = read_structure(args)
     model = load_text_model(args, chat=args.chat)
     tok = model.tokenizer
     if args.chat:
@@ -349,7 +373,8 @@ def run_run(args) -> int:
     progress.done()
     speculation = {"speculate": args.speculate, "stats": SpeculationStats()} if args.speculate else {}
     overflow = "shift" if args.context_overflow == "shift" else "error"  # truncate: fit_prompt cut the prompt
-    tokens = generate(model, rest, config=config, cache=cache, overflow=overflow, **speculation)
+    tokens = generate(model, rest, config=config, cache=cache, overflow=overflow, **speculation,
+                      **structure)
     timing = stream_text(tok, tokens, config)
     print()
     if args.verbose:
@@ -533,7 +558,7 @@ def run_serve(args) -> int:
         raise ConfigError(f"kvref serve needs the serve extra (pip install 'kvref[serve]'): {error}") from None
     from ..loader import SHORT_NAMES
 
-    model = load_text_model(args)
+    model = load_text_model(args, chat=True)  # /v1/chat/completions renders its template: say which
     c = model.config
     per_block = args.block_size * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, args.kv_dtype)
     num_blocks = args.num_blocks or max((args.cache_mib or SERVE_CACHE_MIB) * 2**20 // per_block, 1)
