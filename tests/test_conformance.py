@@ -21,7 +21,7 @@ from kvref.conformance.fixtures import SCHEMA_VERSION, to_half_split
 from kvref.conformance.http_engine import OpenAIHTTPEngine
 from kvref.conformance.kvref_engine import LAYOUTS
 from kvref.conformance.spec import full_kl, topk_kl
-from kvref.conformance.checks import CheckResult
+from kvref.conformance.checks import CheckResult, Tally
 from kvref.conformance.suite import table, verdict
 from kvref.tolerance import FLOAT32
 from kvref.tools.cli import main
@@ -271,9 +271,10 @@ def test_fixtures_hold_transformers_keys_in_rotate_half_order(hf_dirs, tmp_path)
 
 # ---- an OpenAI-compatible server (a stub serving a kvref model) ----------------------------------------
 
-def serve(model, top_k=20, refuse=()):
+def serve(model, top_k=20, refuse=(), leave_out=()):
     """A /v1/completions server of token-id prompts with top logprobs named "token_id:N", refusing the
-    fields in `refuse` as a strict server does; returns (server, url)."""
+    fields in `refuse` as a strict server does, and answering with no entry where its greedy token is in
+    `leave_out` (as llama-cpp-python's server does for its BOS id); returns (server, url)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -297,8 +298,9 @@ def serve(model, top_k=20, refuse=()):
                 return self.reply(400, {"error": {"message": f"unrecognized field: {unknown[0]}"}})
             lp = Rows.from_logits(model.forward(body["prompt"])).full[0]
             top = np.argsort(-lp, kind="stable")[:min(body["logprobs"], top_k)]
-            entries = {f"token_id:{t}": float(lp[t]) for t in top}
-            self.reply(200, {"choices": [{"text": "", "logprobs": {"top_logprobs": [entries]}}]})
+            entries = [{f"token_id:{t}": float(lp[t]) for t in top}] if top[0] not in leave_out else []
+            self.reply(200, {"choices": [{"text": "", "logprobs": {"top_logprobs": entries},
+                                          "finish_reason": "length"}]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -319,6 +321,33 @@ def test_openai_http_against_a_server_of_the_same_and_of_another_model(seed, sta
     assert "top-k: a lower bound" in results["golden"].evidence
     assert "against the spec: the engine has no cold path" in results["prefix_cache"].evidence
     assert {r.status for name, r in results.items() if name not in ("golden", "greedy", "prefix_cache")} == {"skip"}
+
+
+def test_openai_http_skips_and_names_the_positions_a_server_leaves_out_and_compares_the_rest(spec, plan):
+    ids = plan.prompts[0] + spec.greedy(plan.prompts[0], plan.greedy_tokens)[0]
+    chosen = spec.rows(ids).argmax(axis=-1)  # [T] the server's greedy token at each position
+    left_out = int(chosen[10])
+    server, url = serve(spec.model, leave_out={left_out})
+    try:
+        results = run(OpenAIHTTPEngine(url, spec), spec, plan, ["golden", "greedy", "prefix_cache"])
+    finally:
+        server.shutdown()
+    golden = results["golden"]
+    assert golden.status == "pass", golden.evidence
+    assert "prompt 0 @10 (the reply has no log-probabilities, finish_reason 'length')" in golden.metrics["skipped"]
+    compared = sum(len(p) + plan.greedy_tokens for p in plan.prompts)
+    assert golden.metrics["positions"] + len(golden.metrics["skipped"]) == compared
+    assert "skipped, the engine gave no distribution there: prompt 0 @" in golden.evidence
+    assert results["prefix_cache"].status == "pass" and results["greedy"].status == "pass"
+    assert results["greedy"].metrics["decoded"] + len(results["greedy"].metrics["skipped"]) == len(plan.prompts)
+
+
+def test_a_check_whose_every_row_is_missing_is_skipped_not_passed():
+    tally = Tally(1.0, 0.1)
+    tally.add("prompt 0", np.zeros((2, 3)), Rows(top_ids=np.zeros((2, 1), dtype=int),
+                                                 top_logprobs=np.full((2, 1), -np.inf), missing={0: "x", 1: "y"}))
+    result = tally.result("golden")
+    assert result.status == "skip" and result.evidence.startswith("no position compared; 2 positions skipped")
 
 
 # ---- the command -----------------------------------------------------------------------------------

@@ -14,9 +14,12 @@ as the same number of tokens. The server's top-k keys are token texts; they map 
 the spec's tokenizer, or come as "token_id:N" where the server takes vLLM's return_tokens_as_token_ids
 (asked for first, with ignore_eos; each dropped if the server refuses it). A text several ids decode
 to is left out of the k tokens, so it falls into "the rest" on both sides (spec.py's coarsening stays
-exact). What the adapter can do: golden and greedy checks on top-k rows, and prefix_cache against the spec
-(requests that share prefixes, as the server's cache sees them; it cannot be asked to compute cold); no
-other cache operation is reachable through the API, so those checks are skipped.
+exact). A reply with no top_logprobs entry (llama-cpp-python's server leaves out the entries of its BOS
+id) makes that position a missing row, with the reply's finish_reason and text as the reason: the
+checks compare the other positions and list it as skipped. What the adapter can do: golden and greedy
+checks on top-k rows, and prefix_cache against the spec (requests that share prefixes, as the server's
+cache sees them; it cannot be asked to compute cold); no other cache operation is reachable through the
+API, so those checks are skipped.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ class OpenAIHTTPEngine(Engine):
         start = len(ids) - 1 if last_only else 0
         rows = [self._next(seq + ids[:j + 1]) for j in range(start, len(ids))]
         seq.extend(ids)
-        return Rows(top_ids=np.array([r[0] for r in rows]), top_logprobs=np.array([r[1] for r in rows]))
+        missing = {j: why for j, (_, _, why) in enumerate(rows) if why is not None}
+        return Rows(top_ids=np.array([r[0] for r in rows]), top_logprobs=np.array([r[1] for r in rows]),
+                    missing=missing)
 
     def prefill_cached(self, ids):
         # a server reuses prefixes (or not) on its own; how many positions it reused is not reported
@@ -84,34 +89,34 @@ class OpenAIHTTPEngine(Engine):
         raise Refused("a server offers no request that bypasses its prefix cache")
 
     def _next(self, prompt):
-        # -> ([k] ids, [k] log-probabilities) of the next token after prompt, most likely first
+        # -> ([k] ids, [k] log-probabilities) of the next token after prompt, most likely first, and None;
+        # or placeholders and why, where the server answered without that distribution
         body = {"model": self.model, "prompt": self._prompt(prompt), "max_tokens": 1, "temperature": 0,
                 "logprobs": self.top_k}
         body.update(self.extras)
         reply = self._post("/v1/completions", body)
         try:
             choice = reply["choices"][0]
-            if choice["logprobs"]["top_logprobs"] == []:
-                # llama-cpp-python's server: it stops at an end token without its entry (finish_reason "stop",
-                # ignore_eos unknown to it) and leaves out every entry of its BOS id (finish_reason "length")
-                raise ConformanceError(f"{self.url}/v1/completions generated a token (finish_reason "
-                                       f"{choice.get('finish_reason')!r}) but returned no log-probabilities for it: "
-                                       f"the distribution after position {len(prompt) - 1} cannot be read from it")
-            top = choice["logprobs"]["top_logprobs"][0]
+            entries = choice["logprobs"]["top_logprobs"]
         except (KeyError, IndexError, TypeError, AttributeError):
-            raise ConformanceError(f"{self.url}/v1/completions answered without choices[0].logprobs.top_logprobs[0]: "
+            raise ConformanceError(f"{self.url}/v1/completions answered without choices[0].logprobs.top_logprobs: "
                                    f"{json.dumps(reply)[:300]}") from None
         if self.text_prompts:
             self._check_prompt_tokens(reply, prompt)
-        pairs = [(self._id(text), float(lp)) for text, lp in top.items()]
+        if not entries:
+            # llama-cpp-python's server leaves out every entry of its BOS id (finish_reason "length"), and
+            # ends at an end token without its entry (finish_reason "stop"; ignore_eos unknown to it)
+            why = f"the reply has no log-probabilities, finish_reason {choice.get('finish_reason')!r}"
+            return [0] * self.top_k, [-np.inf] * self.top_k, why
+        pairs = [(self._id(text), float(lp)) for text, lp in entries[0].items()]
         # most likely first; a server may add the chosen token's entry past the k asked for (llama-cpp-python)
         pairs = sorted(((i, lp) for i, lp in pairs if i is not None), key=lambda p: -p[1])[:self.top_k]
         if not pairs:
-            raise ConformanceError(f"none of the server's top tokens maps to one id: {list(top)[:5]}")
+            raise ConformanceError(f"none of the server's top tokens maps to one id: {list(entries[0])[:5]}")
         pad = self.top_k - len(pairs)  # texts left out: padded with a repeat of nothing (probability 0)
         ids = [i for i, _ in pairs] + [pairs[-1][0]] * pad
         lps = [lp for _, lp in pairs] + [-np.inf] * pad
-        return ids, lps
+        return ids, lps, None
 
     def _prompt(self, ids):
         return self.decode(ids) if self.text_prompts else ids
