@@ -271,10 +271,11 @@ def test_fixtures_hold_transformers_keys_in_rotate_half_order(hf_dirs, tmp_path)
 
 # ---- an OpenAI-compatible server (a stub serving a kvref model) ----------------------------------------
 
-def serve(model, top_k=20, refuse=(), leave_out=()):
+def serve(model, top_k=20, refuse=(), leave_out=(), api_key=None):
     """A /v1/completions server of token-id prompts with top logprobs named "token_id:N", refusing the
-    fields in `refuse` as a strict server does, and answering with no entry where its greedy token is in
-    `leave_out` (as llama-cpp-python's server does for its BOS id); returns (server, url)."""
+    fields in `refuse` as a strict server does, answering with no entry where its greedy token is in
+    `leave_out` (as llama-cpp-python's server does for its BOS id), and with 401 to a request without
+    `Authorization: Bearer api_key` when one is given; returns (server, url)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -288,10 +289,19 @@ def serve(model, top_k=20, refuse=(), leave_out=()):
             self.end_headers()
             self.wfile.write(body)
 
+        def refused(self):
+            if api_key is not None and self.headers.get("Authorization") != f"Bearer {api_key}":
+                self.reply(401, {"error": {"message": "invalid api key"}})
+                return True
+            return False
+
         def do_GET(self):
-            self.reply(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+            if not self.refused():
+                self.reply(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
         def do_POST(self):
+            if self.refused():
+                return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             unknown = [field for field in refuse if field in body]
             if unknown:
@@ -316,6 +326,7 @@ def test_openai_http_against_a_server_of_the_same_and_of_another_model(seed, sta
     finally:
         server.shutdown()
     assert http.extras == {"return_tokens_as_token_ids": True} and http.model == "stub"
+    assert http.describe()["keys"] == "token ids"
     assert results["golden"].status == status and results["greedy"].status == status
     assert results["prefix_cache"].status == status
     assert "top-k: a lower bound" in results["golden"].evidence
@@ -340,6 +351,17 @@ def test_openai_http_skips_and_names_the_positions_a_server_leaves_out_and_compa
     assert "skipped, the engine gave no distribution there: prompt 0 @" in golden.evidence
     assert results["prefix_cache"].status == "pass" and results["greedy"].status == "pass"
     assert results["greedy"].metrics["decoded"] + len(results["greedy"].metrics["skipped"]) == len(plan.prompts)
+
+
+def test_openai_http_sends_the_api_key_and_names_the_refusal_without_it(spec):
+    server, url = serve(spec.model, api_key="k1")
+    try:
+        with pytest.raises(ConformanceError, match="HTTP 401"):
+            OpenAIHTTPEngine(url, spec)
+        http = OpenAIHTTPEngine(url, spec, api_key="k1")
+        assert len(http.forward(http.new_sequence(), [1, 2, 3])) == 3
+    finally:
+        server.shutdown()
 
 
 def test_a_check_whose_every_row_is_missing_is_skipped_not_passed():
@@ -379,6 +401,8 @@ def test_the_command_names_what_an_engine_needs(hf_dirs, capsys):
     assert "needs -m <Hugging Face checkpoint directory>" in capsys.readouterr().err
     assert main(["conformance", "openai-http", "-m", str(hf_dirs["llama"])]) == 2
     assert "needs --url" in capsys.readouterr().err
+    assert main(["conformance", "kvref", "-m", str(hf_dirs["llama"]), "--api-key", "k1"]) == 2
+    assert "--url and --api-key apply to openai-http only, not to kvref" in capsys.readouterr().err
     with pytest.raises(ConformanceError, match="must start with http"):
         OpenAIHTTPEngine("localhost:8080", None)
     short = kvref.Model.random(kvref.ModelConfig(n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, d_ff=8,

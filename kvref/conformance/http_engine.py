@@ -45,13 +45,16 @@ class OpenAIHTTPEngine(Engine):
     name = "openai-http"
     capabilities = frozenset({"incremental", "prefix_cache"})
 
-    def __init__(self, url: str, spec, top_k: int = TOP_K, model: str | None = None, precision: str = "float32"):
+    def __init__(self, url: str, spec, top_k: int = TOP_K, model: str | None = None, precision: str = "float32",
+                 api_key: str | None = None):
         if not url.startswith(("http://", "https://")):
             raise ConformanceError(f"--url {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
         self.top_k = top_k
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.id_keys = False  # True once the server keys its top logprobs "token_id:N" (not token texts)
         self.precision = precision  # the server's arithmetic is not observable: the caller says which bounds apply
         self.model = model or self._served_model()
         self.ids_of = piece_ids(spec.model.tokenizer) if spec.model.tokenizer is not None else {}
@@ -66,6 +69,7 @@ class OpenAIHTTPEngine(Engine):
                 "bounds": self.precision,
                 "rows": "one /v1/completions request per position",
                 "extensions": ", ".join(self.extras) or "none",
+                "keys": "token ids" if self.id_keys else "token texts, mapped to ids by the spec's tokenizer",
                 "prompts": "text, checked by the server's prompt token count" if self.text_prompts else "token ids"}
 
     def new_sequence(self):
@@ -108,6 +112,7 @@ class OpenAIHTTPEngine(Engine):
             # ends at an end token without its entry (finish_reason "stop"; ignore_eos unknown to it)
             why = f"the reply has no log-probabilities, finish_reason {choice.get('finish_reason')!r}"
             return [0] * self.top_k, [-np.inf] * self.top_k, why
+        self.id_keys = all(text.startswith("token_id:") for text in entries[0])
         pairs = [(self._id(text), float(lp)) for text, lp in entries[0].items()]
         # most likely first; a server may add the chosen token's entry past the k asked for (llama-cpp-python)
         pairs = sorted(((i, lp) for i, lp in pairs if i is not None), key=lambda p: -p[1])[:self.top_k]
@@ -144,10 +149,6 @@ class OpenAIHTTPEngine(Engine):
                 else:
                     raise
 
-    @property
-    def as_ids(self) -> bool:
-        return "return_tokens_as_token_ids" in self.extras
-
     def _id(self, text):
         if text.startswith("token_id:"):
             return int(text.split(":", 1)[1])
@@ -162,12 +163,12 @@ class OpenAIHTTPEngine(Engine):
             raise ConformanceError(f"{self.url}/v1/models lists no model") from None
 
     def _get(self, path):
-        return self._call(urllib.request.Request(self.url + path))
+        return self._call(urllib.request.Request(self.url + path, headers=self.headers))
 
     def _post(self, path, body):
         self.requests += 1
         return self._call(urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                                 headers={"Content-Type": "application/json"}))
+                                                 headers={"Content-Type": "application/json", **self.headers}))
 
     def _call(self, request):
         try:
