@@ -4,7 +4,9 @@ The server runs in a subprocess of this interpreter on SmolLM2's GGUF, so the te
 its [server] extra (fastapi, uvicorn, sse-starlette, starlette-context, pydantic-settings) installed
 here. The default test venv has neither, so there it skips, saying which module is missing; run it with
 the Python that has them (`PYTHONPATH=. /work/llama-venv/bin/python -m pytest
-tests/test_conformance_llama_server.py`). docs/conformance.md has the full run and its findings.
+tests/test_conformance_llama_server.py`). The tests assert what kvref guarantees against it (every check
+reaches a verdict with its numbers, the rows the server leaves out are named and not compared, greedy
+decodes the spec's tokens); how far it is from the spec is a finding, in docs/conformance.md.
 """
 
 import importlib.util
@@ -71,7 +73,6 @@ def wait_for(url, server):
 
 
 def test_every_check_runs_to_a_verdict_with_its_numbers_and_greedy_decodes_the_specs_tokens(llama_server):
-    # what kvref guarantees against this server; how far it is from the spec is a finding (docs/conformance.md)
     path, url = llama_server
     spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
     http = OpenAIHTTPEngine(url, spec, precision="quantized")
