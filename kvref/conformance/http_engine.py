@@ -15,7 +15,7 @@ the spec's tokenizer, or come as "token_id:N" where the server takes vLLM's retu
 (asked for first, with ignore_eos; each dropped if the server refuses it). A text several ids decode
 to is left out of the k tokens, so it falls into "the rest" on both sides (spec.py's coarsening stays
 exact). A reply with no top_logprobs entry (llama-cpp-python's server leaves out the entries of its BOS
-id) makes that position a missing row, with the reply's finish_reason and text as the reason: the
+id) makes that position a missing row, with the reply's finish_reason in its reason: the
 checks compare the other positions and list it as skipped. What the adapter can do: golden and greedy
 checks on top-k rows, and prefix_cache against the spec (requests that share prefixes, as the server's
 cache sees them; it cannot be asked to compute cold); no other cache operation is reachable through the
@@ -54,7 +54,7 @@ class OpenAIHTTPEngine(Engine):
             self.url = self.url[:-3]
         self.top_k = top_k
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.id_keys = False  # True once the server keys its top logprobs "token_id:N" (not token texts)
+        self.id_keys = False  # whether the last reply keyed its top logprobs "token_id:N" (else token texts)
         self.precision = precision  # the server's arithmetic is not observable: the caller says which bounds apply
         self.model = model or self._served_model()
         self.ids_of = piece_ids(spec.model.tokenizer) if spec.model.tokenizer is not None else {}
