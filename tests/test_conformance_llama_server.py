@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 import kvref
-from kvref.conformance import Spec, make_plan, run_suite
+from kvref.conformance import ConformanceError, Spec, make_plan, run_suite
 from kvref.conformance.checks import CHECKS
 from kvref.conformance.http_engine import OpenAIHTTPEngine
 
@@ -76,7 +76,8 @@ def test_every_check_runs_to_a_verdict_with_its_numbers_and_greedy_decodes_the_s
     path, url = llama_server
     spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
     http = OpenAIHTTPEngine(url, spec, precision="quantized")
-    assert http.text_prompts  # it refuses token-id prompts; their text, re-tokenized, is checked by count
+    # it refuses token-id prompts; their text, re-tokenized by it, is checked id by id through /extras/tokenize
+    assert http.text_prompts and http.tokenizes
     plan = make_plan(spec.model)
     results = {r.name: r for r in run_suite(http, spec, plan)}
     assert set(results) == set(CHECKS)
@@ -103,3 +104,15 @@ def test_a_row_the_server_leaves_out_is_named_missing_with_its_reason_not_read_a
     rows = http.forward(http.new_sequence(), ids, last_only=True)
     assert rows.missing == {0: "the reply has no log-probabilities, finish_reason 'length'"}
     assert len(rows.reported()) == 0
+
+
+def test_a_text_the_server_reads_as_other_ids_of_the_same_count_is_an_error(llama_server):
+    # the text of " cat" sent where the ids say " dog": as many tokens, other ids
+    path, url = llama_server
+    spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
+    http = OpenAIHTTPEngine(url, spec, precision="quantized")
+    tok = spec.model.tokenizer
+    ids, (dog,), (cat,) = tok.encode("The dog sat"), tok.encode(" dog"), tok.encode(" cat")
+    http.decode = lambda prompt: tok.decode([cat if t == dog else t for t in prompt])
+    with pytest.raises(ConformanceError, match=r"tokenizes the text of 2 token ids as other ids \(from position 1"):
+        http.forward(http.new_sequence(), ids)

@@ -10,7 +10,7 @@ choices[0].logprobs.top_logprobs[0] holds the K most likely next tokens of the p
 (echo with logprobs would give every prompt position at once, but servers differ: kvref serve and
 llama.cpp's server refuse it, llama-cpp-python's pairs each token with the wrong position.) A server that
 refuses token-id prompts by naming `prompt` (llama-cpp-python's) gets their text instead, and must read it
-as the same number of tokens. The server's top-k keys are token texts; they map back to ids through
+as the same ids (checked through its /extras/tokenize, where it has one) and as many tokens (usage). The server's top-k keys are token texts; they map back to ids through
 the spec's tokenizer, or come as "token_id:N" where the server takes vLLM's return_tokens_as_token_ids
 (asked for first, with ignore_eos; each dropped if the server refuses it). A text several ids decode
 to is left out of the k tokens, so it falls into "the rest" on both sides (spec.py's coarsening stays
@@ -30,6 +30,7 @@ import urllib.request
 
 import numpy as np
 
+from ..generation.conversation import shared_prefix
 from .engine import ConformanceError, Engine, Refused, Rows
 
 # Extensions asked for, each dropped if the server refuses it by name: token ids as logprob keys (vLLM,
@@ -38,6 +39,8 @@ from .engine import ConformanceError, Engine, Refused, Rows
 EXTRAS = {"return_tokens_as_token_ids": True, "ignore_eos": True}
 TOP_K = 20  # OpenAI's limit for top logprobs on completions is 5 on some servers, 20 on most
 PROBE = [0]  # the prompt of the first request, which finds what the server takes
+# llama-cpp-python's server: {"input": text} -> {"tokens": ids}, the ids its completions read the text as
+TOKENIZE = "/extras/tokenize"
 TIMEOUT = 300  # seconds per request: a slow server prefilling on a CPU
 
 
@@ -62,6 +65,7 @@ class OpenAIHTTPEngine(Engine):
         self.extras = dict(EXTRAS)
         self.decode = spec.model.tokenizer.decode if spec.model.tokenizer is not None else None
         self.text_prompts = False  # True when the server refuses token-id prompts (llama-cpp-python's server)
+        self.tokenizes = False  # True when the server answers TOKENIZE: text prompts are then checked id by id
         self._probe()
 
     def describe(self) -> dict:
@@ -70,7 +74,7 @@ class OpenAIHTTPEngine(Engine):
                 "rows": "one /v1/completions request per position",
                 "extensions": ", ".join(self.extras) or "none",
                 "keys": "token ids" if self.id_keys else "token texts, mapped to ids by the spec's tokenizer",
-                "prompts": "text, checked by the server's prompt token count" if self.text_prompts else "token ids"}
+                "prompts": self._prompts_note()}
 
     def new_sequence(self):
         return []
@@ -126,12 +130,34 @@ class OpenAIHTTPEngine(Engine):
     def _prompt(self, ids):
         return self.decode(ids) if self.text_prompts else ids
 
+    def _prompts_note(self) -> str:
+        if not self.text_prompts:
+            return "token ids"
+        if self.tokenizes:
+            return f"text, its tokenization ({TOKENIZE}) checked against the ids"
+        return "text, checked by the server's prompt token count only"
+
     def _check_prompt_tokens(self, reply, prompt):
-        # the server tokenized the text itself: it must have read as many tokens as the ids it stands for
+        # the server tokenized the text itself: it must have read the ids the text stands for (where it says
+        # which ids it reads a text as), and as many tokens (usage.prompt_tokens, which every server reports)
+        if self.tokenizes:
+            read = self._post(TOKENIZE, {"model": self.model, "input": self.decode(prompt)}).get("tokens") or []
+            if read != list(prompt):
+                at = shared_prefix(read, prompt)
+                raise ConformanceError(f"the server tokenizes the text of {len(prompt)} token ids as other ids (from "
+                                       f"position {at}: {read[at:at + 3]} for {list(prompt[at:at + 3])}); it takes "
+                                       "no token-id prompts, so its rows are not the spec's positions")
         read = (reply.get("usage") or {}).get("prompt_tokens")
         if read != len(prompt):
             raise ConformanceError(f"the server read the text of {len(prompt)} token ids as {read} tokens; it takes no "
                                    "token-id prompts, so its rows cannot be matched to the spec's positions")
+
+    def _answers_tokenize(self) -> bool:
+        try:
+            return isinstance(self._post(TOKENIZE, {"model": self.model, "input": self.decode(PROBE)}).get("tokens"),
+                              list)
+        except (ConformanceError, AttributeError):
+            return False
 
     def _probe(self):
         # ask with every extension; drop each one the server refuses by name, then ask again; a server that
@@ -146,6 +172,7 @@ class OpenAIHTTPEngine(Engine):
                     del self.extras[named[0]]
                 elif "prompt" in str(refusal) and not self.text_prompts and self.decode is not None:
                     self.text_prompts = True
+                    self.tokenizes = self._answers_tokenize()
                 else:
                     raise
 
@@ -186,3 +213,4 @@ def piece_ids(tokenizer) -> dict:
     for i in range(tokenizer.vocab_size):
         out.setdefault(tokenizer.decode([i]), []).append(i)
     return out
+
