@@ -41,6 +41,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def llama_server():
+    """(the spec on SmolLM2's GGUF, the URL of llama_cpp.server running the same file)"""
     missing = missing_server_module()
     if missing:
         pytest.skip(f"llama_cpp.server needs {missing}, not installed in this Python "
@@ -53,7 +54,7 @@ def llama_server():
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(url, server)
-        yield path, url
+        yield Spec(kvref.load(path, backend="numpy", dtype="float32")), url
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -73,8 +74,7 @@ def wait_for(url, server):
 
 
 def test_every_check_runs_to_a_verdict_with_its_numbers_and_greedy_decodes_the_specs_tokens(llama_server):
-    path, url = llama_server
-    spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
+    spec, url = llama_server
     http = OpenAIHTTPEngine(url, spec, precision="quantized")
     # it refuses token-id prompts; their text, re-tokenized by it, is checked id by id through /extras/tokenize
     assert http.text_prompts and http.tokenizes
@@ -97,8 +97,7 @@ def test_every_check_runs_to_a_verdict_with_its_numbers_and_greedy_decodes_the_s
 
 def test_a_row_the_server_leaves_out_is_named_missing_with_its_reason_not_read_as_a_wrong_row(llama_server):
     # after "<|im_end|>\n" SmolLM2's greedy token is <|im_start|>, its BOS id, whose entry the server omits
-    path, url = llama_server
-    spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
+    spec, url = llama_server
     http = OpenAIHTTPEngine(url, spec, precision="quantized")
     ids = spec.model.tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n", special=True)
     rows = http.forward(http.new_sequence(), ids, last_only=True)
@@ -108,8 +107,7 @@ def test_a_row_the_server_leaves_out_is_named_missing_with_its_reason_not_read_a
 
 def test_a_text_the_server_reads_as_other_ids_of_the_same_count_is_an_error(llama_server):
     # the text of " cat" sent where the ids say " dog": as many tokens, other ids
-    path, url = llama_server
-    spec = Spec(kvref.load(path, backend="numpy", dtype="float32"))
+    spec, url = llama_server
     http = OpenAIHTTPEngine(url, spec, precision="quantized")
     tok = spec.model.tokenizer
     ids, (dog,), (cat,) = tok.encode("The dog sat"), tok.encode(" dog"), tok.encode(" cat")
