@@ -25,6 +25,7 @@ from tests.conftest import require
 torch = require("torch")
 transformers = require("transformers")
 
+NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults past the tiny vocabulary
 # a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
@@ -46,6 +47,24 @@ FAMILIES = {
                                                                                "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1000000.0}})),
+    # Gemma 2: caps small enough that tanh bends the random model's scores and logits; every other layer windowed
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=1.0)),
+    # Phi-3: fused qkv_proj and gate_up_proj, LongRoPE; max_position_embeddings == original: the short
+    # factors, attention factor 1 (Phi-3-mini-4k's shape), and Mistral-like windows on every layer
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, hidden_size=40, sliding_window=5, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.5, 4.0, 7.0, 12.0], "original_max_position_embeddings": 48},
+        original_max_position_embeddings=48, **NO_SPECIAL_IDS)),
+    # Phi-3 128k's shape: max_position_embeddings 48 > original 8, so the long factors and the attention
+    # factor sqrt(1 + ln 6 / ln 8) (the prompt also passes 8 positions, as transformers needs to pick them)
+    "phi3-long": ("Phi3Config", dict(num_key_value_heads=4, hidden_size=40, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.5, 4.0, 7.0, 12.0], "original_max_position_embeddings": 8},
+        original_max_position_embeddings=8, **NO_SPECIAL_IDS)),
+    # SmolLM3: layer 3 of 4 skips RoPE (NoPE), llama.cpp's fixed pattern
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, hidden_size=40, num_hidden_layers=4,
+                                      no_rope_layer_interval=4, **NO_SPECIAL_IDS)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -62,7 +81,7 @@ def hf_model(family, seed=0, **overrides):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # gains near 1 (Gemma stores w of 1 + w: near 0)
-                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
             else:
