@@ -98,8 +98,8 @@ def test_kvref_model_variable_and_explicit_paths_select_the_file(monkeypatch, tm
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     from kvref.formats.architectures import config_from_metadata
 
-    with pytest.raises(GGUFError, match="architecture 'phi3' is not supported"):
-        config_from_metadata({"general.architecture": "phi3"}, [])
+    with pytest.raises(GGUFError, match="architecture 'phi2' is not supported"):
+        config_from_metadata({"general.architecture": "phi2"}, [])
     with pytest.raises(GGUFError, match="partial RoPE"):
         config_from_metadata({"general.architecture": "llama", "llama.attention.head_count": 4,
                               "llama.embedding_length": 64, "llama.rope.dimension_count": 8}, [])
