@@ -961,13 +961,16 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     def attention(S=4, layer=0, H=6, **fields):  # one query, H heads of 8 over float32 K/V
         kv = ffi.new("kvref_kv *", dict(k=kvb, v=kvb, k_type=lib.KVREF_TYPE_F32, v_type=lib.KVREF_TYPE_F32,
                                         n_layers=2, n_slots=8, n_kv_heads=3, head_dim=8, block_size=1))
-        window, scale = fields.pop("window", 0), fields.pop("scale", 0.5)
+        window, softcap, scale = fields.pop("window", 0), fields.pop("softcap", 0.0), fields.pop("scale", 0.5)
         for name, value in fields.items():
             setattr(kv, name, value)
-        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, scale, ob)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, softcap, scale, ob)
 
     assert attention() == lib.KVREF_OK
+    assert attention(softcap=30.0) == lib.KVREF_OK
     assert attention(window=-1) == lib.KVREF_ERR_VALUE
+    assert attention(softcap=-1.0) == lib.KVREF_ERR_VALUE
+    assert attention(softcap=float("inf")) == lib.KVREF_ERR_VALUE
     assert attention(scale=float("nan")) == lib.KVREF_ERR_VALUE
     rings = np.array([3, 0], np.int64)
     ringed = dict(layer_ring=ffi.from_buffer("int64_t[]", rings), n_slots=5)  # 3 + 5 slots of the 16 given

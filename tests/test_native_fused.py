@@ -214,14 +214,14 @@ class StoredKVKernels:
     def __getattr__(self, name):
         return getattr(self.ks, name)
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None):
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
         # [T, H, D], k and v unused (the cache holds them), [T], [S] -> [T, H, D]
         layer, b = divmod(self.calls, len(self.executions))
         self.calls += 1
         e = self.executions[b]
         kv = cache_descriptor(e.cache)  # the execution's reserved slots included
         return self.ks._attention(q, kv, len(k_positions), e.cache.n_kv_heads, q_positions, k_positions, layer,
-                                  scale, window)
+                                  scale, window, softcap)
 
 
 def stored_kv_forward_batch(ops, config, weights, executions, all_logits=False):
