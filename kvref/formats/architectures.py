@@ -40,6 +40,7 @@ GEMMAS = ("gemma2", "gemma3")
 # llama.cpp's sliding-window patterns: layer i is global if (i + 1) % n == 0
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # llama.cpp's defaults
 GEMMA2_27B_BLOCKS = 46  # llama.cpp's sign of Gemma 2 27B, whose query_pre_attn_scalar is d_model / n_heads
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's SmolLM3: layer i is NoPE if (i + 1) % 4 == 0
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
@@ -105,8 +106,11 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
             attention_scale = (d_model / n_heads) ** -0.5
     if arch == "phi3" and metadata.get("phi3.attention.sliding_window", 0):  # 0: Phi-4, no window
         windows = (integer("attention.sliding_window", "max_seq_len"),) * n_layers
-    softcaps = {name: number(name) if gemma and f"{arch}.{name}" in metadata else None
-                for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    softcaps = dict.fromkeys(GEMMA2_SOFTCAPS)  # None: no cap
+    if arch == "gemma2":  # always capped: at 50 and 30 unless the file says otherwise (llama.cpp's defaults)
+        softcaps = {name: number(name, cap) for name, cap in GEMMA2_SOFTCAPS.items()}
+    elif arch == "gemma3":  # where the file says
+        softcaps.update({name: number(name) for name in GEMMA2_SOFTCAPS if f"{arch}.{name}" in metadata})
     return ModelConfig(
         n_layers=n_layers,
         d_model=d_model,
@@ -153,11 +157,7 @@ def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
     if "rope_freqs.weight" in tensor_names:
         if kind not in ("none", None) or rope_factors is None:
             raise GGUFError(f"a rope_freqs.weight tensor with {arch}.rope.scaling.type={kind!r} is not supported")
-        factors = np.asarray(rope_factors, dtype=np.float64)
-        if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors) & (factors > 0)):
-            raise GGUFError(f"rope_freqs.weight must hold one positive finite divisor per RoPE frequency, "
-                            f"shape ({head_dim // 2},); it has shape {factors.shape}")
-        return ("factors", tuple(float(f) for f in factors))
+        return ("factors", _divisors("rope_freqs.weight", rope_factors, head_dim))
     if kind in ("none", None):
         return None
     if kind == "linear":
@@ -172,14 +172,17 @@ def _longrope(arch, tensor_names, factors, head_dim, other_scaling, original):
     if other_scaling is not None or not all(name in tensor_names for name in LONGROPE_TENSORS) or factors is None:
         raise GGUFError(f"a {arch} file with LongRoPE needs both {' and '.join(LONGROPE_TENSORS)} and no other RoPE "
                         "scaling")
-    sets = []
-    for name, values in zip(LONGROPE_TENSORS, factors):
-        values = np.asarray(values, dtype=np.float64)
-        if values.shape != (head_dim // 2,) or not np.all(np.isfinite(values) & (values > 0)):
-            raise GGUFError(f"{name} must hold one positive finite divisor per RoPE frequency, shape "
-                            f"({head_dim // 2},); it has shape {values.shape}")
-        sets.append(tuple(float(f) for f in values))
-    return ("longrope", *sets, original)
+    return ("longrope", *(_divisors(name, values, head_dim) for name, values in zip(LONGROPE_TENSORS, factors)),
+            original)
+
+
+def _divisors(name, values, head_dim):
+    # a RoPE tensor's values -> one positive finite divisor per frequency, as a tuple
+    values = np.asarray(values, dtype=np.float64)
+    if values.shape != (head_dim // 2,) or not np.all(np.isfinite(values) & (values > 0)):
+        raise GGUFError(f"{name} must hold one positive finite divisor per RoPE frequency, shape ({head_dim // 2},); "
+                        f"it has shape {values.shape}")
+    return tuple(float(f) for f in values)
 
 
 def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
