@@ -184,7 +184,7 @@ def test_shift_equals_a_window_that_dropped_the_same_positions(data):
 
 
 @pytest.mark.parametrize("layout", [{}, {"layout": "paged", "block_size": 4}])
-def test_a_shift_moves_nope_layers_keys_unrotated_and_equals_a_window_that_dropped_the_positions(layout):
+def test_a_shift_moves_nope_layers_keys_unrotated_and_equals_a_window_that_dropped_the_positions(layout, tmp_path):
     # SmolLM3's NoPE layers store keys that carry no position: a shift moves their bytes as they are and
     # turns back only the RoPE layers' keys; the next logits are then those of a window of the kept
     # positions (a rotated NoPE key would change them by far more than float32 rounding)
@@ -192,6 +192,9 @@ def test_a_shift_moves_nope_layers_keys_unrotated_and_equals_a_window_that_dropp
     tokens, n = list(range(3, 20)), 4
     cache = model.new_cache(**layout)
     model.forward(tokens[:16], cache)
+    cache.save(tmp_path / "nope.kvc")  # its per-layer RoPE bases (None on the NoPE layer) go through the file
+    cache = model.load_cache(tmp_path / "nope.kvc")
+    assert cache.rope_theta == (CFG.rope_theta, None, CFG.rope_theta)
     before = [np.array(cache.keys(layer)) for layer in range(3)]
     cache.shift(n)
     after = [np.array(cache.keys(layer)) for layer in range(3)]
