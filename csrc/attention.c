@@ -25,6 +25,10 @@
  * by hand: the score kernels store a seen -inf score (it would look masked) as NaN
  * (kvref_attn_score_value), "no key seen" is l == 0 rather than l > 0 (which NaN fails), and a
  * non-finite output is written as NaN.
+ *
+ * Gemma 2's soft cap of the scores (a->softcap > 0) is applied here, between the kernels' scores and
+ * the mask, for every instruction set alike: one libm tanhf per score, so the capped scores are the
+ * same bits whichever kernel table scored them. A NaN score stays NaN through it.
  */
 #include <math.h>
 
@@ -212,6 +216,9 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
         c->qsum = u->qsum + hk * G * u->s_head;
     }
     ak->score(a, c, p); /* a seen -inf score is stored as NaN (kvref_attn_score_value) */
+    if (a->softcap > 0.0f) /* Gemma 2: every score squashed into (-softcap, softcap) before the mask */
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t s = 0; s < c->n; s++) p[g * C + s] = kvref_soft_cap_value(p[g * C + s], a->softcap);
     if (!c->all) /* masked keys get probability exp(-inf) = 0 */
         for (int64_t s = 0; s < c->n; s++)
             if (kvref_attn_hidden(c, s))
@@ -428,10 +435,10 @@ void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n) {
 
 int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const kvref_kv *kv,
                     int64_t layer, int64_t S, const int64_t *q_positions, const int64_t *k_positions,
-                    int64_t window, float scale, float *out) {
+                    int64_t window, float softcap, float scale, float *out) {
     if (pool == NULL || kv == NULL) return KVREF_ERR_NULL;
     if (T < 0 || H < 0 || D < 0 || S < 0 || layer < 0 || layer >= kv->n_layers) return KVREF_ERR_DIM;
-    if (window < 0 || !isfinite(scale)) return KVREF_ERR_VALUE;
+    if (window < 0 || !isfinite(scale) || !(softcap >= 0.0f) || isinf(softcap)) return KVREF_ERR_VALUE;
     const int64_t Hkv = kv->n_kv_heads;
     int status = kvref_kv_check(kv, kv->n_layers, Hkv, D, 0);
     const int64_t ring = status == KVREF_OK ? kvref_kv_ring(kv, layer) : 0;
@@ -450,7 +457,7 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
 
     const int64_t G = H / Hkv;
     kvref_attn_args a = {.q = q, .q_positions = q_positions, .k_positions = k_positions, .T = T, .H = H, .S = S,
-                         .G = G, .window = window, .scale = scale};
+                         .G = G, .window = window, .scale = scale, .softcap = softcap};
     kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
     status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G, D));

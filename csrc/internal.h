@@ -162,7 +162,12 @@ typedef struct kvref_attn_args {
     int64_t T, H, D, S, Hkv, G;
     int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
     float scale;               /* what scores are multiplied by */
+    float softcap;             /* > 0: scaled scores -> kvref_soft_cap_value(score, softcap) before the mask; 0: none */
 } kvref_attn_args;
+
+/* Gemma 2's soft cap of one score or logit: cap * tanh(x / cap) for finite x, x itself otherwise
+ * (kvref.spec.ops.soft_cap: tanh would turn an infinity into a finite cap) */
+static inline float kvref_soft_cap_value(float x, float cap) { return isfinite(x) ? cap * tanhf(x / cap) : x; }
 
 /* Keys the skeleton hands the kernels per step; how far ahead of the keys it scores a kernel
  * prefetches (one chunk); and so how many keys past a chunk the skeleton looks up rows for. */
@@ -608,6 +613,8 @@ void kvref_rms_norm_row(const float *x, int64_t E, const float *weight, double e
 void kvref_rope_cos_sin(int64_t D, const double *inv_freq, int64_t position, double *cs);
 /* rotate the nh heads of one position: x, out [nh, D] (out may be x), cs from kvref_rope_cos_sin */
 void kvref_rope_row(const float *x, int64_t nh, int64_t D, const double *cs, float *out);
+/* kvref_soft_cap's work on a locked pool */
+void kvref_soft_cap_run(kvref_pool *pool, const float *x, int64_t n, float cap, float *out);
 
 /* ---- matmul and attention bodies (arguments checked, the pool lock held) -------------------- */
 

@@ -1,6 +1,6 @@
 """ModelConfig: every architecture number of a decoder-only model, in one place.
 
-A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 3) is a set of these fields, read by the one
+A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 2, Gemma 3, Phi-3, SmolLM3) is a set of these fields, read by the one
 decoder where they apply; the defaults are Llama's. docs/architectures.md has the table.
 """
 
@@ -15,7 +15,7 @@ from .limits import CONFIG_CEILINGS, MAX_CONTEXT, bounded_int
 ACTIVATIONS = ("silu", "gelu_tanh")
 # the fields that make the families other than Llama; at their defaults a config is Llama's
 FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                 "layer_windows", "rope_local_theta", "rope_scaling")
+                 "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap", "nope_layers")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,13 @@ class ModelConfig:
     rope_scaling: tuple | None = None  # RoPE frequency scaling (spec.ops.rope_frequencies): ("linear", factor),
     #   ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions) from HF configs, or
     #   ("factors", (f_0 .. f_{D/2-1})): one divisor per frequency, as Llama 3.1+ GGUF files store them
-    #   (rope_freqs.weight, what llama3 scaling computes)
+    #   (rope_freqs.weight, what llama3 scaling computes), or ("longrope", short_factors, long_factors,
+    #   original_max_positions) (Phi-3): the long divisors when max_seq_len > original_max_positions, else
+    #   the short ones, chosen once for the model as llama.cpp does (layer_rope), so a stored key is never
+    #   rotated with another set; its attention factor is in attention_scale (squared: q and k both carry it)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap), before the mask and softmax
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    nope_layers: tuple = ()  # SmolLM3: the layers whose q and k are not rotated (NoPE; every 4th layer)
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -71,7 +77,7 @@ class ModelConfig:
         for name in ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        for name in ("embedding_scale", "attention_scale", "rope_local_theta"):
+        for name in ("embedding_scale", "attention_scale", "rope_local_theta", "attn_softcap", "final_softcap"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
                                       or value == float("inf")):
@@ -82,6 +88,11 @@ class ModelConfig:
             raise ConfigError(f"activation={self.activation!r} is unknown; expected one of {ACTIVATIONS}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
+        if (not isinstance(self.nope_layers, tuple) or len(set(self.nope_layers)) != len(self.nope_layers)
+                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
+                       for i in self.nope_layers)):
+            raise ConfigError(f"nope_layers={self.nope_layers!r} must be a tuple of distinct layer indices in "
+                              f"0..{self.n_layers - 1}")
         if self.layer_windows is not None:
             windows = self.layer_windows
             if (not isinstance(windows, tuple) or len(windows) != self.n_layers
@@ -105,6 +116,17 @@ class ModelConfig:
             return self.rope_local_theta
         return self.rope_theta
 
+    def layer_rope(self, layer: int) -> tuple | None:
+        """(base, scaling) that `layer` rotates q and k with, as kvref.spec.ops.rope takes them; None for a
+        NoPE layer. LongRoPE's factor set is chosen here, once for the model, by max_seq_len."""
+        if layer in self.nope_layers:
+            return None
+        scaling = self.rope_scaling
+        if scaling is not None and scaling[0] == "longrope":
+            _, short, long, original = scaling
+            scaling = ("factors", long if self.max_seq_len > original else short)
+        return self.layer_rope_theta(layer), scaling
+
     @property
     def group_size(self) -> int:
         """Query heads sharing one kv head (H / Hkv)."""
@@ -123,17 +145,20 @@ class ModelConfig:
 
 
 def _check_rope_scaling(scaling, head_dim):
-    shapes = {"linear": 2, "llama3": 5, "factors": 2}
+    shapes = {"linear": 2, "llama3": 5, "factors": 2, "longrope": 4}
     kind = scaling[0] if isinstance(scaling, tuple) and scaling else None
     numbers = scaling[1:] if kind in shapes else ()
-    if kind == "factors":
-        numbers = scaling[1] if len(scaling) == 2 and isinstance(scaling[1], tuple) else (0,)
-        if len(numbers) != head_dim // 2:
-            numbers = (0,)
+    if kind in ("factors", "longrope") and len(scaling) == shapes[kind]:
+        sets = scaling[1:3] if kind == "longrope" else scaling[1:2]
+        numbers = (0,)
+        if all(isinstance(f, tuple) and len(f) == head_dim // 2 for f in sets):
+            numbers = tuple(f for factors in sets for f in factors) + scaling[3:]
     if (kind not in shapes or len(scaling) != shapes[kind]
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in numbers)
             or (kind == "llama3" and not scaling[2] < scaling[3])):
         raise ConfigError(f"rope_scaling={scaling!r} must be ('linear', factor), ('llama3', factor, "
-                          "low_freq_factor, high_freq_factor, original_max_positions) or ('factors', (one per "
-                          f"frequency: {head_dim // 2})), positive numbers with low_freq_factor < high_freq_factor")
+                          "low_freq_factor, high_freq_factor, original_max_positions), ('factors', (one per "
+                          f"frequency: {head_dim // 2})) or ('longrope', (short: {head_dim // 2}), (long: "
+                          f"{head_dim // 2}), original_max_positions), positive numbers with low_freq_factor < "
+                          "high_freq_factor")
 

@@ -98,11 +98,16 @@ class Model:
 
     @property
     def kv_rope_theta(self) -> float | None:
-        """The RoPE base every cached key was rotated with, which a context shift needs; None when it
+        """The RoPE base every cached key was rotated with, which a context shift needs: one number, or one
+        per layer with None for a NoPE layer (SmolLM3), whose keys a shift leaves as they are; None when it
         differs between layers (Gemma 3's local and global bases) or the frequencies are scaled, so a
         cache refuses to shift."""
         c = self.config
-        return c.rope_theta if c.rope_local_theta in (None, c.rope_theta) and c.rope_scaling is None else None
+        if c.rope_local_theta not in (None, c.rope_theta) or c.rope_scaling is not None:
+            return None
+        if c.nope_layers:
+            return tuple(None if c.layer_rope(i) is None else c.rope_theta for i in range(c.n_layers))
+        return c.rope_theta
 
     def load_cache(self, path, pool=None) -> KVCache:
         """A cache holding what cache.save(path) wrote, for this model only (see kvref/cache/fileformat.py).

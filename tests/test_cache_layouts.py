@@ -183,6 +183,28 @@ def test_shift_equals_a_window_that_dropped_the_same_positions(data):
     assert_close(model.forward(tokens[L:], cache), model.forward(tokens[L:], window), "float32", "shift vs window")
 
 
+@pytest.mark.parametrize("layout", [{}, {"layout": "paged", "block_size": 4}])
+def test_a_shift_moves_nope_layers_keys_unrotated_and_equals_a_window_that_dropped_the_positions(layout, tmp_path):
+    # SmolLM3's NoPE layers store keys that carry no position: a shift moves their bytes as they are and
+    # turns back only the RoPE layers' keys; the next logits are then those of a window of the kept
+    # positions (a rotated NoPE key would change them by far more than float32 rounding)
+    model = kvref.Model.random(CFG.replace(n_layers=3, nope_layers=(1,)), seed=5, backend="numpy")
+    tokens, n = list(range(3, 20)), 4
+    cache = model.new_cache(**layout)
+    model.forward(tokens[:16], cache)
+    cache.save(tmp_path / "nope.kvc")  # its per-layer RoPE bases (None on the NoPE layer) go through the file
+    cache = model.load_cache(tmp_path / "nope.kvc")
+    assert cache.rope_theta == (CFG.rope_theta, None, CFG.rope_theta)
+    before = [np.array(cache.keys(layer)) for layer in range(3)]
+    cache.shift(n)
+    after = [np.array(cache.keys(layer)) for layer in range(3)]
+    np.testing.assert_array_equal(after[1], before[1][n:])  # the NoPE layer's keys, byte for byte
+    assert not np.allclose(after[0], before[0][n:])  # a RoPE layer's keys turned back by n
+    window = model.new_cache(layout="window", window=16 - n)
+    model.forward(tokens[:16], window)
+    assert_close(model.forward(tokens[16:], cache), model.forward(tokens[16:], window), "float32", "shift vs window")
+
+
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_window_shift_closes_the_gap_so_generation_goes_past_max_seq_len(sinks):
     cfg = CFG.replace(max_seq_len=24)

@@ -25,6 +25,7 @@ from tests.conftest import require
 torch = require("torch")
 transformers = require("transformers")
 
+NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults past the tiny vocabulary
 # a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
@@ -46,6 +47,24 @@ FAMILIES = {
                                                                                "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1000000.0}})),
+    # Gemma 2: caps small enough that tanh bends the random model's scores and logits; every other layer windowed
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=1.0)),
+    # Phi-3: fused qkv_proj and gate_up_proj, LongRoPE; max_position_embeddings == original: the short
+    # factors, attention factor 1 (Phi-3-mini-4k's shape), and Mistral-like windows on every layer
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, hidden_size=40, sliding_window=5, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.5, 4.0, 7.0, 12.0], "original_max_position_embeddings": 48},
+        original_max_position_embeddings=48, **NO_SPECIAL_IDS)),
+    # Phi-3 128k's shape: max_position_embeddings 48 > original 8, so the long factors and the attention
+    # factor sqrt(1 + ln 6 / ln 8) (the prompt also passes 8 positions, as transformers needs to pick them)
+    "phi3-long": ("Phi3Config", dict(num_key_value_heads=4, hidden_size=40, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.5, 4.0, 7.0, 12.0], "original_max_position_embeddings": 8},
+        original_max_position_embeddings=8, **NO_SPECIAL_IDS)),
+    # SmolLM3: layer 3 of 4 skips RoPE (NoPE), llama.cpp's fixed pattern
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, hidden_size=40, num_hidden_layers=4,
+                                      no_rope_layer_interval=4, **NO_SPECIAL_IDS)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -62,7 +81,7 @@ def hf_model(family, seed=0, **overrides):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # gains near 1 (Gemma stores w of 1 + w: near 0)
-                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
             else:
@@ -138,8 +157,17 @@ def test_unsupported_checkpoints_are_refused_by_name():
     with pytest.raises(ConfigError, match="incomplete"):
         config_from_hf({**base, "model_type": "llama",
                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
-    with pytest.raises(ConfigError, match="final_logit_softcapping"):
-        config_from_hf({**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0})
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):  # a Gemma field nowhere else computed
+        config_from_hf({**base, "model_type": "llama", "final_logit_softcapping": 30.0})
+    phi3 = config_json("phi3")
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75"):  # Phi-4-mini
+        config_from_hf({**phi3, "rope_parameters": {**phi3["rope_parameters"], "partial_rotary_factor": 0.75}})
+    with pytest.raises(ConfigError, match="long_factor .* must list 5 numbers"):
+        config_from_hf({**phi3, "rope_parameters": {**phi3["rope_parameters"], "long_factor": [1.0, 2.0]}})
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        config_from_hf({**config_json("smollm3"), "use_sliding_window": True, "sliding_window": 4})
+    with pytest.raises(ConfigError, match="no_rope_layers"):
+        config_from_hf({**config_json("smollm3"), "no_rope_layers": [1, 0, 1]})
     hf = hf_model("qwen2")
     tensors = {k: v.numpy() for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
     with pytest.raises(ShapeError, match="k_proj.bias"):
@@ -220,17 +248,19 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
 
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False)}
+                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "gemma2": ("gemma2", False),
+                      "phi3": ("phi3", False), "phi3-long": ("phi3", False), "smollm3": ("smollm3", True)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
-# llama.cpp (and kvref) take as every 6th layer global and head_dim
-GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None),
+# llama.cpp (and kvref) take as every 6th layer global and head_dim; Gemma 2's, every 2nd and head_dim
+GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "gemma2": dict(query_pre_attn_scalar=16),
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def write_gguf(hf, family, path):
@@ -238,7 +268,7 @@ def write_gguf(hf, family, path):
     gguf = require("gguf")
     arch, permute = GGUF_ARCHITECTURES[family]
     c = hf.config
-    gemma = family == "gemma3"
+    gemma = family.startswith("gemma")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
@@ -250,9 +280,21 @@ def write_gguf(hf, family, path):
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else c.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     if gemma:
         writer.add_sliding_window(c.sliding_window)
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "phi3":  # Phi3MiniModel: the window (0: none), LongRoPE's tensors and attention factor
+        writer.add_sliding_window(c.sliding_window or 0)
+        original = c.rope_parameters["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)) if scale > 1 else 1.0)
+        for name in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{name}.weight",
+                              np.array(c.rope_parameters[f"{name}_factor"], dtype=np.float32))
     if c.rope_parameters.get("rope_type") == "llama3":  # Llama 3.1+: one divisor per frequency, as a tensor
         plain = c.rope_parameters["rope_theta"] ** (-np.arange(0, head_dim, 2) / head_dim)
         scaled = kvref.spec.ops.rope_frequencies(head_dim, c.rope_parameters["rope_theta"],
@@ -297,9 +339,10 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
     write_gguf(hf, family, tmp_path / "model.gguf")
     model = kvref.load(tmp_path / "model.gguf", backend="auto")
     def fields(config):  # the family fields, with the score scale and RoPE scaling as the numbers they stand for
-        frequencies = kvref.spec.ops.rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        return {**config.family_fields(), "attention_scale": config.attention_scale or config.head_dim ** -0.5,
-                "rope_scaling": tuple(float(f"{f:.6g}") for f in frequencies)}  # a file stores float32 divisors
+        frequencies = kvref.spec.ops.rope_frequencies(config.head_dim, *config.layer_rope(0))
+        scale = config.attention_scale or config.head_dim ** -0.5
+        return {**config.family_fields(), "attention_scale": float(f"{scale:.6g}"),  # a file stores float32s
+                "rope_scaling": tuple(float(f"{f:.6g}") for f in frequencies)}
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively

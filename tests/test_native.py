@@ -371,6 +371,46 @@ def test_attention_equals_spec_within_the_derived_softmax_bound(case, isa, threa
                        f"window={window} scale={scale} {k.dtype} {isa}")
 
 
+def softcap_attention_bound(q, k, v, scale, softcap):
+    """Bound on |native - spec| for attention with soft-capped scores (Gemma 2). The cap
+    cap * tanh(x / cap) moves an error in x by at most itself (tanh' <= 1) and adds its own rounding,
+    at most 8u cap (the division, tanh within 4 ulp on either side, the product); every capped score
+    is within 2 cap of its row max, so attention_bound's softmax terms hold with |a_s - m| <= 2 cap,
+    and sum_s p_s |v_si| <= max_s |v_si| (over every key, seen or not: looser, never wrong)."""
+    T, H, D = q.shape
+    heads = np.arange(H) // (H // k.shape[1])
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)[:, heads, :]  # [T, H, D], [S, H, D]
+    c = 1 / np.sqrt(D) if scale is None else scale
+    a = np.einsum("thd,shd->ths", q64, k64) * c
+    mag = np.einsum("thd,shd->ths", np.abs(q64), np.abs(k64)) * c
+    err = gamma(D) * mag + 2 * U * np.abs(a) + 8 * U * softcap  # [T, H, S]
+    delta = 2 * err.max(axis=-1, keepdims=True)  # [T, H, 1]
+    rel = 2 * delta + 4 * U * softcap + 8 * U + 4 * gamma(k.shape[0] + 1)
+    return 2 * rel * np.abs(v.astype(np.float64)).max(axis=0)[heads][None] + UNDERFLOW_SLACK  # [T, H, D]
+
+
+@given(attention_cases(), ISAS, THREADS, st.sampled_from([0.5, 2.0, 50.0]))
+def test_attention_with_softcap_equals_spec_within_the_capped_softmax_bound(case, isa, threads, softcap):
+    q, k, v, q_pos, k_pos, window, scale = case
+    assume(k.shape[0] > 0)  # the spec's softmax needs a key (no key: zeros, tested below)
+    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
+    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window, softcap)
+    assert_within(out, ref, softcap_attention_bound(q, k, v, scale, softcap),
+                  what=f"S={k.shape[0]} D={q.shape[2]} window={window} scale={scale} softcap={softcap} {isa}")
+    np.testing.assert_array_equal(out, ks(3 - threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale,
+                                                                      window=window, softcap=softcap))
+
+
+@given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 30.0]))
+def test_soft_cap_equals_spec_within_tanh_rounding_and_keeps_non_finite_values(n, isa, threads, seed, cap):
+    x = (40 * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+    out = ks(threads, isa).soft_cap(x, cap)
+    ref = spec.soft_cap(x, np.float32(cap))
+    assert_within(out, ref, 8 * U * cap + UNDERFLOW_SLACK)
+    edge = ks(threads, isa).soft_cap(np.array([np.inf, -np.inf, np.nan, 0.0], np.float32), cap)
+    assert edge[0] == np.inf and edge[1] == -np.inf and np.isnan(edge[2]) and edge[3] == 0.0
+
+
 @given(attention_cases(), ISAS)
 def test_attention_is_bit_identical_for_1_and_2_threads(case, isa):
     q, k, v, q_pos, k_pos, window, scale = case
@@ -921,13 +961,16 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     def attention(S=4, layer=0, H=6, **fields):  # one query, H heads of 8 over float32 K/V
         kv = ffi.new("kvref_kv *", dict(k=kvb, v=kvb, k_type=lib.KVREF_TYPE_F32, v_type=lib.KVREF_TYPE_F32,
                                         n_layers=2, n_slots=8, n_kv_heads=3, head_dim=8, block_size=1))
-        window, scale = fields.pop("window", 0), fields.pop("scale", 0.5)
+        window, softcap, scale = fields.pop("window", 0), fields.pop("softcap", 0.0), fields.pop("scale", 0.5)
         for name, value in fields.items():
             setattr(kv, name, value)
-        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, scale, ob)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, softcap, scale, ob)
 
     assert attention() == lib.KVREF_OK
+    assert attention(softcap=30.0) == lib.KVREF_OK
     assert attention(window=-1) == lib.KVREF_ERR_VALUE
+    assert attention(softcap=-1.0) == lib.KVREF_ERR_VALUE
+    assert attention(softcap=float("inf")) == lib.KVREF_ERR_VALUE
     assert attention(scale=float("nan")) == lib.KVREF_ERR_VALUE
     rings = np.array([3, 0], np.int64)
     ringed = dict(layer_ring=ffi.from_buffer("int64_t[]", rings), n_slots=5)  # 3 + 5 slots of the 16 given

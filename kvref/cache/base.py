@@ -96,7 +96,9 @@ class KVCache(Transactional, Capable):
             # a query reads the groups its execution completed quantized: how an input is split into
             # executions changes what earlier queries of a group saw (float16 or quantized K)
             self.chunking_invariant = False
-        self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
+        # needed to re-rotate keys (shift), recorded in saved files: one base, or one per layer (None for a
+        # NoPE layer, kvref.cache.CacheShape)
+        self.rope_theta = rope_theta
         self.sequence = Sequence()
         # what runs executions on this cache (kvref.executor), set by the model the first time it is given
         # this cache; opaque here, and it never changes what the cache stores
@@ -325,8 +327,10 @@ class KVCache(Transactional, Capable):
         if self.executing:
             raise CacheError("an execution is open on this cache; finish it (commit or abort) first")
 
-    def _rerotate(self, k, n):
-        # [S, Hkv, D] keys stored after RoPE at positions p -> the same keys at positions p - n
+    def _rerotate(self, k, n, layer):
+        # [S, Hkv, D] keys of `layer` stored after RoPE at positions p -> the same keys at positions p - n.
+        # A NoPE layer's keys (base None in a per-layer rope_theta: SmolLM3) carry no position: as they are.
         from ..spec.ops import rope
 
-        return rope(k, np.full(k.shape[0], -n, dtype=np.int64), self.rope_theta)
+        theta = self.rope_theta[layer] if isinstance(self.rope_theta, tuple) else self.rope_theta
+        return k if theta is None else rope(k, np.full(k.shape[0], -n, dtype=np.int64), theta)

@@ -146,7 +146,7 @@ class ContiguousCache(KVCache):
         moved, dest = slice(keep + n, self._length), slice(keep, self._length - n)
         for layer in range(self.n_layers):
             k, ks, v, vs = (None if a is None else a.copy() for a in self.store.read_raw(layer, moved))
-            self.store.write_raw(layer, dest, (self._rerotate(k, n).astype(k.dtype), ks, v, vs))
+            self.store.write_raw(layer, dest, (self._rerotate(k, n, layer).astype(k.dtype), ks, v, vs))
         self._length -= n
 
     def _free(self):

@@ -325,6 +325,7 @@ def _header_fields(header, shape, where):
             raise CacheError(f"{where}: {name} is {_short(header.get(name))}; expected one of {KV_NAMES}")
         fields[name] = header[name]
     theta = rope.get("theta")
+    theta = tuple(theta) if isinstance(theta, list) else theta  # per layer (NoPE layers), as JSON stores a tuple
     if theta != shape.rope_theta:
         raise CacheError(f"{where}: keys were rotated with rope_theta={_short(theta)}; this model uses "
                          f"{shape.rope_theta}")

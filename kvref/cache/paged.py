@@ -351,7 +351,7 @@ class PagedCache(KVCache):
         dst_index = (np.asarray(fresh, dtype=np.int64)[dst // bs], dst % bs)
         for layer in range(self.n_layers):
             k, ks, v, vs = pool.store.read_raw(layer, (table[src // bs], src % bs))  # copies
-            k[moved] = self._rerotate(k[moved], n).astype(k.dtype)
+            k[moved] = self._rerotate(k[moved], n, layer).astype(k.dtype)
             pool.store.write_raw(layer, dst_index, (k, ks, v, vs))
         pool.release(self._table[first:])
         self._table = self._table[:first] + fresh

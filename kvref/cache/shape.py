@@ -35,7 +35,8 @@ class CacheShape:
     max_seq_len     positions the model reads; no cache holds more
     vocab_size      V: a saved file's token ids and last logits are checked against it
     layer_windows   per layer None (attends to every position) or its window W; None: no window layers
-    rope_theta      the RoPE base every cached key was rotated with; None: a shift is refused
+    rope_theta      the RoPE base every cached key was rotated with, or a tuple of one per layer where some
+                    layer's keys are not rotated (None there: a NoPE layer, SmolLM3); None: a shift is refused
     model           the model's fingerprint (Model.fingerprint()), recorded in the cache's sequence
                     and its saved files; None for a cache not made for a model
     """
@@ -46,7 +47,7 @@ class CacheShape:
     max_seq_len: int
     vocab_size: int | None = None
     layer_windows: tuple | None = None
-    rope_theta: float | None = None
+    rope_theta: float | tuple | None = None
     model: dict | None = None
 
     @property

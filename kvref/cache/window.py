@@ -210,7 +210,7 @@ class WindowCache(KVCache):
         ring = self._slots()[self._n_sinks:]
         for layer in range(self.n_layers):
             k, ks, v, vs = self.store.read_raw(layer, ring)  # copies
-            self.store.write_raw(layer, ring, (self._rerotate(k, n).astype(k.dtype), ks, v, vs))
+            self.store.write_raw(layer, ring, (self._rerotate(k, n, layer).astype(k.dtype), ks, v, vs))
         self._next -= n
 
     def _fork(self):

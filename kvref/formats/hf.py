@@ -3,9 +3,9 @@
     config_from_hf(config_json)                      a config.json dict -> ModelConfig
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
-Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text (docs/architectures.md has
-the table of fields). What a checkpoint stores differently from what the decoder reads is converted
-here, once, so the decoder never needs to know where a model came from:
+Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3
+(docs/architectures.md has the table of fields). What a checkpoint stores differently from what the
+decoder reads is converted here, once, so the decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
     decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
@@ -14,11 +14,19 @@ here, once, so the decoder never needs to know where a model came from:
     is unchanged by reordering both alike. V and the output projection keep their order, so the
     attention output is HF's. The cached K are in the reordered layout.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
+  - Phi-3 fuses Q, K and V into one qkv_proj and gate and up into one gate_up_proj: they are split
+    into the decoder's separate projections (rows [Q | K | V] and [gate | up]).
+  - LongRoPE (Phi-3): ("longrope", short, long, original) in rope_scaling, and its attention factor m
+    folded into attention_scale as m**2 / sqrt(D): transformers multiplies cos and sin by m, so q and k
+    both carry it. Which factor set rotates is chosen once by max_seq_len (ModelConfig.layer_rope), as
+    llama.cpp chooses by its context size; transformers instead picks per call, by the highest
+    position of that call, so below original_max_position_embeddings it rotates with the short set
+    even when max_position_embeddings is larger (kvref then uses the long one; see docs/architectures.md).
 
-Anything this module does not compute exactly (RoPE types other than default, linear and llama3;
-scaling that differs between layer types; biases on the output or MLP
-projections, logit soft-capping, sliding windows on some Qwen layers) is refused with a ConfigError
-naming the field, never ignored.
+Anything this module does not compute exactly (RoPE types other than default, linear, llama3 and
+longrope; partial rotary; scaling that differs between layer types; biases on the output or MLP
+projections, logit soft-capping outside Gemma, sliding windows on some Qwen and SmolLM3 layers) is
+refused with a ConfigError naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
+GEMMAS = ("gemma2", "gemma3_text")
+# the sliding-window pattern of Gemma config.json files without layer_types: every n-th layer global
+GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -58,9 +69,12 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     head_dim = _int(hf, "head_dim", "head_dim", max(d_model // n_heads, 1)) if hf.get("head_dim") is not None \
         else max(d_model // n_heads, 1)
     _refuse(hf, family)
-    gemma = family == "gemma3_text"
-    thetas, scaling = _rope(hf, family)
+    gemma = family in GEMMAS
+    thetas, scaling, rope_attention_factor = _rope(hf, family, head_dim)
     windows = _layer_windows(hf, family, n_layers)
+    attention_scale = _float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None
+    if rope_attention_factor != 1.0:  # LongRoPE's m on q and k: m**2 on every score
+        attention_scale = rope_attention_factor ** 2 / head_dim ** 0.5
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads,
         n_kv_heads=_int(hf, "num_key_value_heads", "n_kv_heads", n_heads), d_ff=_int(hf, "intermediate_size", "d_ff"),
@@ -72,10 +86,13 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
-        attention_scale=_float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None,
+        attention_scale=attention_scale,
         layer_windows=windows,
-        rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
+        rope_local_theta=thetas["sliding_attention"] if windows is not None and family == "gemma3_text" else None,
         rope_scaling=scaling,
+        attn_softcap=_softcap(hf, "attn_logit_softcapping") if gemma else None,
+        final_softcap=_softcap(hf, "final_logit_softcapping") if gemma else None,
+        nope_layers=_nope_layers(hf, n_layers) if family == "smollm3" else (),
     )
 
 
@@ -87,7 +104,8 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
     """
     config = config_from_hf(hf)
     c = config
-    gemma = hf["model_type"] == "gemma3_text"
+    gemma = hf["model_type"] in GEMMAS
+    fused = hf["model_type"] == "phi3"  # qkv_proj and gate_up_proj
     check_layer_count(c.n_layers, tensors.keys(), "model.layers.", "config.json num_hidden_layers",
                       ShapeError)
 
@@ -113,17 +131,25 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         post_attention = norm(p + "post_attention_layernorm.weight", E)
+        if fused:  # Phi-3: rows [Q | K | V] of qkv_proj, [gate | up] of gate_up_proj
+            wq, wk, wv = np.split(get(attn + "qkv_proj.weight", (c.q_dim + 2 * c.kv_dim, E)),
+                                  [c.q_dim, c.q_dim + c.kv_dim])
+            w_gate, w_up = np.split(get(p + "mlp.gate_up_proj.weight", (2 * F, E)), 2)
+        else:
+            wq, wk, wv = (get(attn + f"{x}_proj.weight", (n, E)) for x, n in (("q", c.q_dim), ("k", c.kv_dim),
+                                                                             ("v", c.kv_dim)))
+            w_gate, w_up = get(p + "mlp.gate_proj.weight", (F, E)), get(p + "mlp.up_proj.weight", (F, E))
         lw = LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight", E),
-            wq=pairs_adjacent(get(attn + "q_proj.weight", (c.q_dim, E)), c.n_heads),
-            wk=pairs_adjacent(get(attn + "k_proj.weight", (c.kv_dim, E)), c.n_kv_heads),
-            wv=get(attn + "v_proj.weight", (c.kv_dim, E)),
+            wq=pairs_adjacent(wq, c.n_heads),
+            wk=pairs_adjacent(wk, c.n_kv_heads),
+            wv=np.ascontiguousarray(wv),
             wo=get(attn + "o_proj.weight", (E, c.q_dim)),
             # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
             # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
-            w_gate=get(p + "mlp.gate_proj.weight", (F, E)),
-            w_up=get(p + "mlp.up_proj.weight", (F, E)),
+            w_gate=np.ascontiguousarray(w_gate),
+            w_up=np.ascontiguousarray(w_up),
             w_down=get(p + "mlp.down_proj.weight", (E, F)),
         )
         if c.qkv_bias:
@@ -160,26 +186,47 @@ def _bool(hf, name, default):
 
 def _refuse(hf, family):
     # fields whose computation the decoder does not have: refused by name, never ignored
+    gemma = family in GEMMAS
     unsupported = {
         "mlp_bias": hf.get("mlp_bias", False),
-        "attention_bias (on the output projection too)": family == "llama" and hf.get("attention_bias", False),
-        "final_logit_softcapping": hf.get("final_logit_softcapping"),
-        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "attention_bias (on the output projection too)": family in ("llama", "smollm3", "gemma2")
+        and hf.get("attention_bias", False),
+        "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
+        "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
-        "use_sliding_window (Qwen)": family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False),
+        "use_sliding_window (Qwen, SmolLM3)": family in ("qwen2", "qwen3", "smollm3")
+        and hf.get("use_sliding_window", False),
     }
-    act = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act")
-    expected = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
+    act = hf.get("hidden_activation" if gemma else "hidden_act")
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
     unsupported[f"activation {act!r} (expected {expected!r})"] = act not in (None, expected)
     bad = [name for name, value in unsupported.items() if value]
     if bad:
         raise ConfigError(f"this {family} checkpoint uses {', '.join(bad)}, which kvref does not compute yet")
 
 
-def _rope(hf, family):
-    # -> ({"full_attention": base, "sliding_attention": base}, scaling or None); transformers 5 writes
-    # rope_parameters (per layer type for Gemma 3), earlier versions rope_theta, rope_local_base_freq
-    # and rope_scaling
+def _softcap(hf, name):
+    # a Gemma soft cap: None (absent or null) or a positive number
+    return None if hf.get(name) is None else _float(hf, name, None)
+
+
+def _nope_layers(hf, n_layers):
+    # SmolLM3: no_rope_layers holds 1 for a layer that rotates and 0 for a NoPE one; without it, every
+    # no_rope_layer_interval-th layer is NoPE (transformers' and llama.cpp's rule)
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = _int(hf, "no_rope_layer_interval", "n_layers", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) or isinstance(f, float)
+                                                                    for f in flags):
+        raise ConfigError(f"no_rope_layers {flags!r} must hold 0 (NoPE) or 1 (RoPE) for each of {n_layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
+
+
+def _rope(hf, family, head_dim):
+    # -> ({"full_attention": base, "sliding_attention": base}, scaling or None, LongRoPE's attention factor
+    # or 1.0); transformers 5 writes rope_parameters (per layer type for Gemma 3), earlier versions
+    # rope_theta, rope_local_base_freq and rope_scaling
     params = hf.get("rope_parameters")
     if params is None:
         params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
@@ -191,15 +238,50 @@ def _rope(hf, family):
     for kind in ("full_attention", "sliding_attention"):
         p = per_type.get(kind, per_type["full_attention"])
         thetas[kind] = bounded_float(p.get("rope_theta", 10000.0), f"config.json rope_theta ({kind})")
-        scalings.add(_rope_scaling(p, kind))
+        rotary = p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if rotary != 1.0:
+            raise ConfigError(f"partial_rotary_factor={rotary!r} (RoPE on part of each head, as Phi-4-mini) is not "
+                              "computed by kvref yet; it rotates whole heads (1.0)")
+        scalings.add(_rope_scaling(hf, p, kind, head_dim))
     if len(scalings) > 1:
         raise ConfigError(f"RoPE scaling that differs between layer types ({per_type}) is not computed by kvref yet")
-    return thetas, scalings.pop()
+    scaling, factor = scalings.pop()
+    return thetas, scaling, factor
 
 
-def _rope_scaling(p, kind):
-    # a rope_parameters entry -> ModelConfig.rope_scaling
+def _rope_scaling(hf, p, kind, head_dim):
+    # a rope_parameters entry -> (ModelConfig.rope_scaling, LongRoPE's attention factor or 1.0)
     kind_of = p.get("rope_type", p.get("type", "default"))
+    if kind_of in ("longrope", "su"):  # "su": Phi-3's first name for it
+        return _longrope(hf, p, kind, head_dim)
+    return _plain_rope_scaling(p, kind, kind_of), 1.0
+
+
+def _longrope(hf, p, kind, head_dim):
+    # -> (("longrope", short, long, original), attention factor), as transformers computes them: the
+    # factor defaults to max_position_embeddings / original (Phi-3), the attention factor to
+    # sqrt(1 + ln(factor) / ln(original)) when that exceeds 1
+    sets = []
+    for name in ("short_factor", "long_factor"):
+        f = p.get(name)
+        if not isinstance(f, list) or len(f) != head_dim // 2:
+            raise ConfigError(f"RoPE {name} ({kind}) must list {head_dim // 2} numbers (one per frequency), got {f!r}")
+        sets.append(tuple(bounded_float(v, f"config.json RoPE {name} ({kind})") for v in f))
+    original = _int(p, "original_max_position_embeddings", "max_seq_len",
+                    hf.get("original_max_position_embeddings"))
+    factor = p.get("factor")
+    factor = _int(hf, "max_position_embeddings", "max_seq_len") / original if factor is None else \
+        _float_field(p, kind, "factor")
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else float(np.sqrt(1 + np.log(factor) / np.log(original)))
+    else:
+        attention_factor = _float_field(p, kind, "attention_factor")
+    return ("longrope", *sets, original), attention_factor
+
+
+def _plain_rope_scaling(p, kind, kind_of):
+    # a rope_parameters entry of any other type -> ModelConfig.rope_scaling
     number = functools.partial(_float_field, p, kind)
     if kind_of == "default":
         return None
@@ -209,7 +291,7 @@ def _rope_scaling(p, kind):
         return ("llama3", number("factor"), number("low_freq_factor"), number("high_freq_factor"),
                 _int(p, "original_max_position_embeddings", "max_seq_len"))
     raise ConfigError(f"RoPE type {kind_of!r} ({kind}) is not computed by kvref yet; it computes the default "
-                      "RoPE and the linear and llama3 scalings")
+                      "RoPE and the linear, llama3 and longrope scalings")
 
 
 def _float_field(p, kind, name):
@@ -221,14 +303,14 @@ def _float_field(p, kind, name):
 def _layer_windows(hf, family, n_layers):
     # per layer: None (global) or the sliding window W
     window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
-    if family == "mistral":
+    if family in ("mistral", "phi3"):  # transformers windows every layer of these (llama.cpp runs Phi-3 without)
         return None if window is None else (window,) * n_layers
-    if family != "gemma3_text":
+    if family not in GEMMAS:
         return None
     kinds = hf.get("layer_types")
     if kinds is None:  # older config.json files: every pattern-th layer is global
         name = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
-        pattern = _int(hf, name, "n_layers", 6)
+        pattern = _int(hf, name, "n_layers", GEMMA_GLOBAL_EVERY[family])
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
     if (not isinstance(kinds, list) or len(kinds) != n_layers
             or any(k not in ("full_attention", "sliding_attention") for k in kinds)):

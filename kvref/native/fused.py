@@ -20,9 +20,10 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     then attend), so no query reads a slot a later position overwrote.
 
 Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU or GeGLU, the score scale, per-layer windows, and each
-layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for its base and the config's
-scaling, computed once here, the same table kvref.native.ops.rope passes).
+sandwich norms, the embedding scale, SwiGLU or GeGLU, the score scale, the score and final-logit soft
+caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
+the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
+passes), or none on a NoPE layer.
 
 Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
 computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
@@ -145,13 +146,17 @@ class FusedForward:
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
-            d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, c.layer_rope_theta(i), c.rope_scaling), "double *")
+            rope = c.layer_rope(i)  # None: a NoPE layer, no table (C leaves its q and k as projected)
+            if rope is not None:
+                d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, *rope), "double *")
             d.window = native_ops.attention_window(c.window(i))
         desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
         desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
         desc.attention_scale = native_ops.attention_scale(c.attention_scale, D)
+        desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
+        desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")

@@ -5,9 +5,10 @@
     rms_norm(x, weight, eps)                         [T, E], [E] -> [T, E]
     rope(x, positions, theta, scaling=None)          [T, nh, D], [T] -> [T, nh, D]
     attention(q, k, v, q_positions, k_positions,     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
-              scale=None, window=None)
+              scale=None, window=None, softcap=None)
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
     geglu(gate, up)                                  [T, F], [T, F] -> [T, F]
+    soft_cap(x, cap)                                 [...] -> [...]   (Gemma 2's final logits)
     matmul_int8(x, w)                                [T, K], [N, K] -> [T, N]  (Kernels only: the
         int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
@@ -174,6 +175,12 @@ def attention_scale(scale, head_dim) -> float:
     if scale is None:
         return float(np.float32(1.0 / np.sqrt(head_dim)))
     return float(np.float32(_real(scale, "scale", minimum_exclusive=0.0)))
+
+
+def attention_softcap(softcap) -> float:
+    """A score soft cap as C takes it: the float32 cap, or 0 for None (no cap); ConfigError unless
+    positive and finite."""
+    return 0.0 if softcap is None else float(np.float32(_real(softcap, "softcap", minimum_exclusive=0.0)))
 
 
 def attention_window(window) -> int:
@@ -442,7 +449,7 @@ class Kernels:
         check_status(status, "rope")
         return out
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None):
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
         # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
         _array(k, "k", (_F32, _F16), 3)
         _array(v, "v", (_F32, _F16), 3)
@@ -452,9 +459,10 @@ class Kernels:
             raise ShapeError(f"{q.shape[1]} query heads cannot be grouped over 0 kv heads")
         kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
         kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None)  # one layer, key s in slot s
-        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window)
+        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window,
+                               softcap=softcap)
 
-    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None):
+    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None, softcap=None):
         # [T, H, D], [T], a cache of `length` positions -> [T, H, D]
         """Attention of q over every stored position of `layer`, reading the cache in place (its
         cache.storage(): a slot store, with a block table for a paged cache, or per-layer rings),
@@ -471,12 +479,12 @@ class Kernels:
             stale = k_positions < (held[0] if len(held) else cache.next_position)
             k_positions[stale] = np.iinfo(np.int64).max
         return self._attention(q, kv, k_positions.shape[0], cache.n_kv_heads, q_positions, k_positions, layer,
-                               scale, window)
+                               scale, window, softcap)
 
-    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None):
+    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None, softcap=None):
         _array(q, "q", (_F32,), 3)
         T, H, D = q.shape
-        c_scale, c_window = attention_scale(scale, D), attention_window(window)
+        c_scale, c_window, c_softcap = attention_scale(scale, D), attention_window(window), attention_softcap(softcap)
         if D != kv.ptr.head_dim:
             raise ShapeError(f"q has head_dim {D}, the keys have {kv.ptr.head_dim}")
         if H % Hkv:
@@ -486,7 +494,7 @@ class Kernels:
         out = np.empty((T, H, D), dtype=_F32)
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
-                                     c_window, c_scale, ffi.from_buffer("float[]", out))
+                                     c_window, c_softcap, c_scale, ffi.from_buffer("float[]", out))
         check_status(status, "attention")
         return out
 
@@ -497,6 +505,16 @@ class Kernels:
     def geglu(self, gate, up):
         # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
         return self._glu(lib.kvref_geglu, "geglu", gate, up)
+
+    def soft_cap(self, x, cap):
+        # [...] -> [...]: cap * tanh(x / cap) elementwise, a non-finite x kept (kvref.spec.ops.soft_cap)
+        _array(x, "x", (_F32,), None)
+        out = np.empty_like(x)
+        status = lib.kvref_soft_cap(self._pool.ptr, ffi.from_buffer("float[]", x), x.size,
+                                    float(np.float32(_real(cap, "cap", minimum_exclusive=0.0))),
+                                    ffi.from_buffer("float[]", out))
+        check_status(status, "soft_cap")
+        return out
 
     def _glu(self, c_function, name, gate, up):
         _array(gate, "gate", (_F32,), None)
@@ -532,9 +550,9 @@ def rope(x, positions, theta, scaling=None, *, threads=None):
     return kernels(threads).rope(x, positions, theta, scaling)
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None, *, threads=None):
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, *, threads=None):
     # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
-    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window)
+    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window, softcap)
 
 
 def swiglu(gate, up, *, threads=None):
@@ -547,5 +565,10 @@ def geglu(gate, up, *, threads=None):
     return kernels(threads).geglu(gate, up)
 
 
+def soft_cap(x, cap, *, threads=None):
+    # [...] -> [...]
+    return kernels(threads).soft_cap(x, cap)
+
+
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
-           "matmul", "reset_default", "rms_norm", "rope", "supported_isas", "swiglu"]
+           "matmul", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu"]

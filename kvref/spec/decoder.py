@@ -38,8 +38,16 @@ def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_lo
         if not all_logits:
             x = x[-1:]  # only the last position's logits select the next token
         x = ops.rms_norm(x, weights.output_norm, config.norm_eps)  # [T or 1, E]
-        logits = ops.matmul(x, weights.output)  # [T or 1, V]
+        logits = lm_head(ops, config, weights, x)  # [T or 1, V]
         execution.last_logits = logits[-1]  # committed with the new positions as the block ends
+    return logits
+
+
+def lm_head(ops, config: ModelConfig, weights: Weights, x):
+    # [N, E] final-normed -> [N, V]
+    logits = ops.matmul(x, weights.output)  # [N, V]
+    if config.final_softcap is not None:  # Gemma 2 squashes the logits into (-cap, cap)
+        logits = ops.soft_cap(logits, config.final_softcap)
     return logits
 
 
@@ -57,7 +65,7 @@ def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, la
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [T, H, D], [T, Hkv, D] x2
     k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
     out = ops.attention(q, k_all, v_all, positions, k_positions,  # [T, H, D]
-                        scale=config.attention_scale, window=config.window(layer))
+                        scale=config.attention_scale, window=config.window(layer), softcap=config.attn_softcap)
     return attention_output(ops, config, lw, out)  # [T, E]
 
 
@@ -71,9 +79,10 @@ def project_qkv(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer)
     if config.qk_norm:  # Qwen 3, Gemma 3: every head's q and k normalised on their own, before RoPE
         q = ops.rms_norm(q.reshape(T * H, D), lw.q_norm, config.norm_eps).reshape(T, H, D)
         k = ops.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, config.norm_eps).reshape(T, Hkv, D)
-    theta, scaling = config.layer_rope_theta(layer), config.rope_scaling
-    q = ops.rope(q, positions, theta, scaling)  # rotated for the absolute positions
-    k = ops.rope(k, positions, theta, scaling)  # stored rotated: never rotated again
+    rope = config.layer_rope(layer)  # (base, scaling), or None on a NoPE layer (SmolLM3): q, k carry no position
+    if rope is not None:
+        q = ops.rope(q, positions, *rope)  # rotated for the absolute positions
+        k = ops.rope(k, positions, *rope)  # stored rotated: never rotated again
     return q, k, v
 
 
@@ -119,7 +128,7 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
     if not all_logits:
         x = x[bounds[1:] - 1]  # [B, E]: each sequence's last position selects its next token
         rows = np.arange(len(executions) + 1)
-    logits = ops.matmul(ops.rms_norm(x, weights.output_norm, config.norm_eps), weights.output)  # [N or B, V]
+    logits = lm_head(ops, config, weights, ops.rms_norm(x, weights.output_norm, config.norm_eps))  # [N or B, V]
     out = [logits[rows[b]:rows[b + 1]] for b in range(len(executions))]  # [T_b or 1, V] each
     for execution, sequence_logits in zip(executions, out):
         execution.last_logits = sequence_logits[-1]  # committed with the sequence's new positions
@@ -134,5 +143,6 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
         rows = slice(bounds[b], bounds[b + 1])  # this sequence's new positions
         k_all, v_all, k_positions = execution.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
         out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions,  # [T_b, H, D]
-                                  scale=config.attention_scale, window=config.window(layer))
+                                  scale=config.attention_scale, window=config.window(layer),
+                                  softcap=config.attn_softcap)
     return attention_output(ops, config, lw, out)  # [N, E]

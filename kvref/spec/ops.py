@@ -99,14 +99,24 @@ def log_softmax(logits):
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
+def soft_cap(x, cap):
+    # [...] -> [...]: cap * tanh(x / cap), Gemma 2's squashing of attention scores and final logits into
+    # (-cap, cap), in x's dtype. A non-finite x stays as it is: tanh would turn an infinity into a finite
+    # +-cap and hide it from attention's rule for non-finite scores.
+    c = np.asarray(cap, dtype=x.dtype)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(x), c * np.tanh(x / c), x)
+
+
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
     # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
     # Causal by position, not by index: query at position p sees every stored key at a position
     # <= p, and with a layer window W only those > p - W (its last W positions, itself included),
     # whatever the cache holds and however the input was split into executions. The cache decides
     # which positions it still holds (a window layout drops old ones).
     # GQA without copying K/V: query head h reads kv head h // G, expressed as a group axis.
-    # scale: what scores are multiplied by; None: 1/sqrt(D).
+    # scale: what scores are multiplied by; None: 1/sqrt(D). softcap: scaled scores -> soft_cap(scores,
+    # softcap) before the mask and softmax (Gemma 2); None: as they are.
     #
     # Non-finite values are never hidden, and a key a query does not see never reaches it:
     #   - a query head whose scores over the keys it sees include a non-finite one (NaN, +inf or
@@ -126,6 +136,8 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None):
             scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
         else:
             scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     return attend(scores, v, q_positions, k_positions, window).reshape(T, H, D)
 
 
@@ -187,12 +199,15 @@ def int8_key_scores(q, k8, k_scales, scale=None):
     return scores
 
 
-def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None):
+def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None, softcap=None):
     # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, D] float, [T], [S] -> [T, H, D]
     # The attention the native kernels compute over an int8 K: `attention` with the scores of
     # int8_key_scores (the query rounded to 8 bits per group) in place of q . k over the decoded K.
     T, H, D = q.shape
-    return attend(int8_key_scores(q, k8, k_scales, scale), v, q_positions, k_positions, window).reshape(T, H, D)
+    scores = int8_key_scores(q, k8, k_scales, scale)  # [Hkv, G, T, S]
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, D)
 
 
 def silu(x):

@@ -72,8 +72,13 @@ def config_lines(config) -> list[tuple[str, str]]:
               if name not in ("layer_windows", "rope_local_theta")}  # on their own lines
     if "rope_scaling" in family:
         scaling = family["rope_scaling"]
-        family["rope_scaling"] = (f"factors ({len(scaling[1])} divisors)" if scaling[0] == "factors"
-                                  else ", ".join(map(str, scaling)))
+        if scaling[0] == "factors":
+            family["rope_scaling"] = f"factors ({len(scaling[1])} divisors)"
+        elif scaling[0] == "longrope":  # the set in use: ModelConfig.layer_rope
+            chosen = "long" if config.max_seq_len > scaling[3] else "short"
+            family["rope_scaling"] = f"longrope (original {scaling[3]:,} positions; the {chosen} factors)"
+        else:
+            family["rope_scaling"] = ", ".join(map(str, scaling))
     lines.append(("family fields", ", ".join(f"{k}={_number(v) if isinstance(v, float) else v}"
                                              for k, v in family.items()) or "none (Llama's)"))
     return lines
