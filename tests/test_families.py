@@ -46,6 +46,11 @@ FAMILIES = {
                                                                                "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1000000.0}})),
+    # mixtures of experts: 2 of 5 or 6 experts per position, narrower than the dense width
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=10, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=20, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, head_dim=12, num_local_experts=5, num_experts_per_tok=2,
+                                      sliding_window=5)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -81,8 +86,16 @@ def hf_logits(model, ids, dtype):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+def checkpoint(model):
+    """{name: tensor} as save_pretrained writes them: transformers holds a mixture's experts as 3-D tensors
+    in memory and writes (as every released checkpoint stores) one matrix per expert."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())
+
+
 def kvref_model(model, dtype):
-    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(model).items()}
     config, weights = weights_from_hf(model.config.to_dict(), tensors, dtype)
     return kvref.Model(config, weights, dtype=dtype, backend="numpy")
 
@@ -151,7 +164,7 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     if not kvref.native.available():
         pytest.skip("the native module is not built")
     hf = hf_model(family)
-    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in hf.state_dict().items()}
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(hf).items()}
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
     assert model.backend == "c" and model.executor(model.new_cache()).fallback is None

@@ -3,8 +3,8 @@
     config_from_hf(config_json)                      a config.json dict -> ModelConfig
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
-Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text (docs/architectures.md has
-the table of fields). What a checkpoint stores differently from what the decoder reads is converted
+Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text, and the mixtures of experts
+qwen3_moe and mixtral (docs/architectures.md has the table of fields). What a checkpoint stores differently from what the decoder reads is converted
 here, once, so the decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
@@ -14,6 +14,9 @@ here, once, so the decoder never needs to know where a model came from:
     is unchanged by reordering both alike. V and the output projection keep their order, so the
     attention output is HF's. The cached K are in the reordered layout.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
+  - Experts. A checkpoint stores one matrix per expert (`mlp.experts.{j}.gate_proj.weight`; Mixtral's
+    `block_sparse_moe.experts.{j}.w1.weight`); they are stacked into the [X, Fx, E] tensors of
+    LayerWeights, the layout GGUF files store.
 
 Anything this module does not compute exactly (RoPE types other than default, linear and llama3;
 scaling that differs between layer types; biases on the output or MLP
@@ -33,7 +36,10 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+# a mixture's tensors in each MoE layer: (its MLP module, and the names of expert j's gate, up and down projections)
+EXPERT_TENSORS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                  "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -68,7 +74,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         head_dim=head_dim, rope_theta=thetas["full_attention"], norm_eps=_float(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=_bool(hf, "tie_word_embeddings", gemma),
         qkv_bias=family == "qwen2" or _bool(hf, "attention_bias", False),
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
@@ -76,7 +82,24 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         layer_windows=windows,
         rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
         rope_scaling=scaling,
+        **_experts(hf, family),
     )
+
+
+def _experts(hf, family):
+    # the ModelConfig fields of a mixture of experts ({} for a dense family)
+    if family not in EXPERT_TENSORS:
+        return {}
+    name = "num_experts" if "num_experts" in hf else "num_local_experts"  # older Qwen3-MoE configs: num_experts
+    fields = {"n_experts": _int(hf, name, "n_experts"), "n_experts_used": _int(hf, "num_experts_per_tok", "n_experts")}
+    if family == "mixtral":  # every layer: experts intermediate_size wide, the chosen scores renormalised
+        return {**fields, "expert_d_ff": _int(hf, "intermediate_size", "d_ff"), "norm_topk_prob": True}
+    if hf.get("mlp_only_layers", []) != [] or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"this qwen3_moe checkpoint has dense layers (mlp_only_layers={hf.get('mlp_only_layers')!r}, "
+                          f"decoder_sparse_step={hf.get('decoder_sparse_step')!r}), which kvref does not compute yet; "
+                          "it reads a mixture in every layer")
+    return {**fields, "expert_d_ff": _int(hf, "moe_intermediate_size", "d_ff"),
+            "norm_topk_prob": _bool(hf, "norm_topk_prob", False)}
 
 
 def weights_from_hf(hf: dict, tensors, dtype="float32"):
@@ -122,10 +145,21 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
             # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
             # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
-            w_gate=get(p + "mlp.gate_proj.weight", (F, E)),
-            w_up=get(p + "mlp.up_proj.weight", (F, E)),
-            w_down=get(p + "mlp.down_proj.weight", (E, F)),
+            w_gate=None, w_up=None, w_down=None,
         )
+        if c.moe_layer(i):
+            module, (gate, up, down) = EXPERT_TENSORS[hf["model_type"]]
+            lw.router = get(f"{p}{module}.gate.weight", (c.n_experts, E))
+
+            def stack(projection, shape):  # [X, *shape]: expert j's matrix at j
+                return np.stack([get(f"{p}{module}.experts.{j}.{projection}.weight", shape) for j in range(c.n_experts)])
+
+            Fx = c.experts_d_ff
+            lw.experts_gate, lw.experts_up, lw.experts_down = stack(gate, (Fx, E)), stack(up, (Fx, E)), stack(down, (E, Fx))
+        else:
+            lw.w_gate = get(p + "mlp.gate_proj.weight", (F, E))
+            lw.w_up = get(p + "mlp.up_proj.weight", (F, E))
+            lw.w_down = get(p + "mlp.down_proj.weight", (E, F))
         if c.qkv_bias:
             lw.bq = pairs_adjacent(get(attn + "q_proj.bias", (c.q_dim,)), c.n_heads)
             lw.bk = pairs_adjacent(get(attn + "k_proj.bias", (c.kv_dim,)), c.n_kv_heads)
@@ -166,7 +200,7 @@ def _refuse(hf, family):
         "final_logit_softcapping": hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
-        "use_sliding_window (Qwen)": family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False),
+        "use_sliding_window (Qwen)": family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False),
     }
     act = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act")
     expected = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
@@ -221,7 +255,7 @@ def _float_field(p, kind, name):
 def _layer_windows(hf, family, n_layers):
     # per layer: None (global) or the sliding window W
     window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return None if window is None else (window,) * n_layers
     if family != "gemma3_text":
         return None
