@@ -167,11 +167,15 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(hf).items()}
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
-    assert model.backend == "c" and model.executor(model.new_cache()).fallback is None
-    model.fused.reset_timings()
+    assert model.backend == "c"
+    if config.n_experts:  # a mixture runs the shared decoder over the native kernels, which say why
+        assert "does not run mixtures of experts" in model.executor(model.new_cache()).fallback
+    else:
+        assert model.executor(model.new_cache()).fallback is None
+        model.fused.reset_timings()
     assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
                  "float32", f"{family} native vs transformers")
-    assert model.fused.timings()["calls"] == 1
+    assert config.n_experts or model.fused.timings()["calls"] == 1
 
 
 def test_the_native_backend_says_which_fields_it_does_not_compute(monkeypatch):
