@@ -10,6 +10,7 @@ equals the contiguous one, in float64.
 """
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -237,21 +238,29 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
 
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False)}
+                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "qwen3_moe": ("qwen3moe", False),
+                      "mixtral": ("llama", True)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
 # llama.cpp (and kvref) take as every 6th layer global and head_dim
-GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None),
+GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+# a checkpoint's expert j matrices -> the one 3-D tensor of the layer's experts llama.cpp's converter stacks them into
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def write_gguf(hf, family, path):
-    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains."""
+def write_gguf(hf, family, path, expert_type=None):
+    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains; a
+    mixture's experts stacked into one tensor per projection, in `expert_type` blocks (a GGMLQuantizationType;
+    None: float32)."""
     gguf = require("gguf")
     arch, permute = GGUF_ARCHITECTURES[family]
     c = hf.config
@@ -267,6 +276,11 @@ def write_gguf(hf, family, path):
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if family in ("qwen3_moe", "mixtral"):
+        writer.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if family == "qwen3_moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else c.rope_parameters["rope_theta"])
     if gemma:
         writer.add_sliding_window(c.sliding_window)
@@ -278,9 +292,14 @@ def write_gguf(hf, family, path):
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
     writer.add_token_merges(["a b"])
-    for name, t in hf.state_dict().items():
+    experts = {}  # GGUF name -> {j: expert j's matrix}
+    for name, t in checkpoint(hf).items():
         a = t.detach().to(torch.float32).numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if match := EXPERT.fullmatch(name):
+            layer, j, projection = match.groups()
+            experts.setdefault(f"blk.{layer}.{EXPERT_NAMES[projection]}.weight", {})[int(j)] = a
             continue
         if "norm" in name and gemma:
             a = a + 1  # Gemma files store the (1 + w) of its RMSNorm
@@ -288,6 +307,12 @@ def write_gguf(hf, family, path):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             a = a.reshape(heads, 2, -1, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         writer.add_tensor(gguf_name(name, gemma), a)
+    for name, matrices in experts.items():
+        stack = np.stack([matrices[j] for j in range(len(matrices))])  # [X, N, K]
+        if expert_type is None:
+            writer.add_tensor(name, stack)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(stack, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -320,7 +345,7 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
-    if model.backend == "c":
+    if model.backend == "c" and not model.config.n_experts:  # (a mixture on the native kernels, not fused)
         assert model.fused is not None and model.executor(model.new_cache()).fallback is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
@@ -345,3 +370,30 @@ def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equ
         prompt = history[:len(history) - len(reply) + 1]
         expected = list(kvref.generate(model, prompt, len(reply), cache=model.new_cache(layout="contiguous")))
         assert reply == expected  # the same greedy reply as recomputing the whole conversation
+
+
+def test_quantized_experts_are_read_in_place_and_give_the_spec_logits_of_their_dequantized_values(tmp_path):
+    gguf = require("gguf")
+    hf = hf_model("qwen3_moe", seed=5, hidden_size=64, moe_intermediate_size=32)  # whole blocks of 32 values
+    write_gguf(hf, "qwen3_moe", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    spec = kvref.load(tmp_path / "q8.gguf", backend="numpy")  # every tensor dequantized to float32
+    want = spec.forward(PROMPT, all_logits=True)
+    if not kvref.native.available():
+        pytest.skip("the native module is not built")
+    native = kvref.load(tmp_path / "q8.gguf", backend="c")
+    stack = native.weights.layers[1].experts_down
+    assert isinstance(stack, kvref.spec.ggml.QuantizedTensor) and stack.shape == (6, 64, 32)  # [X, E, Fx], in place
+    assert_close(native.forward(PROMPT, all_logits=True), want, "float32", "Q8_0 experts: native vs spec")
+
+
+def test_a_gguf_router_kvref_does_not_read_is_refused_by_name(tmp_path):
+    from kvref.errors import GGUFError
+
+    write_gguf(hf_model("qwen3_moe", seed=6), "qwen3_moe", tmp_path / "m.gguf")
+    with kvref.formats.gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        metadata, names = dict(f.metadata), list(f.tensors)
+    config = kvref.formats.architectures.config_from_metadata(metadata, names)
+    assert (config.n_experts, config.n_experts_used, config.experts_d_ff, config.norm_topk_prob) == (6, 2, 20, True)
+    for key, value in (("expert_shared_count", 2), ("expert_gating_func", 2), ("expert_group_count", 4)):
+        with pytest.raises(GGUFError, match=f"qwen3moe.{key}={value}"):
+            kvref.formats.architectures.config_from_metadata({**metadata, f"qwen3moe.{key}": value}, names)

@@ -3,12 +3,18 @@
 `general.architecture` names the family, and its keys are prefixed with that name (`llama.block_count`,
 `qwen3.attention.head_count`, ...):
 
-    llama    Llama, SmolLM, Mistral      llama.cpp's converter permutes each head's Q/K rows so that RoPE
-                                         rotates adjacent pairs (x[2i], x[2i+1]): read as stored
+    llama    Llama, SmolLM, Mistral,     llama.cpp's converter permutes each head's Q/K rows so that RoPE
+             Mixtral (with experts)      rotates adjacent pairs (x[2i], x[2i+1]): read as stored
     qwen2    Qwen 2/2.5: Q/K/V biases    these keep the checkpoint's row order, where RoPE rotates
     qwen3    Qwen 3: QK-norm             (x[i], x[i + D/2]) (llama.cpp's NEOX mode): the rows (and their
-    gemma3   Gemma 3                     biases and QK-norm gains) are reordered once here, as
-                                         kvref.formats.hf does for every HF checkpoint
+    qwen3moe Qwen3-MoE: QK-norm, experts biases and QK-norm gains) are reordered once here, as
+    gemma3   Gemma 3                     kvref.formats.hf does for every HF checkpoint
+
+A mixture of experts (`<arch>.expert_count`, in llama and qwen3moe files) stores each MoE layer's
+experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
+[X, E, Fx]) and its router as ffn_gate_inp [X, E]; llama.cpp renormalises the chosen experts' softmax
+scores for both architectures, and so does kvref. Keys of routers it does not read yet (shared
+experts, leading dense layers, sigmoid gating, expert groups, a weights scale) are refused by name.
 
 Gemma 3 files store its norm gains as 1 + w already. What they do not carry, llama.cpp assumes and so
 does kvref: a global layer after every 5 windowed ones, RoPE base 10,000 on the windowed layers,
@@ -27,10 +33,14 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma3")  # Q/K rows in rotate_half order in the file
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma3", "qwen3moe")  # Q/K rows in rotate_half order in the file
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's sliding-window pattern for gemma3: layer i is global if (i + 1) % 6 == 0
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # where <arch>.expert_count makes a mixture of experts
+# router keys llama.cpp may write, which kvref does not read from GGUF yet -> the values that change nothing
+UNREAD_EXPERT_KEYS = {"expert_shared_count": (0,), "leading_dense_block_count": (0,), "expert_group_count": (0, 1),
+                      "expert_gating_func": (0, 1), "expert_weights_scale": (0, 1)}  # gating func 1: softmax
 
 # LayerWeights field -> GGUF tensor name within block i (the optional ones when the config asks)
 LAYER_TENSORS = {
@@ -40,6 +50,9 @@ LAYER_TENSORS = {
 BIAS_TENSORS = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # .bias
 QK_NORM_TENSORS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm"}
+DENSE_MLP_TENSORS = ("w_gate", "w_up", "w_down")  # a MoE layer has these instead:
+EXPERT_TENSORS = {"router": "ffn_gate_inp", "experts_gate": "ffn_gate_exps", "experts_up": "ffn_up_exps",
+                  "experts_down": "ffn_down_exps"}
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
 
 
@@ -94,14 +107,37 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
         norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
         layer_windows=windows,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
         rope_scaling=rope_scaling,
+        **_experts(metadata, arch, integer),
     )
+
+
+def _experts(metadata, arch, integer):
+    # the ModelConfig fields of a mixture of experts ({} for a dense file: no expert_count, or 0)
+    what = f"{arch}.expert_count"
+    if arch not in MOE_ARCHITECTURES or what not in metadata:
+        return {}
+    n_experts = bounded_int(metadata[what], what, 0, CONFIG_CEILINGS["n_experts"], GGUFError)
+    if n_experts == 0:
+        return {}
+    unread = [f"{arch}.{name}={metadata[f'{arch}.{name}']!r}" for name, plain in UNREAD_EXPERT_KEYS.items()
+              if not _one_of(metadata.get(f"{arch}.{name}", plain[0]), plain)]
+    if unread:
+        raise GGUFError(f"this file's router sets {', '.join(unread)}, which kvref does not read from GGUF yet")
+    return {"n_experts": n_experts, "n_experts_used": integer("expert_used_count", "n_experts"),
+            "expert_d_ff": integer("expert_feed_forward_length", "d_ff", metadata.get(f"{arch}.feed_forward_length")),
+            "norm_topk_prob": True}
+
+
+def _one_of(value, numbers):
+    # a metadata value is one of `numbers` (a number of any type, never a bool, string or array)
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value in numbers
 
 
 def _vocab_size(metadata, arch):
@@ -140,11 +176,14 @@ def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
 def expected_shapes(config: ModelConfig) -> dict:
     """Every tensor name the decoder needs, with its shape in NumPy order ([out, in] for matrices)."""
     E, F, V, D = config.d_model, config.d_ff, config.vocab_size, config.head_dim
+    X, Fx = config.n_experts, config.experts_d_ff
     per_layer = {
         "attn_norm.weight": (E,), "attn_q.weight": (config.q_dim, E), "attn_k.weight": (config.kv_dim, E),
         "attn_v.weight": (config.kv_dim, E), "attn_output.weight": (E, config.q_dim), "ffn_norm.weight": (E,),
-        "ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F),
     }
+    dense = {"ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)}
+    experts = {"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, Fx, E), "ffn_up_exps.weight": (X, Fx, E),
+               "ffn_down_exps.weight": (X, E, Fx)}
     if config.qkv_bias:
         per_layer.update({"attn_q.bias": (config.q_dim,), "attn_k.bias": (config.kv_dim,),
                           "attn_v.bias": (config.kv_dim,)})
@@ -156,7 +195,8 @@ def expected_shapes(config: ModelConfig) -> dict:
     if not config.tie_embeddings:
         shapes["output.weight"] = (V, E)
     for i in range(config.n_layers):
-        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
+        mlp = experts if config.moe_layer(i) else dense
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in {**per_layer, **mlp}.items()})
     return shapes
 
 
@@ -182,13 +222,17 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
     layers = []
     for i in range(config.n_layers):
         names = {field: f"blk.{i}.{name}.weight" for field, name in LAYER_TENSORS.items()}
+        if config.moe_layer(i):
+            names = {field: name for field, name in names.items() if field not in DENSE_MLP_TENSORS}
+            names.update({field: f"blk.{i}.{name}.weight" for field, name in EXPERT_TENSORS.items()})
         if config.qkv_bias:
             names.update({field: f"blk.{i}.{name}.bias" for field, name in BIAS_TENSORS.items()})
         if config.qk_norm:
             names.update({field: f"blk.{i}.{name}.weight" for field, name in QK_NORM_TENSORS.items()})
         if config.sandwich_norms:
             names.update({field: f"blk.{i}.{name}.weight" for field, name in SANDWICH_TENSORS.items()})
-        layers.append(LayerWeights(**{field: rows(field, name, heads.get(field)) for field, name in names.items()}))
+        dense = dict.fromkeys(DENSE_MLP_TENSORS)  # None on a MoE layer
+        layers.append(LayerWeights(**{**dense, **{field: rows(field, name, heads.get(field)) for field, name in names.items()}}))
     tok_embeddings = tensor("token_embd.weight")
     output = tok_embeddings if config.tie_embeddings else tensor("output.weight")
     return Weights(tok_embeddings, layers, tensor("output_norm.weight"), output)
