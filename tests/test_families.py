@@ -236,6 +236,14 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
     assert "model_type 'qwen3'" in out and "model.layers.0.self_attn.q_norm.weight" in out and "qk_norm=True" in out
 
 
+def test_kvref_inspect_says_how_many_experts_a_mixture_runs(tmp_path, capsys):
+    from kvref.tools.cli import main
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "2 of 6 per position, each 20 wide" in capsys.readouterr().out
+
+
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
                       "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "qwen3_moe": ("qwen3moe", False),
