@@ -57,7 +57,7 @@ class ModelConfig:
     n_experts: int = 0  # X: routed experts per MoE layer; 0: every layer's MLP is dense (d_ff wide)
     n_experts_used: int = 0  # k: experts each position runs (num_experts_per_tok); 1 <= k <= X when X > 0
     expert_d_ff: int | None = None  # Fx: hidden width of each expert MLP; None: d_ff
-    first_dense_layers: int = 0  # layers 0 .. this - 1 keep a dense MLP of width d_ff (DeepSeek's first_k_dense_replace)
+    first_dense_layers: int = 0  # layers 0 .. this - 1 keep a dense MLP, d_ff wide (DeepSeek's first_k_dense_replace)
     router_score: str = "softmax"  # expert scores from the router logits: "softmax" over all experts (Qwen3-MoE,
     #                                Mixtral, DeepSeek-V2, gpt-oss) or an independent "sigmoid" per expert (DeepSeek-V3)
     router_bias: bool = False  # gpt-oss: the router adds a bias to its logits
@@ -65,7 +65,7 @@ class ModelConfig:
     #                                      experts only; the chosen experts are weighted by their unbiased scores
     n_expert_groups: int = 1  # grouped top-k (DeepSeek n_group): the X experts form this many equal groups, and
     n_expert_groups_used: int = 1  # ... each position chooses its experts from its best this-many groups (topk_group)
-    expert_group_score: str = "top2_sum"  # a group's score: the sum of its two best scores (DeepSeek-V3) or its "max" (V2)
+    expert_group_score: str = "top2_sum"  # a group's score: its two best scores summed (DeepSeek-V3) or its "max" (V2)
     norm_topk_prob: bool = False  # the k chosen scores are divided by their sum (Mixtral, gpt-oss; Qwen3-MoE as its
     #                               config says); else used as they are (DeepSeek-V2)
     routed_scaling_factor: float = 1.0  # the weights of the chosen experts are multiplied by this (DeepSeek)
@@ -126,13 +126,13 @@ class ModelConfig:
         for name, values in (("router_score", ROUTER_SCORES), ("expert_group_score", EXPERT_GROUP_SCORES)):
             if getattr(self, name) not in values:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is unknown; expected one of {values}")
-        ceiling = CONFIG_CEILINGS["n_experts"]
-        for name, low, high in (("n_experts", 0, ceiling), ("n_experts_used", 0, ceiling),
-                                ("first_dense_layers", 0, self.n_layers), ("n_expert_groups", 1, ceiling),
-                                ("n_expert_groups_used", 1, ceiling), ("shared_expert_d_ff", 0, CONFIG_CEILINGS["d_ff"])):
+        most, widest = CONFIG_CEILINGS["n_experts"], CONFIG_CEILINGS["d_ff"]
+        for name, low, high in (("n_experts", 0, most), ("n_experts_used", 0, most),
+                                ("first_dense_layers", 0, self.n_layers), ("n_expert_groups", 1, most),
+                                ("n_expert_groups_used", 1, most), ("shared_expert_d_ff", 0, widest)):
             object.__setattr__(self, name, bounded_int(getattr(self, name), name, low, high))
         if self.expert_d_ff is not None:
-            object.__setattr__(self, "expert_d_ff", bounded_int(self.expert_d_ff, "expert_d_ff", 1, CONFIG_CEILINGS["d_ff"]))
+            object.__setattr__(self, "expert_d_ff", bounded_int(self.expert_d_ff, "expert_d_ff", 1, widest))
         value = self.routed_scaling_factor
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ConfigError(f"routed_scaling_factor={value!r} must be a positive finite number")

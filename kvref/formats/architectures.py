@@ -231,8 +231,8 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
             names.update({field: f"blk.{i}.{name}.weight" for field, name in QK_NORM_TENSORS.items()})
         if config.sandwich_norms:
             names.update({field: f"blk.{i}.{name}.weight" for field, name in SANDWICH_TENSORS.items()})
-        dense = dict.fromkeys(DENSE_MLP_TENSORS)  # None on a MoE layer
-        layers.append(LayerWeights(**{**dense, **{field: rows(field, name, heads.get(field)) for field, name in names.items()}}))
+        tensors = {field: rows(field, name, heads.get(field)) for field, name in names.items()}
+        layers.append(LayerWeights(**{**dict.fromkeys(DENSE_MLP_TENSORS), **tensors}))  # w_* None on a MoE layer
     tok_embeddings = tensor("token_embd.weight")
     output = tok_embeddings if config.tie_embeddings else tensor("output.weight")
     return Weights(tok_embeddings, layers, tensor("output_norm.weight"), output)

@@ -4,7 +4,8 @@
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
 Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text, and the mixtures of experts
-qwen3_moe and mixtral (docs/architectures.md has the table of fields). What a checkpoint stores differently from what the decoder reads is converted
+qwen3_moe and mixtral (docs/architectures.md has the table of fields). What a checkpoint stores
+differently from what the decoder reads is converted
 here, once, so the decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
@@ -130,7 +131,11 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         # [heads * D, ...] in HF's half-split pair order -> the adjacent-pair order the decoder rotates
         return half_split_to_adjacent(a, heads, c.head_dim)
 
-    E, F = c.d_model, c.d_ff
+    def experts(name, shape):
+        # [X, *shape]: expert j's matrix, the tensor name.format(j), at j
+        return np.stack([get(name.format(j), shape) for j in range(c.n_experts)])
+
+    E, F, Fx = c.d_model, c.d_ff, c.experts_d_ff
     layers = []
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
@@ -150,12 +155,9 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         if c.moe_layer(i):
             module, (gate, up, down) = EXPERT_TENSORS[hf["model_type"]]
             lw.router = get(f"{p}{module}.gate.weight", (c.n_experts, E))
-
-            def stack(projection, shape):  # [X, *shape]: expert j's matrix at j
-                return np.stack([get(f"{p}{module}.experts.{j}.{projection}.weight", shape) for j in range(c.n_experts)])
-
-            Fx = c.experts_d_ff
-            lw.experts_gate, lw.experts_up, lw.experts_down = stack(gate, (Fx, E)), stack(up, (Fx, E)), stack(down, (E, Fx))
+            lw.experts_gate = experts(f"{p}{module}.experts.{{}}.{gate}.weight", (Fx, E))
+            lw.experts_up = experts(f"{p}{module}.experts.{{}}.{up}.weight", (Fx, E))
+            lw.experts_down = experts(f"{p}{module}.experts.{{}}.{down}.weight", (E, Fx))
         else:
             lw.w_gate = get(p + "mlp.gate_proj.weight", (F, E))
             lw.w_up = get(p + "mlp.up_proj.weight", (F, E))
