@@ -1,8 +1,8 @@
 """Which kernel set runs the decoder: the NumPy spec, or the native C module.
 
 Both provide the same names (embed, matmul, matmul_experts, rms_norm, rope, attention, swiglu, geglu) with
-the same meaning; the decoder is shared. "auto" takes the native kernels when they are built and the model is float32
-(they compute in float32), and says once when it has to fall back to the spec.
+the same meaning; the decoder is shared. "auto" takes the native kernels when they are built and the model
+is float32 (they compute in float32), and says once when it has to fall back to the spec.
 
 `fused_forward` gives a Model on the native backend its fused C forward (kvref.native.fused: a whole
 prefill or decode step in one C call, checked against the shared decoder), or the reason there is none
