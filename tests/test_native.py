@@ -1013,6 +1013,8 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     assert experts([0, 1], nbytes=sbytes - 1) == lib.KVREF_ERR_SIZE and experts([0, 1], X=2) == lib.KVREF_ERR_SIZE
     assert experts([0, 1], K=60) == lib.KVREF_ERR_SHAPE and experts([0, 1], R=-1) == lib.KVREF_ERR_DIM
     assert experts([0, 1], X=2**40, N=2**40) == lib.KVREF_ERR_SIZE
+    y[:] = np.nan
+    assert experts([0, 2], K=0, x=ffi.NULL, w=ffi.NULL, nbytes=0) == lib.KVREF_OK and not y.any()  # empty sums
     table = np.array([1, 0, 5], np.int64)
     pos = ffi.from_buffer("int64_t[]", np.arange(8, dtype=np.int64))
     kvb = ffi.from_buffer("float[]", np.zeros(2 * 8 * 3 * 8, np.float32))  # 2 layers x 8 slots x 3 kv heads x 8
