@@ -102,6 +102,21 @@ int kvref_matmul(kvref_pool *pool,
                  const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
                  float *y);
 
+/* A mixture of experts' projection: y[r] = x[r] @ W_e.T with e = experts[r], W a stack of X matrices
+ * [N, K] in `w_type` blocks, expert after expert, read in place. The rows naming one expert are taken
+ * together (in ascending row order) and multiplied as kvref_matmul multiplies them, so each expert named
+ * is read once per call, an expert no row names is never read, and y[r] is kvref_matmul's row for r
+ * among its expert's rows.
+ *   x:       float32 [R, K]
+ *   experts: int64   [R], each in [0, X) (KVREF_ERR_VALUE otherwise, before anything is read)
+ *   w:       bytes   [X, N, kvref_row_nbytes(w_type, K)], w_nbytes in total
+ *   y:       float32 [R, N] (must not overlap x or w)
+ * Scratch for the grouped rows is allocated per call (KVREF_ERR_NOMEM if it cannot be). */
+int kvref_matmul_experts(kvref_pool *pool,
+                         const float *x, int64_t R, int64_t K, const int64_t *experts,
+                         const void *w, int32_t w_type, int64_t w_nbytes, int64_t X, int64_t N,
+                         float *y);
+
 /* The projection of the int8 activation mode: y = x~ @ W.T, where each row of x is first rounded
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block; a block

@@ -13,9 +13,16 @@ from .errors import ConfigError
 from .limits import CONFIG_CEILINGS, MAX_CONTEXT, bounded_int
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+ROUTER_SCORES = ("softmax", "sigmoid")  # how a router turns its logits into expert scores
+EXPERT_GROUP_SCORES = ("top2_sum", "max")  # how grouped top-k scores a group of experts
 # the fields that make the families other than Llama; at their defaults a config is Llama's
 FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
                  "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap", "nope_layers")
+# the fields of a mixture of experts (kvref.spec.decoder.moe): family fields too, at their defaults a dense MLP
+MOE_FIELDS = ("n_experts", "n_experts_used", "expert_d_ff", "first_dense_layers", "router_score", "router_bias",
+              "expert_selection_bias", "n_expert_groups", "n_expert_groups_used", "expert_group_score",
+              "norm_topk_prob", "routed_scaling_factor", "shared_expert_d_ff", "expert_bias")
+FAMILY_FIELDS = FAMILY_FIELDS + MOE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,26 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap), before the mask and softmax
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     nope_layers: tuple = ()  # SmolLM3: the layers whose q and k are not rotated (NoPE; every 4th layer)
+    # -- a mixture of experts (Qwen3-MoE, Mixtral, DeepSeek, gpt-oss): the MLP of a MoE layer is n_experts_used
+    #    of n_experts expert MLPs, chosen per position by a router, their outputs weighted and summed --------
+    n_experts: int = 0  # X: routed experts per MoE layer; 0: every layer's MLP is dense (d_ff wide)
+    n_experts_used: int = 0  # k: experts each position runs (num_experts_per_tok); 1 <= k <= X when X > 0
+    expert_d_ff: int | None = None  # Fx: hidden width of each expert MLP; None: d_ff
+    first_dense_layers: int = 0  # layers 0 .. this - 1 keep a dense MLP, d_ff wide (DeepSeek's first_k_dense_replace)
+    router_score: str = "softmax"  # expert scores from the router logits: "softmax" over all experts (Qwen3-MoE,
+    #                                Mixtral, DeepSeek-V2, gpt-oss) or an independent "sigmoid" per expert (DeepSeek-V3)
+    router_bias: bool = False  # gpt-oss: the router adds a bias to its logits
+    expert_selection_bias: bool = False  # DeepSeek-V3's e_score_correction_bias: added to the scores to choose
+    #                                      experts only; the chosen experts are weighted by their unbiased scores
+    n_expert_groups: int = 1  # grouped top-k (DeepSeek n_group): the X experts form this many equal groups, and
+    n_expert_groups_used: int = 1  # ... each position chooses its experts from its best this-many groups (topk_group)
+    expert_group_score: str = "top2_sum"  # a group's score: its two best scores summed (DeepSeek-V3) or its "max" (V2)
+    norm_topk_prob: bool = False  # the k chosen scores are divided by their sum (Mixtral, gpt-oss; Qwen3-MoE as its
+    #                               config says); else used as they are (DeepSeek-V2)
+    routed_scaling_factor: float = 1.0  # the weights of the chosen experts are multiplied by this (DeepSeek)
+    shared_expert_d_ff: int = 0  # width of a shared expert MLP every position runs beside its routed ones (DeepSeek:
+    #                              n_shared_experts x the expert width, one MLP); 0: none
+    expert_bias: bool = False  # gpt-oss: each expert's gate, up and down projections add a bias
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -100,11 +127,55 @@ class ModelConfig:
                            for w in windows)):
                 raise ConfigError(f"layer_windows={windows!r} must be a tuple of {self.n_layers} entries, each None "
                                   f"(global) or a window of 1..{MAX_CONTEXT} positions")
+        self._check_experts()
+
+    def _check_experts(self):
+        # the mixture-of-experts fields: at their defaults a dense model; any router they describe is computable
+        for name in ("router_bias", "expert_selection_bias", "norm_topk_prob", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name, values in (("router_score", ROUTER_SCORES), ("expert_group_score", EXPERT_GROUP_SCORES)):
+            if getattr(self, name) not in values:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is unknown; expected one of {values}")
+        most, widest = CONFIG_CEILINGS["n_experts"], CONFIG_CEILINGS["d_ff"]
+        for name, low, high in (("n_experts", 0, most), ("n_experts_used", 0, most),
+                                ("first_dense_layers", 0, self.n_layers), ("n_expert_groups", 1, most),
+                                ("n_expert_groups_used", 1, most), ("shared_expert_d_ff", 0, widest)):
+            object.__setattr__(self, name, bounded_int(getattr(self, name), name, low, high))
+        if self.expert_d_ff is not None:
+            object.__setattr__(self, "expert_d_ff", bounded_int(self.expert_d_ff, "expert_d_ff", 1, widest))
+        value = self.routed_scaling_factor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f"routed_scaling_factor={value!r} must be a positive finite number")
+        X, k = self.n_experts, self.n_experts_used
+        if (X == 0) != (k == 0) or k > X:
+            raise ConfigError(f"n_experts_used={k} must be in 1..n_experts={X} (both 0 for a dense model)")
+        groups, used = self.n_expert_groups, self.n_expert_groups_used
+        if groups > 1 and (X % groups or used > groups or used * (X // groups) < k):
+            raise ConfigError(f"n_expert_groups={groups} must divide n_experts={X}, and n_expert_groups_used={used} "
+                              f"groups (at most n_expert_groups) must hold at least n_experts_used={k} experts")
+        if groups == 1 and used != 1:
+            raise ConfigError(f"n_expert_groups_used={used} needs n_expert_groups > 1")
+        if groups > 1 and self.expert_group_score == "top2_sum" and X // groups < 2:
+            raise ConfigError(f"expert_group_score='top2_sum' needs groups of at least 2 experts; n_experts={X} in "
+                              f"{groups} groups")
+        if X == 0 and self.family_fields().keys() & set(MOE_FIELDS):
+            raise ConfigError(f"{sorted(self.family_fields().keys() & set(MOE_FIELDS))} describe a mixture of experts; "
+                              "set n_experts and n_experts_used too")
 
     def family_fields(self) -> dict:
         """The FAMILY_FIELDS this config sets to something other than Llama's value."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return {name: getattr(self, name) for name in FAMILY_FIELDS if getattr(self, name) != defaults[name]}
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (else dense, d_ff wide)."""
+        return self.n_experts > 0 and layer >= self.first_dense_layers
+
+    @property
+    def experts_d_ff(self) -> int:
+        """Fx: the hidden width of each routed expert."""
+        return self.d_ff if self.expert_d_ff is None else self.expert_d_ff
 
     def window(self, layer: int) -> int | None:
         """The attention window of `layer` (None: every position)."""

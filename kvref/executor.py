@@ -34,6 +34,8 @@ class KernelSet(Protocol):
 
     def matmul(self, x, w): ...  # [T, K], w [N, K] (any stored type) -> [T, N]
 
+    def matmul_experts(self, x, w, experts): ...  # [R, K], w [X, N, K], [R] expert ids -> [R, N]
+
     def rms_norm(self, x, weight, eps): ...  # [T, E], [E] -> [T, E]
 
     def rope(self, x, positions, theta, scaling=None): ...  # [T, H, D], [T] -> [T, H, D]

@@ -36,9 +36,20 @@ class Execution:
 
 def projection_flops(config: ModelConfig, n_positions: int, n_logits: int) -> int:
     """Q, K, V, output and MLP projections per position per layer, plus the LM head per logit row."""
-    E, F = config.d_model, config.d_ff
-    per_layer = 2 * E * (config.q_dim + 2 * config.kv_dim) + 2 * config.q_dim * E + 2 * 3 * E * F
-    return n_positions * config.n_layers * per_layer + n_logits * 2 * E * config.vocab_size
+    E = config.d_model
+    attention = 2 * E * (config.q_dim + 2 * config.kv_dim) + 2 * config.q_dim * E
+    per_position = sum(attention + mlp_flops(config, layer) for layer in range(config.n_layers))
+    return n_positions * per_position + n_logits * 2 * E * config.vocab_size
+
+
+def mlp_flops(config: ModelConfig, layer: int) -> int:
+    """One position's MLP projections in `layer`: the dense gate, up and down; in a mixture of experts the
+    router, the n_experts_used experts the position runs and the shared expert."""
+    E = config.d_model
+    if not config.moe_layer(layer):
+        return 2 * 3 * E * config.d_ff
+    experts = config.n_experts_used * config.experts_d_ff + config.shared_expert_d_ff
+    return 2 * E * config.n_experts + 2 * 3 * E * experts
 
 
 def attention_flops(config: ModelConfig, first: int, n_positions: int) -> int:

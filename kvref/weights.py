@@ -50,7 +50,7 @@ class LayerWeights(_CountsRebinds):
     wv: object  # [Hkv*D, E]        value projection
     wo: object  # [E, H*D]          attention output projection
     ffn_norm: object  # [E]         RMSNorm gain before the MLP
-    w_gate: object  # [F, E]        SwiGLU gate projection
+    w_gate: object  # [F, E]        SwiGLU gate projection (None on a MoE layer: config.moe_layer)
     w_up: object  # [F, E]          SwiGLU up projection
     w_down: object  # [E, F]        SwiGLU down projection
     bq: object = None  # [H*D]      query bias (config.qkv_bias)
@@ -60,6 +60,20 @@ class LayerWeights(_CountsRebinds):
     k_norm: object = None  # [D]    RMSNorm gain of each key head
     post_attn_norm: object = None  # [E]  RMSNorm gain on the attention output (config.sandwich_norms)
     post_ffn_norm: object = None  # [E]   RMSNorm gain on the MLP output
+    # a MoE layer (config.moe_layer): X experts of width Fx, each a gated MLP, stacked on a leading expert
+    # axis as GGUF stores them (one 3-D tensor per projection); the decoder reads the routed experts' only
+    router: object = None  # [X, E]             expert logits per position
+    router_bias: object = None  # [X]           (config.router_bias)
+    expert_selection_bias: object = None  # [X] added to the scores to choose experts (config.expert_selection_bias)
+    experts_gate: object = None  # [X, Fx, E]   each expert's gate projection
+    experts_up: object = None  # [X, Fx, E]     each expert's up projection
+    experts_down: object = None  # [X, E, Fx]   each expert's down projection
+    experts_gate_bias: object = None  # [X, Fx] (config.expert_bias)
+    experts_up_bias: object = None  # [X, Fx]
+    experts_down_bias: object = None  # [X, E]
+    shared_gate: object = None  # [Fs, E]       the shared expert every position runs (config.shared_expert_d_ff)
+    shared_up: object = None  # [Fs, E]
+    shared_down: object = None  # [E, Fs]
 
 
 @dataclass
@@ -93,25 +107,44 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
     def optional_gain(n, present):
         return gain(n) if present else None
 
-    layers = [
-        LayerWeights(
+    def stack(n_out, n_in):  # [X, n_out, n_in]: one matrix per expert
+        return np.stack([matrix(n_out, n_in) for _ in range(config.n_experts)])
+
+    def small(*shape, present=True):  # router and expert biases
+        return (0.1 * rng.standard_normal(shape)).astype(dtype) if present else None
+
+    def layer(i):
+        dense = not config.moe_layer(i)
+        lw = LayerWeights(
             attn_norm=gain(E),
             wq=matrix(config.q_dim, E),
             wk=matrix(config.kv_dim, E),
             wv=matrix(config.kv_dim, E),
             wo=matrix(E, config.q_dim),
             ffn_norm=gain(E),
-            w_gate=matrix(F, E),
-            w_up=matrix(F, E),
-            w_down=matrix(E, F),
+            w_gate=matrix(F, E) if dense else None,  # drawn in this order: the dense models' numbers never change
+            w_up=matrix(F, E) if dense else None,
+            w_down=matrix(E, F) if dense else None,
             bq=bias(config.q_dim), bk=bias(config.kv_dim), bv=bias(config.kv_dim),
             q_norm=optional_gain(config.head_dim, config.qk_norm),
             k_norm=optional_gain(config.head_dim, config.qk_norm),
             post_attn_norm=optional_gain(E, config.sandwich_norms),
             post_ffn_norm=optional_gain(E, config.sandwich_norms),
         )
-        for _ in range(config.n_layers)
-    ]
+        if dense:
+            return lw
+        X, Fx, Fs = config.n_experts, config.experts_d_ff, config.shared_expert_d_ff
+        lw.router = matrix(X, E)
+        lw.router_bias = small(X, present=config.router_bias)
+        lw.expert_selection_bias = small(X, present=config.expert_selection_bias)
+        lw.experts_gate, lw.experts_up, lw.experts_down = stack(Fx, E), stack(Fx, E), stack(E, Fx)
+        if config.expert_bias:
+            lw.experts_gate_bias, lw.experts_up_bias, lw.experts_down_bias = small(X, Fx), small(X, Fx), small(X, E)
+        if Fs:
+            lw.shared_gate, lw.shared_up, lw.shared_down = matrix(Fs, E), matrix(Fs, E), matrix(E, Fs)
+        return lw
+
+    layers = [layer(i) for i in range(config.n_layers)]
     output_norm = gain(E)
     output = tok_embeddings if config.tie_embeddings else matrix(V, E)
     return Weights(tok_embeddings, layers, output_norm, output)

@@ -10,6 +10,7 @@ equals the contiguous one, in float64.
 """
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -65,6 +66,11 @@ FAMILIES = {
     # SmolLM3: layer 3 of 4 skips RoPE (NoPE), llama.cpp's fixed pattern
     "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, hidden_size=40, num_hidden_layers=4,
                                       no_rope_layer_interval=4, **NO_SPECIAL_IDS)),
+    # mixtures of experts: 2 of 5 or 6 experts per position, narrower than the dense width
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=10, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=20, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, head_dim=12, num_local_experts=5, num_experts_per_tok=2,
+                                      sliding_window=5)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -100,8 +106,16 @@ def hf_logits(model, ids, dtype):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+def checkpoint(model):
+    """{name: tensor} as save_pretrained writes them: transformers holds a mixture's experts as 3-D tensors
+    in memory and writes (as every released checkpoint stores) one matrix per expert."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())
+
+
 def kvref_model(model, dtype):
-    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(model).items()}
     config, weights = weights_from_hf(model.config.to_dict(), tensors, dtype)
     return kvref.Model(config, weights, dtype=dtype, backend="numpy")
 
@@ -179,14 +193,18 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     if not kvref.native.available():
         pytest.skip("the native module is not built")
     hf = hf_model(family)
-    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in hf.state_dict().items()}
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(hf).items()}
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
-    assert model.backend == "c" and model.executor(model.new_cache()).fallback is None
-    model.fused.reset_timings()
+    assert model.backend == "c"
+    if config.n_experts:  # a mixture runs the shared decoder over the native kernels, which say why
+        assert "does not run mixtures of experts" in model.executor(model.new_cache()).fallback
+    else:
+        assert model.executor(model.new_cache()).fallback is None
+        model.fused.reset_timings()
     assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
                  "float32", f"{family} native vs transformers")
-    assert model.fused.timings()["calls"] == 1
+    assert config.n_experts or model.fused.timings()["calls"] == 1
 
 
 def test_the_native_backend_says_which_fields_it_does_not_compute(monkeypatch):
@@ -246,25 +264,42 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
     assert "model_type 'qwen3'" in out and "model.layers.0.self_attn.q_norm.weight" in out and "qk_norm=True" in out
 
 
+def test_kvref_inspect_says_how_many_experts_a_mixture_runs(tmp_path, capsys):
+    from kvref.tools.cli import main
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "2 of 6 per position, each 20 wide" in capsys.readouterr().out
+
+
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
                       "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "gemma2": ("gemma2", False),
-                      "phi3": ("phi3", False), "phi3-long": ("phi3", False), "smollm3": ("smollm3", True)}
+                      "phi3": ("phi3", False), "phi3-long": ("phi3", False), "smollm3": ("smollm3", True),
+                      "qwen3_moe": ("qwen3moe", False), "mixtral": ("llama", True)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
 # llama.cpp (and kvref) take as every 6th layer global and head_dim; Gemma 2's, every 2nd and head_dim
-GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "gemma2": dict(query_pre_attn_scalar=16),
+GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
+                    "gemma2": dict(query_pre_attn_scalar=16),
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+# a checkpoint's expert j matrices -> the one 3-D tensor of the layer's experts llama.cpp's converter stacks them into
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def write_gguf(hf, family, path):
-    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains."""
+def write_gguf(hf, family, path, expert_type=None):
+    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains; a
+    mixture's experts stacked into one tensor per projection, in `expert_type` blocks (a GGMLQuantizationType;
+    None: float32)."""
     gguf = require("gguf")
     arch, permute = GGUF_ARCHITECTURES[family]
     c = hf.config
@@ -280,6 +315,11 @@ def write_gguf(hf, family, path):
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if family in ("qwen3_moe", "mixtral"):
+        writer.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if family == "qwen3_moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     if gemma:
         writer.add_sliding_window(c.sliding_window)
@@ -303,9 +343,14 @@ def write_gguf(hf, family, path):
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
     writer.add_token_merges(["a b"])
-    for name, t in hf.state_dict().items():
+    experts = {}  # GGUF name -> {j: expert j's matrix}
+    for name, t in checkpoint(hf).items():
         a = t.detach().to(torch.float32).numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if match := EXPERT.fullmatch(name):
+            layer, j, projection = match.groups()
+            experts.setdefault(f"blk.{layer}.{EXPERT_NAMES[projection]}.weight", {})[int(j)] = a
             continue
         if "norm" in name and gemma:
             a = a + 1  # Gemma files store the (1 + w) of its RMSNorm
@@ -313,6 +358,12 @@ def write_gguf(hf, family, path):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             a = a.reshape(heads, 2, -1, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         writer.add_tensor(gguf_name(name, gemma), a)
+    for name, matrices in experts.items():
+        stack = np.stack([matrices[j] for j in range(len(matrices))])  # [X, N, K]
+        if expert_type is None:
+            writer.add_tensor(name, stack)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(stack, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -346,7 +397,7 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
-    if model.backend == "c":
+    if model.backend == "c" and not model.config.n_experts:  # (a mixture on the native kernels, not fused)
         assert model.fused is not None and model.executor(model.new_cache()).fallback is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
@@ -371,3 +422,30 @@ def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equ
         prompt = history[:len(history) - len(reply) + 1]
         expected = list(kvref.generate(model, prompt, len(reply), cache=model.new_cache(layout="contiguous")))
         assert reply == expected  # the same greedy reply as recomputing the whole conversation
+
+
+def test_quantized_experts_are_read_in_place_and_give_the_spec_logits_of_their_dequantized_values(tmp_path):
+    gguf = require("gguf")
+    hf = hf_model("qwen3_moe", seed=5, hidden_size=64, moe_intermediate_size=32)  # whole blocks of 32 values
+    write_gguf(hf, "qwen3_moe", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    spec = kvref.load(tmp_path / "q8.gguf", backend="numpy")  # every tensor dequantized to float32
+    want = spec.forward(PROMPT, all_logits=True)
+    if not kvref.native.available():
+        pytest.skip("the native module is not built")
+    native = kvref.load(tmp_path / "q8.gguf", backend="c")
+    stack = native.weights.layers[1].experts_down
+    assert isinstance(stack, kvref.spec.ggml.QuantizedTensor) and stack.shape == (6, 64, 32)  # [X, E, Fx], in place
+    assert_close(native.forward(PROMPT, all_logits=True), want, "float32", "Q8_0 experts: native vs spec")
+
+
+def test_a_gguf_router_kvref_does_not_read_is_refused_by_name(tmp_path):
+    from kvref.errors import GGUFError
+
+    write_gguf(hf_model("qwen3_moe", seed=6), "qwen3_moe", tmp_path / "m.gguf")
+    with kvref.formats.gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        metadata, names = dict(f.metadata), list(f.tensors)
+    config = kvref.formats.architectures.config_from_metadata(metadata, names)
+    assert (config.n_experts, config.n_experts_used, config.experts_d_ff, config.norm_topk_prob) == (6, 2, 20, True)
+    for key, value in (("expert_shared_count", 2), ("expert_gating_func", 2), ("expert_group_count", 4)):
+        with pytest.raises(GGUFError, match=f"qwen3moe.{key}={value}"):
+            kvref.formats.architectures.config_from_metadata({**metadata, f"qwen3moe.{key}": value}, names)

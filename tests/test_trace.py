@@ -11,6 +11,18 @@ def test_projection_flops_are_two_per_weight_per_position():
     assert trace.projection_flops(CFG, 5, 2) == 2 * (5 * 3 * per_layer + 2 * model.weights.output.size)
 
 
+def test_a_mixtures_projection_flops_count_the_router_and_the_experts_a_position_runs_only():
+    config = CFG.replace(n_experts=8, n_experts_used=2, expert_d_ff=16, first_dense_layers=1, shared_expert_d_ff=8)
+    model = kvref.Model.random(config)
+    dense, moe = model.weights.layers[0], model.weights.layers[1]
+    attention = sum(w.size for w in (dense.wq, dense.wk, dense.wv, dense.wo))
+    dense_mlp = sum(w.size for w in (dense.w_gate, dense.w_up, dense.w_down))
+    one_expert = sum(w[0].size for w in (moe.experts_gate, moe.experts_up, moe.experts_down))
+    moe_mlp = moe.router.size + 2 * one_expert + sum(w.size for w in (moe.shared_gate, moe.shared_up, moe.shared_down))
+    per_position = 3 * attention + dense_mlp + 2 * moe_mlp
+    assert trace.projection_flops(config, 5, 2) == 2 * (5 * per_position + 2 * model.weights.output.size)
+
+
 def test_attention_flops_count_every_visible_key_once_per_head_and_layer():
     # positions 4, 5, 6 see 5, 6, 7 keys: 18 q.k dot products and 18 weighted V rows per head and layer
     assert trace.attention_flops(CFG, 4, 3) == 3 * 6 * 18 * 2 * 2 * CFG.head_dim

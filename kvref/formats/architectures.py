@@ -3,13 +3,21 @@
 `general.architecture` names the family, and its keys are prefixed with that name (`llama.block_count`,
 `qwen3.attention.head_count`, ...):
 
-    llama    Llama, SmolLM, Mistral      llama.cpp's converter permutes each head's Q/K rows so that RoPE
-    smollm3  SmolLM3: NoPE layers        rotates adjacent pairs (x[2i], x[2i+1]): read as stored
+    llama    Llama, SmolLM, Mistral,     llama.cpp's converter permutes each head's Q/K rows so that RoPE
+             Mixtral (with experts)      rotates adjacent pairs (x[2i], x[2i+1]): read as stored
+    smollm3  SmolLM3: NoPE layers
     qwen2    Qwen 2/2.5: Q/K/V biases    these keep the checkpoint's row order, where RoPE rotates
     qwen3    Qwen 3: QK-norm             (x[i], x[i + D/2]) (llama.cpp's NEOX mode): the rows (and their
-    gemma2   Gemma 2: soft caps          biases and QK-norm gains) are reordered once here, as
-    gemma3   Gemma 3                     kvref.formats.hf does for every HF checkpoint
+    qwen3moe Qwen3-MoE: QK-norm, experts biases and QK-norm gains) are reordered once here, as
+    gemma2   Gemma 2: soft caps          kvref.formats.hf does for every HF checkpoint
+    gemma3   Gemma 3
     phi3     Phi-3/3.5: fused tensors, LongRoPE
+
+A mixture of experts (`<arch>.expert_count`, in llama and qwen3moe files) stores each MoE layer's
+experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
+[X, E, Fx]) and its router as ffn_gate_inp [X, E]; llama.cpp renormalises the chosen experts' softmax
+scores for both architectures, and so does kvref. Keys of routers it does not read yet (shared
+experts, leading dense layers, sigmoid gating, expert groups, a weights scale) are refused by name.
 
 Gemma 2 and 3 files store their norm gains as 1 + w already. What they do not carry, llama.cpp assumes
 and so does kvref: a global layer after every windowed one (Gemma 2) or every 5 (Gemma 3), RoPE base
@@ -34,8 +42,8 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3")
-HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # Q/K rows in rotate_half order in the file
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen3moe")
+HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")  # Q/K rows in rotate_half order in the file
 GEMMAS = ("gemma2", "gemma3")
 # llama.cpp's sliding-window patterns: layer i is global if (i + 1) % n == 0
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
@@ -44,6 +52,10 @@ GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30
 GEMMA2_27B_BLOCKS = 46  # llama.cpp's sign of Gemma 2 27B, whose query_pre_attn_scalar is d_model / n_heads
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's SmolLM3: layer i is NoPE if (i + 1) % 4 == 0
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # where <arch>.expert_count makes a mixture of experts
+# router keys llama.cpp may write, which kvref does not read from GGUF yet -> the values that change nothing
+UNREAD_EXPERT_KEYS = {"expert_shared_count": (0,), "leading_dense_block_count": (0,), "expert_group_count": (0, 1),
+                      "expert_gating_func": (0, 1), "expert_weights_scale": (0, 1)}  # gating func 1: softmax
 
 # LayerWeights field -> GGUF tensor name within block i (the optional ones when the config asks)
 LAYER_TENSORS = {
@@ -53,6 +65,9 @@ LAYER_TENSORS = {
 BIAS_TENSORS = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # .bias
 QK_NORM_TENSORS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm"}
+DENSE_MLP_TENSORS = ("w_gate", "w_up", "w_down")  # a MoE layer has these instead:
+EXPERT_TENSORS = {"router": "ffn_gate_inp", "experts_gate": "ffn_gate_exps", "experts_up": "ffn_up_exps",
+                  "experts_down": "ffn_down_exps"}
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
 FUSED = ("phi3",)  # attn_qkv rows [Q | K | V], ffn_up rows [gate | up]
 
@@ -124,7 +139,7 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
@@ -135,7 +150,30 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         attn_softcap=softcaps["attn_logit_softcapping"],
         final_softcap=softcaps["final_logit_softcapping"],
         nope_layers=tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NOPE_EVERY == 0) if arch == "smollm3" else (),
+        **_experts(metadata, arch, integer),
     )
+
+
+def _experts(metadata, arch, integer):
+    # the ModelConfig fields of a mixture of experts ({} for a dense file: no expert_count, or 0)
+    what = f"{arch}.expert_count"
+    if arch not in MOE_ARCHITECTURES or what not in metadata:
+        return {}
+    n_experts = bounded_int(metadata[what], what, 0, CONFIG_CEILINGS["n_experts"], GGUFError)
+    if n_experts == 0:
+        return {}
+    unread = [f"{arch}.{name}={metadata[f'{arch}.{name}']!r}" for name, plain in UNREAD_EXPERT_KEYS.items()
+              if not _one_of(metadata.get(f"{arch}.{name}", plain[0]), plain)]
+    if unread:
+        raise GGUFError(f"this file's router sets {', '.join(unread)}, which kvref does not read from GGUF yet")
+    return {"n_experts": n_experts, "n_experts_used": integer("expert_used_count", "n_experts"),
+            "expert_d_ff": integer("expert_feed_forward_length", "d_ff", metadata.get(f"{arch}.feed_forward_length")),
+            "norm_topk_prob": True}
+
+
+def _one_of(value, numbers):
+    # a metadata value is one of `numbers` (a number of any type, never a bool, string or array)
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value in numbers
 
 
 def _vocab_size(metadata, arch):
@@ -188,15 +226,19 @@ def _divisors(name, values, head_dim):
 def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
     """Every tensor name the decoder needs, with its shape in NumPy order ([out, in] for matrices)."""
     E, F, V, D = config.d_model, config.d_ff, config.vocab_size, config.head_dim
+    X, Fx = config.n_experts, config.experts_d_ff
     per_layer = {
         "attn_norm.weight": (E,), "attn_q.weight": (config.q_dim, E), "attn_k.weight": (config.kv_dim, E),
         "attn_v.weight": (config.kv_dim, E), "attn_output.weight": (E, config.q_dim), "ffn_norm.weight": (E,),
-        "ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F),
     }
+    dense = {"ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)}
     if architecture in FUSED:  # Phi-3: Q, K, V in one tensor, gate and up in another
-        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
             del per_layer[name]
-        per_layer.update({"attn_qkv.weight": (config.q_dim + 2 * config.kv_dim, E), "ffn_up.weight": (2 * F, E)})
+        per_layer["attn_qkv.weight"] = (config.q_dim + 2 * config.kv_dim, E)
+        dense = {"ffn_up.weight": (2 * F, E), "ffn_down.weight": (E, F)}
+    experts = {"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, Fx, E), "ffn_up_exps.weight": (X, Fx, E),
+               "ffn_down_exps.weight": (X, E, Fx)}
     if config.qkv_bias:
         per_layer.update({"attn_q.bias": (config.q_dim,), "attn_k.bias": (config.kv_dim,),
                           "attn_v.bias": (config.kv_dim,)})
@@ -208,7 +250,8 @@ def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
     if not config.tie_embeddings:
         shapes["output.weight"] = (V, E)
     for i in range(config.n_layers):
-        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
+        mlp = experts if config.moe_layer(i) else dense
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in {**per_layer, **mlp}.items()})
     return shapes
 
 
@@ -236,6 +279,9 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
     for i in range(config.n_layers):
         names = {field: f"blk.{i}.{name}.weight" for field, name in LAYER_TENSORS.items()
                  if not (fused and field in ("wq", "wk", "wv", "w_gate", "w_up"))}
+        if config.moe_layer(i):
+            names = {field: name for field, name in names.items() if field not in DENSE_MLP_TENSORS}
+            names.update({field: f"blk.{i}.{name}.weight" for field, name in EXPERT_TENSORS.items()})
         if config.qkv_bias:
             names.update({field: f"blk.{i}.{name}.bias" for field, name in BIAS_TENSORS.items()})
         if config.qk_norm:
@@ -247,7 +293,7 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
             wq, wk, wv = split_rows(tensor(f"blk.{i}.attn_qkv.weight"), (q, kv, kv))
             w_gate, w_up = split_rows(tensor(f"blk.{i}.ffn_up.weight"), (F, F))
             fields.update(wq=reordered(wq, "wq"), wk=reordered(wk, "wk"), wv=wv, w_gate=w_gate, w_up=w_up)
-        layers.append(LayerWeights(**fields))
+        layers.append(LayerWeights(**{**dict.fromkeys(DENSE_MLP_TENSORS), **fields}))  # w_* None on a MoE layer
     tok_embeddings = tensor("token_embd.weight")
     output = tok_embeddings if config.tie_embeddings else tensor("output.weight")
     return Weights(tok_embeddings, layers, tensor("output_norm.weight"), output)

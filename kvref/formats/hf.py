@@ -3,9 +3,10 @@
     config_from_hf(config_json)                      a config.json dict -> ModelConfig
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
-Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3
-(docs/architectures.md has the table of fields). What a checkpoint stores differently from what the
-decoder reads is converted here, once, so the decoder never needs to know where a model came from:
+Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, and
+the mixtures of experts qwen3_moe and mixtral (docs/architectures.md has the table of fields). What a
+checkpoint stores differently from what the decoder reads is converted here, once, so the decoder
+never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
     decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
@@ -22,6 +23,9 @@ decoder reads is converted here, once, so the decoder never needs to know where 
     llama.cpp chooses by its context size; transformers instead picks per call, by the highest
     position of that call, so below original_max_position_embeddings it rotates with the short set
     even when max_position_embeddings is larger (kvref then uses the long one; see docs/architectures.md).
+  - Experts. A checkpoint stores one matrix per expert (`mlp.experts.{j}.gate_proj.weight`; Mixtral's
+    `block_sparse_moe.experts.{j}.w1.weight`); they are stacked into the [X, Fx, E] tensors of
+    LayerWeights, the layout GGUF files store.
 
 Anything this module does not compute exactly (RoPE types other than default, linear, llama3 and
 longrope; partial rotary; scaling that differs between layer types; biases on the output or MLP
@@ -41,10 +45,13 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral")
 GEMMAS = ("gemma2", "gemma3_text")
 # the sliding-window pattern of Gemma config.json files without layer_types: every n-th layer global
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+# a mixture's tensors in each MoE layer: (its MLP module, and the names of expert j's gate, up and down projections)
+EXPERT_TENSORS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                  "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -82,7 +89,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         head_dim=head_dim, rope_theta=thetas["full_attention"], norm_eps=_float(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=_bool(hf, "tie_word_embeddings", gemma),
         qkv_bias=family == "qwen2" or _bool(hf, "attention_bias", False),
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
@@ -93,7 +100,24 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         attn_softcap=_softcap(hf, "attn_logit_softcapping") if gemma else None,
         final_softcap=_softcap(hf, "final_logit_softcapping") if gemma else None,
         nope_layers=_nope_layers(hf, n_layers) if family == "smollm3" else (),
+        **_experts(hf, family),
     )
+
+
+def _experts(hf, family):
+    # the ModelConfig fields of a mixture of experts ({} for a dense family)
+    if family not in EXPERT_TENSORS:
+        return {}
+    name = "num_experts" if "num_experts" in hf else "num_local_experts"  # older Qwen3-MoE configs: num_experts
+    fields = {"n_experts": _int(hf, name, "n_experts"), "n_experts_used": _int(hf, "num_experts_per_tok", "n_experts")}
+    if family == "mixtral":  # every layer: experts intermediate_size wide, the chosen scores renormalised
+        return {**fields, "expert_d_ff": _int(hf, "intermediate_size", "d_ff"), "norm_topk_prob": True}
+    if hf.get("mlp_only_layers", []) != [] or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"this qwen3_moe checkpoint has dense layers (mlp_only_layers={hf.get('mlp_only_layers')!r}, "
+                          f"decoder_sparse_step={hf.get('decoder_sparse_step')!r}), which kvref does not compute yet; "
+                          "it reads a mixture in every layer")
+    return {**fields, "expert_d_ff": _int(hf, "moe_intermediate_size", "d_ff"),
+            "norm_topk_prob": _bool(hf, "norm_topk_prob", False)}
 
 
 def weights_from_hf(hf: dict, tensors, dtype="float32"):
@@ -125,20 +149,22 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         # [heads * D, ...] in HF's half-split pair order -> the adjacent-pair order the decoder rotates
         return half_split_to_adjacent(a, heads, c.head_dim)
 
-    E, F = c.d_model, c.d_ff
+    def experts(name, shape):
+        # [X, *shape]: expert j's matrix, the tensor name.format(j), at j
+        return np.stack([get(name.format(j), shape) for j in range(c.n_experts)])
+
+    E, F, Fx = c.d_model, c.d_ff, c.experts_d_ff
     layers = []
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         post_attention = norm(p + "post_attention_layernorm.weight", E)
-        if fused:  # Phi-3: rows [Q | K | V] of qkv_proj, [gate | up] of gate_up_proj
+        if fused:  # Phi-3: rows [Q | K | V] of qkv_proj
             wq, wk, wv = np.split(get(attn + "qkv_proj.weight", (c.q_dim + 2 * c.kv_dim, E)),
                                   [c.q_dim, c.q_dim + c.kv_dim])
-            w_gate, w_up = np.split(get(p + "mlp.gate_up_proj.weight", (2 * F, E)), 2)
         else:
             wq, wk, wv = (get(attn + f"{x}_proj.weight", (n, E)) for x, n in (("q", c.q_dim), ("k", c.kv_dim),
                                                                              ("v", c.kv_dim)))
-            w_gate, w_up = get(p + "mlp.gate_proj.weight", (F, E)), get(p + "mlp.up_proj.weight", (F, E))
         lw = LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight", E),
             wq=pairs_adjacent(wq, c.n_heads),
@@ -148,10 +174,21 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
             # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
             # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
-            w_gate=np.ascontiguousarray(w_gate),
-            w_up=np.ascontiguousarray(w_up),
-            w_down=get(p + "mlp.down_proj.weight", (E, F)),
+            w_gate=None, w_up=None, w_down=None,
         )
+        if c.moe_layer(i):
+            module, (gate, up, down) = EXPERT_TENSORS[hf["model_type"]]
+            lw.router = get(f"{p}{module}.gate.weight", (c.n_experts, E))
+            lw.experts_gate = experts(f"{p}{module}.experts.{{}}.{gate}.weight", (Fx, E))
+            lw.experts_up = experts(f"{p}{module}.experts.{{}}.{up}.weight", (Fx, E))
+            lw.experts_down = experts(f"{p}{module}.experts.{{}}.{down}.weight", (E, Fx))
+        else:
+            if fused:  # Phi-3: rows [gate | up] of gate_up_proj
+                w_gate, w_up = np.split(get(p + "mlp.gate_up_proj.weight", (2 * F, E)), 2)
+            else:
+                w_gate, w_up = get(p + "mlp.gate_proj.weight", (F, E)), get(p + "mlp.up_proj.weight", (F, E))
+            lw.w_gate, lw.w_up = np.ascontiguousarray(w_gate), np.ascontiguousarray(w_up)
+            lw.w_down = get(p + "mlp.down_proj.weight", (E, F))
         if c.qkv_bias:
             lw.bq = pairs_adjacent(get(attn + "q_proj.bias", (c.q_dim,)), c.n_heads)
             lw.bk = pairs_adjacent(get(attn + "k_proj.bias", (c.kv_dim,)), c.n_kv_heads)
@@ -194,7 +231,7 @@ def _refuse(hf, family):
         "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
-        "use_sliding_window (Qwen, SmolLM3)": family in ("qwen2", "qwen3", "smollm3")
+        "use_sliding_window (Qwen, SmolLM3)": family in ("qwen2", "qwen3", "qwen3_moe", "smollm3")
         and hf.get("use_sliding_window", False),
     }
     act = hf.get("hidden_activation" if gemma else "hidden_act")
@@ -303,7 +340,7 @@ def _float_field(p, kind, name):
 def _layer_windows(hf, family, n_layers):
     # per layer: None (global) or the sliding window W
     window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
-    if family in ("mistral", "phi3"):  # transformers windows every layer of these (llama.cpp runs Phi-3 without)
+    if family in ("mistral", "mixtral", "phi3"):  # transformers windows every layer of these (llama.cpp runs Phi-3 without)
         return None if window is None else (window,) * n_layers
     if family not in GEMMAS:
         return None

@@ -93,6 +93,14 @@ LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_u
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
 
 
+def config_problem(config) -> str | None:
+    """Why the C forward cannot run `config` (None when it can); the shared decoder then runs it over the
+    native kernels."""
+    if config.n_experts:
+        return "the fused C forward does not run mixtures of experts (their experts run on the native kernels)"
+    return None
+
+
 def _tensors(weights):
     """Every tensor object of `weights` (None for an absent optional one), in a fixed order (the
     identity check of `serves`)."""

@@ -9,6 +9,8 @@
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
     geglu(gate, up)                                  [T, F], [T, F] -> [T, F]
     soft_cap(x, cap)                                 [...] -> [...]   (Gemma 2's final logits)
+    matmul_experts(x, w, experts)                    [R, K], [X, N, K], [R] -> [R, N]  (row r through
+        expert experts[r]'s matrix; each expert named read once, the others never)
     matmul_int8(x, w)                                [T, K], [N, K] -> [T, N]  (Kernels only: the
         int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
@@ -195,6 +197,20 @@ def attention_window(window) -> int:
 def check_weight(w, name):
     """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K], checked
     (type, shape, byte count, contiguity); DTypeError/ShapeError naming `name` otherwise."""
+    gtype, data, (N, K) = _checked_weight(w, name, 2)
+    return gtype, data, N, K
+
+
+def check_expert_stack(w, name):
+    """(type id, uint8/float buffer, X, N, K) for a mixture's stack of X matrices [N, K] (LayerWeights.experts_*):
+    a float ndarray or a QuantizedTensor [X, N, K], checked like check_weight."""
+    gtype, data, (X, N, K) = _checked_weight(w, name, 3)
+    return gtype, data, X, N, K
+
+
+def _checked_weight(w, name, ndim):
+    # (type id, buffer, shape) of a weight of `ndim` axes, the last its K values (whole blocks) per row
+    axes = ("X", "N", "K")[-ndim:]
     if isinstance(w, QuantizedTensor):
         try:
             gtype = GGMLType(w.ggml_type)
@@ -204,10 +220,11 @@ def check_weight(w, name):
             raise DTypeError(f"{name} is {gtype.name}; the native kernels read "
                              f"{', '.join(t.name for t in WEIGHT_TYPES)}")
         shape = w.shape
-        if (not isinstance(shape, tuple) or len(shape) != 2
+        if (not isinstance(shape, tuple) or len(shape) != ndim
                 or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise ShapeError(f"{name}.shape must be (N, K) with non-negative ints, got {shape!r}")
-        N, K = int(shape[0]), int(shape[1])
+            raise ShapeError(f"{name}.shape must be ({', '.join(axes)}) with non-negative ints, got {shape!r}")
+        shape = tuple(int(s) for s in shape)
+        K = shape[-1]
         block_values, block_bytes = BLOCK_LAYOUT[gtype]
         if K % block_values:
             raise ShapeError(f"{name}: K={K} is not a whole number of {gtype.name} blocks of {block_values}")
@@ -216,15 +233,16 @@ def check_weight(w, name):
         if not isinstance(data, np.ndarray) or data.dtype != _U8:
             raise DTypeError(f"{name}.data must be a uint8 ndarray, got "
                              f"{type(data).__name__} {getattr(data, 'dtype', '')}")
-        if data.shape != (N, row_bytes):
-            raise ShapeError(f"{name}.data has shape {data.shape}; a {gtype.name} [{N}, {K}] tensor is "
-                             f"uint8 [{N}, {row_bytes}] ({N * row_bytes} bytes, got {data.nbytes})")
+        if data.shape != (*shape[:-1], row_bytes):
+            rows = int(np.prod(shape[:-1]))
+            raise ShapeError(f"{name}.data has shape {data.shape}; a {gtype.name} {list(shape)} tensor is "
+                             f"uint8 {[*shape[:-1], row_bytes]} ({rows * row_bytes} bytes, got {data.nbytes})")
         if not data.flags.c_contiguous:
             raise ShapeError(f"{name}.data is not C-contiguous")
-        return int(gtype), data, N, K
+        return int(gtype), data, shape
     if isinstance(w, np.ndarray):
-        _array(w, name, (_F32, _F16), 2)
-        return (lib.KVREF_TYPE_F32 if w.dtype == _F32 else lib.KVREF_TYPE_F16), w, w.shape[0], w.shape[1]
+        _array(w, name, (_F32, _F16), ndim)
+        return (lib.KVREF_TYPE_F32 if w.dtype == _F32 else lib.KVREF_TYPE_F16), w, w.shape
     raise DTypeError(f"{name} must be a float32/float16 ndarray or a QuantizedTensor, not {type(w).__name__}")
 
 
@@ -385,6 +403,25 @@ class Kernels:
         # [T, K], [N, K] -> [T, N]
         return self._projection(lib.kvref_matmul, "matmul", x, w)
 
+    def matmul_experts(self, x, w, experts):
+        # [R, K], [X, N, K], [R] expert ids -> [R, N]: row r through expert experts[r]'s matrix, the rows of
+        # each expert taken together (each expert named is read once, the others never)
+        _array(x, "x", (_F32,), 2)
+        gtype, data, X, N, K = check_expert_stack(w, "w")
+        R = x.shape[0]
+        if x.shape[1] != K:
+            raise ShapeError(f"x has {x.shape[1]} columns but w is [{X}, {N}, {K}] (each expert needs {K})")
+        ids = _positions(experts, "experts", R)
+        if ids.size and (ids.min() < 0 or ids.max() >= X):
+            bad = ids[(ids < 0) | (ids >= X)][0]
+            raise ShapeError(f"experts holds {int(bad)}, outside the {X} experts [0, {X}) of w")
+        y = np.empty((R, N), dtype=_F32)
+        status = lib.kvref_matmul_experts(self._pool.ptr, ffi.from_buffer("float[]", x), R, K,
+                                          ffi.from_buffer("int64_t[]", ids), ffi.from_buffer(data), gtype,
+                                          data.nbytes, X, N, ffi.from_buffer("float[]", y))
+        check_status(status, "matmul_experts")
+        return y
+
     def matmul_int8(self, x, w):
         # [T, K], [N, K] -> [T, N]: the int8 activation mode's projection (see csrc/kvref.h):
         # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights (and Q4_K/Q6_K from 4
@@ -540,6 +577,11 @@ def matmul(x, w, *, threads=None):
     return kernels(threads).matmul(x, w)
 
 
+def matmul_experts(x, w, experts, *, threads=None):
+    # [R, K], [X, N, K], [R] -> [R, N]
+    return kernels(threads).matmul_experts(x, w, experts)
+
+
 def rms_norm(x, weight, eps, *, threads=None):
     # [T, E], [E] -> [T, E]
     return kernels(threads).rms_norm(x, weight, eps)
@@ -571,4 +613,4 @@ def soft_cap(x, cap, *, threads=None):
 
 
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
-           "matmul", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu"]
+           "matmul", "matmul_experts", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu"]

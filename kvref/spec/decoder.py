@@ -13,6 +13,13 @@ reserves room before any work, every layer writes its K/V through the execution,
 `with` block commits the new positions together with their ids and the last logits. An exception
 anywhere inside (a bad kernel argument, Ctrl-C) aborts instead, leaving the cache as it was.
 
+A mixture of experts changes only the MLP of its layers (`moe`): a router scores the experts for each
+position, the k best run, and their outputs are summed with the router's weights. Every router the
+config can describe (softmax or sigmoid scores, a selection bias, grouped top-k, renormalised or
+scaled weights) is the one function `route`; the experts' projections are one kernel,
+`matmul_experts`, which takes the rows of each expert together, so a batch reads each routed
+expert's weights once.
+
 `forward_batch` is the same execution for several sequences at once (continuous batching): their
 new positions are stacked into one [N, E] activation so every position-wise step runs once, and
 only attention is split per sequence, because each sequence attends to its own cache. It runs
@@ -26,6 +33,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..weights import LayerWeights, Weights
+from . import ops as spec_ops
 
 
 def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_logits=False):
@@ -34,7 +42,7 @@ def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_lo
         x = embed_tokens(ops, config, weights, token_ids)  # [T, E]
         for layer, lw in enumerate(weights.layers):
             x = x + attention_block(ops, config, lw, x, execution, layer)  # [T, E]
-            x = x + mlp_block(ops, config, lw, x)  # [T, E]
+            x = x + mlp_block(ops, config, lw, x, layer)  # [T, E]
         if not all_logits:
             x = x[-1:]  # only the last position's logits select the next token
         x = ops.rms_norm(x, weights.output_norm, config.norm_eps)  # [T or 1, E]
@@ -100,16 +108,80 @@ def attention_output(ops, config: ModelConfig, lw: LayerWeights, out):
     return y
 
 
-def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x):
+def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x, layer):
     # [T, E] -> [T, E]; position-wise: no position sees another, so caching cannot change it
     h = ops.rms_norm(x, lw.ffn_norm, config.norm_eps)  # [T, E]
-    gate = ops.matmul(h, lw.w_gate)  # [T, F]
-    up = ops.matmul(h, lw.w_up)  # [T, F]
-    gated = ops.swiglu(gate, up) if config.activation == "silu" else ops.geglu(gate, up)  # [T, F]
-    y = ops.matmul(gated, lw.w_down)  # [T, E]
+    if config.moe_layer(layer):
+        y = moe(ops, config, lw, h)  # [T, E]
+    else:
+        y = gated_mlp(ops, config, h, lw.w_gate, lw.w_up, lw.w_down)  # [T, E]
     if config.sandwich_norms:
         y = ops.rms_norm(y, lw.post_ffn_norm, config.norm_eps)
     return y
+
+
+def gated_mlp(ops, config: ModelConfig, h, w_gate, w_up, w_down):
+    # [T, E], [F, E], [F, E], [E, F] -> [T, E]: down(act(gate h) * up h)
+    return ops.matmul(gated(ops, config, ops.matmul(h, w_gate), ops.matmul(h, w_up)), w_down)
+
+
+def gated(ops, config: ModelConfig, gate, up):
+    # [R, F], [R, F] -> [R, F]: the gate of config.activation, one dispatch for dense MLPs and experts alike
+    return ops.swiglu(gate, up) if config.activation == "silu" else ops.geglu(gate, up)
+
+
+def moe(ops, config: ModelConfig, lw: LayerWeights, h):
+    # [T, E] -> [T, E]: each position through its k routed experts, their outputs weighted and summed,
+    # plus the shared expert when there is one
+    logits = project(ops, h, lw.router, lw.router_bias)  # [T, X]
+    experts, weights = route(config, logits, lw.expert_selection_bias)  # [T, k] ids, [T, k]
+    T, k = experts.shape
+    ids = experts.reshape(-1)  # [T*k]: row t*k + j is position t through its j-th expert
+    hk = np.repeat(h, k, axis=0)  # [T*k, E]
+    gate = project_experts(ops, hk, lw.experts_gate, lw.experts_gate_bias, ids)  # [T*k, Fx]
+    up = project_experts(ops, hk, lw.experts_up, lw.experts_up_bias, ids)  # [T*k, Fx]
+    out = project_experts(ops, gated(ops, config, gate, up), lw.experts_down, lw.experts_down_bias, ids)  # [T*k, E]
+    y = np.sum(out.reshape(T, k, -1) * weights[:, :, None].astype(out.dtype), axis=1)  # [T, E]
+    if config.shared_expert_d_ff:
+        y = y + gated_mlp(ops, config, h, lw.shared_gate, lw.shared_up, lw.shared_down)  # [T, E]
+    return y
+
+
+def project_experts(ops, x, w, bias, experts):
+    # [R, K], [X, N, K], [X, N] or None, [R] -> [R, N]: row r through expert experts[r]
+    y = ops.matmul_experts(x, w, experts)
+    return y if bias is None else y + bias[experts]  # gpt-oss's expert biases
+
+
+def route(config: ModelConfig, logits, selection_bias):
+    # [T, X] router logits, [X] or None -> experts [T, k] int64 (best first), weights [T, k]
+    # The same NumPy on every backend: a [T, X] array, small beside the experts it chooses.
+    scores = spec_ops.softmax(logits) if config.router_score == "softmax" else spec_ops.sigmoid(logits)  # [T, X]
+    choice = scores if selection_bias is None else scores + selection_bias  # [T, X]: chooses, never weights
+    if config.n_expert_groups > 1:
+        choice = best_groups_only(config, choice)
+    # best first; ties go to the lower id, and a NaN score (from a NaN activation) sorts last
+    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :config.n_experts_used]  # [T, k]
+    weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]: the unbiased scores of the chosen
+    if config.norm_topk_prob:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return experts, weights * np.asarray(config.routed_scaling_factor, dtype=weights.dtype)
+
+
+def best_groups_only(config: ModelConfig, choice):
+    # [T, X] -> [T, X]: grouped top-k (DeepSeek): the X experts form n_expert_groups equal groups, each scored
+    # by the sum of its two best scores or by its best; experts outside a position's n_expert_groups_used
+    # best groups become -inf, so they are never chosen
+    T, X = choice.shape
+    groups = choice.reshape(T, config.n_expert_groups, X // config.n_expert_groups)  # [T, G, X/G]
+    if config.expert_group_score == "top2_sum":
+        group_scores = np.sum(np.sort(groups, axis=-1)[..., -2:], axis=-1)  # [T, G]
+    else:
+        group_scores = np.max(groups, axis=-1)  # [T, G]
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :config.n_expert_groups_used]  # [T, G_used]
+    keep = np.zeros(group_scores.shape, dtype=bool)  # [T, G]
+    np.put_along_axis(keep, best, True, axis=-1)
+    return np.where(keep[:, :, None], groups, -np.inf).reshape(T, X)
 
 
 def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_logits=False):
@@ -123,7 +195,7 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
     x = embed_tokens(ops, config, weights, np.concatenate([e.token_ids for e in executions]))  # [N, E]
     for layer, lw in enumerate(weights.layers):
         x = x + batch_attention_block(ops, config, lw, x, positions, bounds, executions, layer)  # [N, E]
-        x = x + mlp_block(ops, config, lw, x)  # [N, E]
+        x = x + mlp_block(ops, config, lw, x, layer)  # [N, E]
     rows = bounds
     if not all_logits:
         x = x[bounds[1:] - 1]  # [B, E]: each sequence's last position selects its next token

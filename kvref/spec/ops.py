@@ -5,6 +5,7 @@ Shape legend (used in every shape comment in kvref):
     H   query heads      Hkv  kv heads          G   H // Hkv, query heads per kv head
     D   head_dim         E    d_model           F   d_ff         V   vocab_size
     N   output rows of a weight matrix          K   input columns of a weight matrix
+    X   experts of a MoE layer   k  experts each position runs   Fx  an expert's d_ff   R  rows (T x k)
 
 The native module provides the same names with the same meaning; the decoder calls them by name.
 Weights stay in file layout: a projection matrix is [N, K] (out, in), so y = x @ W.T.
@@ -23,6 +24,17 @@ def embed(table, token_ids):
 def matmul(x, w):
     # [T, K], [N, K] -> [T, N]
     return x @ w.T
+
+
+def matmul_experts(x, w, experts):
+    # [R, K], [X, N, K], [R] expert ids -> [R, N]: row r through the matrix of expert experts[r]
+    # A mixture's projection (kvref.spec.decoder.moe): the rows of each expert are taken together, so
+    # only the experts named are read, each once.
+    y = np.empty((x.shape[0], w.shape[1]), dtype=np.result_type(x.dtype, w.dtype))
+    for e in np.unique(experts):
+        rows = experts == e
+        y[rows] = matmul(x[rows], w[e])
+    return y
 
 
 def rms_norm(x, weight, eps):
@@ -210,9 +222,14 @@ def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None
     return attend(scores, v, q_positions, k_positions, window).reshape(T, H, D)
 
 
+def sigmoid(x):
+    # 1 / (1 + exp(-x)), written through tanh so large |x| cannot overflow exp
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
 def silu(x):
-    # x * sigmoid(x), with sigmoid written through tanh so large |x| cannot overflow exp
-    return x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+    # x * sigmoid(x)
+    return x * sigmoid(x)
 
 
 def swiglu(gate, up):

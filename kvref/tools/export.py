@@ -1,7 +1,8 @@
 """`kvref export hf MODEL DIR`: a GGUF model as a Hugging Face checkpoint folder that transformers
 loads (and kvref.load reads back), so the conformance tool's transformers engine runs on the same model.
 
-    config.json              the family's fields (model_type llama, qwen2, qwen3 or gemma3_text)
+    config.json              the family's fields (model_type llama, qwen2, qwen3, gemma3_text; for a mixture of
+                             experts qwen3_moe, or mixtral for a llama file with experts)
     model.safetensors        every weight dequantized, float32 (default) or bfloat16
     tokenizer.json           the GGUF tokenizer as HF's pipeline (kvref/text/hf.py reads the same)
     tokenizer_config.json    BOS/EOS, whether they are added, the chat template
@@ -37,7 +38,7 @@ from ..cache.quant import to_bfloat16
 from ..errors import ConfigError, ModelNotFoundError, TokenizerError
 from ..formats.architectures import half_split_to_adjacent
 from ..formats.gguf import GGUFFile
-from ..formats.hf import config_from_hf
+from ..formats.hf import EXPERT_TENSORS, config_from_hf
 from ..formats.safetensors import write_file
 from ..text.bytelevel import PRE_TOKENIZERS
 from ..text.gguf import merge_pair, tokenizer_parts
@@ -46,7 +47,9 @@ from ..text.vocab import CONTROL, UNKNOWN, USER_DEFINED
 
 # GGUF general.architecture -> (HF model_type, HF architectures class)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+            "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # --dtype -> safetensors code
 
 
@@ -78,8 +81,8 @@ def export_hf(model, directory, dtype: str = "float32") -> Path:
     try:
         for name, value in files.items():
             (partial / name).write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        write_file(partial / "model.safetensors", hf_tensors(m.config, m.weights, arch == "gemma3", dtype),
-                   {"format": "pt"})
+        tensors = hf_tensors(m.config, m.weights, arch == "gemma3", dtype, files["config.json"]["model_type"])
+        write_file(partial / "model.safetensors", tensors, {"format": "pt"})
         os.replace(partial, directory)  # rename(2) replaces an empty folder
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -92,7 +95,7 @@ def hf_config(config, arch: str, parts: dict) -> dict:
     """config.json for `config`, checked by reading it back with kvref.formats.hf."""
     if arch not in FAMILIES:
         raise ConfigError(f"architecture {arch!r} has no Hugging Face family here; export writes {sorted(FAMILIES)}")
-    model_type, architecture = FAMILIES[arch]
+    model_type, architecture = MIXTRAL if arch == "llama" and config.n_experts else FAMILIES[arch]
     c = config
     out = {
         "architectures": [architecture], "model_type": model_type, "torch_dtype": "float32",
@@ -113,6 +116,12 @@ def hf_config(config, arch: str, parts: dict) -> dict:
                    final_logit_softcapping=None, attn_logit_softcapping=None)
     else:
         out.update(hidden_act="silu", attention_bias=c.qkv_bias and model_type != "qwen2")
+    if model_type == "qwen3_moe":
+        out.update(num_experts=c.n_experts, num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.experts_d_ff,
+                   norm_topk_prob=c.norm_topk_prob, mlp_only_layers=[], decoder_sparse_step=1)
+    if model_type == "mixtral":  # its experts are intermediate_size wide
+        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_used,
+                   intermediate_size=c.experts_d_ff, sliding_window=None)
     out = {k: v.item() if isinstance(v, np.generic) else v for k, v in out.items()}  # JSON numbers
     _check_round_trip(config, out)
     return out
@@ -145,8 +154,9 @@ def _check_round_trip(config, hf: dict) -> None:
 
 # ---- model.safetensors ----------------------------------------------------------------------------
 
-def hf_tensors(config, weights, gemma: bool, dtype: str) -> dict:
-    """{HF tensor name: (safetensors dtype, array)} from the decoder's float32 Weights."""
+def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llama") -> dict:
+    """{HF tensor name: (safetensors dtype, array)} from the decoder's float32 Weights (a mixture's experts
+    named as `model_type`'s checkpoints name them)."""
     code = DTYPES[dtype]
 
     def tensor(a):
@@ -182,6 +192,13 @@ def hf_tensors(config, weights, gemma: bool, dtype: str) -> dict:
             out[p + "post_feedforward_layernorm.weight"] = norm(lw.post_ffn_norm)
         else:
             out[p + "post_attention_layernorm.weight"] = norm(lw.ffn_norm)
+        if config.moe_layer(i):  # the router, and one matrix per expert
+            module, projections = EXPERT_TENSORS[model_type]
+            out[f"{p}{module}.gate.weight"] = tensor(lw.router)
+            for j in range(config.n_experts):
+                for name, stack in zip(projections, (lw.experts_gate, lw.experts_up, lw.experts_down)):
+                    out[f"{p}{module}.experts.{j}.{name}.weight"] = tensor(stack[j])
+            continue
         out[p + "mlp.gate_proj.weight"] = tensor(lw.w_gate)
         out[p + "mlp.up_proj.weight"] = tensor(lw.w_up)
         out[p + "mlp.down_proj.weight"] = tensor(lw.w_down)

@@ -68,6 +68,11 @@ def config_lines(config) -> list[tuple[str, str]]:
                                                          f" ({_number(config.rope_local_theta)} on window layers)")),
              ("norm epsilon", f"{config.norm_eps:g}"),
              ("embeddings", "tied (the LM head reuses them)" if config.tie_embeddings else "separate LM head")]
+    if config.n_experts:
+        dense = f"; layers 0-{config.first_dense_layers - 1} dense" if config.first_dense_layers else ""
+        shared = f"; a shared expert {config.shared_expert_d_ff:,} wide" if config.shared_expert_d_ff else ""
+        lines.append(("experts", f"{config.n_experts_used} of {config.n_experts} per position, each "
+                                 f"{config.experts_d_ff:,} wide{dense}{shared}"))
     family = {name: value for name, value in config.family_fields().items()
               if name not in ("layer_windows", "rope_local_theta")}  # on their own lines
     if "rope_scaling" in family:
