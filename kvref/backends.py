@@ -30,7 +30,8 @@ PROGRAM_ACTIVATIONS = "auto"
 # the ModelConfig family fields the native kernels and the fused C forward compute, named one by one: a
 # field added for a new family stays on the spec until its native side exists and it is listed here
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                        "layer_windows", "rope_local_theta", "rope_scaling")
+                        "layer_windows", "rope_local_theta", "rope_scaling", "kv_lora_rank", "q_lora_rank",
+                        "qk_rope_head_dim", "v_head_dim", "mla_form")
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
 # bfloat16, int8 and kivi4 to float32 for it; the C forward reads its types in place (any layout or
@@ -120,6 +121,9 @@ def fused_forward(backend: str, config, weights, activations: str | None = None)
         return None, "this model runs the NumPy spec"
     from .native import fused
 
+    if config.latent:
+        return None, ("multi-head latent attention (kv_lora_rank) runs the shared decoder over the native kernels: "
+                      "the fused C forward has no latent attention yet")
     mode = activations or default_activations()
     try:
         return fused.FusedForward(config, weights, "int8" if mode == "auto" else mode), None

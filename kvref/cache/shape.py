@@ -38,6 +38,8 @@ class CacheShape:
     rope_theta      the RoPE base every cached key was rotated with; None: a shift is refused
     model           the model's fingerprint (Model.fingerprint()), recorded in the cache's sequence
                     and its saved files; None for a cache not made for a model
+    latent_dim      MLA (kv_lora_rank R): K is a latent key of head_dim = R + qk_rope_head_dim values with
+                    n_kv_heads 1, V is not stored (it is K's first R values); None: K and V per kv head
     """
 
     n_layers: int
@@ -48,6 +50,7 @@ class CacheShape:
     layer_windows: tuple | None = None
     rope_theta: float | None = None
     model: dict | None = None
+    latent_dim: int | None = None
 
     @property
     def has_windows(self) -> bool:
