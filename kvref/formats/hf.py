@@ -3,8 +3,8 @@
     config_from_hf(config_json)                      a config.json dict -> ModelConfig
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
-Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text (docs/architectures.md has
-the table of fields). What a checkpoint stores differently from what the decoder reads is converted
+Families read: `model_type` llama, mistral, qwen2, qwen3, gemma3_text, and deepseek_v2 and deepseek_v3
+whose layers are all dense (multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores differently from what the decoder reads is converted
 here, once, so the decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
@@ -14,6 +14,9 @@ here, once, so the decoder never needs to know where a model came from:
     is unchanged by reordering both alike. V and the output projection keep their order, so the
     attention output is HF's. The cached K are in the reordered layout.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
+  - DeepSeek rotates adjacent pairs already (V2's complex multiply, V3's rope_interleave); a V3
+    checkpoint with rope_interleave false rotates half-split pairs, and the rotated rows of each query
+    head and of the shared key are reordered as above.
 
 Anything this module does not compute exactly (RoPE types other than default, linear and llama3;
 scaling that differs between layer types; biases on the output or MLP
@@ -33,7 +36,8 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3")
+LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -58,6 +62,9 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     head_dim = _int(hf, "head_dim", "head_dim", max(d_model // n_heads, 1)) if hf.get("head_dim") is not None \
         else max(d_model // n_heads, 1)
     _refuse(hf, family)
+    latent = _latent_fields(hf, family, n_layers, n_heads)
+    if latent:  # a query head is qk_nope + qk_rope wide (HF's head_dim names the rotated part only)
+        head_dim = latent.pop("head_dim")
     gemma = family == "gemma3_text"
     thetas, scaling = _rope(hf, family)
     windows = _layer_windows(hf, family, n_layers)
@@ -76,7 +83,28 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         layer_windows=windows,
         rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
         rope_scaling=scaling,
+        **latent,
     )
+
+
+def _latent_fields(hf, family, n_layers, n_heads) -> dict:
+    # DeepSeek-V2/V3 -> the ModelConfig MLA fields (and head_dim); {} for the other families
+    if family not in LATENT_FAMILIES:
+        return {}
+    dense = hf.get("first_k_dense_replace", 0)
+    experts = hf.get("n_routed_experts")
+    if experts not in (None, 0) and not (isinstance(dense, int) and dense >= n_layers):
+        raise ConfigError(f"this {family} checkpoint has mixture-of-experts layers (first_k_dense_replace={dense!r} < "
+                          f"num_hidden_layers={n_layers}, n_routed_experts={experts!r}), which kvref does not compute "
+                          "yet; it reads checkpoints whose layers are all dense")
+    if _int(hf, "num_key_value_heads", "n_kv_heads", n_heads) != n_heads:
+        raise ConfigError(f"{family}: num_key_value_heads must equal num_attention_heads ({n_heads}): every head "
+                          "expands the latent to its own K and V")
+    nope, rope = _int(hf, "qk_nope_head_dim", "head_dim"), _int(hf, "qk_rope_head_dim", "head_dim")
+    q_lora = hf.get("q_lora_rank")
+    return {"head_dim": nope + rope, "kv_lora_rank": _int(hf, "kv_lora_rank", "head_dim"),
+            "q_lora_rank": None if q_lora is None else _int(hf, "q_lora_rank", "head_dim"),
+            "qk_rope_head_dim": rope, "v_head_dim": _int(hf, "v_head_dim", "head_dim")}
 
 
 def weights_from_hf(hf: dict, tensors, dtype="float32"):
@@ -107,6 +135,32 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         # [heads * D, ...] in HF's half-split pair order -> the adjacent-pair order the decoder rotates
         return half_split_to_adjacent(a, heads, c.head_dim)
 
+    def attention(attn):
+        # one layer's attention projections: K/V heads, or the latent ones (MLA)
+        if not c.latent:
+            return dict(wq=pairs_adjacent(get(attn + "q_proj.weight", (c.q_dim, E)), c.n_heads),
+                        wk=pairs_adjacent(get(attn + "k_proj.weight", (c.kv_dim, E)), c.n_kv_heads),
+                        wv=get(attn + "v_proj.weight", (c.kv_dim, E)), wo=get(attn + "o_proj.weight", (E, c.q_dim)))
+        R, Dr, Dv, Q = c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank
+        rotated = rope_rows_adjacent if half_split else (lambda a, heads, width: a)
+        low_rank_q = {} if Q is None else dict(wq_a=get(attn + "q_a_proj.weight", (Q, E)),
+                                               q_a_norm=get(attn + "q_a_layernorm.weight", (Q,)))
+        wq = get(attn + ("q_proj.weight" if Q is None else "q_b_proj.weight"), (c.q_dim, E if Q is None else Q))
+        return dict(**low_rank_q, wq=rotated(wq, c.n_heads, c.head_dim), wk=None, wv=None,
+                    wkv_a=rotated(get(attn + "kv_a_proj_with_mqa.weight", (R + Dr, E)), 1, R + Dr),
+                    kv_a_norm=get(attn + "kv_a_layernorm.weight", (R,)),
+                    wkv_b=get(attn + "kv_b_proj.weight", (c.n_heads * (c.qk_nope_head_dim + Dv), R)),
+                    wo=get(attn + "o_proj.weight", (E, c.n_heads * Dv)))
+
+    def rope_rows_adjacent(a, heads, width):
+        # rows [heads * width, K], the last Dr of each head rotated in half-split pairs -> adjacent pairs
+        Dr = c.qk_rope_head_dim
+        by_head = np.array(a).reshape(heads, width, -1)  # a copy: [heads, width, K]
+        by_head[:, width - Dr:] = half_split_to_adjacent(by_head[:, width - Dr:].reshape(heads * Dr, -1), heads,
+                                                         Dr).reshape(heads, Dr, -1)
+        return by_head.reshape(a.shape)
+
+    half_split = c.latent and hf["model_type"] == "deepseek_v3" and not _bool(hf, "rope_interleave", True)
     E, F = c.d_model, c.d_ff
     layers = []
     for i in range(c.n_layers):
@@ -115,10 +169,7 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         post_attention = norm(p + "post_attention_layernorm.weight", E)
         lw = LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight", E),
-            wq=pairs_adjacent(get(attn + "q_proj.weight", (c.q_dim, E)), c.n_heads),
-            wk=pairs_adjacent(get(attn + "k_proj.weight", (c.kv_dim, E)), c.n_kv_heads),
-            wv=get(attn + "v_proj.weight", (c.kv_dim, E)),
-            wo=get(attn + "o_proj.weight", (E, c.q_dim)),
+            **attention(attn),
             # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
             # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
@@ -163,6 +214,7 @@ def _refuse(hf, family):
     unsupported = {
         "mlp_bias": hf.get("mlp_bias", False),
         "attention_bias (on the output projection too)": family == "llama" and hf.get("attention_bias", False),
+        "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
         "final_logit_softcapping": hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
