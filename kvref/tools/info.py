@@ -37,7 +37,9 @@ def run_inspect(args) -> int:
         print(f"  {name:<16} {value}")
     print(f"attention: {window_summary(config)}")
     for dtype in ("float32", "float16"):
-        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
+        latent = dict(kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim)
+        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype,
+                                layer_windows=config.layer_windows, **(latent if config.latent else {}))
         full = per_token * config.max_seq_len
         print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
               f"of {config.max_seq_len:,} positions")
