@@ -25,6 +25,8 @@ from tests.conftest import require
 torch = require("torch")
 transformers = require("transformers")
 
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+           first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
 # a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
@@ -46,6 +48,10 @@ FAMILIES = {
                                                                                "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1000000.0}})),
+    # multi-head latent attention; every layer dense (first_k_dense_replace = num_hidden_layers) until MoE
+    # is computed. V2-Lite's one query projection; V3's low-rank query, half-split RoPE rows
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -140,6 +146,12 @@ def test_unsupported_checkpoints_are_refused_by_name():
                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
         config_from_hf({**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0})
+    deepseek = config_json("deepseek_v3")
+    with pytest.raises(ConfigError, match="mixture-of-experts layers"):
+        config_from_hf({**deepseek, "first_k_dense_replace": 1})
+    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):  # DeepSeek-V3's YaRN with mscale
+        config_from_hf({**deepseek, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                                                        "mscale": 1.0, "mscale_all_dim": 1.0}})
     hf = hf_model("qwen2")
     tensors = {k: v.numpy() for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
     with pytest.raises(ShapeError, match="k_proj.bias"):
@@ -154,6 +166,11 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     tensors = {name: t.detach().to(torch.float64).numpy() for name, t in hf.state_dict().items()}
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
+    if config.latent:  # the fused C forward has no latent attention: the decoder over the native kernels
+        assert "latent attention" in model.executor(model.new_cache()).fallback
+        assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
+                     "float32", f"{family} native kernels vs transformers")
+        return
     assert model.backend == "c" and model.executor(model.new_cache()).fallback is None
     model.fused.reset_timings()
     assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
