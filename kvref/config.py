@@ -190,5 +190,6 @@ def _check_latent(c):
     if c.mla_form not in MLA_FORMS:
         raise ConfigError(f"mla_form={c.mla_form!r} is unknown; expected one of {MLA_FORMS}")
     if c.qk_norm or c.qkv_bias or c.layer_windows is not None or c.rope_local_theta is not None:
-        raise ConfigError("kv_lora_rank (MLA) does not combine with qk_norm, qkv_bias, layer_windows or rope_local_theta "
+        raise ConfigError("kv_lora_rank (MLA) does not combine with qk_norm, qkv_bias, layer_windows or "
+                          "rope_local_theta "
                           "in kvref: no checkpoint has them together")

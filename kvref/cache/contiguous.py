@@ -55,7 +55,8 @@ class ContiguousCache(KVCache):
     @classmethod
     def create(cls, shape, codecs, options):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs, cls),
-                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta, latent_dim=shape.latent_dim)
+                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   latent_dim=shape.latent_dim)
 
     @classmethod
     def position_bytes(cls, shape, codecs):
@@ -132,7 +133,8 @@ class ContiguousCache(KVCache):
 
     def _fork(self):
         child = ContiguousCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.k_dtype,
-                                v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta, latent_dim=self.latent_dim)
+                                v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta,
+                                latent_dim=self.latent_dim)
         rows = slice(0, self._length)
         for name, a in self.store.arrays():
             getattr(child.store, name)[:, rows] = a[:, rows]  # stored bytes, never re-encoded

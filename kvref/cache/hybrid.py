@@ -72,7 +72,8 @@ class HybridCache(KVCache):
     def create(cls, shape, codecs, options):
         windows = shape.layer_windows or (None,) * shape.n_layers
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs, cls), windows,
-                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta, latent_dim=shape.latent_dim,
+                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   latent_dim=shape.latent_dim,
                    spare=options.spare)
 
     @classmethod

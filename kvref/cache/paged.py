@@ -79,7 +79,8 @@ class PagedCache(KVCache):
             shape.check_budget(num_blocks * block_size, codecs, "the default cache", cls)
         pool = BlockPool(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks=num_blocks,
                          block_size=block_size, k_dtype=codecs.k.name, v_dtype=codecs.v.name,
-                         group_size=codecs.group_size, rope_theta=shape.rope_theta, latent_dim=shape.latent_dim, max_positions=shape.max_seq_len,
+                         group_size=codecs.group_size, rope_theta=shape.rope_theta, latent_dim=shape.latent_dim,
+                         max_positions=shape.max_seq_len,
                          prefix_reuse=bool(options.prefix_reuse), model_fingerprint=shape.model)
         return pool.new_cache()
 

@@ -191,7 +191,8 @@ def kv_codecs(k_dtype, v_dtype, head_dim: int, group_size=None, latent_dim=None)
     so a group never straddles the end of c_kv (group_size divides R), and V has no type of its own.
     """
     if latent_dim is None:
-        return Codec(k_dtype, head_dim, group_size), Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
+        v = k_dtype if v_dtype is None else v_dtype
+        return Codec(k_dtype, head_dim, group_size), Codec(v, head_dim, group_size)
     if v_dtype not in (None, k_dtype):
         raise CacheError(f"a latent (MLA) cache stores no V, only the latent key whose first {latent_dim} values "
                          f"V is read from: give kv_dtype or k_dtype, not v_dtype={v_dtype!r}")

@@ -58,7 +58,8 @@ class WindowCache(KVCache):
     @classmethod
     def create(cls, shape, codecs, options):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.window, options.sinks, codecs.k.name,
-                   v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta, latent_dim=shape.latent_dim,
+                   v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   latent_dim=shape.latent_dim,
                    max_positions=shape.max_seq_len)
 
     @classmethod
@@ -215,7 +216,8 @@ class WindowCache(KVCache):
 
     def _fork(self):
         child = WindowCache(self.n_layers, self.n_kv_heads, self.head_dim, self.window, self.sinks, self.k_dtype,
-                            v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta, latent_dim=self.latent_dim,
+                            v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta,
+                            latent_dim=self.latent_dim,
                             max_positions=self.max_positions)
         for name, a in self.store.arrays():
             getattr(child.store, name)[...] = a

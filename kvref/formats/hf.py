@@ -4,7 +4,8 @@
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
 Families read: `model_type` llama, mistral, qwen2, qwen3, gemma3_text, and deepseek_v2 and deepseek_v3
-whose layers are all dense (multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores differently from what the decoder reads is converted
+whose layers are all dense (multi-head latent attention; docs/architectures.md has the table of fields).
+What a checkpoint stores differently from what the decoder reads is converted
 here, once, so the decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the

@@ -192,7 +192,8 @@ def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None
     # The attention the native kernels compute over an int8 K: `attention` with the scores of
     # int8_key_scores (the query rounded to 8 bits per group) in place of q . k over the decoded K.
     T, H, D = q.shape
-    return attend(int8_key_scores(q, k8, k_scales, scale), v, q_positions, k_positions, window).reshape(T, H, v.shape[-1])
+    scores = int8_key_scores(q, k8, k_scales, scale)  # [Hkv, G, T, S]
+    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, v.shape[-1])
 
 
 def silu(x):
