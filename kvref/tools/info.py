@@ -207,12 +207,22 @@ def run_memory(args) -> int:
     if missing:
         raise ConfigError("kvref memory needs -m MODEL or " + ", ".join(f"--{m.replace('_', '-')}" for m in missing))
     # the formula's bytes, plus int8's float32 scales (what cache.nbytes and --layouts count)
-    per_sequence = bytes_per_position(args.layers, args.kv_heads, args.head_dim, args.dtype) * args.tokens
+    latent = config is not None and config.latent  # MLA: one latent key per layer and position, no V
+    if latent:
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        per_sequence = bytes_per_position(args.layers, 1, width, args.dtype, latent_dim=config.kv_lora_rank) * args.tokens
+        formula = (f"{args.layers} layers x {args.tokens:,} tokens x (kv_lora_rank {config.kv_lora_rank} + "
+                   f"qk_rope_head_dim {config.qk_rope_head_dim}) x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype}), "
+                   "the latent key of multi-head latent attention")
+        plain = args.layers * args.tokens * width * ELEMENT_BYTES[args.dtype]
+    else:
+        per_sequence = bytes_per_position(args.layers, args.kv_heads, args.head_dim, args.dtype) * args.tokens
+        formula = (f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "
+                   f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype})")
+        plain = cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
     total = per_sequence * args.batch
-    scales = per_sequence - cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
-    print(f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "
-          f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype})"
-          + (f" + {scales:,} bytes of float32 scales" if scales else "")
+    scales = per_sequence - plain
+    print(formula + (f" + {scales:,} bytes of float32 scales" if scales else "")
           + f" x {args.batch} sequence{'s' if args.batch != 1 else ''}")
     print(f"= {total:,} bytes ({human_bytes(total)})")
     if args.tokens:
