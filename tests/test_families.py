@@ -237,17 +237,23 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
 
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False)}
+                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "deepseek_v2": ("deepseek2", False),
+                      "deepseek_v3": ("deepseek2", False)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
 # llama.cpp (and kvref) take as every 6th layer global and head_dim
 GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None),
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
-                                   layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+                                   layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                    # deepseek2 files rotate adjacent pairs: the converter does not reorder rope_interleave=false
+                    "deepseek_v3": dict(rope_interleave=True)}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+              "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+              "self_attn.kv_a_layernorm": "attn_kv_a_norm"}
 
 
 def write_gguf(hf, family, path):
@@ -263,9 +269,12 @@ def write_gguf(hf, family, path):
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch == "deepseek2":  # the latent attention as MQA over R + Dr wide keys, as the converter writes it
+        write_latent_metadata(writer, c)
+    else:
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else c.rope_parameters["rope_theta"])
     if gemma:
@@ -284,6 +293,13 @@ def write_gguf(hf, family, path):
             continue
         if "norm" in name and gemma:
             a = a + 1  # Gemma files store the (1 + w) of its RMSNorm
+        if name.endswith("kv_b_proj.weight"):  # split per head: W_UK transposed [H, R, Dn], W_UV [H, Dv, R]
+            kv_b = a.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+            writer.add_tensor(gguf_name(name, gemma).replace("kv_b", "k_b"),
+                              np.ascontiguousarray(kv_b[:, :c.qk_nope_head_dim].transpose(0, 2, 1)))
+            writer.add_tensor(gguf_name(name, gemma).replace("kv_b", "v_b"),
+                              np.ascontiguousarray(kv_b[:, c.qk_nope_head_dim:]))
+            continue
         if permute and ("q_proj" in name or "k_proj" in name):  # llama.cpp's permute: to adjacent pairs
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             a = a.reshape(heads, 2, -1, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
@@ -292,6 +308,22 @@ def write_gguf(hf, family, path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_latent_metadata(writer, c):
+    # deepseek2's keys for a DeepSeek-V2/V3 config (llama.cpp's conversion/deepseek.py)
+    writer.add_head_count_kv(1)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    writer.add_value_length(c.kv_lora_rank)
+    writer.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    writer.add_value_length_mla(c.v_head_dim)
+    writer.add_rope_dimension_count(c.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    writer.add_expert_count(c.n_routed_experts)
+    writer.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        writer.add_q_lora_rank(c.q_lora_rank)
 
 
 def gguf_name(name, gemma):
@@ -303,7 +335,7 @@ def gguf_name(name, gemma):
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = dict(GGUF_NAMES, post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
+    names = dict(GGUF_NAMES, **{"self_attn.kv_b_proj": "attn_kv_b"}, post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
                  pre_feedforward_layernorm="ffn_norm")
     return f"blk.{layer}.{names[module]}.{kind}"
 
@@ -320,7 +352,7 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
-    if model.backend == "c":
+    if model.backend == "c" and not model.config.latent:  # MLA: the decoder over the native kernels
         assert model.fused is not None and model.executor(model.new_cache()).fallback is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
@@ -345,3 +377,25 @@ def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equ
         prompt = history[:len(history) - len(reply) + 1]
         expected = list(kvref.generate(model, prompt, len(reply), cache=model.new_cache(layout="contiguous")))
         assert reply == expected  # the same greedy reply as recomputing the whole conversation
+
+
+def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_name():
+    from kvref.errors import GGUFError
+    from kvref.formats.architectures import config_from_metadata
+
+    keys = {"block_count": 3, "embedding_length": 36, "feed_forward_length": 52, "attention.head_count": 4,
+            "attention.head_count_kv": 1, "attention.kv_lora_rank": 16, "attention.key_length": 22,
+            "attention.value_length": 16, "attention.key_length_mla": 14, "attention.value_length_mla": 10,
+            "rope.dimension_count": 6, "context_length": 48, "attention.layer_norm_rms_epsilon": 1e-6,
+            "vocab_size": 61, "expert_count": 4, "leading_dense_block_count": 3}
+    names = [f"blk.{i}.attn_norm.weight" for i in range(3)]
+
+    def metadata(**changes):
+        return {"general.architecture": "deepseek2", **{f"deepseek2.{k}": v for k, v in {**keys, **changes}.items()}}
+
+    config = config_from_metadata(metadata(), names)
+    assert (config.kv_lora_rank, config.head_dim, config.n_kv_heads, config.q_lora_rank) == (16, 14, 4, None)
+    with pytest.raises(GGUFError, match="mixture-of-experts"):
+        config_from_metadata(metadata(leading_dense_block_count=1), names)
+    with pytest.raises(GGUFError, match="MQA view"):
+        config_from_metadata(metadata(**{"attention.value_length": 10}), names)
