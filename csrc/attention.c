@@ -398,7 +398,6 @@ static int64_t job_plan(kvref_attn_job *c, int64_t threads, int64_t queries, con
     if (kivi && (c->kernels->kivi_lanes == 0 || a->group_size % c->kernels->kivi_lanes != 0 ||
                  a->D % c->kernels->kivi_lanes != 0))
         c->kernels = &kvref_kernels_scalar.attn;
-    if (a->Dv != a->D) c->kernels = &kvref_kernels_scalar.attn; /* values narrower than keys (MLA) */
     c->heads = 1; /* a unit per (query, kv head, segment) */
     c->span = 1;
     c->runs = c->nlive;

@@ -161,7 +161,7 @@ typedef struct kvref_attn_args {
     const int64_t *q_positions, *k_positions; /* [T], [S] */
     int64_t T, H, D, S, Hkv, G;
     int64_t Dv;                /* the values' width: each V vector's first Dv <= D elements (MLA: the
-                                  latent c_kv inside the latent key); the SIMD tables take Dv == D only */
+                                  latent c_kv inside the latent key); acc and out hold Dv per head */
     int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
     float scale;               /* what scores are multiplied by */
 } kvref_attn_args;

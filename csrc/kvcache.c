@@ -17,6 +17,7 @@ int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D,
         return KVREF_ERR_DIM;
     if (kv->n_layers != n_layers || kv->n_kv_heads != Hkv || kv->head_dim != D) return KVREF_ERR_SHAPE;
     if (kv->v_dim < 0 || kv->v_dim > D) return KVREF_ERR_SHAPE;
+    if (kv->v_dim != 0 && kv->v_dim != D && kv->v_type == KVREF_TYPE_KIVI4) return KVREF_ERR_SHAPE; /* whole vectors */
     int64_t slots = 0, plain = kv->n_layers; /* slots in all layers; layers without a ring */
     if (kv->layer_ring != NULL) {
         if (kv->block_table != NULL) return KVREF_ERR_SHAPE; /* a ring layout has no blocks */

@@ -214,8 +214,8 @@ typedef struct kvref_kv {
     const int64_t *layer_ring;   /* [n_layers], each >= 0, or NULL (every layer as above) */
     uint16_t *k_residual;        /* KIVI4 K: float16 [n_layers, group_size, n_kv_heads, head_dim]; else NULL */
     int64_t v_dim;               /* Dv, what attention reads of each V vector: its first Dv of head_dim
-                                    elements, 1 <= Dv <= head_dim; 0: head_dim. A latent (MLA) cache passes
-                                    its K as V (k, k_type, k_scales) with Dv = kv_lora_rank */
+                                    elements, 1 <= Dv <= head_dim; 0: head_dim (KIVI4 V: always). A latent
+                                    (MLA) cache passes its K as V (k, k_type, k_scales) with Dv = kv_lora_rank */
 } kvref_kv;
 
 /* Causal grouped-query attention by position with a single-pass (online) softmax, reading layer

@@ -128,19 +128,37 @@ def test_a_latent_cache_refuses_what_a_latent_cannot_be_with_the_reason():
 needs_native = pytest.mark.skipif(not kvref.native.available(), reason="the native module is not built")
 
 
+def native_kernels(isa):
+    from kvref.native import ops  # only where the module is built
+
+    return ops.kernels(1, isa)
+
+
+def isas():
+    if not kvref.native.available():
+        return ()
+    from kvref.native import ops
+
+    return ops.supported_isas()
+
+
 @needs_native
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("options", LAYOUTS[:2] + LAYOUTS[3:], ids=lambda o: o["layout"])  # the window stages writes
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", "int8"])
-def test_native_attention_over_a_latent_cache_in_place_equals_the_spec(options, kv_dtype):
-    # the absorbed form's MQA: keys R + DR wide, values the keys' first R elements, read where they lie
+def test_native_attention_over_a_latent_cache_in_place_equals_the_spec(options, kv_dtype, isa):
+    # the absorbed form's MQA: keys R + DR wide, values the keys' first R elements, read where they lie;
+    # a latent of 32 values and a RoPE key of 16 take every instruction set's vector kernels (int8: groups of 16)
     rng = np.random.default_rng(4)
-    model = kvref.Model.random(mla_config(), seed=4, dtype="float32", backend="c")
+    model = kvref.Model.random(mla_config(kv_lora_rank=32, qk_rope_head_dim=16, head_dim=24), seed=4,
+                               dtype="float32", backend="c")
     cache = model.new_cache(kv_dtype=kv_dtype, **options)
     model.forward(list(range(1, 12)), cache)
+    R, DR = 32, 16
     q = rng.standard_normal((3, 5, R + DR)).astype(np.float32)  # [T, H, R + Dr]
-    q_pos, scale = np.arange(8, 11), 14 ** -0.5
+    q_pos, scale = np.arange(8, 11), 24 ** -0.5
     for layer in range(2):
-        got = model.ops.cache_attention(q, q_pos, cache, layer, scale=scale)  # [T, H, R]
+        got = native_kernels(isa).cache_attention(q, q_pos, cache, layer, scale=scale)  # [T, H, R]
         k, positions = cache.keys(layer), cache.layer_positions(layer)
         if kv_dtype == "int8":
             k8, ks, _, _ = cache.read_raw(layer)
@@ -154,8 +172,9 @@ def test_native_attention_over_a_latent_cache_in_place_equals_the_spec(options, 
 
 @needs_native
 @settings(max_examples=20)
-@given(st.integers(1, 9), st.integers(1, 4), st.sampled_from([(12, 8), (8, 12), (16, 16)]), st.integers(0, 9))
-def test_native_attention_with_values_of_another_width_equals_the_spec(S, T, widths, seed):
+@given(st.integers(1, 9), st.integers(1, 4), st.sampled_from([(12, 8), (8, 12), (16, 16), (48, 32), (24, 20)]),
+       st.integers(0, 9), st.sampled_from(isas() or ("none",)))
+def test_native_attention_with_values_of_another_width_equals_the_spec(S, T, widths, seed, isa):
     # MLA's naive form: per-head keys Dn + Dr wide, values Dv wide, Dv != D either way
     D, Dv = widths
     rng = np.random.default_rng(seed)
@@ -163,9 +182,11 @@ def test_native_attention_with_values_of_another_width_equals_the_spec(S, T, wid
     k = rng.standard_normal((S, 2, D)).astype(np.float32)
     v = rng.standard_normal((S, 2, Dv)).astype(np.float32)
     q_pos, k_pos = np.arange(S - T, S) if T <= S else np.arange(T), np.arange(S)
-    got = kvref.native.ops.attention(q, k, v, q_pos, k_pos, scale=0.3)
+    got = native_kernels(isa).attention(q, k, v, q_pos, k_pos, scale=0.3)
     assert got.shape == (T, 4, Dv)
-    assert_close(got, spec_ops.attention(q, k, v, q_pos, k_pos, scale=0.3), "float32", f"D {D} Dv {Dv}")
+    assert_close(got, spec_ops.attention(q, k, v, q_pos, k_pos, scale=0.3), "float32", f"D {D} Dv {Dv} {isa}")
+    prefix = native_kernels(isa).attention(q, k, k[..., :D // 2], q_pos, k_pos, scale=0.3)  # in place
+    assert_close(prefix, spec_ops.attention(q, k, k[..., :D // 2], q_pos, k_pos, scale=0.3), "float32", "prefix")
 
 
 @needs_native
