@@ -201,13 +201,12 @@ def naive_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_
     # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
     # Expand the cached latent of every position to each head's key and value, then attend as MHA:
     # key h = [W_UK[h] c ; k_rope] (k_rope shared), value h = W_UV[h] c.
-    S, H, R = latent_all.shape[0], config.n_heads, config.kv_lora_rank
-    w_uk, w_uv = latent_up_projections(config, lw)  # [H, Dn, R], [H, Dv, R]
-    c = c_all[:, 0]  # [S, R]
-    k_nope = np.einsum("sr,hnr->shn", c, w_uk)  # [S, H, Dn]
+    S, H, R, Dn = latent_all.shape[0], config.n_heads, config.kv_lora_rank, config.qk_nope_head_dim
+    c = np.ascontiguousarray(c_all[:, 0])  # [S, R]
+    kv = ops.matmul(c, lw.wkv_b).reshape(S, H, Dn + config.v_head_dim)  # [S, H, Dn + Dv]: W_UK c, W_UV c per head
     k_rope = np.broadcast_to(latent_all[:, :, R:], (S, H, config.qk_rope_head_dim))  # [S, H, Dr]
-    k = np.concatenate([k_nope, k_rope], axis=-1)  # [S, H, D]
-    v = np.ascontiguousarray(np.einsum("sr,hvr->shv", c, w_uv))  # [S, H, Dv]
+    k = np.concatenate([kv[..., :Dn], k_rope], axis=-1)  # [S, H, D]
+    v = np.ascontiguousarray(kv[..., Dn:])  # [S, H, Dv]
     q = np.concatenate([q_nope, q_rope], axis=-1)  # [T, H, D]
     return ops.attention(q, k, v, q_positions, k_positions, scale=latent_scale(config))  # [T, H, Dv]
 
@@ -220,7 +219,7 @@ def absorbed_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, late
     # The value up-projection is linear, so it moves after the weighted sum: W_UV (sum_s p_s c_s).
     # Per step this reads S x (R + Dr) cached values instead of S x H x (D + Dv) expanded ones.
     w_uk, w_uv = latent_up_projections(config, lw)  # [H, Dn, R], [H, Dv, R]
-    q_latent = np.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+    q_latent = (q_nope.transpose(1, 0, 2) @ w_uk).transpose(1, 0, 2)  # per head [T, Dn] @ [Dn, R] -> [T, H, R]
     q = np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, R + Dr]
     out_latent = ops.attention(q, latent_all, c_all, q_positions, k_positions, scale=latent_scale(config))  # [T, H, R]
-    return np.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, Dv]
+    return (out_latent.transpose(1, 0, 2) @ w_uv.transpose(0, 2, 1)).transpose(1, 0, 2)  # per head @ W_UV^T: [T, H, Dv]
