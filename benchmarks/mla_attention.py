@@ -64,7 +64,8 @@ def main():
         read = trace.latent_read_bytes(config, S, 4)
         row = {"positions": S, "threads": args.threads, "isa": kernels.isa}
         for name, form in (("absorbed", decoder.absorbed_latent_attention), ("naive", decoder.naive_latent_attention)):
-            row[f"{name}_ms"] = 1e3 * time_step(form, kernels, config, lw, q_nope, q_rope, latent, positions, args.repeat)
+            seconds = time_step(form, kernels, config, lw, q_nope, q_rope, latent, positions, args.repeat)
+            row[f"{name}_ms"] = 1e3 * seconds
             row[f"{name}_kv_bytes"] = read[name]
         rows.append(row)
         print(f"S={S:>6}  absorbed {row['absorbed_ms']:8.2f} ms (reads {read['absorbed']:>12,} B)   "

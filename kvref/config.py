@@ -58,7 +58,7 @@ class ModelConfig:
     q_lora_rank: int | None = None  # the query's low-rank bottleneck (q_a, its norm, q_b); None: one wq
     qk_rope_head_dim: int | None = None  # Dr: the rotated part of each query head and the one shared key
     v_head_dim: int | None = None  # Dv: width of a value head (the attention output per head)
-    mla_form: str = "absorbed"  # how attention reads the latent (decoder.latent_attention): "absorbed" (W_UK
+    mla_form: str = "absorbed"  # how attention reads the latent (decoder.latent_attention_block): "absorbed" (W_UK
     #   folded into the query, attention over the latent as MQA, W_UV after) or "naive" (expand per-head K/V)
 
     def __post_init__(self):
@@ -176,7 +176,6 @@ def _check_rope_scaling(scaling, head_dim):
                           f"frequency: {head_dim // 2})), positive numbers with low_freq_factor < high_freq_factor")
 
 
-
 def _check_latent(c):
     # MLA: every width a positive integer, the rotated part even and inside a query head
     for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", *(("q_lora_rank",) if c.q_lora_rank else ())):
@@ -191,5 +190,4 @@ def _check_latent(c):
         raise ConfigError(f"mla_form={c.mla_form!r} is unknown; expected one of {MLA_FORMS}")
     if c.qk_norm or c.qkv_bias or c.layer_windows is not None or c.rope_local_theta is not None:
         raise ConfigError("kv_lora_rank (MLA) does not combine with qk_norm, qkv_bias, layer_windows or "
-                          "rope_local_theta "
-                          "in kvref: no checkpoint has them together")
+                          "rope_local_theta in kvref: no checkpoint has them together")

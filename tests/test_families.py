@@ -335,7 +335,8 @@ def gguf_name(name, gemma):
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = dict(GGUF_NAMES, **{"self_attn.kv_b_proj": "attn_kv_b"}, post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
+    names = dict(GGUF_NAMES, **{"self_attn.kv_b_proj": "attn_kv_b"},
+                 post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
                  pre_feedforward_layernorm="ffn_norm")
     return f"blk.{layer}.{names[module]}.{kind}"
 

@@ -62,9 +62,9 @@ def test_every_layout_of_a_latent_cache_equals_the_contiguous_one_and_stores_the
     plain, reference = run_chunks(model, ids, [4, 1], layout="contiguous", kv_dtype=kv_dtype)
     got, cache = run_chunks(model, ids, [2, 3, 1], kv_dtype=kv_dtype, **options)
     assert_close(got, plain, "float64", f"{options} {kv_dtype}")
-    width = 4 if kv_dtype == "int8" else 8 if kv_dtype is None else 2  # bytes per element (int8 scales below)
+    width = {None: 8, "float16": 2, "bfloat16": 2, "int8": 1}[kv_dtype]  # bytes per element (int8 scales below)
     scales = (R + DR) // cache.group_size * 4 if kv_dtype == "int8" else 0
-    assert cache.bytes_per_position == model.config.n_layers * ((R + DR) * (1 if kv_dtype == "int8" else width) + scales)
+    assert cache.bytes_per_position == model.config.n_layers * ((R + DR) * width + scales)
     for layer in range(model.config.n_layers):
         assert cache.keys(layer).shape == (len(ids), 1, R + DR)
         np.testing.assert_array_equal(cache.values(layer), cache.keys(layer)[..., :R])  # V is c_kv, not stored

@@ -233,7 +233,8 @@ def run_memory(args) -> int:
     latent = config is not None and config.latent  # MLA: one latent key per layer and position, no V
     if latent:
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        per_sequence = bytes_per_position(args.layers, 1, width, args.dtype, latent_dim=config.kv_lora_rank) * args.tokens
+        per_position = bytes_per_position(args.layers, 1, width, args.dtype, latent_dim=config.kv_lora_rank)
+        per_sequence = per_position * args.tokens
         formula = (f"{args.layers} layers x {args.tokens:,} tokens x (kv_lora_rank {config.kv_lora_rank} + "
                    f"qk_rope_head_dim {config.qk_rope_head_dim}) x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype}), "
                    "the latent key of multi-head latent attention")
