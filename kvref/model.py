@@ -309,12 +309,12 @@ class Model:
         c = self.config
         if not isinstance(cache, KVCache):
             raise CacheError(f"expected a KVCache from model.new_cache(); got {type(cache).__name__}")
-        kv_heads, k_width, _, latent_dim = c.cache_geometry()
-        got = (cache.n_layers, cache.n_kv_heads, cache.head_dim, getattr(cache, "latent_dim", None))
-        if got != (c.n_layers, kv_heads, k_width, latent_dim):
+        kv_heads, k_width, _, latent_dim = c.cache_geometry()  # MLA: one latent key, and its latent width
+        got = (cache.n_layers, cache.n_kv_heads, cache.head_dim)
+        if got != (c.n_layers, kv_heads, k_width) or cache.latent_dim != latent_dim:
             raise CacheError(
-                f"cache shape (layers, kv heads, head_dim, latent_dim) = {got} does not match the model's "
-                f"{(c.n_layers, kv_heads, k_width, latent_dim)}")
+                f"cache shape (layers, kv heads, head_dim) = {got}, latent_dim {cache.latent_dim} does not match "
+                f"the model's {(c.n_layers, kv_heads, k_width)}, latent_dim {latent_dim}")
         owner, ours = cache.sequence.model, self.fingerprint()
         if owner is None:
             raise CacheError("this cache was not made by a model, so nothing says whose K/V it holds; make it "

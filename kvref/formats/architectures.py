@@ -74,14 +74,14 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
 
     n_heads = integer("attention.head_count", "n_heads")
     d_model = integer("embedding_length", "d_model")
-    n_layers = integer("block_count", "n_layers")
-    latent = _latent_metadata(metadata, arch, integer, n_layers) if arch == "deepseek2" else {}
+    latent = _latent_metadata(metadata, arch, integer) if arch == "deepseek2" else {}
     head_dim = latent.pop("head_dim") if latent else integer("attention.key_length", "head_dim",
                                                               max(d_model // n_heads, 1))
     rotary = integer("rope.dimension_count", "head_dim", head_dim)
     if not latent and rotary != head_dim:
         raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
     rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, rotary)
+    n_layers = integer("block_count", "n_layers")
     check_layer_count(n_layers, tensor_names, "blk.", f"{arch}.block_count", GGUFError)
     gemma = arch == "gemma3"
     windows = None
@@ -112,8 +112,9 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
     )
 
 
-def _latent_metadata(metadata, arch, integer, n_layers) -> dict:
+def _latent_metadata(metadata, arch, integer) -> dict:
     # deepseek2's keys -> the ModelConfig MLA fields (and head_dim, a query head's Dn + Dr)
+    n_layers = integer("block_count", "n_layers")
     dense = metadata.get(f"{arch}.leading_dense_block_count", n_layers)
     if metadata.get(f"{arch}.expert_count") and not (isinstance(dense, (int, np.integer)) and dense >= n_layers):
         raise GGUFError(f"this {arch} file has mixture-of-experts layers ({arch}.leading_dense_block_count={dense!r} "
