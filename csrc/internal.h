@@ -160,6 +160,8 @@ typedef struct kvref_attn_args {
     int64_t block_size;        /* ... or in slot s when block_table is NULL */
     const int64_t *q_positions, *k_positions; /* [T], [S] */
     int64_t T, H, D, S, Hkv, G;
+    int64_t Dv;                /* the values' width: each V vector's first Dv <= D elements (MLA: the
+                                  latent c_kv inside the latent key); acc and out hold Dv per head */
     int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
     float scale;               /* what scores are multiplied by */
     float softcap;             /* > 0: scaled scores -> kvref_soft_cap_value(score, softcap) before the mask; 0: none */
@@ -228,8 +230,8 @@ static inline float kvref_attn_score_value(float score) { return score + score *
  * max(m[g], max_s p[g * C + s]), p[g * C + s] = exp(p[g * C + s] - mnew[g]) in place (0 for a masked
  * key's -inf) and sum[g] = the sum of those. p [G, C]; m, mnew, sum [G]. */
 typedef void (*kvref_attn_exp_fn)(int64_t G, int64_t n, const float *m, float *p, float *mnew, float *sum);
-/* acc[g * D + i] += sum over the visible keys s of p[g * C + s] * v_s[i], for g < G, i < D: p [G, C],
- * acc [G, D]. A masked key never touches acc. */
+/* acc[g * Dv + i] += sum over the visible keys s of p[g * C + s] * v_s[i], for g < G, i < Dv: p [G, C],
+ * acc [G, Dv]. A masked key never touches acc. */
 typedef void (*kvref_attn_values_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc);
 
 /* One instruction set's attention kernels. Their vectors read an I8 K or V one scale group at a time,

@@ -236,6 +236,9 @@ typedef struct kvref_kv {
     int64_t n_blocks, block_size;
     const int64_t *layer_ring;   /* [n_layers], each >= 0, or NULL (every layer as above) */
     uint16_t *k_residual;        /* KIVI4 K: float16 [n_layers, group_size, n_kv_heads, head_dim]; else NULL */
+    int64_t v_dim;               /* Dv, what attention reads of each V vector: its first Dv of head_dim
+                                    elements, 1 <= Dv <= head_dim; 0: head_dim (KIVI4 V: always). A latent
+                                    (MLA) cache passes its K as V (k, k_type, k_scales) with Dv = kv_lora_rank */
 } kvref_kv;
 
 /* Causal grouped-query attention by position with a single-pass (online) softmax, reading layer
@@ -253,7 +256,7 @@ typedef struct kvref_kv {
  *   window:      >= 0 (0: none)
  *   softcap:     >= 0, finite (0: none)
  *   scale:       finite (kvref.spec.ops.attention's scale; 1 / sqrt(D) is its default)
- *   out:         float32 [T, H, D] (must not overlap the inputs)
+ *   out:         float32 [T, H, Dv] (must not overlap the inputs); Dv = kv->v_dim, or D when that is 0
  * H must be a multiple of Hkv; the layer must hold S positions (n_slots, or the table's blocks, or
  * the ring's R slots). */
 int kvref_attention(kvref_pool *pool,

@@ -33,7 +33,8 @@ PROGRAM_ACTIVATIONS = "auto"
 # all but a mixture of experts' (kvref.native.fused.config_problem), which the native kernels run
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
                         "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap",
-                        "nope_layers", *MOE_FIELDS)
+                        "nope_layers", *MOE_FIELDS, "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                        "mla_form")
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
 # bfloat16, int8 and kivi4 to float32 for it; the C forward reads its types in place (any layout or
@@ -123,6 +124,9 @@ def fused_forward(backend: str, config, weights, activations: str | None = None)
         return None, "this model runs the NumPy spec"
     from .native import fused
 
+    if config.latent:
+        return None, ("multi-head latent attention (kv_lora_rank) runs the shared decoder over the native kernels: "
+                      "the fused C forward has no latent attention yet")
     mode = activations or default_activations()
     problem = fused.config_problem(config)
     if problem is not None:

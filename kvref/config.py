@@ -17,12 +17,17 @@ ROUTER_SCORES = ("softmax", "sigmoid")  # how a router turns its logits into exp
 EXPERT_GROUP_SCORES = ("top2_sum", "max")  # how grouped top-k scores a group of experts
 # the fields that make the families other than Llama; at their defaults a config is Llama's
 FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                 "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap", "nope_layers")
+                 "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap", "nope_layers",
+                 "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "mla_form")
 # the fields of a mixture of experts (kvref.spec.decoder.moe): family fields too, at their defaults a dense MLP
 MOE_FIELDS = ("n_experts", "n_experts_used", "expert_d_ff", "first_dense_layers", "router_score", "router_bias",
               "expert_selection_bias", "n_expert_groups", "n_expert_groups_used", "expert_group_score",
               "norm_topk_prob", "routed_scaling_factor", "shared_expert_d_ff", "expert_bias")
 FAMILY_FIELDS = FAMILY_FIELDS + MOE_FIELDS
+MLA_FORMS = ("absorbed", "naive")
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon whatever rms_norm_eps says
+# (their reference code and transformers' build them without an eps argument)
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,16 @@ class ModelConfig:
     shared_expert_d_ff: int = 0  # width of a shared expert MLP every position runs beside its routed ones (DeepSeek:
     #                              n_shared_experts x the expert width, one MLP); 0: none
     expert_bias: bool = False  # gpt-oss: each expert's gate, up and down projections add a bias
+    # -- multi-head latent attention (MLA: DeepSeek-V2/V3); kv_lora_rank None: ordinary K/V -------------
+    kv_lora_rank: int | None = None  # R: width of the cached latent c_kv; the cache holds [c_kv ; k_rope]
+    #   per layer and position (R + qk_rope_head_dim values), never per-head K/V. With it, head_dim is a
+    #   query head's width, qk_nope_head_dim + qk_rope_head_dim, and n_kv_heads == n_heads (each head
+    #   expands the latent to its own K and V)
+    q_lora_rank: int | None = None  # the query's low-rank bottleneck (q_a, its norm, q_b); None: one wq
+    qk_rope_head_dim: int | None = None  # Dr: the rotated part of each query head and the one shared key
+    v_head_dim: int | None = None  # Dv: width of a value head (the attention output per head)
+    mla_form: str = "absorbed"  # how attention reads the latent (decoder.latent_attention_block): "absorbed" (W_UK
+    #   folded into the query, attention over the latent as MQA, W_UV after) or "naive" (expand per-head K/V)
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -120,6 +135,11 @@ class ModelConfig:
                        for i in self.nope_layers)):
             raise ConfigError(f"nope_layers={self.nope_layers!r} must be a tuple of distinct layer indices in "
                               f"0..{self.n_layers - 1}")
+        if self.kv_lora_rank is not None:
+            _check_latent(self)
+        elif any(v is not None for v in (self.q_lora_rank, self.qk_rope_head_dim, self.v_head_dim)):
+            raise ConfigError("q_lora_rank, qk_rope_head_dim and v_head_dim describe multi-head latent attention; "
+                              "they need kv_lora_rank")
         if self.layer_windows is not None:
             windows = self.layer_windows
             if (not isinstance(windows, tuple) or len(windows) != self.n_layers
@@ -199,6 +219,24 @@ class ModelConfig:
         return self.layer_rope_theta(layer), scaling
 
     @property
+    def latent(self) -> bool:
+        """Whether attention is multi-head latent attention (the cache holds a latent, not K/V)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the part of a query (and expanded key) head that RoPE leaves alone."""
+        return self.head_dim - self.qk_rope_head_dim
+
+    def cache_geometry(self) -> tuple:
+        """What the cache stores per layer and position: (kv heads, K width, V width, latent width or None).
+        MLA: one latent key [c_kv ; k_rope] of R + Dr values and no V (its V is the key's first R values);
+        else Hkv heads of K and V, head_dim each."""
+        if self.latent:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0, self.kv_lora_rank
+        return self.n_kv_heads, self.head_dim, self.head_dim, None
+
+    @property
     def group_size(self) -> int:
         """Query heads sharing one kv head (H / Hkv)."""
         return self.n_heads // self.n_kv_heads
@@ -233,3 +271,19 @@ def _check_rope_scaling(scaling, head_dim):
                           f"{head_dim // 2}), original_max_positions), positive numbers with low_freq_factor < "
                           "high_freq_factor")
 
+
+def _check_latent(c):
+    # MLA: every width a positive integer, the rotated part even and inside a query head
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", *(("q_lora_rank",) if c.q_lora_rank else ())):
+        object.__setattr__(c, name, bounded_int(getattr(c, name), name, 1, CONFIG_CEILINGS["head_dim"]))
+    if c.qk_rope_head_dim % 2 or not c.qk_rope_head_dim < c.head_dim:
+        raise ConfigError(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even (RoPE rotates pairs) and less than "
+                          f"head_dim={c.head_dim} (qk_nope_head_dim + qk_rope_head_dim)")
+    if c.n_kv_heads != c.n_heads:
+        raise ConfigError(f"with kv_lora_rank every head expands the latent to its own K and V: n_kv_heads="
+                          f"{c.n_kv_heads} must equal n_heads={c.n_heads}")
+    if c.mla_form not in MLA_FORMS:
+        raise ConfigError(f"mla_form={c.mla_form!r} is unknown; expected one of {MLA_FORMS}")
+    if c.qk_norm or c.qkv_bias or c.layer_windows is not None or c.rope_local_theta is not None:
+        raise ConfigError("kv_lora_rank (MLA) does not combine with qk_norm, qkv_bias, layer_windows or "
+                          "rope_local_theta in kvref: no checkpoint has them together")

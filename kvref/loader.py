@@ -214,7 +214,8 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
             if progress is not None:
                 progress(done, total)
             info = gguf.tensors[name]
-            if len(info.shape) in (2, 3) and info.ggml_type in in_place:  # a matrix, or a stack of experts
+            stack = len(info.shape) == 3 and name.endswith("_exps.weight")  # not deepseek2's 3-D attn_k_b/attn_v_b
+            if (len(info.shape) == 2 or stack) and info.ggml_type in in_place:  # a matrix, or a stack of experts
                 return gguf.quantized(name)  # a view of the mapped file: no copy, no dequantization
             return gguf.dequantize(name).astype(dtype, copy=False)
 

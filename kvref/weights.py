@@ -45,10 +45,10 @@ class _CountsRebinds:
 @dataclass
 class LayerWeights(_CountsRebinds):
     attn_norm: object  # [E]        RMSNorm gain before attention
-    wq: object  # [H*D, E]          query projection
-    wk: object  # [Hkv*D, E]        key projection
-    wv: object  # [Hkv*D, E]        value projection
-    wo: object  # [E, H*D]          attention output projection
+    wq: object  # [H*D, E]          query projection (MLA with q_lora_rank: q_b, [H*D, q_lora_rank])
+    wk: object  # [Hkv*D, E]        key projection (None with MLA)
+    wv: object  # [Hkv*D, E]        value projection (None with MLA)
+    wo: object  # [E, H*D]          attention output projection (MLA: [E, H*Dv])
     ffn_norm: object  # [E]         RMSNorm gain before the MLP
     w_gate: object  # [F, E]        SwiGLU gate projection (None on a MoE layer: config.moe_layer)
     w_up: object  # [F, E]          SwiGLU up projection
@@ -74,6 +74,12 @@ class LayerWeights(_CountsRebinds):
     shared_gate: object = None  # [Fs, E]       the shared expert every position runs (config.shared_expert_d_ff)
     shared_up: object = None  # [Fs, E]
     shared_down: object = None  # [E, Fs]
+    # multi-head latent attention (config.kv_lora_rank = R; Dr = qk_rope_head_dim, Dn = D - Dr, Dv = v_head_dim)
+    wq_a: object = None  # [q_lora_rank, E]   the query's down-projection (config.q_lora_rank), then q_a_norm, wq
+    q_a_norm: object = None  # [q_lora_rank]  its RMSNorm gain
+    wkv_a: object = None  # [R + Dr, E]       down-projection to the latent c_kv and the shared RoPE key
+    kv_a_norm: object = None  # [R]           RMSNorm gain of c_kv
+    wkv_b: object = None  # [H*(Dn + Dv), R]  up-projection: per head W_UK [Dn, R] rows then W_UV [Dv, R] rows
 
 
 @dataclass
@@ -113,14 +119,23 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
     def small(*shape, present=True):  # router and expert biases
         return (0.1 * rng.standard_normal(shape)).astype(dtype) if present else None
 
+    def attention():
+        # one layer's attention projections, drawn in field order: K/V heads, or MLA's latent projections
+        if not config.latent:
+            return dict(wq=matrix(config.q_dim, E), wk=matrix(config.kv_dim, E), wv=matrix(config.kv_dim, E),
+                        wo=matrix(E, config.q_dim))
+        H, R, Dr, Dv, Q = (config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim, config.v_head_dim,
+                           config.q_lora_rank)
+        low_rank_q = {} if Q is None else dict(wq_a=matrix(Q, E), q_a_norm=gain(Q))
+        return dict(**low_rank_q, wq=matrix(config.q_dim, E if Q is None else Q), wk=None, wv=None,
+                    wkv_a=matrix(R + Dr, E), kv_a_norm=gain(R),
+                    wkv_b=matrix(H * (config.qk_nope_head_dim + Dv), R), wo=matrix(E, H * Dv))
+
     def layer(i):
         dense = not config.moe_layer(i)
         lw = LayerWeights(
             attn_norm=gain(E),
-            wq=matrix(config.q_dim, E),
-            wk=matrix(config.kv_dim, E),
-            wv=matrix(config.kv_dim, E),
-            wo=matrix(E, config.q_dim),
+            **attention(),
             ffn_norm=gain(E),
             w_gate=matrix(F, E) if dense else None,  # drawn in this order: the dense models' numbers never change
             w_up=matrix(F, E) if dense else None,

@@ -128,6 +128,20 @@ def moe_configs(draw, max_layers=3, max_seq_len=96):
         expert_bias=draw(st.booleans()))
 
 
+@st.composite
+def latent_configs(draw, max_layers=4, max_seq_len=96):
+    """Small random multi-head latent attention (MLA) configs: any ranks and widths, a low-rank query or
+    one projection, either form of attention."""
+    n_heads, rope = draw(st.integers(1, 4)), 2 * draw(st.integers(1, 8))
+    return kvref.ModelConfig(
+        n_layers=draw(st.integers(1, max_layers)), d_model=draw(st.integers(4, 48)), n_heads=n_heads,
+        n_kv_heads=n_heads, head_dim=2 * draw(st.integers(1, 8)) + rope, d_ff=draw(st.integers(4, 96)),
+        vocab_size=draw(st.integers(8, 96)), max_seq_len=max_seq_len,
+        rope_theta=draw(st.sampled_from([10000.0, 500.0])), kv_lora_rank=draw(st.integers(1, 24)),
+        q_lora_rank=draw(st.one_of(st.none(), st.integers(1, 16))), qk_rope_head_dim=rope,
+        v_head_dim=draw(st.integers(1, 16)), mla_form=draw(st.sampled_from(["absorbed", "naive"])))
+
+
 def token_lists(config, min_size=1, max_size=64):
     return st.lists(st.integers(0, config.vocab_size - 1), min_size=min_size, max_size=max_size)
 

@@ -27,6 +27,8 @@ torch = require("torch")
 transformers = require("transformers")
 
 NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults past the tiny vocabulary
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+           first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
 # a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
@@ -71,6 +73,10 @@ FAMILIES = {
                                          moe_intermediate_size=20, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, head_dim=12, num_local_experts=5, num_experts_per_tok=2,
                                       sliding_window=5)),
+    # multi-head latent attention; every layer dense (first_k_dense_replace = num_hidden_layers) until MoE
+    # is computed. V2-Lite's one query projection; V3's low-rank query, half-split RoPE rows
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -182,6 +188,12 @@ def test_unsupported_checkpoints_are_refused_by_name():
         config_from_hf({**config_json("smollm3"), "use_sliding_window": True, "sliding_window": 4})
     with pytest.raises(ConfigError, match="no_rope_layers"):
         config_from_hf({**config_json("smollm3"), "no_rope_layers": [1, 0, 1]})
+    deepseek = config_json("deepseek_v3")
+    with pytest.raises(ConfigError, match="mixture-of-experts layers"):
+        config_from_hf({**deepseek, "first_k_dense_replace": 1})
+    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):  # DeepSeek-V3's YaRN with mscale
+        config_from_hf({**deepseek, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                                                        "mscale": 1.0, "mscale_all_dim": 1.0}})
     hf = hf_model("qwen2")
     tensors = {k: v.numpy() for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
     with pytest.raises(ShapeError, match="k_proj.bias"):
@@ -197,14 +209,15 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
     assert model.backend == "c"
-    if config.n_experts:  # a mixture runs the shared decoder over the native kernels, which say why
-        assert "does not run mixtures of experts" in model.executor(model.new_cache()).fallback
+    if config.n_experts or config.latent:  # the shared decoder over the native kernels, which say why
+        fallback = model.executor(model.new_cache()).fallback
+        assert "mixtures of experts" in fallback if config.n_experts else "latent attention" in fallback
     else:
         assert model.executor(model.new_cache()).fallback is None
         model.fused.reset_timings()
     assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
                  "float32", f"{family} native vs transformers")
-    assert config.n_experts or model.fused.timings()["calls"] == 1
+    assert config.n_experts or config.latent or model.fused.timings()["calls"] == 1
 
 
 def test_the_native_backend_says_which_fields_it_does_not_compute(monkeypatch):
@@ -276,20 +289,26 @@ def test_kvref_inspect_says_how_many_experts_a_mixture_runs(tmp_path, capsys):
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
                       "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "gemma2": ("gemma2", False),
                       "phi3": ("phi3", False), "phi3-long": ("phi3", False), "smollm3": ("smollm3", True),
-                      "qwen3_moe": ("qwen3moe", False), "mixtral": ("llama", True)}
+                      "qwen3_moe": ("qwen3moe", False), "mixtral": ("llama", True),
+                      "deepseek_v2": ("deepseek2", False), "deepseek_v3": ("deepseek2", False)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
 # llama.cpp (and kvref) take as every 6th layer global and head_dim; Gemma 2's, every 2nd and head_dim
 GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
                     "gemma2": dict(query_pre_attn_scalar=16),
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
-                                   layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+                                   layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                    # deepseek2 files rotate adjacent pairs: the converter does not reorder rope_interleave=false
+                    "deepseek_v3": dict(rope_interleave=True)}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
-              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+              "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+              "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+              "self_attn.kv_a_layernorm": "attn_kv_a_norm"}
 # a checkpoint's expert j matrices -> the one 3-D tensor of the layer's experts llama.cpp's converter stacks them into
 EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
@@ -311,9 +330,12 @@ def write_gguf(hf, family, path, expert_type=None):
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch == "deepseek2":  # the latent attention as MQA over R + Dr wide keys, as the converter writes it
+        write_latent_metadata(writer, c)
+    else:
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     if family in ("qwen3_moe", "mixtral"):
         writer.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
@@ -354,6 +376,13 @@ def write_gguf(hf, family, path, expert_type=None):
             continue
         if "norm" in name and gemma:
             a = a + 1  # Gemma files store the (1 + w) of its RMSNorm
+        if name.endswith("kv_b_proj.weight"):  # split per head: W_UK transposed [H, R, Dn], W_UV [H, Dv, R]
+            kv_b = a.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+            writer.add_tensor(gguf_name(name, gemma).replace("kv_b", "k_b"),
+                              np.ascontiguousarray(kv_b[:, :c.qk_nope_head_dim].transpose(0, 2, 1)))
+            writer.add_tensor(gguf_name(name, gemma).replace("kv_b", "v_b"),
+                              np.ascontiguousarray(kv_b[:, c.qk_nope_head_dim:]))
+            continue
         if permute and ("q_proj" in name or "k_proj" in name):  # llama.cpp's permute: to adjacent pairs
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             a = a.reshape(heads, 2, -1, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
@@ -370,6 +399,22 @@ def write_gguf(hf, family, path, expert_type=None):
     writer.close()
 
 
+def write_latent_metadata(writer, c):
+    # deepseek2's keys for a DeepSeek-V2/V3 config (llama.cpp's conversion/deepseek.py)
+    writer.add_head_count_kv(1)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    writer.add_value_length(c.kv_lora_rank)
+    writer.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    writer.add_value_length_mla(c.v_head_dim)
+    writer.add_rope_dimension_count(c.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    writer.add_expert_count(c.n_routed_experts)
+    writer.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        writer.add_q_lora_rank(c.q_lora_rank)
+
+
 def gguf_name(name, gemma):
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -379,7 +424,8 @@ def gguf_name(name, gemma):
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = dict(GGUF_NAMES, post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
+    names = dict(GGUF_NAMES, **{"self_attn.kv_b_proj": "attn_kv_b"},
+                 post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
                  pre_feedforward_layernorm="ffn_norm")
     return f"blk.{layer}.{names[module]}.{kind}"
 
@@ -397,7 +443,7 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
-    if model.backend == "c" and not model.config.n_experts:  # (a mixture on the native kernels, not fused)
+    if model.backend == "c" and not (model.config.n_experts or model.config.latent):  # those: the decoder over C kernels
         assert model.fused is not None and model.executor(model.new_cache()).fallback is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
@@ -449,3 +495,25 @@ def test_a_gguf_router_kvref_does_not_read_is_refused_by_name(tmp_path):
     for key, value in (("expert_shared_count", 2), ("expert_gating_func", 2), ("expert_group_count", 4)):
         with pytest.raises(GGUFError, match=f"qwen3moe.{key}={value}"):
             kvref.formats.architectures.config_from_metadata({**metadata, f"qwen3moe.{key}": value}, names)
+
+
+def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_name():
+    from kvref.errors import GGUFError
+    from kvref.formats.architectures import config_from_metadata
+
+    keys = {"block_count": 3, "embedding_length": 36, "feed_forward_length": 52, "attention.head_count": 4,
+            "attention.head_count_kv": 1, "attention.kv_lora_rank": 16, "attention.key_length": 22,
+            "attention.value_length": 16, "attention.key_length_mla": 14, "attention.value_length_mla": 10,
+            "rope.dimension_count": 6, "context_length": 48, "attention.layer_norm_rms_epsilon": 1e-6,
+            "vocab_size": 61, "expert_count": 4, "leading_dense_block_count": 3}
+    names = [f"blk.{i}.attn_norm.weight" for i in range(3)]
+
+    def metadata(**changes):
+        return {"general.architecture": "deepseek2", **{f"deepseek2.{k}": v for k, v in {**keys, **changes}.items()}}
+
+    config = config_from_metadata(metadata(), names)
+    assert (config.kv_lora_rank, config.head_dim, config.n_kv_heads, config.q_lora_rank) == (16, 14, 4, None)
+    with pytest.raises(GGUFError, match="mixture-of-experts"):
+        config_from_metadata(metadata(leading_dense_block_count=1), names)
+    with pytest.raises(GGUFError, match="MQA view"):
+        config_from_metadata(metadata(**{"attention.value_length": 10}), names)

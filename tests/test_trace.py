@@ -46,3 +46,22 @@ def test_without_a_cache_flops_grow_quadratically_and_with_it_linearly():
     uncached = [run(n, False)["projection_flops"] for n in (8, 16, 32)]
     assert cached[2] - cached[1] == 2 * (cached[1] - cached[0])  # constant cost per decode step
     assert uncached[2] - uncached[1] > 3 * (uncached[1] - uncached[0])  # cost per step grows with length
+
+
+LATENT_CFG = kvref.ModelConfig(n_layers=2, d_model=48, n_heads=4, n_kv_heads=4, d_ff=80, vocab_size=100, max_seq_len=64,
+                               head_dim=12, kv_lora_rank=20, q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=10)
+
+
+def test_mla_projection_flops_are_two_per_weight_per_position_absorbed():
+    model = kvref.Model.random(LATENT_CFG)
+    layer = model.weights.layers[0]
+    per_layer = sum(w.size for w in (layer.wq_a, layer.wq, layer.wkv_a, layer.wkv_b, layer.wo, layer.w_gate,
+                                     layer.w_up, layer.w_down))  # wkv_b: W_UK into the query, W_UV after
+    assert trace.projection_flops(LATENT_CFG, 5, 2) == 2 * (5 * 2 * per_layer + 2 * model.weights.output.size)
+
+
+def test_an_absorbed_decode_step_reads_the_latent_keys_and_a_naive_one_every_heads_k_and_v():
+    read = trace.latent_read_bytes(LATENT_CFG, 100, 2)
+    assert read == {"absorbed": 2 * 100 * (20 + 4) * 2, "naive": 2 * 100 * 4 * (12 + 10) * 2}
+    # per key and head: R + Dr multiply-adds for the score, R for the value sum
+    assert trace.attention_flops(LATENT_CFG, 0, 1) == 2 * 4 * 2 * (2 * 20 + 4)

@@ -12,6 +12,11 @@
     gemma2   Gemma 2: soft caps          kvref.formats.hf does for every HF checkpoint
     gemma3   Gemma 3
     phi3     Phi-3/3.5: fused tensors, LongRoPE
+    deepseek2  DeepSeek-V2/V3 (MLA)      adjacent pairs as stored; the converter writes the latent
+                                         attention as MQA (head_count_kv 1, key_length R + Dr,
+                                         value_length R) and splits kv_b into attn_k_b [H, R, Dn]
+                                         (W_UK transposed) and attn_v_b [H, Dv, R] (W_UV), which are
+                                         joined back into wkv_b here; only all-dense files are read
 
 A mixture of experts (`<arch>.expert_count`, in llama and qwen3moe files) stores each MoE layer's
 experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
@@ -42,7 +47,7 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen3moe", "deepseek2")
 HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")  # Q/K rows in rotate_half order in the file
 GEMMAS = ("gemma2", "gemma3")
 # llama.cpp's sliding-window patterns: layer i is global if (i + 1) % n == 0
@@ -99,11 +104,13 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
 
     n_heads = integer("attention.head_count", "n_heads")
     d_model = integer("embedding_length", "d_model")
-    head_dim = integer("attention.key_length", "head_dim", max(d_model // n_heads, 1))
+    latent = _latent_metadata(metadata, arch, integer) if arch == "deepseek2" else {}
+    head_dim = latent.pop("head_dim") if latent else integer("attention.key_length", "head_dim",
+                                                              max(d_model // n_heads, 1))
     rotary = integer("rope.dimension_count", "head_dim", head_dim)
-    if rotary != head_dim:
+    if not latent and rotary != head_dim:
         raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
-    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim)
+    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, rotary)
     attention_scale = None
     if any(name in tensor_names for name in LONGROPE_TENSORS):
         rope_scaling = _longrope(arch, tensor_names, longrope_factors, head_dim, rope_scaling,
@@ -130,7 +137,7 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         n_layers=n_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=integer("attention.head_count_kv", "n_kv_heads", n_heads),
+        n_kv_heads=n_heads if latent else integer("attention.head_count_kv", "n_kv_heads", n_heads),
         head_dim=head_dim,
         d_ff=integer("feed_forward_length", "d_ff"),
         vocab_size=_vocab_size(metadata, arch),
@@ -151,6 +158,7 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         final_softcap=softcaps["final_logit_softcapping"],
         nope_layers=tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NOPE_EVERY == 0) if arch == "smollm3" else (),
         **_experts(metadata, arch, integer),
+        **latent,
     )
 
 
@@ -174,6 +182,24 @@ def _experts(metadata, arch, integer):
 def _one_of(value, numbers):
     # a metadata value is one of `numbers` (a number of any type, never a bool, string or array)
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value in numbers
+
+
+def _latent_metadata(metadata, arch, integer) -> dict:
+    # deepseek2's keys -> the ModelConfig MLA fields (and head_dim, a query head's Dn + Dr)
+    n_layers = integer("block_count", "n_layers")
+    dense = metadata.get(f"{arch}.leading_dense_block_count", n_layers)
+    if metadata.get(f"{arch}.expert_count") and not (isinstance(dense, (int, np.integer)) and dense >= n_layers):
+        raise GGUFError(f"this {arch} file has mixture-of-experts layers ({arch}.leading_dense_block_count={dense!r} "
+                        f"of {n_layers} blocks are dense), which kvref does not compute yet")
+    R, rope = integer("attention.kv_lora_rank", "head_dim"), integer("rope.dimension_count", "head_dim")
+    mqa = (integer("attention.key_length", "head_dim"), integer("attention.value_length", "head_dim"))
+    if mqa != (R + rope, R):
+        raise GGUFError(f"{arch}.attention.key_length/value_length = {mqa}; the latent attention's MQA view is "
+                        f"(kv_lora_rank + rope.dimension_count, kv_lora_rank) = {(R + rope, R)}")
+    q_lora = metadata.get(f"{arch}.attention.q_lora_rank")
+    return {"head_dim": integer("attention.key_length_mla", "head_dim"), "kv_lora_rank": R,
+            "q_lora_rank": None if q_lora is None else integer("attention.q_lora_rank", "head_dim"),
+            "qk_rope_head_dim": rope, "v_head_dim": integer("attention.value_length_mla", "head_dim")}
 
 
 def _vocab_size(metadata, arch):
@@ -239,6 +265,9 @@ def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
         dense = {"ffn_up.weight": (2 * F, E), "ffn_down.weight": (E, F)}
     experts = {"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, Fx, E), "ffn_up_exps.weight": (X, Fx, E),
                "ffn_down_exps.weight": (X, E, Fx)}
+    if config.latent:
+        del per_layer["attn_q.weight"], per_layer["attn_k.weight"], per_layer["attn_v.weight"]
+        per_layer.update(latent_shapes(config))
     if config.qkv_bias:
         per_layer.update({"attn_q.bias": (config.q_dim,), "attn_k.bias": (config.kv_dim,),
                           "attn_v.bias": (config.kv_dim,)})
@@ -264,6 +293,32 @@ def check_tensors(config: ModelConfig, tensor_shapes: dict, architecture: str = 
             raise GGUFError(f"tensor {name} has shape {tuple(tensor_shapes[name])}; the metadata implies {shape}")
 
 
+def latent_shapes(config: ModelConfig) -> dict:
+    """deepseek2's attention tensors of one block (they replace attn_q's shape, attn_k and attn_v)."""
+    E, H, R, Dr, Dv, Q = (config.d_model, config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim,
+                          config.v_head_dim, config.q_lora_rank)
+    query = ({"attn_q.weight": (config.q_dim, E)} if Q is None else
+             {"attn_q_a.weight": (Q, E), "attn_q_a_norm.weight": (Q,), "attn_q_b.weight": (config.q_dim, Q)})
+    return {**query, "attn_kv_a_mqa.weight": (R + Dr, E), "attn_kv_a_norm.weight": (R,),
+            "attn_k_b.weight": (H, R, config.qk_nope_head_dim), "attn_v_b.weight": (H, Dv, R),
+            "attn_output.weight": (E, H * Dv)}
+
+
+def latent_layer(config: ModelConfig, tensor, i: int) -> dict:
+    """Block i's MLA LayerWeights fields from a deepseek2 file: wkv_b joined back from attn_k_b and attn_v_b
+    (3-D, so the loader gives them as float arrays)."""
+    def t(name):
+        return tensor(f"blk.{i}.{name}.weight")
+
+    R = config.kv_lora_rank
+    w_uk = np.swapaxes(t("attn_k_b"), 1, 2)  # [H, R, Dn] -> W_UK [H, Dn, R]
+    wkv_b = np.concatenate([w_uk, t("attn_v_b")], axis=1).reshape(-1, R)  # [H * (Dn + Dv), R], HF's row order
+    query = ({"wq": t("attn_q")} if config.q_lora_rank is None else
+             {"wq_a": t("attn_q_a"), "q_a_norm": t("attn_q_a_norm"), "wq": t("attn_q_b")})
+    return {**query, "wk": None, "wv": None, "wkv_a": t("attn_kv_a_mqa"), "kv_a_norm": t("attn_kv_a_norm"),
+            "wkv_b": np.ascontiguousarray(wkv_b), "wo": t("attn_output")}
+
+
 def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> Weights:
     """Weights whose every tensor is `tensor(name)`: the backend decides what a tensor is."""
     reorder = architecture in HALF_SPLIT_PAIRS
@@ -282,6 +337,9 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
         if config.moe_layer(i):
             names = {field: name for field, name in names.items() if field not in DENSE_MLP_TENSORS}
             names.update({field: f"blk.{i}.{name}.weight" for field, name in EXPERT_TENSORS.items()})
+        latent = latent_layer(config, tensor, i) if config.latent else {}
+        for field in latent:
+            names.pop(field, None)  # MLA's attention tensors come from latent_layer
         if config.qkv_bias:
             names.update({field: f"blk.{i}.{name}.bias" for field, name in BIAS_TENSORS.items()})
         if config.qk_norm:
@@ -293,7 +351,7 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
             wq, wk, wv = split_rows(tensor(f"blk.{i}.attn_qkv.weight"), (q, kv, kv))
             w_gate, w_up = split_rows(tensor(f"blk.{i}.ffn_up.weight"), (F, F))
             fields.update(wq=reordered(wq, "wq"), wk=reordered(wk, "wk"), wv=wv, w_gate=w_gate, w_up=w_up)
-        layers.append(LayerWeights(**{**dict.fromkeys(DENSE_MLP_TENSORS), **fields}))  # w_* None on a MoE layer
+        layers.append(LayerWeights(**{**dict.fromkeys(DENSE_MLP_TENSORS), **fields, **latent}))  # w_* None on a MoE layer
     tok_embeddings = tensor("token_embd.weight")
     output = tok_embeddings if config.tie_embeddings else tensor("output.weight")
     return Weights(tok_embeddings, layers, tensor("output_norm.weight"), output)

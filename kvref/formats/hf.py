@@ -3,10 +3,11 @@
     config_from_hf(config_json)                      a config.json dict -> ModelConfig
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
-Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, and
-the mixtures of experts qwen3_moe and mixtral (docs/architectures.md has the table of fields). What a
-checkpoint stores differently from what the decoder reads is converted here, once, so the decoder
-never needs to know where a model came from:
+Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, the
+mixtures of experts qwen3_moe and mixtral, and deepseek_v2 and deepseek_v3 whose layers are all dense
+(multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores
+differently from what the decoder reads is converted here, once, so the decoder never needs to know
+where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
     decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
@@ -26,6 +27,9 @@ never needs to know where a model came from:
   - Experts. A checkpoint stores one matrix per expert (`mlp.experts.{j}.gate_proj.weight`; Mixtral's
     `block_sparse_moe.experts.{j}.w1.weight`); they are stacked into the [X, Fx, E] tensors of
     LayerWeights, the layout GGUF files store.
+  - DeepSeek rotates adjacent pairs already (V2's complex multiply, V3's rope_interleave); a V3
+    checkpoint with rope_interleave false rotates half-split pairs, and the rotated rows of each query
+    head and of the shared key are reordered as above.
 
 Anything this module does not compute exactly (RoPE types other than default, linear, llama3 and
 longrope; partial rotary; scaling that differs between layer types; biases on the output or MLP
@@ -45,13 +49,15 @@ from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_co
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral",
+            "deepseek_v2", "deepseek_v3")
 GEMMAS = ("gemma2", "gemma3_text")
 # the sliding-window pattern of Gemma config.json files without layer_types: every n-th layer global
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
 # a mixture's tensors in each MoE layer: (its MLP module, and the names of expert j's gate, up and down projections)
 EXPERT_TENSORS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                   "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -76,6 +82,9 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     head_dim = _int(hf, "head_dim", "head_dim", max(d_model // n_heads, 1)) if hf.get("head_dim") is not None \
         else max(d_model // n_heads, 1)
     _refuse(hf, family)
+    latent = _latent_fields(hf, family, n_layers, n_heads)
+    if latent:  # a query head is qk_nope + qk_rope wide (HF's head_dim names the rotated part only)
+        head_dim = latent.pop("head_dim")
     gemma = family in GEMMAS
     thetas, scaling, rope_attention_factor = _rope(hf, family, head_dim)
     windows = _layer_windows(hf, family, n_layers)
@@ -101,6 +110,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         final_softcap=_softcap(hf, "final_logit_softcapping") if gemma else None,
         nope_layers=_nope_layers(hf, n_layers) if family == "smollm3" else (),
         **_experts(hf, family),
+        **latent,
     )
 
 
@@ -118,6 +128,26 @@ def _experts(hf, family):
                           "it reads a mixture in every layer")
     return {**fields, "expert_d_ff": _int(hf, "moe_intermediate_size", "d_ff"),
             "norm_topk_prob": _bool(hf, "norm_topk_prob", False)}
+
+
+def _latent_fields(hf, family, n_layers, n_heads) -> dict:
+    # DeepSeek-V2/V3 -> the ModelConfig MLA fields (and head_dim); {} for the other families
+    if family not in LATENT_FAMILIES:
+        return {}
+    dense = hf.get("first_k_dense_replace", 0)
+    experts = hf.get("n_routed_experts")
+    if experts not in (None, 0) and not (isinstance(dense, int) and dense >= n_layers):
+        raise ConfigError(f"this {family} checkpoint has mixture-of-experts layers (first_k_dense_replace={dense!r} < "
+                          f"num_hidden_layers={n_layers}, n_routed_experts={experts!r}), which kvref does not compute "
+                          "yet; it reads checkpoints whose layers are all dense")
+    if _int(hf, "num_key_value_heads", "n_kv_heads", n_heads) != n_heads:
+        raise ConfigError(f"{family}: num_key_value_heads must equal num_attention_heads ({n_heads}): every head "
+                          "expands the latent to its own K and V")
+    nope, rope = _int(hf, "qk_nope_head_dim", "head_dim"), _int(hf, "qk_rope_head_dim", "head_dim")
+    q_lora = hf.get("q_lora_rank")
+    return {"head_dim": nope + rope, "kv_lora_rank": _int(hf, "kv_lora_rank", "head_dim"),
+            "q_lora_rank": None if q_lora is None else _int(hf, "q_lora_rank", "head_dim"),
+            "qk_rope_head_dim": rope, "v_head_dim": _int(hf, "v_head_dim", "head_dim")}
 
 
 def weights_from_hf(hf: dict, tensors, dtype="float32"):
@@ -153,24 +183,49 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         # [X, *shape]: expert j's matrix, the tensor name.format(j), at j
         return np.stack([get(name.format(j), shape) for j in range(c.n_experts)])
 
-    E, F, Fx = c.d_model, c.d_ff, c.experts_d_ff
-    layers = []
-    for i in range(c.n_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        post_attention = norm(p + "post_attention_layernorm.weight", E)
+    def attention(attn):
+        # one layer's attention projections: K/V heads (Phi-3: from one fused qkv_proj), or the latent ones (MLA)
+        if c.latent:
+            return latent_attention(attn)
         if fused:  # Phi-3: rows [Q | K | V] of qkv_proj
             wq, wk, wv = np.split(get(attn + "qkv_proj.weight", (c.q_dim + 2 * c.kv_dim, E)),
                                   [c.q_dim, c.q_dim + c.kv_dim])
         else:
             wq, wk, wv = (get(attn + f"{x}_proj.weight", (n, E)) for x, n in (("q", c.q_dim), ("k", c.kv_dim),
                                                                              ("v", c.kv_dim)))
+        return dict(wq=pairs_adjacent(wq, c.n_heads), wk=pairs_adjacent(wk, c.n_kv_heads),
+                    wv=np.ascontiguousarray(wv), wo=get(attn + "o_proj.weight", (E, c.q_dim)))
+
+    def latent_attention(attn):
+        R, Dr, Dv, Q = c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank
+        rotated = rope_rows_adjacent if half_split else (lambda a, heads, width: a)
+        low_rank_q = {} if Q is None else dict(wq_a=get(attn + "q_a_proj.weight", (Q, E)),
+                                               q_a_norm=get(attn + "q_a_layernorm.weight", (Q,)))
+        wq = get(attn + ("q_proj.weight" if Q is None else "q_b_proj.weight"), (c.q_dim, E if Q is None else Q))
+        return dict(**low_rank_q, wq=rotated(wq, c.n_heads, c.head_dim), wk=None, wv=None,
+                    wkv_a=rotated(get(attn + "kv_a_proj_with_mqa.weight", (R + Dr, E)), 1, R + Dr),
+                    kv_a_norm=get(attn + "kv_a_layernorm.weight", (R,)),
+                    wkv_b=get(attn + "kv_b_proj.weight", (c.n_heads * (c.qk_nope_head_dim + Dv), R)),
+                    wo=get(attn + "o_proj.weight", (E, c.n_heads * Dv)))
+
+    def rope_rows_adjacent(a, heads, width):
+        # rows [heads * width, K], the last Dr of each head rotated in half-split pairs -> adjacent pairs
+        Dr = c.qk_rope_head_dim
+        by_head = np.array(a).reshape(heads, width, -1)  # a copy: [heads, width, K]
+        by_head[:, width - Dr:] = half_split_to_adjacent(by_head[:, width - Dr:].reshape(heads * Dr, -1), heads,
+                                                         Dr).reshape(heads, Dr, -1)
+        return by_head.reshape(a.shape)
+
+    half_split = c.latent and hf["model_type"] == "deepseek_v3" and not _bool(hf, "rope_interleave", True)
+    E, F, Fx = c.d_model, c.d_ff, c.experts_d_ff
+    layers = []
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        post_attention = norm(p + "post_attention_layernorm.weight", E)
         lw = LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight", E),
-            wq=pairs_adjacent(wq, c.n_heads),
-            wk=pairs_adjacent(wk, c.n_kv_heads),
-            wv=np.ascontiguousarray(wv),
-            wo=get(attn + "o_proj.weight", (E, c.q_dim)),
+            **attention(attn),
             # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
             # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
@@ -228,6 +283,7 @@ def _refuse(hf, family):
         "mlp_bias": hf.get("mlp_bias", False),
         "attention_bias (on the output projection too)": family in ("llama", "smollm3", "gemma2")
         and hf.get("attention_bias", False),
+        "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
         "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),

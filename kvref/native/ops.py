@@ -194,6 +194,33 @@ def attention_window(window) -> int:
     return int(window)
 
 
+def _prefix_of(v, k) -> bool:
+    """Whether v is k[..., :Dv] of a C-contiguous k, Dv < D: the same memory, read in place."""
+    return (isinstance(v, np.ndarray) and isinstance(k, np.ndarray) and v.ndim == 3 and v.shape[:2] == k.shape[:2]
+            and 0 < v.shape[-1] < k.shape[-1] and v.dtype == k.dtype and k.flags.c_contiguous
+            and v.strides == k.strides and (v.size == 0 or v.ctypes.data == k.ctypes.data))
+
+
+def _common_width(q, k, v, scale):
+    # q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] -> the same padded with zeros to one width W = max(D, Dv), the
+    # values' width Dv (None when Dv == D) and the scale of the unpadded D: C reads K and V vectors of one
+    # width, and zeros add nothing to a score (MLA's naive form has Dv != D: a copy, off the absorbed path)
+    D, Dv = k.shape[-1], v.shape[-1]
+    if D == Dv:
+        return q, k, v, None, scale
+    W = max(D, Dv)
+    scale = attention_scale(scale, q.shape[-1])
+
+    def widened(a):
+        out = np.zeros((*a.shape[:-1], W), dtype=a.dtype)
+        out[..., :a.shape[-1]] = a
+        return out
+
+    if D < W:
+        return widened(q), widened(k), v, None, scale
+    return q, k, widened(v), Dv, scale
+
+
 def check_weight(w, name):
     """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K], checked
     (type, shape, byte count, contiguity); DTypeError/ShapeError naming `name` otherwise."""
@@ -487,15 +514,20 @@ class Kernels:
         return out
 
     def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-        # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+        # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S] -> [T, H, Dv]
         _array(k, "k", (_F32, _F16), 3)
-        _array(v, "v", (_F32, _F16), 3)
-        if v.shape != k.shape or v.dtype != k.dtype:
-            raise ShapeError(f"k and v must match: k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+        if _prefix_of(v, k):  # MLA's latent values: the first Dv elements of each key, read in place
+            v, v_dim = k, v.shape[-1]
+        else:
+            _array(v, "v", (_F32, _F16), 3)
+            if v.shape[:2] != k.shape[:2] or v.dtype != k.dtype:
+                raise ShapeError(f"k and v must match: k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+            q, k, v, v_dim, scale = _common_width(q, k, v, scale)
         if k.shape[1] == 0:
             raise ShapeError(f"{q.shape[1]} query heads cannot be grouped over 0 kv heads")
         kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
-        kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None)  # one layer, key s in slot s
+        kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None,  # one layer, key s in slot s
+                          v_dim=v_dim)
         return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window,
                                softcap=softcap)
 
@@ -528,7 +560,7 @@ class Kernels:
             raise ShapeError(f"{H} query heads cannot be grouped over {Hkv} kv heads (H % Hkv must be 0)")
         qp = _positions(q_positions, "q_positions", T)
         kp = _positions(k_positions, "k_positions", S)
-        out = np.empty((T, H, D), dtype=_F32)
+        out = np.empty((T, H, kv.ptr.v_dim or D), dtype=_F32)  # [T, H, Dv]
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
                                      c_window, c_softcap, c_scale, ffi.from_buffer("float[]", out))

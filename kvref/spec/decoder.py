@@ -20,6 +20,12 @@ scaled weights) is the one function `route`; the experts' projections are one ke
 `matmul_experts`, which takes the rows of each expert together, so a batch reads each routed
 expert's weights once.
 
+Multi-head latent attention (MLA, DeepSeek-V2/V3; config.kv_lora_rank) changes what is cached: per
+layer and position one latent key [c_kv ; k_rope] (kv_lora_rank + qk_rope_head_dim values) instead of
+per-head K and V. `latent_attention_block` writes it, and attention reads it in one of two forms
+(config.mla_form) that compute the same numbers: naive, expanding the latent to every head's K and V,
+or absorbed, folding the key up-projection into the query so attention runs over the latent itself.
+
 `forward_batch` is the same execution for several sequences at once (continuous batching): their
 new positions are stacked into one [N, E] activation so every position-wise step runs once, and
 only attention is split per sequence, because each sequence attends to its own cache. It runs
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import LATENT_NORM_EPS, ModelConfig
 from ..weights import LayerWeights, Weights
 from . import ops as spec_ops
 
@@ -69,6 +75,8 @@ def embed_tokens(ops, config: ModelConfig, weights: Weights, token_ids):
 
 def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, layer):
     # [T, E] -> [T, E]; execution: the open one (positions, and the cache's K/V)
+    if config.latent:
+        return latent_attention_block(ops, config, lw, x, execution.positions, [0, len(x)], [execution], layer)
     positions = execution.positions  # [T] absolute positions of the new tokens
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [T, H, D], [T, Hkv, D] x2
     k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
@@ -209,6 +217,8 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
 
 def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
     # [N, E] rows of B sequences -> [N, E]; the projections are shared, attention is per sequence
+    if config.latent:
+        return latent_attention_block(ops, config, lw, x, positions, bounds, executions, layer)
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [N, H, D], [N, Hkv, D] x2
     out = np.empty_like(q)  # [N, H, D]
     for b, execution in enumerate(executions):
@@ -218,3 +228,80 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
                                   scale=config.attention_scale, window=config.window(layer),
                                   softcap=config.attn_softcap)
     return attention_output(ops, config, lw, out)  # [N, E]
+
+
+# ---- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------------------------
+# Legend: R kv_lora_rank (the latent c_kv), Dr qk_rope_head_dim (the rotated part, one key shared by all
+# heads), Dn = D - Dr (the part RoPE leaves alone), Dv v_head_dim. Per head h the up-projection wkv_b
+# holds W_UK[h] [Dn, R] (latent -> the key's unrotated part) and W_UV[h] [Dv, R] (latent -> value).
+
+
+def latent_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
+    # [N, E] rows of B sequences (bounds as forward_batch's) -> [N, E]
+    q_nope, q_rope, latent_key = project_latent(ops, config, lw, x, positions, layer)  # [N,H,Dn], [N,H,Dr], [N,1,R+Dr]
+    out = np.empty((len(x), config.n_heads, config.v_head_dim), dtype=x.dtype)  # [N, H, Dv]
+    for b, execution in enumerate(executions):
+        rows = slice(bounds[b], bounds[b + 1])
+        # the cache stores the latent key only; its V is the key's first R values (c_kv), never stored
+        latent_all, c_all, k_positions = execution.update(layer, latent_key[rows], None)  # [S, 1, R+Dr], [S, 1, R], [S]
+        attend_latent = naive_latent_attention if config.mla_form == "naive" else absorbed_latent_attention
+        out[rows] = attend_latent(ops, config, lw, q_nope[rows], q_rope[rows], latent_all, c_all,
+                                  positions[rows], k_positions)  # [T_b, H, Dv]
+    return attention_output(ops, config, lw, out)  # [N, E]
+
+
+def project_latent(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer):
+    # [N, E], [N] -> q_nope [N, H, Dn], q_rope [N, H, Dr] (rotated), latent_key [N, 1, R + Dr] (k_rope rotated)
+    N, H, D, R, Dn = x.shape[0], config.n_heads, config.head_dim, config.kv_lora_rank, config.qk_nope_head_dim
+    theta, scaling = config.layer_rope_theta(layer), config.rope_scaling
+    h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [N, E]
+    if lw.wq_a is not None:  # DeepSeek-V2/V3: the query through its own low-rank bottleneck
+        h_q = ops.rms_norm(ops.matmul(h, lw.wq_a), lw.q_a_norm, LATENT_NORM_EPS)  # [N, q_lora_rank]
+    else:  # DeepSeek-V2-Lite: one projection
+        h_q = h
+    q = ops.matmul(h_q, lw.wq).reshape(N, H, D)  # [N, H, D]: per head [nope | rope]
+    q_rope = ops.rope(np.ascontiguousarray(q[..., Dn:]), positions, theta, scaling)  # [N, H, Dr]
+    kv = ops.matmul(h, lw.wkv_a)  # [N, R + Dr]: [c_kv | k_rope]
+    c_kv = ops.rms_norm(np.ascontiguousarray(kv[:, :R]), lw.kv_a_norm, LATENT_NORM_EPS)  # [N, R]
+    k_rope = ops.rope(np.ascontiguousarray(kv[:, None, R:]), positions, theta, scaling)  # [N, 1, Dr]: one for all heads
+    latent_key = np.concatenate([c_kv[:, None, :], k_rope], axis=-1)  # [N, 1, R + Dr]: what the cache stores
+    return np.ascontiguousarray(q[..., :Dn]), q_rope, latent_key
+
+
+def latent_up_projections(config: ModelConfig, lw: LayerWeights):
+    # wkv_b [H*(Dn+Dv), R] -> W_UK [H, Dn, R], W_UV [H, Dv, R] (views, file layout)
+    w = np.asarray(lw.wkv_b).reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim, config.kv_lora_rank)
+    return w[:, :config.qk_nope_head_dim], w[:, config.qk_nope_head_dim:]
+
+
+def latent_scale(config: ModelConfig) -> float:
+    # the softmax scale of a query head of D = Dn + Dr values, whichever form computes the scores
+    return config.head_dim ** -0.5 if config.attention_scale is None else config.attention_scale
+
+
+def naive_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions, k_positions):
+    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
+    # Expand the cached latent of every position to each head's key and value, then attend as MHA:
+    # key h = [W_UK[h] c ; k_rope] (k_rope shared), value h = W_UV[h] c.
+    S, H, R, Dn = latent_all.shape[0], config.n_heads, config.kv_lora_rank, config.qk_nope_head_dim
+    c = np.ascontiguousarray(c_all[:, 0])  # [S, R]
+    kv = ops.matmul(c, lw.wkv_b).reshape(S, H, Dn + config.v_head_dim)  # [S, H, Dn + Dv]: W_UK c, W_UV c per head
+    k_rope = np.broadcast_to(latent_all[:, :, R:], (S, H, config.qk_rope_head_dim))  # [S, H, Dr]
+    k = np.concatenate([kv[..., :Dn], k_rope], axis=-1)  # [S, H, D]
+    v = np.ascontiguousarray(kv[..., Dn:])  # [S, H, Dv]
+    q = np.concatenate([q_nope, q_rope], axis=-1)  # [T, H, D]
+    return ops.attention(q, k, v, q_positions, k_positions, scale=latent_scale(config))  # [T, H, Dv]
+
+
+def absorbed_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions,
+                              k_positions):
+    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
+    # q_nope . (W_UK c) = (W_UK^T q_nope) . c: fold W_UK into the query once per new position, and the
+    # scores are MQA over the cached latent keys (width R + Dr) with values their first R elements (c).
+    # The value up-projection is linear, so it moves after the weighted sum: W_UV (sum_s p_s c_s).
+    # Per step this reads S x (R + Dr) cached values instead of S x H x (D + Dv) expanded ones.
+    w_uk, w_uv = latent_up_projections(config, lw)  # [H, Dn, R], [H, Dv, R]
+    q_latent = (q_nope.transpose(1, 0, 2) @ w_uk).transpose(1, 0, 2)  # per head [T, Dn] @ [Dn, R] -> [T, H, R]
+    q = np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, R + Dr]
+    out_latent = ops.attention(q, latent_all, c_all, q_positions, k_positions, scale=latent_scale(config))  # [T, H, R]
+    return (out_latent.transpose(1, 0, 2) @ w_uv.transpose(0, 2, 1)).transpose(1, 0, 2)  # per head @ W_UV^T: [T, H, Dv]

@@ -121,7 +121,7 @@ def soft_cap(x, cap):
 
 
 def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+    # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S] -> [T, H, Dv]; Dv == D but in MLA (decoder.latent_attention_block)
     # Causal by position, not by index: query at position p sees every stored key at a position
     # <= p, and with a layer window W only those > p - W (its last W positions, itself included),
     # whatever the cache holds and however the input was split into executions. The cache decides
@@ -150,11 +150,11 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softca
             scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, D)
+    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, v.shape[-1])
 
 
 def attend(scores, v, q_positions, k_positions, window=None):
-    # [Hkv, G, T, S] scores, [S, Hkv, D], [T], [S] -> [T, Hkv, G, D]: attention's masking, softmax and
+    # [Hkv, G, T, S] scores, [S, Hkv, Dv], [T], [S] -> [T, Hkv, G, Dv]: attention's masking, softmax and
     # weighted sum of values, with its rule for non-finite values (see `attention`)
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     k_pos, q_pos = np.asarray(k_positions)[None, :], np.asarray(q_positions)[:, None]
@@ -212,14 +212,14 @@ def int8_key_scores(q, k8, k_scales, scale=None):
 
 
 def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, D] float, [T], [S] -> [T, H, D]
+    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, Dv] float, [T], [S] -> [T, H, Dv]
     # The attention the native kernels compute over an int8 K: `attention` with the scores of
     # int8_key_scores (the query rounded to 8 bits per group) in place of q . k over the decoded K.
     T, H, D = q.shape
     scores = int8_key_scores(q, k8, k_scales, scale)  # [Hkv, G, T, S]
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, D)
+    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, v.shape[-1])
 
 
 def sigmoid(x):

@@ -162,7 +162,8 @@ def kv_cache_bytes(model, positions, kv_dtype) -> int:
     from ..cache import bytes_per_position
 
     c = model.config
-    return positions * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype)
+    kv_heads, width, _, latent_dim = c.cache_geometry()  # MLA: one latent key per layer and position
+    return positions * bytes_per_position(c.n_layers, kv_heads, width, kv_dtype, latent_dim=latent_dim)
 
 
 def kvref_version():
