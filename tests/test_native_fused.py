@@ -43,8 +43,8 @@ from kvref.errors import BackendError, CacheError, CacheFullError, DTypeError, K
 from kvref.generation.batch import forward_batch
 from kvref.spec import decoder, quants
 from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
-from kvref.tolerance import (FLOAT32, FLOAT32_REORDERED, INT8_ACTIVATION_ROUNDING, INT8_KEY_LOGIT_BOUND, UNDERFLOW_SLACK, assert_close,
-                             compare, gamma)
+from kvref.tolerance import (FLOAT32, FLOAT32_REORDERED, INT8_ACTIVATION_ROUNDING, INT8_KEY_LOGIT_BOUND,
+                             UNDERFLOW_SLACK, assert_close, compare, gamma)
 from kvref.weights import LayerWeights, Weights, random_weights
 from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, reads_like_float_kv,
                             require)
