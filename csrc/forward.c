@@ -88,7 +88,7 @@ typedef struct {
     const kvref_layer_desc *lw;
     const float *gain;         /* the RMSNorm gain of the current norm step */
     float *norm_rows;          /* ... and the rows it normalises in place (NULL: x into xb) */
-    kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu or geglu) */
+    kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu, geglu or swiglu_oai) */
     const kvref_model *model;
 } fw;
 
@@ -330,7 +330,7 @@ static kvref_attn_job attention_job(const fw *f, const kvref_kv *kv, int64_t t0,
     const int64_t HD = c->n_heads * c->head_dim;
     kvref_attn_job job = {.a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
                                 .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads,
-                                .window = f->lw->window, .scale = c->attention_scale},
+                                .window = f->lw->window, .scale = c->attention_scale, .sinks = f->lw->sinks},
                           .partial = partial, .out = f->s->att + t0 * HD};
     kvref_kv_layer(kv, f->layer, &job.a);
     return job;
@@ -501,7 +501,7 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0) return KVREF_ERR_SHAPE;
     if (!(c->norm_eps >= 0.0) || isinf(c->norm_eps) || !(c->embedding_scale > 0.0f) || isinf(c->embedding_scale)
         || !(c->attention_scale > 0.0f) || isinf(c->attention_scale)
-        || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH))
+        || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH && c->gate != KVREF_GATE_SWIGLU_OAI))
         return KVREF_ERR_VALUE;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
     int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
@@ -746,7 +746,7 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
     }
     const kvref_kernels *kk = kvref_pool_kernels(pool);
     fw f = {pool, kk, c, state, token_ids, T, B, bounds, caches, lengths, activations == KVREF_ACT_INT8, all_logits,
-            logits, 0, NULL, NULL, NULL, c->gate == KVREF_GATE_GELU_TANH ? kk->geglu : kk->swiglu, model};
+            logits, 0, NULL, NULL, NULL, kvref_gate_fn(kk, c->gate), model};
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = bounds[b]; t < bounds[b + 1]; t++) {
             state->q_positions[t] = lengths[b] + t - bounds[b];

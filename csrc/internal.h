@@ -162,6 +162,8 @@ typedef struct kvref_attn_args {
     int64_t T, H, D, S, Hkv, G;
     int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
     float scale;               /* what scores are multiplied by */
+    const float *sinks;        /* [H] each head's sink logit, joining its softmax denominator with no
+                                  value (gpt-oss), or NULL */
 } kvref_attn_args;
 
 /* Keys the skeleton hands the kernels per step; how far ahead of the keys it scores a kernel
@@ -385,7 +387,12 @@ typedef void (*kvref_tile_columns_fn)(int64_t K, const float *rows, float *tile)
 #define KVREF_GELU_C ((float)0.7978845608028654)
 #define KVREF_GELU_K 0.044715f
 
-/* out[i] = act(gate[i]) * up[i] for i < n (out may be gate or up): SwiGLU or GeGLU */
+/* gpt-oss's clamped SwiGLU (kvref.spec.ops.swiglu_oai): the sigmoid's gain and the clamp */
+#define KVREF_SWIGLU_OAI_ALPHA 1.702f
+#define KVREF_SWIGLU_OAI_LIMIT 7.0f
+
+/* out[i] = act(gate[i]) * up[i] for i < n (out may be gate or up): SwiGLU, GeGLU, or gpt-oss's
+ * min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1) */
 typedef void (*kvref_glu_fn)(int64_t n, const float *gate, const float *up, float *out);
 
 typedef struct kvref_kernels {
@@ -398,6 +405,7 @@ typedef struct kvref_kernels {
     kvref_attn_kernels attn;
     kvref_glu_fn swiglu;       /* silu(g) * u */
     kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
+    kvref_glu_fn swiglu_oai;   /* gpt-oss's clamped SwiGLU */
     /* 8-bit activations */
     kvref_packed_dot_fn packed_dot; /* packed weights (below), up to 8 rows of x a call */
     kvref_quantize_q8_fn quantize_q8;
@@ -408,6 +416,11 @@ typedef struct kvref_kernels {
     /* out[i] = kvref_fp32_to_fp16(x[i]) */
     void (*to_fp16)(int64_t n, const float *x, uint16_t *out);
 } kvref_kernels;
+
+/* the kernel table's function for a kvref_gate (kvref.h) */
+static inline kvref_glu_fn kvref_gate_fn(const kvref_kernels *kk, int32_t gate) {
+    return gate == KVREF_GATE_GELU_TANH ? kk->geglu : gate == KVREF_GATE_SWIGLU_OAI ? kk->swiglu_oai : kk->swiglu;
+}
 
 extern const kvref_kernels kvref_kernels_scalar;
 #if KVREF_X86

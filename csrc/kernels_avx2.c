@@ -392,28 +392,39 @@ TARGET static inline __m256 geglu8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
+/* gpt-oss's clamped SwiGLU; min/max return their second operand when either is NaN, so the
+ * clamps (the limit first) keep a NaN a NaN */
+TARGET static inline __m256 swiglu_oai8(__m256 g, __m256 u) {
+    const __m256 L = _mm256_set1_ps(KVREF_SWIGLU_OAI_LIMIT), one = _mm256_set1_ps(1.0f);
+    g = _mm256_min_ps(L, g);
+    u = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), L), _mm256_min_ps(L, u));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-KVREF_SWIGLU_OAI_ALPHA), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_add_ps(u, one));
+}
+
 /* The tail goes through the same vector code (via a padded copy), so each element's value does not
  * depend on where it sits: the fused forward applies SwiGLU to row ranges, the single kernel to a
  * whole [T, F] array, and both must agree bit for bit. */
 TARGET __attribute__((always_inline)) static inline void glu8(int64_t n, const float *gate, const float *up, float *out,
-                                                               const int gelu) {
+                                                               const int kind) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
-        _mm256_storeu_ps(out + i, gelu ? geglu8(g, u) : swiglu8(g, u));
+        _mm256_storeu_ps(out + i, kind == 1 ? geglu8(g, u) : kind == 2 ? swiglu_oai8(g, u) : swiglu8(g, u));
     }
     if (i < n) {
         float g[8] = {0}, u[8] = {0}, o[8];
         memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
         memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
         const __m256 gv = _mm256_loadu_ps(g), uv = _mm256_loadu_ps(u);
-        _mm256_storeu_ps(o, gelu ? geglu8(gv, uv) : swiglu8(gv, uv));
+        _mm256_storeu_ps(o, kind == 1 ? geglu8(gv, uv) : kind == 2 ? swiglu_oai8(gv, uv) : swiglu8(gv, uv));
         memcpy(out + i, o, (size_t)(n - i) * sizeof(float));
     }
 }
 
 TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 0); }
 TARGET static void geglu(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 1); }
+TARGET static void swiglu_oai(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 2); }
 
 /* ---- attention chunk kernels (the skeleton that runs them: csrc/attention.c) -------------- */
 
@@ -1107,6 +1118,7 @@ const kvref_kernels kvref_kernels_avx2 = {
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .swiglu = swiglu,
     .geglu = geglu,
+    .swiglu_oai = swiglu_oai,
     .packed_dot = kvref_avx2_packed_dot,
     .quantize_q8 = quantize_q8,
     .read_sum = read_sum,

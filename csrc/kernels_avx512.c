@@ -515,6 +515,20 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
     }
 }
 
+/* gpt-oss's clamped SwiGLU; min/max return their second operand when either is NaN, so the
+ * clamps (the limit first) keep a NaN a NaN */
+TARGET static void swiglu_oai(int64_t n, const float *gate, const float *up, float *out) {
+    const __m512 one = _mm512_set1_ps(1.0f), L = _mm512_set1_ps(KVREF_SWIGLU_OAI_LIMIT);
+    const __m512 minus_L = _mm512_set1_ps(-KVREF_SWIGLU_OAI_LIMIT), minus_alpha = _mm512_set1_ps(-KVREF_SWIGLU_OAI_ALPHA);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+        const __m512 g = _mm512_min_ps(L, _mm512_maskz_loadu_ps(mk, gate + i));
+        const __m512 u = _mm512_max_ps(minus_L, _mm512_min_ps(L, _mm512_maskz_loadu_ps(mk, up + i)));
+        const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_mul_ps(minus_alpha, g))));
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(sig, _mm512_add_ps(u, one)));
+    }
+}
+
 /* gelu_tanh(g) * u with 0.5 g (1 + tanh(y)) written as g / (1 + exp(-2y)), the same function;
  * y = c (g + 0.044715 g^3) is rounded step by step exactly as kvref.spec.ops.gelu_tanh rounds it
  * (no FMA), so only the exponential differs from the spec's tanh */
@@ -1496,6 +1510,7 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
     .tile_columns = tile_columns,                                                                \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
+    .swiglu_oai = swiglu_oai,                                                                    \
     .quantize_q8 = quantize_q8,                                                                  \
     .read_sum = read_sum,                                                                        \
     .to_fp16 = to_fp16

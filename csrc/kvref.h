@@ -181,6 +181,13 @@ int kvref_geglu(kvref_pool *pool,
                 const float *gate, const float *up, int64_t n,
                 float *out);
 
+/* out = min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(up, -7, 7) + 1): gpt-oss's clamped SwiGLU, as
+ * kvref.spec.ops.swiglu_oai computes it (a NaN stays NaN through the clamps).
+ *   gate, up, out: float32 [n] (out may be gate or up) */
+int kvref_swiglu_oai(kvref_pool *pool,
+                     const float *gate, const float *up, int64_t n,
+                     float *out);
+
 /* A KV cache's storage, read and written in place (kvref/cache/quant.py's SlotStore). K and V of
  * every layer live in a grid of slots, one head_dim vector per (layer, slot, kv head):
  *   k, v:               k_type / v_type [n_layers, n_slots, n_kv_heads, head_dim]
@@ -228,6 +235,8 @@ typedef struct kvref_kv {
  *   k_positions: int64   [S]
  *   window:      >= 0 (0: none)
  *   scale:       finite (kvref.spec.ops.attention's scale; 1 / sqrt(D) is its default)
+ *   sinks:       float32 [H] or NULL: each head's sink logit (gpt-oss), one more term of its softmax
+ *                denominator, exp(sink), that multiplies no value; a non-finite one makes its head NaN
  *   out:         float32 [T, H, D] (must not overlap the inputs)
  * H must be a multiple of Hkv; the layer must hold S positions (n_slots, or the table's blocks, or
  * the ring's R slots). */
@@ -235,7 +244,7 @@ int kvref_attention(kvref_pool *pool,
                     const float *q, int64_t T, int64_t H, int64_t D,
                     const kvref_kv *kv, int64_t layer, int64_t S,
                     const int64_t *q_positions, const int64_t *k_positions,
-                    int64_t window, float scale,
+                    int64_t window, float scale, const float *sinks,
                     float *out);
 
 /* ---- the fused forward: one whole execution (a prefill or a decode step) per call ------------ */
@@ -282,12 +291,14 @@ typedef struct kvref_layer_desc {
                                   outputs before their residual adds, or NULL (both or neither) */
     const double *rope_freqs;  /* float64 [D/2] the layer's RoPE frequencies, as kvref_rope takes them */
     int64_t window;            /* the layer's attention window W (a query at p sees p-W+1 .. p), 0: none */
+    const float *sinks;        /* float32 [H] the layer's sink logits (kvref_attention), or NULL */
 } kvref_layer_desc;
 
 /* How the MLP gates: out = act(x @ Wg.T) * (x @ Wu.T). */
 enum kvref_gate {
     KVREF_GATE_SILU = 0,       /* SwiGLU (Llama, Qwen, Mistral): kvref_swiglu */
-    KVREF_GATE_GELU_TANH = 1   /* GeGLU (Gemma): kvref_geglu */
+    KVREF_GATE_GELU_TANH = 1,  /* GeGLU (Gemma): kvref_geglu */
+    KVREF_GATE_SWIGLU_OAI = 2  /* gpt-oss's clamped SwiGLU: kvref_swiglu_oai */
 };
 
 /* Everything a forward reads besides the tokens and the cache. kvref_model_create copies it (and

@@ -471,6 +471,16 @@ static void swiglu_scalar(int64_t n, const float *gate, const float *up, float *
     for (int64_t i = 0; i < n; i++) out[i] = kvref_silu_ref(gate[i]) * up[i];
 }
 
+/* the clamps written so that a NaN fails every comparison and passes through */
+static void swiglu_oai_scalar(int64_t n, const float *gate, const float *up, float *out) {
+    const float L = KVREF_SWIGLU_OAI_LIMIT;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i] > L ? L : gate[i];
+        const float u = up[i] > L ? L : up[i] < -L ? -L : up[i];
+        out[i] = g / (1.0f + expf(-KVREF_SWIGLU_OAI_ALPHA * g)) * (u + 1.0f);
+    }
+}
+
 const kvref_kernels kvref_kernels_scalar = {
     .isa = KVREF_ISA_SCALAR,
     .vec_dot = {
@@ -490,6 +500,7 @@ const kvref_kernels kvref_kernels_scalar = {
     .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1, .kivi_lanes = 1},
     .swiglu = swiglu_scalar,
     .geglu = geglu_scalar,
+    .swiglu_oai = swiglu_oai_scalar,
     .packed_dot = packed_dot,
     .quantize_q8 = quantize_q8_scalar,
     .gemm_q8 = gemm_q8,

@@ -30,7 +30,7 @@ PROGRAM_ACTIVATIONS = "auto"
 # the ModelConfig family fields the native kernels and the fused C forward compute, named one by one: a
 # field added for a new family stays on the spec until its native side exists and it is listed here
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                        "layer_windows", "rope_local_theta", "rope_scaling")
+                        "layer_windows", "rope_local_theta", "rope_scaling", "attention_sinks", "attention_out_bias")
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
 # bfloat16, int8 and kivi4 to float32 for it; the C forward reads its types in place (any layout or

@@ -1,6 +1,6 @@
 """ModelConfig: every architecture number of a decoder-only model, in one place.
 
-A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 3) is a set of these fields, read by the one
+A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 3, gpt-oss) is a set of these fields, read by the one
 decoder where they apply; the defaults are Llama's. docs/architectures.md has the table.
 """
 
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .limits import CONFIG_CEILINGS, MAX_CONTEXT, bounded_int
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 # the fields that make the families other than Llama; at their defaults a config is Llama's
 FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                 "layer_windows", "rope_local_theta", "rope_scaling")
+                 "layer_windows", "rope_local_theta", "rope_scaling", "attention_sinks", "attention_out_bias")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen 3, Gemma 3: RMSNorm of each head's q and k (gain [D]) before RoPE
     sandwich_norms: bool = False  # Gemma 3: RMSNorm also on the attention and MLP outputs, before the residual add
     embedding_scale: float = 1.0  # Gemma 3: sqrt(d_model); embeddings are multiplied by it
-    activation: str = "silu"  # the MLP gate: "silu" (SwiGLU: Llama, Qwen, Mistral) or "gelu_tanh" (GeGLU: Gemma)
+    activation: str = "silu"  # the MLP gate: "silu" (SwiGLU: Llama, Qwen, Mistral), "gelu_tanh" (GeGLU: Gemma) or
+    #                           "swiglu_oai" (gpt-oss: clamped, gate x sigmoid(1.702 gate) x (up + 1); spec.ops.swiglu_oai)
     attention_scale: float | None = None  # scores x this; None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar**-0.5
     layer_windows: tuple | None = None  # per layer: None (attends to every position) or W (the last W
     #                                     positions, itself included); Gemma 3: 512 on 5 layers of 6, Mistral v0.1: 4096
@@ -44,7 +45,11 @@ class ModelConfig:
     rope_scaling: tuple | None = None  # RoPE frequency scaling (spec.ops.rope_frequencies): ("linear", factor),
     #   ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions) from HF configs, or
     #   ("factors", (f_0 .. f_{D/2-1})): one divisor per frequency, as Llama 3.1+ GGUF files store them
-    #   (rope_freqs.weight, what llama3 scaling computes)
+    #   (rope_freqs.weight, what llama3 scaling computes), or ("yarn", factor, beta_fast, beta_slow,
+    #   original_max_positions, attention_factor, truncate) (gpt-oss, DeepSeek): attention_factor scales
+    #   both q and k after rotation, so scores by its square (score_scale)
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head joins each softmax (no value)
+    attention_out_bias: bool = False  # gpt-oss: the attention output projection adds a bias
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
@@ -68,7 +73,7 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number")
-        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms"):
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms", "attention_sinks", "attention_out_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("embedding_scale", "attention_scale", "rope_local_theta"):
@@ -106,6 +111,16 @@ class ModelConfig:
         return self.rope_theta
 
     @property
+    def score_scale(self) -> float | None:
+        """What attention scores are multiplied by: attention_scale (None: 1/sqrt(head_dim)), times the
+        square of YaRN's attention factor, which HF multiplies into the cos and sin that rotate q and k;
+        multiplying the scores instead leaves the cached K as rotation alone made it."""
+        if self.rope_scaling is None or self.rope_scaling[0] != "yarn" or self.rope_scaling[5] == 1.0:
+            return self.attention_scale
+        base = self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+        return base * self.rope_scaling[5] ** 2
+
+    @property
     def group_size(self) -> int:
         """Query heads sharing one kv head (H / Hkv)."""
         return self.n_heads // self.n_kv_heads
@@ -123,9 +138,11 @@ class ModelConfig:
 
 
 def _check_rope_scaling(scaling, head_dim):
-    shapes = {"linear": 2, "llama3": 5, "factors": 2}
+    shapes = {"linear": 2, "llama3": 5, "factors": 2, "yarn": 7}
     kind = scaling[0] if isinstance(scaling, tuple) and scaling else None
     numbers = scaling[1:] if kind in shapes else ()
+    if kind == "yarn" and len(scaling) == 7:  # the last is the truncate flag
+        numbers = scaling[1:6] if isinstance(scaling[6], bool) else (0,)
     if kind == "factors":
         numbers = scaling[1] if len(scaling) == 2 and isinstance(scaling[1], tuple) else (0,)
         if len(numbers) != head_dim // 2:
@@ -134,6 +151,8 @@ def _check_rope_scaling(scaling, head_dim):
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in numbers)
             or (kind == "llama3" and not scaling[2] < scaling[3])):
         raise ConfigError(f"rope_scaling={scaling!r} must be ('linear', factor), ('llama3', factor, "
-                          "low_freq_factor, high_freq_factor, original_max_positions) or ('factors', (one per "
-                          f"frequency: {head_dim // 2})), positive numbers with low_freq_factor < high_freq_factor")
+                          "low_freq_factor, high_freq_factor, original_max_positions), ('factors', (one per "
+                          f"frequency: {head_dim // 2})) or ('yarn', factor, beta_fast, beta_slow, "
+                          "original_max_positions, attention_factor, truncate: True or False), positive numbers "
+                          "with low_freq_factor < high_freq_factor")
 

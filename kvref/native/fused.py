@@ -20,11 +20,13 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     then attend), so no query reads a slot a later position overwrote.
 
 Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU or GeGLU, the score scale, per-layer windows, and each
+sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's
+attention factor included), sink logits, per-layer windows, and each
 layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for its base and the config's
 scaling, computed once here, the same table kvref.native.ops.rope passes).
 
-Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
+An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model runs the shared
+decoder over the native kernels. Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
 computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
 window cache stages its writes, float64 K/V, ...).
 
@@ -76,7 +78,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import BackendError, DTypeError, ShapeError
+from ..errors import BackendError, ConfigError, DTypeError, ShapeError
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .descriptors import cache_descriptor, in_place_problem
@@ -88,8 +90,8 @@ ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
-GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks")
+GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
 def _tensors(weights):
@@ -126,6 +128,8 @@ class FusedForward:
         c = config
         if len(weights.layers) != c.n_layers:
             raise ShapeError(f"weights have {len(weights.layers)} layers, config says {c.n_layers}")
+        if c.attention_out_bias:
+            raise ConfigError("the C forward has no attention output bias (attention_out_bias)")
         E, D = c.d_model, c.head_dim
         desc = ffi.new("kvref_model_desc *")
         # the LM head first: packing it while nothing else is packed keeps the peak of the int8 mode's
@@ -141,7 +145,8 @@ class FusedForward:
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
-                        ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms)]
+                        ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms),
+                        ("sinks", c.n_heads, c.attention_sinks)]
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
@@ -151,7 +156,7 @@ class FusedForward:
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
         desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
-        desc.attention_scale = native_ops.attention_scale(c.attention_scale, D)
+        desc.attention_scale = native_ops.attention_scale(c.score_scale, D)
         desc.gate = GATES[c.activation]
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")

@@ -5,9 +5,10 @@
     rms_norm(x, weight, eps)                         [T, E], [E] -> [T, E]
     rope(x, positions, theta, scaling=None)          [T, nh, D], [T] -> [T, nh, D]
     attention(q, k, v, q_positions, k_positions,     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
-              scale=None, window=None)
+              scale=None, window=None, sinks=None)    (sinks: [H] sink logits, gpt-oss)
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
     geglu(gate, up)                                  [T, F], [T, F] -> [T, F]
+    swiglu_oai(gate, up)                             [T, F], [T, F] -> [T, F]  (gpt-oss's clamped SwiGLU)
     matmul_int8(x, w)                                [T, K], [N, K] -> [T, N]  (Kernels only: the
         int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
@@ -185,6 +186,15 @@ def attention_window(window) -> int:
     return int(window)
 
 
+def attention_sinks(sinks, n_heads):
+    """Sink logits as C takes them: a C-contiguous float32 [n_heads] array (a copy if needed; float16/64
+    values are rounded to float32 as the spec's float32 softmax rounds them). ShapeError otherwise."""
+    if not isinstance(sinks, np.ndarray) or sinks.dtype.kind != "f" or sinks.shape != (n_heads,):
+        shape = getattr(sinks, "shape", type(sinks).__name__)
+        raise ShapeError(f"sinks must be a float array of one logit per query head, shape ({n_heads},); got {shape}")
+    return np.ascontiguousarray(sinks, dtype=_F32)
+
+
 def check_weight(w, name):
     """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K], checked
     (type, shape, byte count, contiguity); DTypeError/ShapeError naming `name` otherwise."""
@@ -345,7 +355,7 @@ def reset_default():
 # ---- the kernel set -----------------------------------------------------------------------
 
 class Kernels:
-    """embed, matmul, rms_norm, rope, attention, swiglu, geglu on one pool of `threads` threads."""
+    """embed, matmul, rms_norm, rope, attention, swiglu, geglu, swiglu_oai on one pool of `threads` threads."""
 
     def __init__(self, threads=None, isa=None):
         self.threads = _threads(threads)
@@ -442,8 +452,8 @@ class Kernels:
         check_status(status, "rope")
         return out
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None):
-        # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None):
+        # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], [H] or None -> [T, H, D]
         _array(k, "k", (_F32, _F16), 3)
         _array(v, "v", (_F32, _F16), 3)
         if v.shape != k.shape or v.dtype != k.dtype:
@@ -452,10 +462,11 @@ class Kernels:
             raise ShapeError(f"{q.shape[1]} query heads cannot be grouped over 0 kv heads")
         kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
         kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None)  # one layer, key s in slot s
-        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window)
+        return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window,
+                               sinks=sinks)
 
-    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None):
-        # [T, H, D], [T], a cache of `length` positions -> [T, H, D]
+    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None, sinks=None):
+        # [T, H, D], [T], a cache of `length` positions, [H] or None -> [T, H, D]
         """Attention of q over every stored position of `layer`, reading the cache in place (its
         cache.storage(): a slot store, with a block table for a paged cache, or per-layer rings),
         K/V in float32, float16, bfloat16 or int8. A ring layer's keys are its slots, holding the
@@ -471,11 +482,12 @@ class Kernels:
             stale = k_positions < (held[0] if len(held) else cache.next_position)
             k_positions[stale] = np.iinfo(np.int64).max
         return self._attention(q, kv, k_positions.shape[0], cache.n_kv_heads, q_positions, k_positions, layer,
-                               scale, window)
+                               scale, window, sinks)
 
-    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None):
+    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None, sinks=None):
         _array(q, "q", (_F32,), 3)
         T, H, D = q.shape
+        c_sinks = ffi.NULL if sinks is None else ffi.from_buffer("float[]", attention_sinks(sinks, H))
         c_scale, c_window = attention_scale(scale, D), attention_window(window)
         if D != kv.ptr.head_dim:
             raise ShapeError(f"q has head_dim {D}, the keys have {kv.ptr.head_dim}")
@@ -486,7 +498,7 @@ class Kernels:
         out = np.empty((T, H, D), dtype=_F32)
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
-                                     c_window, c_scale, ffi.from_buffer("float[]", out))
+                                     c_window, c_scale, c_sinks, ffi.from_buffer("float[]", out))
         check_status(status, "attention")
         return out
 
@@ -497,6 +509,10 @@ class Kernels:
     def geglu(self, gate, up):
         # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
         return self._glu(lib.kvref_geglu, "geglu", gate, up)
+
+    def swiglu_oai(self, gate, up):
+        # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
+        return self._glu(lib.kvref_swiglu_oai, "swiglu_oai", gate, up)
 
     def _glu(self, c_function, name, gate, up):
         _array(gate, "gate", (_F32,), None)
@@ -532,9 +548,9 @@ def rope(x, positions, theta, scaling=None, *, threads=None):
     return kernels(threads).rope(x, positions, theta, scaling)
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None, *, threads=None):
-    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
-    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window)
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None, *, threads=None):
+    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], [H] or None -> [T, H, D]
+    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window, sinks)
 
 
 def swiglu(gate, up, *, threads=None):
@@ -547,5 +563,11 @@ def geglu(gate, up, *, threads=None):
     return kernels(threads).geglu(gate, up)
 
 
+def swiglu_oai(gate, up, *, threads=None):
+    # [T, F], [T, F] -> [T, F]
+    return kernels(threads).swiglu_oai(gate, up)
+
+
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
-           "matmul", "reset_default", "rms_norm", "rope", "supported_isas", "swiglu"]
+           "matmul", "reset_default", "rms_norm", "rope", "supported_isas", "swiglu",
+           "swiglu_oai"]

@@ -57,7 +57,7 @@ def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, la
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [T, H, D], [T, Hkv, D] x2
     k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
     out = ops.attention(q, k_all, v_all, positions, k_positions,  # [T, H, D]
-                        scale=config.attention_scale, window=config.window(layer))
+                        scale=config.score_scale, window=config.window(layer), sinks=lw.sinks)
     return attention_output(ops, config, lw, out)  # [T, E]
 
 
@@ -80,12 +80,12 @@ def project_qkv(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer)
 def project(ops, x, w, bias):
     # [T, K], [N, K], [N] or None -> [T, N]
     y = ops.matmul(x, w)
-    return y if bias is None else y + bias  # Qwen 2's Q, K, V biases
+    return y if bias is None else y + bias  # Qwen 2's Q, K, V biases; gpt-oss's on every attention projection
 
 
 def attention_output(ops, config: ModelConfig, lw: LayerWeights, out):
     # [T, H, D] -> [T, E]
-    y = ops.matmul(out.reshape(out.shape[0], -1), lw.wo)  # [T, E]
+    y = project(ops, out.reshape(out.shape[0], -1), lw.wo, lw.bo)  # [T, E]
     if config.sandwich_norms:  # Gemma 3 normalises the block's output too, before the residual add
         y = ops.rms_norm(y, lw.post_attn_norm, config.norm_eps)
     return y
@@ -96,11 +96,19 @@ def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x):
     h = ops.rms_norm(x, lw.ffn_norm, config.norm_eps)  # [T, E]
     gate = ops.matmul(h, lw.w_gate)  # [T, F]
     up = ops.matmul(h, lw.w_up)  # [T, F]
-    gated = ops.swiglu(gate, up) if config.activation == "silu" else ops.geglu(gate, up)  # [T, F]
+    gated = gated_activation(ops, config, gate, up)  # [T, F]
     y = ops.matmul(gated, lw.w_down)  # [T, E]
     if config.sandwich_norms:
         y = ops.rms_norm(y, lw.post_ffn_norm, config.norm_eps)
     return y
+
+
+GATES = {"silu": "swiglu", "gelu_tanh": "geglu", "swiglu_oai": "swiglu_oai"}  # ModelConfig.activation -> kernel
+
+
+def gated_activation(ops, config: ModelConfig, gate, up):
+    # [T, F], [T, F] -> [T, F]: the MLP's gate, by config.activation
+    return getattr(ops, GATES[config.activation])(gate, up)
 
 
 def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_logits=False):
@@ -134,5 +142,5 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
         rows = slice(bounds[b], bounds[b + 1])  # this sequence's new positions
         k_all, v_all, k_positions = execution.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
         out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions,  # [T_b, H, D]
-                                  scale=config.attention_scale, window=config.window(layer))
+                                  scale=config.score_scale, window=config.window(layer), sinks=lw.sinks)
     return attention_output(ops, config, lw, out)  # [N, E]
