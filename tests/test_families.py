@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvref
 from kvref.errors import BackendError, ConfigError, ShapeError
 from kvref.formats.hf import config_from_hf, weights_from_hf
-from kvref.tolerance import assert_close
+from kvref.tolerance import FLOAT32_KERNEL_RTOL, assert_close
 from tests.conftest import require
 
 torch = require("torch")
@@ -34,6 +34,11 @@ FAMILIES = {
     "llama3": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # YaRN (gpt-oss's and DeepSeek's scaling): a base and original context that put pairs 0..4 of 8 in
+    # the blended band, and the attention factor 0.1 ln(8) + 1 on the scores
+    "llama-yarn": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 100.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 100, "truncate": False})),
     "llama-linear": ("LlamaConfig", dict(num_key_value_heads=4, head_dim=12, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, head_dim=12, sliding_window=5)),
@@ -132,9 +137,9 @@ def test_unsupported_checkpoints_are_refused_by_name():
         config_from_hf({**base, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="mlp_bias"):
         config_from_hf({**base, "model_type": "llama", "mlp_bias": True})
-    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):
+    with pytest.raises(ConfigError, match="RoPE type 'dynamic'"):
         config_from_hf({**base, "model_type": "llama",
-                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}})
+                        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}})
     with pytest.raises(ConfigError, match="incomplete"):
         config_from_hf({**base, "model_type": "llama",
                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
@@ -328,3 +333,27 @@ def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equ
         prompt = history[:len(history) - len(reply) + 1]
         expected = list(kvref.generate(model, prompt, len(reply), cache=model.new_cache(layout="contiguous")))
         assert reply == expected  # the same greedy reply as recomputing the whole conversation
+
+
+@pytest.mark.parametrize("parameters", [
+    # gpt-oss's (its config's defaults): no truncation of the correction range
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    # DeepSeek-V3's: the attention factor from mscale / mscale_all_dim, truncation by default
+    {"factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
+     "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 0.8},  # given; betas default
+    {"factor": 1.0, "original_max_position_embeddings": 256, "truncate": True},  # no interpolation at all
+])
+@pytest.mark.parametrize("theta, head_dim", [(150000.0, 64), (10000.0, 24)])
+def test_yarn_frequencies_and_attention_factor_equal_transformers_rope_init(parameters, theta, head_dim):
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"]
+    hf = transformers.LlamaConfig(**{**COMMON, "head_dim": head_dim, "max_position_embeddings": 131072,
+                                     "rope_parameters": {"rope_type": "yarn", "rope_theta": theta, **parameters}})
+    inv_freq, attention_factor = init(hf)
+    config = config_from_hf(hf.to_dict())
+    # transformers computes the frequencies in float32 (power, ramp and blend each rounded), kvref in float64
+    np.testing.assert_allclose(kvref.spec.ops.rope_frequencies(head_dim, theta, config.rope_scaling),
+                               inv_freq.numpy(), rtol=FLOAT32_KERNEL_RTOL)
+    assert config.rope_scaling[5] == pytest.approx(attention_factor, rel=1e-12)
+    score_scale = config.score_scale or head_dim ** -0.5  # None: 1/sqrt(head_dim)
+    assert score_scale == pytest.approx(head_dim ** -0.5 * attention_factor ** 2, rel=1e-12)

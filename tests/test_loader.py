@@ -304,3 +304,20 @@ def test_a_local_path_wins_over_a_cache_entry_of_the_same_name(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "tiny").mkdir(parents=True)
     assert resolve("org/tiny") == Path("org/tiny")
+
+
+def test_yarn_rope_scaling_keys_are_read_as_llama_cpp_computes_them_and_the_rest_refused_by_name():
+    from kvref.formats.architectures import config_from_metadata
+
+    metadata = {**LLAMA_METADATA, "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 32.0,
+                "llama.rope.scaling.original_context_length": 4096}
+    # beta_fast 32 and beta_slow 1 by default, always truncated (ggml), attention factor 1 + 0.1 ln 32
+    assert config_from_metadata(metadata, ONE_BLOCK).rope_scaling == (
+        "yarn", 32.0, 32.0, 1.0, 4096, pytest.approx(1 + 0.1 * np.log(32)), True)
+    metadata["llama.rope.scaling.yarn_beta_fast"] = 16.0
+    assert config_from_metadata(metadata, ONE_BLOCK).rope_scaling[2] == 16.0
+    with pytest.raises(GGUFError, match="llama.rope.scaling.yarn_log_multiplier"):
+        config_from_metadata({**metadata, "llama.rope.scaling.yarn_log_multiplier": 0.1}, ONE_BLOCK)
+    del metadata["llama.rope.scaling.original_context_length"]
+    with pytest.raises(GGUFError, match="original_context_length"):
+        config_from_metadata(metadata, ONE_BLOCK)

@@ -97,15 +97,18 @@ def sane_quantized(gtype, W, rng):
 def family_fields(draw, n_layers):
     """The fields of the other families (ModelConfig.FAMILY_FIELDS), each at its Llama default or drawn:
     Qwen 2's biases, QK-norm, Gemma's sandwich norms, embedding scale, GeGLU and score scale, per-layer
-    windows (shorter than the executions below) and local RoPE bases, Llama 3 and linear RoPE scaling."""
+    windows (shorter than the executions below) and local RoPE bases, Llama 3, linear and YaRN RoPE scaling,
+    gpt-oss's sink logits and clamped SwiGLU."""
     windows = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n_layers,
                                                  max_size=n_layers).map(tuple)))
     return dict(
         qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()), sandwich_norms=draw(st.booleans()),
-        embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])), activation=draw(st.sampled_from(["silu", "gelu_tanh"])),
+        embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])),
+        activation=draw(st.sampled_from(["silu", "gelu_tanh", "swiglu_oai"])), attention_sinks=draw(st.booleans()),
         attention_scale=draw(st.sampled_from([None, 0.0625, 0.4])), layer_windows=windows,
         rope_local_theta=draw(st.sampled_from([None, 100.0])),
-        rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16)])))
+        rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16),
+                                           ("yarn", 8.0, 32.0, 1.0, 16, 1.2, False)])))
 
 
 @st.composite
@@ -210,14 +213,14 @@ class StoredKVKernels:
     def __getattr__(self, name):
         return getattr(self.ks, name)
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None):
-        # [T, H, D], k and v unused (the cache holds them), [T], [S] -> [T, H, D]
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None):
+        # [T, H, D], k and v unused (the cache holds them), [T], [S], [H] or None -> [T, H, D]
         layer, b = divmod(self.calls, len(self.executions))
         self.calls += 1
         e = self.executions[b]
         kv = cache_descriptor(e.cache)  # the execution's reserved slots included
         return self.ks._attention(q, kv, len(k_positions), e.cache.n_kv_heads, q_positions, k_positions, layer,
-                                  scale, window)
+                                  scale, window, sinks)
 
 
 def stored_kv_forward_batch(ops, config, weights, executions, all_logits=False):
@@ -957,7 +960,7 @@ def test_the_model_descriptor_is_validated_in_c():
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
     desc.attention_scale, desc.embedding_scale = 0.35, float("inf")
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
-    desc.embedding_scale, desc.gate = 1.0, 2
+    desc.embedding_scale, desc.gate = 1.0, 3  # no such kvref_gate
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
     desc.gate = lib.KVREF_GATE_GELU_TANH
     # a whole layer: then each optional group half given, a negative window, a non-finite frequency

@@ -14,7 +14,7 @@ Gemma 3 files store its norm gains as 1 + w already. What they do not carry, lla
 does kvref: a global layer after every 5 windowed ones, RoPE base 10,000 on the windowed layers,
 embeddings scaled by sqrt(d_model), and scores scaled by 1/sqrt(head_dim) (query_pre_attn_scalar =
 head_dim, as in every released Gemma 3 text model). docs/architectures.md has the table; anything
-else a file asks for (RoPE scaling, partial RoPE) is refused by name.
+else a file asks for (RoPE scalings other than linear, yarn and rope_freqs, partial RoPE) is refused by name.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import GGUFError
 from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
+from ..spec import ops as spec_ops
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
@@ -133,8 +134,36 @@ def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
     if kind == "linear":
         factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
         return ("linear", bounded_float(factor, f"{arch}.rope.scaling.factor", GGUFError))
-    raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear' "
-                    "and Llama 3.1's rope_freqs.weight")
+    if kind == "yarn":
+        return _yarn(metadata, arch)
+    raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear', "
+                    "'yarn' and Llama 3.1's rope_freqs.weight")
+
+
+# YaRN keys whose meaning kvref does not compute (DeepSeek's log multiplier, llama.cpp's own factor knobs)
+YARN_REFUSED_KEYS = ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor",
+                     "rope.scaling.yarn_attn_factor")
+
+
+def _yarn(metadata, arch):
+    # llama.cpp's YaRN (ggml's rope_yarn): factor and original_context_length from the file, beta_fast and
+    # beta_slow defaulting to 32 and 1, the correction range always truncated to whole pairs (floor, ceil:
+    # ggml_rope_yarn_corr_dims; transformers' truncate flag has no key), attention factor 1 + 0.1 ln(factor)
+    refused = [f"{arch}.{k}" for k in YARN_REFUSED_KEYS if f"{arch}.{k}" in metadata]
+    if refused:
+        raise GGUFError(f"YaRN RoPE with {', '.join(refused)} is not supported")
+
+    def number(name, default=None):
+        value = metadata.get(f"{arch}.rope.scaling.{name}", default)
+        if value is None:
+            raise GGUFError(f"metadata key {arch}.rope.scaling.{name} is missing (YaRN RoPE needs it)")
+        return bounded_float(value, f"{arch}.rope.scaling.{name}", GGUFError)
+
+    factor = number("factor")
+    original = bounded_int(metadata.get(f"{arch}.rope.scaling.original_context_length"),
+                           f"{arch}.rope.scaling.original_context_length", 1, CONFIG_CEILINGS["max_seq_len"], GGUFError)
+    return ("yarn", factor, number("yarn_beta_fast", 32.0), number("yarn_beta_slow", 1.0), original,
+            spec_ops.yarn_attention_factor(factor), True)
 
 
 def expected_shapes(config: ModelConfig) -> dict:

@@ -15,7 +15,7 @@ here, once, so the decoder never needs to know where a model came from:
     attention output is HF's. The cached K are in the reordered layout.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
 
-Anything this module does not compute exactly (RoPE types other than default, linear and llama3;
+Anything this module does not compute exactly (RoPE types other than default, linear, llama3 and yarn;
 scaling that differs between layer types; biases on the output or MLP
 projections, logit soft-capping, sliding windows on some Qwen layers) is refused with a ConfigError
 naming the field, never ignored.
@@ -30,6 +30,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, ShapeError
 from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
+from ..spec import ops as spec_ops
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
@@ -208,8 +209,32 @@ def _rope_scaling(p, kind):
     if kind_of == "llama3":
         return ("llama3", number("factor"), number("low_freq_factor"), number("high_freq_factor"),
                 _int(p, "original_max_position_embeddings", "max_seq_len"))
+    if kind_of == "yarn":
+        return _yarn(p, number)
     raise ConfigError(f"RoPE type {kind_of!r} ({kind}) is not computed by kvref yet; it computes the default "
-                      "RoPE and the linear and llama3 scalings")
+                      "RoPE and the linear, llama3 and yarn scalings")
+
+
+def _yarn(p, number):
+    # transformers' reading of YaRN parameters (_compute_yarn_parameters): beta_fast and beta_slow default
+    # to 32 and 1 (also when 0 or null), truncate to true; an absent attention_factor follows from factor,
+    # and from mscale and mscale_all_dim when both are given (DeepSeek)
+    factor = number("factor")
+
+    def optional(name, default):
+        return number(name) if p.get(name) else default
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = spec_ops.yarn_attention_factor(factor, optional("mscale", None),
+                                                          optional("mscale_all_dim", None))
+    else:
+        attention_factor = number("attention_factor")
+    truncate = p.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"config.json RoPE truncate={truncate!r} must be true or false")
+    return ("yarn", factor, optional("beta_fast", 32.0), optional("beta_slow", 1.0),
+            _int(p, "original_max_position_embeddings", "max_seq_len"), attention_factor, truncate)
 
 
 def _float_field(p, kind, name):
@@ -223,12 +248,12 @@ def _layer_windows(hf, family, n_layers):
     window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
     if family == "mistral":
         return None if window is None else (window,) * n_layers
-    if family != "gemma3_text":
+    if family not in ("gemma3_text", "gpt_oss"):
         return None
     kinds = hf.get("layer_types")
-    if kinds is None:  # older config.json files: every pattern-th layer is global
+    if kinds is None:  # older config.json files: every pattern-th layer is global (gpt-oss: every other)
         name = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
-        pattern = _int(hf, name, "n_layers", 6)
+        pattern = _int(hf, name, "n_layers", 6 if family == "gemma3_text" else 2)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
     if (not isinstance(kinds, list) or len(kinds) != n_layers
             or any(k not in ("full_attention", "sliding_attention") for k in kinds)):
