@@ -33,8 +33,9 @@
 #define BYTES_Q8_0 34   /* f16 d; i8 qs[32]: value j = d * qs[j] */
 #define BYTES_Q4_K 144  /* f16 d, dmin; u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min); u8 qs[128] */
 #define BYTES_Q6_K 210  /* u8 ql[128], qh[64]; i8 scales[16]; f16 d */
+#define BYTES_MXFP4 17  /* u8 e; u8 qs[16]: value j = 2**(e - 128) * kvref_mxfp4_values[nibble j as Q4_0] */
 
-#define KVREF_TYPE_SLOTS 31 /* type ids are < 31 */
+#define KVREF_TYPE_SLOTS 40 /* type ids are < 40 */
 
 /* ---- half precision ------------------------------------------------------------------------- */
 
@@ -57,6 +58,14 @@ static inline float kvref_fp16_to_fp32(uint16_t h) {
 }
 
 static inline float kvref_bf16_to_fp32(uint16_t h) { return kvref_fp32_from_bits((uint32_t)h << 16); }
+
+/* MXFP4: the E2M1 code's value doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, times 2), so
+ * that it is an integer, and the E8M0 scale 2**(e - 127) halved to match: 2**(e - 128), exactly
+ * (as float32 bits; e = 0 and 1 are subnormal) */
+static const int8_t kvref_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float kvref_e8m0_half(uint8_t e) {
+    return kvref_fp32_from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
 
 /* binary32 -> binary16, round to nearest even (as NumPy's astype(float16) and F16C round):
  * overflow goes to infinity, tiny values to subnormals or zero, NaN stays a quiet NaN.

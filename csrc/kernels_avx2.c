@@ -131,6 +131,28 @@ TARGET static ALWAYS_INLINE void dot_q4_0(int64_t K, const uint8_t *w, const flo
     store_sum2(R, a, out, ldo);
 }
 
+/* MXFP4: each nibble looks its (doubled) E2M1 value up in a 16-byte table (pshufb), widened to float and
+ * scaled by the block's 2**(e - 128): exact, as the spec's values */
+TARGET static ALWAYS_INLINE void dot_mxfp4(int64_t K, const uint8_t *w, const float *x, const int R, float *out,
+                                           int64_t ldo) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)(const void *)kvref_mxfp4_values), low4 = _mm_set1_epi8(0xF);
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_MXFP4, x += 32) {
+        const __m256 d = _mm256_set1_ps(kvref_e8m0_half(w[0]));
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(const void *)(w + 1));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(qs, low4));  /* values 0..15 */
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), low4));  /* 16..31 */
+        for (int h = 0; h < 2; h++) {
+            const __m256 vlo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(lo, 8) : lo)), d);
+            const __m256 vhi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(hi, 8) : hi)), d);
+            FMA_ROWS(a, 0, vlo, x, 8 * h);
+            FMA_ROWS(a, 1, vhi, x, 16 + 8 * h);
+        }
+    }
+    store_sum2(R, a, out, ldo);
+}
+
 TARGET static ALWAYS_INLINE void dot_q4_1(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF);
     __m256 a[ROWS_MAX][2];
@@ -249,6 +271,7 @@ KVREF_DOT_KERNELS(q5_0, 4)
 KVREF_DOT_KERNELS(q8_0, 4)
 KVREF_DOT_KERNELS(q4_k, 4)
 KVREF_DOT_KERNELS(q6_k, 2)
+KVREF_DOT_KERNELS(mxfp4, 4)
 
 
 /* ---- tiles: the scalar dequantizers (already exact); the GEMM is where the time goes ------- */
@@ -269,6 +292,7 @@ GENERIC_DEQUANT(dequant_q5_0, KVREF_TYPE_Q5_0)
 GENERIC_DEQUANT(dequant_q8_0, KVREF_TYPE_Q8_0)
 GENERIC_DEQUANT(dequant_q4_k, KVREF_TYPE_Q4_K)
 GENERIC_DEQUANT(dequant_q6_k, KVREF_TYPE_Q6_K)
+GENERIC_DEQUANT(dequant_mxfp4, KVREF_TYPE_MXFP4)
 
 /* ---- float32 GEMM on a dequantized tile: outer products ------------------------------------ */
 
@@ -1099,19 +1123,20 @@ const kvref_kernels kvref_kernels_avx2 = {
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
         [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
         [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k, [KVREF_TYPE_MXFP4] = vec_dot_mxfp4,
     },
     .vec_dot_rows = {
         [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,
         [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,
         [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,
         [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,
+        [KVREF_TYPE_MXFP4] = vec_dot_rows_mxfp4,
     },
     .dequant = {
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
         [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0,
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k, [KVREF_TYPE_MXFP4] = dequant_mxfp4,
     },
     .gemm_f32 = gemm_f32,
     .tile_columns = tile_columns,

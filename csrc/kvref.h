@@ -65,7 +65,8 @@ enum kvref_type {
     KVREF_TYPE_Q6_K = 14,
     KVREF_TYPE_I8 = 24,        /* K/V only: int8 elements, each group read as value * its float32 scale */
     KVREF_TYPE_KIVI4 = 25,     /* K/V only: 4-bit KIVI, two unsigned nibbles a byte, read as q * scale + zero */
-    KVREF_TYPE_BF16 = 30
+    KVREF_TYPE_BF16 = 30,
+    KVREF_TYPE_MXFP4 = 39      /* 32 values: an E8M0 scale byte, 16 bytes of 4-bit E2M1 codes (gpt-oss experts) */
 };
 
 /* A persistent pool of worker threads plus the instruction set its kernels use. The calling

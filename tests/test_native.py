@@ -97,9 +97,11 @@ def random_weight(gtype, N, K, rng):
         nb = N * (K // block_values)
         blocks = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
         scale_offsets = {GGMLType.Q8_0: [0], GGMLType.Q4_0: [0], GGMLType.Q4_1: [0, 2], GGMLType.Q5_0: [0],
-                         GGMLType.Q4_K: [0, 2], GGMLType.Q6_K: [208]}[gtype]
+                         GGMLType.Q4_K: [0, 2], GGMLType.Q6_K: [208], GGMLType.MXFP4: []}[gtype]
         for off in scale_offsets:
             blocks[:, off:off + 2] = f16_fields(rng, nb)
+        if gtype == GGMLType.MXFP4:  # E8M0 scales 2**-16 .. 2**8, and some subnormal ones (e = 0, 1)
+            blocks[:, 0] = np.where(rng.random(nb) < 0.1, rng.integers(0, 2, nb), rng.integers(112, 137, nb))
         data = blocks
     data = np.ascontiguousarray(data.reshape(N, row_nbytes(gtype, K)))
     return QuantizedTensor(gtype, (N, K), data)
@@ -972,7 +974,7 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
         window, scale = fields.pop("window", 0), fields.pop("scale", 0.5)
         for name, value in fields.items():
             setattr(kv, name, value)
-        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, scale, ob)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, scale, ffi.NULL, ob)
 
     assert attention() == lib.KVREF_OK
     assert attention(window=-1) == lib.KVREF_ERR_VALUE

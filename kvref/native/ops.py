@@ -14,7 +14,7 @@
 
 Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
 float16) ndarray in file layout, or a kvref.spec.ggml.QuantizedTensor of type F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K or MXFP4, multiplied straight from its blocks; an embedding table may be
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
 arrays; `Kernels.cache_attention` reads a cache's K/V in place instead (any layout whose
 `cache.storage()` describes them: contiguous, paged, and per-layer rings), stored as float32,
@@ -70,7 +70,7 @@ from .descriptors import (KV_TYPES, KVDescriptor, cache_descriptor, in_place_pro
 
 #: GGML types the native matmul/embed read directly
 WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-                GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K)
+                GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.MXFP4)
 
 ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.KVREF_ISA_AVX2,
         "avx512": lib.KVREF_ISA_AVX512}
