@@ -78,7 +78,7 @@ def sane_quantized(gtype, W, rng):
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.view(np.uint8)))
     if gtype == GGMLType.F16:
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.astype(np.float16).view(np.uint8)))
-    if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0):
+    if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.MXFP4):
         gguf = require("gguf")
         data = gguf.quants.quantize(W, gguf.GGMLQuantizationType[gtype.name])
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(data.view(np.uint8).reshape(N, row_nbytes(gtype, K))))
