@@ -2,7 +2,8 @@
  *
  * This is kvref/spec/decoder.py step for step, computed with the kernels the single-kernel API
  * uses (matmul.c, attention.c, elementwise.c) in the same order, so with exact activations its
- * logits and cache rows are bit for bit those of the Python decoder running the native kernels.
+ * logits and cache rows are bit for bit those of the Python decoder running the native kernels
+ * (pass by pass: an execution of more than KVREF_PASS_ROWS rows runs as several, kvref.h).
  * What it removes is the Python between the kernels (~400 calls per decode step), and it fuses
  * what can share one dispatch to the thread pool:
  *   - decode: the Q, K and V projections are one dispatch, gate and up (with SwiGLU on each
@@ -13,6 +14,9 @@
  *   - K and V go straight into the cache slots of the new positions, encoded as the Python cache
  *     layouts encode them (kvcache.c), and attention reads them there, paged, in per-layer rings
  *     or contiguous.
+ * Its memory is bounded: long executions run in passes of at most KVREF_PASS_ROWS rows, so the row
+ * buffers are a pass's, not the prompt's; and in the int8 mode the LM head's likeliest rows are
+ * recomputed from the packed copy, so the head's file pages stay unread once it is packed.
  *
  * Work is split only by the pool (units of rows, heads, key segments), never by thread identity,
  * so results are the same for every thread count. Shape legend as in kvref.h; x is the residual
@@ -66,6 +70,8 @@ struct kvref_state {
     float *partial;            /* attention's per-segment softmax states, by sequence */
     int64_t max_jobs, n_jobs;
     kvref_attn_job *jobs;      /* [max_jobs]: a layer's attentions, run together */
+    int64_t part_slots;
+    int64_t *parts;            /* [part_slots]: a pass's bounds [B + 1], then its parts' cache lengths [B] */
     int64_t ns[3], calls;      /* kvref_state_timings */
     int64_t fail_layer;        /* kvref_state_fail_at_layer: the layer the next forward stops at, or -1 */
 };
@@ -77,13 +83,14 @@ typedef struct {
     const kvref_model_desc *c; /* config and weights */
     kvref_state *s;
     const int64_t *token_ids;  /* [T]: the new positions of every sequence, sequence after sequence */
-    int64_t T, B;              /* rows in all, sequences */
+    int64_t T, B;              /* rows in all, sequences (of this pass: see kvref_forward_batch) */
     const int64_t *bounds;     /* [B + 1]: sequence b's rows are bounds[b] .. bounds[b+1]-1 */
     const kvref_kv *caches;    /* [B]: sequence b's cache, written at positions [lengths[b], ...) */
     const int64_t *lengths;    /* [B] */
     int int8;                  /* KVREF_ACT_INT8 */
     int all_logits;
     float *logits;
+    int64_t n_last;            /* without all_logits: the sequences whose last row is in this pass (the first n_last) */
     int64_t layer;             /* the layer being computed */
     const kvref_layer_desc *lw;
     const float *gain;         /* the RMSNorm gain of the current norm step */
@@ -414,20 +421,25 @@ static int64_t top_ids(const float *row, int64_t V, int64_t k, int64_t *ids) {
 }
 
 /* logits row i's KVREF_HEAD_EXACT_K largest, recomputed from xb row i with float32 activations:
- * each the single-row dot product of the exact mode (kvref.h, KVREF_ACT_INT8) */
-static void exact_top_row(const fw *f, int64_t i) {
+ * each the single-row dot product of the exact mode (kvref.h, KVREF_ACT_INT8), on the head's row
+ * unpacked from the packed copy into the thread's scratch (reading the file's rows would page in
+ * the head a second time, a token's top rows at a time) */
+static void exact_top_row(const fw *f, int64_t i, int thread) {
     const kvref_tensor *w = &f->c->output;
-    const int64_t E = f->c->d_model, V = f->c->vocab_size, rb = kvref_row_nbytes(w->type, E);
+    const int64_t E = f->c->d_model, V = f->c->vocab_size, gb = kvref_pack_group_bytes(w->type, E);
     float *row = f->logits + i * V;
     const float *x = f->s->xb + i * E;
+    uint8_t *unpacked = kvref_pool_scratch(f->pool, thread); /* [kvref_row_nbytes(type, E)] */
     int64_t ids[KVREF_HEAD_EXACT_K];
     const int64_t n = top_ids(row, V, KVREF_HEAD_EXACT_K, ids);
-    for (int64_t j = 0; j < n; j++) row[ids[j]] = f->kk->vec_dot[w->type](E, (const uint8_t *)w->data + ids[j] * rb, x);
+    for (int64_t j = 0; j < n; j++) {
+        kvref_unpack_row(w->type, E, (const uint8_t *)w->packed + ids[j] / KVREF_PACK_ROWS * gb, (int)(ids[j] % KVREF_PACK_ROWS), unpacked);
+        row[ids[j]] = f->kk->vec_dot[w->type](E, unpacked, x);
+    }
 }
 
 static void exact_top_task(void *vctx, int64_t unit, int thread) {
-    (void)thread;
-    exact_top_row(vctx, unit);
+    exact_top_row(vctx, unit, thread);
 }
 
 /* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or each sequence's last one */
@@ -436,7 +448,8 @@ static void final_logits(fw *f) {
     const kvref_model_desc *c = f->c;
     const int64_t E = c->d_model, V = c->vocab_size;
     kvref_state *s = f->s;
-    const int64_t n = f->all_logits ? f->T : f->B;
+    const int64_t n = f->all_logits ? f->T : f->n_last;
+    if (n == 0) return;
     for (int64_t i = 0; i < n; i++) {
         const int64_t t = f->all_logits ? i : f->bounds[i + 1] - 1;
         kvref_rms_norm_row(s->x + t * E, E, c->output_norm, c->norm_eps, s->xb + i * E);
@@ -451,7 +464,7 @@ static void final_logits(fw *f) {
         matmul(f, s->xb, n, &c->output, f->logits);
     }
     if (packed(f, W_HEAD) != NULL) { /* the head's input was rounded: its likeliest tokens are made exact */
-        if (n == 1) exact_top_row(f, 0);
+        if (n == 1) exact_top_row(f, 0, 0); /* the caller is thread 0 */
         else kvref_pool_run(f->pool, exact_top_task, (void *)f, n);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
@@ -595,6 +608,7 @@ void kvref_state_destroy(kvref_state *state) {
     free(state->slot_positions);
     free(state->partial);
     free(state->jobs);
+    free(state->parts);
     free(state);
 }
 
@@ -712,6 +726,63 @@ static int check_batch(const kvref_model *model, const int64_t *bounds, int64_t 
     return KVREF_OK;
 }
 
+/* One pass: f's rows (at most KVREF_PASS_ROWS), as kvref_forward_batch of those rows alone; S: the
+ * most positions any sequence of the whole execution attends to. Called with the pool locked. */
+static int forward_pass(fw *f, int64_t S) {
+    kvref_state *state = f->s;
+    const kvref_model_desc *c = f->c;
+    const int64_t T = f->T;
+    const int64_t t_start = now_ns();
+    int status = state_reserve(state, T, S, f->B, f->bounds, f->lengths);
+    if (status == KVREF_OK) { /* tiles of the prefill GEMM */
+        const size_t scratch = f->int8 ? kvref_matmul_int8_scratch_bytes(T, f->model->max_k)
+                                       : kvref_matmul_scratch_bytes(T, f->model->max_k);
+        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads, c->head_dim);
+        const size_t head_row = (size_t)kvref_row_nbytes(c->output.type, c->d_model); /* exact_top_row's */
+        const size_t most = scratch > attn ? scratch : attn;
+        status = kvref_pool_reserve(f->pool, most > head_row ? most : head_row);
+    }
+    if (status == KVREF_OK && f->int8 && /* x in 8 bits */
+        kvref_pool_shared(f->pool, kvref_matmul_int8_shared_bytes(T, f->model->max_k)) == NULL)
+        status = KVREF_ERR_NOMEM;
+    if (status != KVREF_OK) return status;
+    for (int64_t b = 0; b < f->B; b++)
+        for (int64_t t = f->bounds[b]; t < f->bounds[b + 1]; t++) {
+            state->q_positions[t] = f->lengths[b] + t - f->bounds[b];
+            state->row_seq[t] = b;
+        }
+    for (int64_t l = 0, seen = 0; l < c->n_layers; l++) { /* RoPE angles once per position and distinct table */
+        const int64_t table = f->model->table_of[l];
+        if (table < seen) continue; /* tables are numbered as layers first use them */
+        seen++;
+        for (int64_t t = 0; t < T; t++)
+            kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, state->q_positions[t],
+                               state->cs + (table * state->rows + t) * c->head_dim);
+    }
+    state->ns[FAM_OTHER] += now_ns() - t_start;
+
+    embed_tokens(f);                                      /* x = tok_embeddings[token_ids] */
+    for (f->layer = 0; f->layer < c->n_layers; f->layer++) {
+        if (f->layer == state->fail_layer) { /* the test hook: layers < f->layer are written, no more */
+            state->fail_layer = -1;
+            return KVREF_ERR_INJECTED;
+        }
+        f->lw = &c->layers[f->layer];
+        /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
+        rms_norm(f, f->lw->attn_norm);                    /* xb = rms_norm(x) * attn_norm */
+        qkv_projections(f);                               /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
+        prepare_qk(f);                                    /* + biases; q, k: QK-norm, rotated for their positions */
+        store_and_attend(f);                              /* k, v -> cache; att = softmax(q . K * scale) V, by position */
+        residual_projection(f, state->att, W_O, f->lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
+        /* MLP block: x += act(...) @ Wd.T, position by position */
+        rms_norm(f, f->lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
+        gate_up_projections(f);                           /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
+        residual_projection(f, state->gate, W_DOWN, f->lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
+    }
+    final_logits(f);                                      /* logits = rms_norm(x) @ output.T */
+    return KVREF_OK;
+}
+
 int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state *state, const int64_t *token_ids,
                         const int64_t *bounds, int64_t B, const kvref_kv *caches, const int64_t *lengths,
                         int32_t activations, int32_t all_logits, float *logits) {
@@ -728,61 +799,39 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
     for (int64_t t = 0; t < T; t++)
         if (token_ids[t] < 0 || token_ids[t] >= c->vocab_size) return KVREF_ERR_VALUE;
 
-    kvref_pool_lock(pool);
-    const int64_t t_start = now_ns();
-    status = state_reserve(state, T, S, B, bounds, lengths);
-    if (status == KVREF_OK) { /* tiles of the prefill GEMM */
-        const size_t scratch = activations == KVREF_ACT_INT8 ? kvref_matmul_int8_scratch_bytes(T, model->max_k)
-                                                             : kvref_matmul_scratch_bytes(T, model->max_k);
-        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads, c->head_dim);
-        status = kvref_pool_reserve(pool, scratch > attn ? scratch : attn);
-    }
-    if (status == KVREF_OK && activations == KVREF_ACT_INT8 && /* x in 8 bits */
-        kvref_pool_shared(pool, kvref_matmul_int8_shared_bytes(T, model->max_k)) == NULL)
-        status = KVREF_ERR_NOMEM;
-    if (status != KVREF_OK) {
-        kvref_pool_unlock(pool);
-        return status;
-    }
-    const kvref_kernels *kk = kvref_pool_kernels(pool);
-    fw f = {pool, kk, c, state, token_ids, T, B, bounds, caches, lengths, activations == KVREF_ACT_INT8, all_logits,
-            logits, 0, NULL, NULL, NULL, kvref_gate_fn(kk, c->gate), model};
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = bounds[b]; t < bounds[b + 1]; t++) {
-            state->q_positions[t] = lengths[b] + t - bounds[b];
-            state->row_seq[t] = b;
-        }
-    for (int64_t l = 0, seen = 0; l < c->n_layers; l++) { /* RoPE angles once per position and distinct table */
-        const int64_t table = model->table_of[l];
-        if (table < seen) continue; /* tables are numbered as layers first use them */
-        seen++;
-        for (int64_t t = 0; t < T; t++)
-            kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, state->q_positions[t],
-                               state->cs + (table * state->rows + t) * c->head_dim);
-    }
-    state->ns[FAM_OTHER] += now_ns() - t_start;
+    if (grow((void **)&state->parts, &state->part_slots, 2 * (B + 1), sizeof(int64_t)) != KVREF_OK)
+        return KVREF_ERR_NOMEM;
+    int64_t *part_bounds = state->parts, *part_lengths = state->parts + B + 1;
 
-    embed_tokens(&f);                                     /* x = tok_embeddings[token_ids] */
-    for (f.layer = 0; f.layer < c->n_layers; f.layer++) {
-        if (f.layer == state->fail_layer) { /* the test hook: layers < f.layer are written, no more */
-            state->fail_layer = -1;
-            kvref_pool_unlock(pool);
-            return KVREF_ERR_INJECTED;
+    /* Passes of near-equal size, at most KVREF_PASS_ROWS rows each: every pass is the execution of
+     * its rows (its part of each sequence, from the cache length the part starts at), so the row
+     * buffers hold a pass, not the whole prompt, and each pass has as many rows as the GEMM needs. */
+    const int64_t passes = (T + KVREF_PASS_ROWS - 1) / KVREF_PASS_ROWS, rows = (T + passes - 1) / passes;
+    kvref_pool_lock(pool);
+    const fw whole = {.pool = pool, .kk = kvref_pool_kernels(pool), .c = c, .s = state, .int8 = activations ==
+                      KVREF_ACT_INT8, .all_logits = all_logits, .glu = kvref_gate_fn(kvref_pool_kernels(pool), c->gate),
+                      .model = model};
+    for (int64_t r0 = 0, b0 = 0; r0 < T && status == KVREF_OK; r0 += rows) {
+        const int64_t r1 = r0 + rows < T ? r0 + rows : T;
+        while (bounds[b0 + 1] <= r0) b0++;
+        int64_t n = 0;
+        for (int64_t b = b0; b < B && bounds[b] < r1; b++, n++) {
+            part_bounds[n] = (bounds[b] > r0 ? bounds[b] : r0) - r0;
+            part_lengths[n] = lengths[b] + (r0 > bounds[b] ? r0 - bounds[b] : 0);
         }
-        f.lw = &c->layers[f.layer];
-        /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
-        rms_norm(&f, f.lw->attn_norm);                    /* xb = rms_norm(x) * attn_norm */
-        qkv_projections(&f);                              /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
-        prepare_qk(&f);                                   /* + biases; q, k: QK-norm, rotated for their positions */
-        store_and_attend(&f);                             /* k, v -> cache; att = softmax(q . K * scale) V, by position */
-        residual_projection(&f, state->att, W_O, f.lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
-        /* MLP block: x += act(...) @ Wd.T, position by position */
-        rms_norm(&f, f.lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
-        gate_up_projections(&f);                          /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
-        residual_projection(&f, state->gate, W_DOWN, f.lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
+        part_bounds[n] = r1 - r0;
+        fw f = whole;
+        f.token_ids = token_ids + r0;
+        f.T = r1 - r0;
+        f.B = n;
+        f.bounds = part_bounds;
+        f.caches = caches + b0;
+        f.lengths = part_lengths;
+        f.logits = logits + (all_logits ? r0 : b0) * c->vocab_size;
+        f.n_last = bounds[b0 + n] > r1 ? n - 1 : n; /* the last part's sequence may go on in the next pass */
+        status = forward_pass(&f, S);
     }
-    final_logits(&f);                                     /* logits = rms_norm(x) @ output.T */
-    state->calls++;
+    if (status == KVREF_OK) state->calls++;
     kvref_pool_unlock(pool);
-    return KVREF_OK;
+    return status;
 }

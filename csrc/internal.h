@@ -613,6 +613,9 @@ static inline const uint8_t *kvref_pack_record(int32_t type, const uint8_t *grou
 /* rows 0 .. nr-1 of w (nr <= 16, rb bytes each, K values of a packable type) -> one packed group,
  * rows nr .. 15 zero */
 void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nr, uint8_t *group);
+/* row r < 16 of a packed group back in the file's bytes (kvref_row_nbytes(type, K)): the fields keep
+ * their bit width, so packing loses nothing */
+void kvref_unpack_row(int32_t type, int64_t K, const uint8_t *group, int r, uint8_t *row);
 /* xsum [K/16] = the integer sums of the 16-value halves of qs [K] */
 void kvref_block_sums(int64_t K, const int8_t *qs, int32_t *xsum);
 

@@ -350,6 +350,14 @@ enum kvref_activations {
 };
 enum { KVREF_HEAD_EXACT_K = 32 };
 
+/* An execution of more rows than this (a long prompt, or a batch's rows in all) runs as passes of
+ * near-equal size, at most this many rows each, one after another: each pass is the execution of its
+ * rows, from the cache positions the earlier passes wrote. Its buffers hold one pass, so a prefill's
+ * memory does not grow with the prompt (at Llama 3.2 1B's shapes, 100 KiB per row), and every pass
+ * still has the rows a GEMM needs (more than KVREF_PASS_ROWS / 2). The price: the weights stream
+ * once per pass, against a pass's worth of GEMM work each time. */
+enum { KVREF_PASS_ROWS = 128 };
+
 /* Run T new tokens at positions length .. length+T-1 of a cache.
  *   token_ids:  int64 [T], each in [0, V)
  *   cache:      its n_layers, n_kv_heads and head_dim those of the model; its layers without a
@@ -364,8 +372,8 @@ enum { KVREF_HEAD_EXACT_K = 32 };
  * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
  * kvref_attention, kvref_rms_norm, kvref_rope and kvref_swiglu / kvref_geglu in the same order:
  * with KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by
- * one on the same pool (a ring layer's keys are in slot order, so its results are the decoder's
- * over a contiguous cache to float32 rounding). The caller commits the cache length (length + T)
+ * one on the same pool, pass by pass (KVREF_PASS_ROWS; a ring layer's keys are in slot order, so
+ * its results are the decoder's over a contiguous cache to float32 rounding). The caller commits the cache length (length + T)
  * only after KVREF_OK. */
 int kvref_forward(kvref_pool *pool, const kvref_model *model, kvref_state *state,
                   const int64_t *token_ids, int64_t T, const kvref_kv *cache, int64_t length,

@@ -280,6 +280,74 @@ void kvref_pack_group(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int
             pack_legacy_row(type, w + r * rb + b * kvref_q8_block_bytes(type), r, (uint8_t *)kvref_pack_record(type, group, b));
 }
 
+/* The inverse of pack_legacy_row: block b of row r, as the file stores it */
+static void unpack_legacy_row(int32_t type, const uint8_t *rec, int r, uint8_t *block) {
+    const uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
+    memcpy(block, rec + 2 * r, 2);
+    if (type == KVREF_TYPE_Q8_0) {
+        for (int v = 0; v < 8; v++) {
+            uint32_t four;
+            memcpy(&four, vals + 64 * v + 4 * r, 4);
+            four ^= 0x80808080u;
+            memcpy(block + 2 + 4 * v, &four, 4);
+        }
+        return;
+    }
+    if (type == KVREF_TYPE_Q4_1) memcpy(block + 2, rec + 32 + 2 * r, 2);
+    const int at = type == KVREF_TYPE_Q4_0 ? 2 : type == KVREF_TYPE_Q4_1 ? 4 : 6;
+    for (int j = 0; j < 4; j++) memcpy(block + at + 4 * j, vals + 64 * j + 4 * r, 4);
+    if (type == KVREF_TYPE_Q5_0) {
+        uint32_t qh = 0;
+        for (int v = 0; v < 8; v++) qh |= (uint32_t)(planes[8 * v + r / 2] >> (4 * (r % 2)) & 15) << (4 * v);
+        memcpy(block + 2, &qh, 4);
+    }
+}
+
+/* The inverse of pack_kquant_row: super-block s of row r from its span, into the zeroed file row */
+static void unpack_kquant_row(int32_t type, const uint8_t *span, int64_t s, int r, uint8_t *row) {
+    uint8_t *w = row + s * (type == KVREF_TYPE_Q4_K ? BYTES_Q4_K : BYTES_Q6_K);
+    if (type == KVREF_TYPE_Q4_K) {
+        memcpy(w, span + 2 * r, 2);
+        memcpy(w + 2, span + 32 + 2 * r, 2);
+        const uint8_t *sc = span + 64 + r, *mn = span + 192 + r; /* sub-block j's at [16 j] */
+        for (int j = 0; j < 4; j++) { /* kvref_q4k_scale_min read backwards: 6 bits each into 12 bytes */
+            w[4 + j] = (uint8_t)(sc[16 * j] | (sc[16 * (j + 4)] >> 4) << 6);
+            w[8 + j] = (uint8_t)(mn[16 * j] | (mn[16 * (j + 4)] >> 4) << 6);
+            w[12 + j] = (uint8_t)((sc[16 * (j + 4)] & 0xF) | (mn[16 * (j + 4)] & 0xF) << 4);
+        }
+    } else {
+        memcpy(w + 208, span + 2 * r, 2);
+        for (int j = 0; j < 16; j++) w[192 + j] = span[32 + 16 * j + r];
+    }
+    for (int64_t b = 0; b < 8; b++) {
+        const uint8_t *rec = span + KVREF_PACK_HEADER + b * kvref_pack_record_bytes(type);
+        const uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
+        for (int k = 0; k < 32; k++) {
+            const int v = k / 4, lane = 4 * r + k % 4;
+            int u = vals[64 * (v % 4) + lane] >> (v < 4 ? 0 : 4) & 15;
+            if (type == KVREF_TYPE_Q4_K) { /* sub-block b: value k in the nibble 4 (b % 2) of byte k */
+                w[16 + 32 * (b / 2) + k] |= (uint8_t)(u << (4 * (b % 2)));
+                continue;
+            }
+            u |= (planes[64 * (v / 4) + lane] >> (2 * (v % 4)) & 3) << 4; /* Q6_K: u = q + 32, 6 bits */
+            const int j = (int)(2 * b + k / 16), i = k % 16; /* value i of sub-block j, as kvref_q8_weight_block reads it */
+            const int half = j / 8, g = j % 8 / 2, l0 = 16 * (j % 2);
+            w[64 * half + 32 * (g % 2) + l0 + i] |= (uint8_t)((u & 15) << (4 * (g / 2)));
+            w[128 + 32 * half + l0 + i] |= (uint8_t)((u >> 4) << (2 * g));
+        }
+    }
+}
+
+void kvref_unpack_row(int32_t type, int64_t K, const uint8_t *group, int r, uint8_t *row) {
+    if (kvref_pack_kquant(type)) {
+        memset(row, 0, (size_t)kvref_row_nbytes(type, K));
+        for (int64_t s = 0; s < K / QK_K; s++) unpack_kquant_row(type, group + s * kvref_pack_span_bytes(type), s, r, row);
+        return;
+    }
+    for (int64_t b = 0; b < K / 32; b++)
+        unpack_legacy_row(type, kvref_pack_record(type, group, b), r, row + b * kvref_q8_block_bytes(type));
+}
+
 int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols) {
     if (!kvref_packable(type) || rows < 0 || cols < 0 || kvref_row_nbytes(type, cols) < 0) return 0;
     const int64_t groups = (rows + KVREF_PACK_ROWS - 1) / KVREF_PACK_ROWS, group = kvref_pack_group_bytes(type, cols);

@@ -21,7 +21,7 @@ from kvref.conformance.fixtures import SCHEMA_VERSION, to_half_split
 from kvref.conformance.http_engine import OpenAIHTTPEngine
 from kvref.conformance.kvref_engine import LAYOUTS
 from kvref.conformance.spec import full_kl, topk_kl
-from kvref.conformance.checks import CheckResult
+from kvref.conformance.checks import CheckResult, Tally
 from kvref.conformance.suite import table, verdict
 from kvref.tolerance import FLOAT32
 from kvref.tools.cli import main
@@ -198,6 +198,18 @@ def test_top_k_kl_is_a_lower_bound_of_the_full_kl_and_equals_it_with_every_token
     np.testing.assert_allclose(topk_kl(ref, ids, np.take_along_axis(act, ids, axis=-1)), exact, atol=1e-12)
 
 
+
+def test_top_k_kl_of_a_row_padded_with_repeats_of_probability_zero_equals_the_unpadded_rows():
+    # openai-http pads a row whose server texts do not all map to one id with repeats of its last id at -inf
+    rng = np.random.default_rng(1)
+    ref = Rows.from_logits(rng.normal(size=(4, 30)) * 3).full
+    act = Rows.from_logits(rng.normal(size=(4, 30)) * 3).full
+    ids = np.argsort(-act, axis=-1)[:, :5]
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], 3, axis=-1)], axis=-1)
+    lps = np.take_along_axis(act, ids, axis=-1)
+    padded_lps = np.concatenate([lps, np.full((4, 3), -np.inf)], axis=-1)
+    np.testing.assert_allclose(topk_kl(ref, padded, padded_lps), topk_kl(ref, ids, lps), atol=1e-12)
+
 # ---- transformers, in process --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -259,9 +271,11 @@ def test_fixtures_hold_transformers_keys_in_rotate_half_order(hf_dirs, tmp_path)
 
 # ---- an OpenAI-compatible server (a stub serving a kvref model) ----------------------------------------
 
-def serve(model, top_k=20, refuse=()):
+def serve(model, top_k=20, refuse=(), leave_out=(), api_key=None):
     """A /v1/completions server of token-id prompts with top logprobs named "token_id:N", refusing the
-    fields in `refuse` as a strict server does; returns (server, url)."""
+    fields in `refuse` as a strict server does, answering with no entry where its greedy token is in
+    `leave_out` (as llama-cpp-python's server does for its BOS id), and with 401 to a request without
+    `Authorization: Bearer api_key` when one is given; returns (server, url)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -275,18 +289,28 @@ def serve(model, top_k=20, refuse=()):
             self.end_headers()
             self.wfile.write(body)
 
+        def refused(self):
+            if api_key is not None and self.headers.get("Authorization") != f"Bearer {api_key}":
+                self.reply(401, {"error": {"message": "invalid api key"}})
+                return True
+            return False
+
         def do_GET(self):
-            self.reply(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+            if not self.refused():
+                self.reply(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
         def do_POST(self):
+            if self.refused():
+                return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             unknown = [field for field in refuse if field in body]
             if unknown:
                 return self.reply(400, {"error": {"message": f"unrecognized field: {unknown[0]}"}})
             lp = Rows.from_logits(model.forward(body["prompt"])).full[0]
             top = np.argsort(-lp, kind="stable")[:min(body["logprobs"], top_k)]
-            entries = {f"token_id:{t}": float(lp[t]) for t in top}
-            self.reply(200, {"choices": [{"text": "", "logprobs": {"top_logprobs": [entries]}}]})
+            entries = [{f"token_id:{t}": float(lp[t]) for t in top}] if top[0] not in leave_out else []
+            self.reply(200, {"choices": [{"text": "", "logprobs": {"top_logprobs": entries},
+                                          "finish_reason": "length"}]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -302,11 +326,50 @@ def test_openai_http_against_a_server_of_the_same_and_of_another_model(seed, sta
     finally:
         server.shutdown()
     assert http.extras == {"return_tokens_as_token_ids": True} and http.model == "stub"
+    assert http.describe()["keys"] == "token ids"
     assert results["golden"].status == status and results["greedy"].status == status
     assert results["prefix_cache"].status == status
     assert "top-k: a lower bound" in results["golden"].evidence
     assert "against the spec: the engine has no cold path" in results["prefix_cache"].evidence
     assert {r.status for name, r in results.items() if name not in ("golden", "greedy", "prefix_cache")} == {"skip"}
+
+
+def test_openai_http_skips_and_names_the_positions_a_server_leaves_out_and_compares_the_rest(spec, plan):
+    ids = plan.prompts[0] + spec.greedy(plan.prompts[0], plan.greedy_tokens)[0]
+    chosen = spec.rows(ids).argmax(axis=-1)  # [T] the server's greedy token at each position
+    left_out = int(chosen[10])
+    server, url = serve(spec.model, leave_out={left_out})
+    try:
+        results = run(OpenAIHTTPEngine(url, spec), spec, plan, ["golden", "greedy", "prefix_cache"])
+    finally:
+        server.shutdown()
+    golden = results["golden"]
+    assert golden.status == "pass", golden.evidence
+    assert "prompt 0 @10 (the reply has no log-probabilities, finish_reason 'length')" in golden.metrics["skipped"]
+    compared = sum(len(p) + plan.greedy_tokens for p in plan.prompts)
+    assert golden.metrics["positions"] + len(golden.metrics["skipped"]) == compared
+    assert "skipped, the engine gave no distribution there: prompt 0 @" in golden.evidence
+    assert results["prefix_cache"].status == "pass" and results["greedy"].status == "pass"
+    assert results["greedy"].metrics["decoded"] + len(results["greedy"].metrics["skipped"]) == len(plan.prompts)
+
+
+def test_openai_http_sends_the_api_key_and_names_the_refusal_without_it(spec):
+    server, url = serve(spec.model, api_key="k1")
+    try:
+        with pytest.raises(ConformanceError, match="HTTP 401"):
+            OpenAIHTTPEngine(url, spec)
+        http = OpenAIHTTPEngine(url, spec, api_key="k1")
+        assert len(http.forward(http.new_sequence(), [1, 2, 3])) == 3
+    finally:
+        server.shutdown()
+
+
+def test_a_check_whose_every_row_is_missing_is_skipped_not_passed():
+    tally = Tally(1.0, 0.1)
+    tally.add("prompt 0", np.zeros((2, 3)), Rows(top_ids=np.zeros((2, 1), dtype=int),
+                                                 top_logprobs=np.full((2, 1), -np.inf), missing={0: "x", 1: "y"}))
+    result = tally.result("golden")
+    assert result.status == "skip" and result.evidence.startswith("no position compared; 2 positions skipped")
 
 
 # ---- the command -----------------------------------------------------------------------------------
@@ -338,6 +401,8 @@ def test_the_command_names_what_an_engine_needs(hf_dirs, capsys):
     assert "needs -m <Hugging Face checkpoint directory>" in capsys.readouterr().err
     assert main(["conformance", "openai-http", "-m", str(hf_dirs["llama"])]) == 2
     assert "needs --url" in capsys.readouterr().err
+    assert main(["conformance", "kvref", "-m", str(hf_dirs["llama"]), "--api-key", "k1"]) == 2
+    assert "--url and --api-key apply to openai-http only, not to kvref" in capsys.readouterr().err
     with pytest.raises(ConformanceError, match="must start with http"):
         OpenAIHTTPEngine("localhost:8080", None)
     short = kvref.Model.random(kvref.ModelConfig(n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, d_ff=8,

@@ -361,6 +361,53 @@ def test_fused_batch_is_bit_identical_to_the_decoder_batch_on_the_same_native_ke
                 np.testing.assert_array_equal(a, b)
 
 
+def pass_sizes(T):
+    """csrc/forward.c's passes: T rows as near-equal passes of at most KVREF_PASS_ROWS rows."""
+    passes = -(-T // lib.KVREF_PASS_ROWS)
+    rows = -(-T // passes)
+    return [min(rows, T - start) for start in range(0, T, rows)]
+
+
+@settings(max_examples=10)
+@given(st.data(), ISAS, st.sampled_from(["float32", "int8"]))
+def test_a_prefill_longer_than_a_pass_is_bit_identical_to_the_decoder_run_pass_by_pass(data, isa, activations):
+    # csrc/kvref.h, KVREF_PASS_ROWS. Pass by pass, not at once: a query's attention may round
+    # differently when the cache holds masked keys past it (AVX2's last keys of a chunk)
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
+    config = config.replace(max_seq_len=3 * lib.KVREF_PASS_ROWS)
+    T = data.draw(st.integers(lib.KVREF_PASS_ROWS + 1, 3 * lib.KVREF_PASS_ROWS - 2))
+    tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=T, max_size=T))
+    kv_dtype = (data.draw(st.sampled_from(NATIVE_KV_DTYPES)), data.draw(st.sampled_from(["contiguous", "paged"])))
+    ops = nops.kernels(2, isa)
+    ff = fused.FusedForward(config, weights, activations)
+    reference = Int8Kernels(ops, weights.output) if activations == "int8" else ops
+    got, got_cache = run(c_forward(ff), ops, config, weights, tokens, [T], kv_dtype, 1)
+    want, want_cache = run(decoder_forward(isa, new_cache(config, *kv_dtype)), reference, config, weights, tokens,
+                           pass_sizes(T), kv_dtype, 1)
+    assert ff.timings()["calls"] == 2  # the prefill was one C call
+    assert_same_execution(got, got_cache, want, want_cache)
+
+
+@settings(max_examples=10)
+@given(st.data(), ISAS)
+def test_a_batch_longer_than_a_pass_equals_the_decoder_batch_within_the_float32_tolerance(data, isa):
+    # the passes may cut a sequence in two: its second part attends to what the first wrote
+    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
+    rows = lib.KVREF_PASS_ROWS
+    config = config.replace(max_seq_len=3 * rows)
+    lengths = data.draw(st.lists(st.integers(1, 2 * rows), min_size=2, max_size=3).filter(
+        lambda n: rows < sum(n) <= 3 * rows))
+    prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=n, max_size=n)) for n in lengths]
+    kv_dtype = data.draw(st.sampled_from(NATIVE_KV_DTYPES))
+    got_caches, want_caches = (batch_caches(config, kv_dtype, "contiguous", len(prompts)) for _ in range(2))
+    ops = nops.kernels(2, isa)
+    ff = fused.FusedForward(config, weights, "float32")
+    got = run_batch(c_forward_batch(ff), ops, config, weights, prompts, 1, got_caches)
+    want = run_batch(decoder_forward(isa, want_caches[0], batch=True), ops, config, weights, prompts, 1, want_caches)
+    assert ff.timings()["calls"] == 2
+    assert_close(got, want, "float32", "fused batch in passes vs the decoder batch")
+
+
 def decode_alone_and_batched(ff, ops, config, weights, caches, ids):
     """One decode step of each sequence: [its logits alone] with caches[0], [the batch's] with caches[1]."""
     alone = []

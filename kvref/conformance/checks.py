@@ -92,21 +92,32 @@ class Context:
 # ---- comparing ------------------------------------------------------------------------------------
 
 class Tally:
-    """Comparisons of one check, summed up into a verdict and a line of evidence."""
+    """Comparisons of one check, summed up into a verdict and a line of evidence. Rows the engine left
+    out (Rows.missing) are not compared: each is listed as skipped, with the engine's reason."""
 
     def __init__(self, max_kl: float, near_tie: float, mean_kl: float | None = None):
         self.max_kl, self.near_tie, self.mean_kl = max_kl, near_tie, mean_kl
-        self.kl, self.where, self.ties, self.bugs = [], [], [], []
+        self.kl, self.where, self.ties, self.bugs, self.skipped = [], [], [], [], []
 
     def add(self, what: str, reference, actual: Rows, offset: int = 0):
-        d = divergence(reference, actual)
+        self.skipped.extend(f"{what} @{offset + i} ({why})" for i, why in sorted(actual.missing.items()))
+        rows = actual.reported()  # [T'] the positions the engine gave a distribution for
+        d = divergence(np.atleast_2d(reference)[rows], actual.take(rows))
         self.kl.extend(d.kl)
-        self.where.extend(f"{what} @{offset + i}" for i in range(len(d.kl)))
-        for i in d.disagreements:
-            entry = f"{what} @{offset + i} (margin {fmt(d.margin[i])})"
-            (self.ties if d.margin[i] < self.near_tie else self.bugs).append(entry)
+        self.where.extend(f"{what} @{offset + i}" for i in rows)
+        for j in d.disagreements:
+            entry = f"{what} @{offset + rows[j]} (margin {fmt(d.margin[j])})"
+            (self.ties if d.margin[j] < self.near_tie else self.bugs).append(entry)
 
     def result(self, name: str, extra: str = "") -> CheckResult:
+        threshold = (f"max KL <= {fmt(self.max_kl)}" + (f", mean KL <= {fmt(self.mean_kl)}" if self.mean_kl else "")
+                     + f", top-1 flips only where the margin < {fmt(self.near_tie)}")
+        skipped = (f"; {len(self.skipped)} position{'s' * (len(self.skipped) > 1)} skipped, "
+                   "the engine gave no distribution there: "
+                   + ", ".join(self.skipped[:4]) + (" ..." if len(self.skipped) > 4 else "")) if self.skipped else ""
+        if not self.kl:
+            return CheckResult(name, "skip", "no position compared" + skipped + extra, threshold,
+                               {"positions": 0, "skipped": self.skipped})
         kl = np.asarray(self.kl)
         worst = int(np.argmax(kl))
         mean = float(kl.mean())
@@ -117,11 +128,9 @@ class Tally:
             evidence += f"; near-ties: {', '.join(self.ties[:4])}" + (" ..." if len(self.ties) > 4 else "")
         if self.bugs:
             evidence += f"; top-1 flips beyond a near-tie: {', '.join(self.bugs[:4])}"
-        threshold = (f"max KL <= {fmt(self.max_kl)}" + (f", mean KL <= {fmt(self.mean_kl)}" if self.mean_kl else "")
-                     + f", top-1 flips only where the margin < {fmt(self.near_tie)}")
         metrics = {"positions": len(kl), "max_kl": float(kl[worst]), "mean_kl": mean, "near_ties": self.ties,
-                   "flips": self.bugs}
-        return CheckResult(name, "pass" if ok else "fail", evidence + extra, threshold, metrics)
+                   "flips": self.bugs, "skipped": self.skipped}
+        return CheckResult(name, "pass" if ok else "fail", evidence + skipped + extra, threshold, metrics)
 
 
 def golden_tally(ctx) -> Tally:
@@ -154,32 +163,39 @@ def check_golden(ctx) -> CheckResult:
 
 
 def check_greedy(ctx) -> CheckResult:
-    """The engine's own greedy decode (one decode step per token) against the spec's."""
-    n, firsts, flips = ctx.plan.greedy_tokens, [], []
+    """The engine's own greedy decode (one decode step per token) against the spec's. A step whose row
+    the engine left out ends that prompt's comparison there (its token is unknown), reported as skipped."""
+    n, firsts, flips, skipped, decoded = ctx.plan.greedy_tokens, [], [], [], 0
     for i, prompt in enumerate(ctx.plan.prompts):
         want, spec_rows = ctx.spec.greedy(prompt, n)
         seq = ctx.new()
         row = ctx.engine.forward(seq, prompt, last_only=True)
-        got = []
         for step in range(n):
-            got.append(int(row.top1()[0]))
-            if got[-1] != want[step]:
-                margin = spec_rows[step][want[step]] - spec_rows[step][got[-1]]
+            if row.missing:
+                skipped.append(f"prompt {i} from step {step} ({row.missing[0]})")
+                break
+            got = int(row.top1()[0])
+            if got != want[step]:
+                margin = spec_rows[step][want[step]] - spec_rows[step][got]
                 (firsts if margin < ctx.bounds.near_tie else flips).append(
-                    f"prompt {i} step {step}: {got[-1]} for {want[step]} (spec margin {fmt(margin)})")
+                    f"prompt {i} step {step}: {got} for {want[step]} (spec margin {fmt(margin)})")
                 break
             if step + 1 < n:
-                row = ctx.engine.forward(seq, [got[-1]], last_only=True)
+                row = ctx.engine.forward(seq, [got], last_only=True)
+        else:
+            decoded += 1
         ctx.release()
     total = len(ctx.plan.prompts)
-    evidence = f"{total - len(firsts) - len(flips)}/{total} prompts decode the spec's {n} greedy tokens"
+    evidence = f"{decoded}/{total} prompts decode the spec's {n} greedy tokens"
     if firsts:
         evidence += "; near-tie divergences: " + "; ".join(firsts)
     if flips:
         evidence += "; divergences beyond a near-tie: " + "; ".join(flips)
+    if skipped:
+        evidence += "; not compared, the engine gave no distribution: " + "; ".join(skipped)
     return CheckResult("greedy", "fail" if flips else "pass", evidence,
                        f"a divergence only where the spec's margin < {fmt(ctx.bounds.near_tie)}",
-                       {"near_ties": firsts, "flips": flips})
+                       {"decoded": decoded, "prompts": total, "near_ties": firsts, "flips": flips, "skipped": skipped})
 
 
 def check_context_shift(ctx) -> CheckResult:

@@ -36,6 +36,8 @@ def add_conformance(commands):
     p.add_argument("--swa-full", action="store_true",
                    help="llama-cpp-python: a full-size cache for sliding-window layers (default: the window cache)")
     p.add_argument("--url", default=None, help="openai-http: the server's base URL (http://host:port)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="openai-http: sent as `Authorization: Bearer KEY` (a server started with an API key)")
     p.add_argument("--precision", choices=["float32", "quantized"], default="float32",
                    help="openai-http: which bounds apply (docs/conformance.md): float32 (a server computing in "
                         "float32 with float32 K/V, default) or quantized (float16 K/V, 8-bit activations)")
@@ -94,7 +96,7 @@ def engines_for(args, spec):
         return [LlamaCppEngine(model_path(args.model), spec.vocab_size, n, swa_full=args.swa_full, flash_attn=flash)]
     from .http_engine import OpenAIHTTPEngine
 
-    return [OpenAIHTTPEngine(args.url, spec, precision=args.precision)]
+    return [OpenAIHTTPEngine(args.url, spec, precision=args.precision, api_key=args.api_key)]
 
 
 def _is_folder(model) -> bool:
@@ -114,8 +116,8 @@ def check_arguments(args) -> None:
                                "in the local Hugging Face cache)")
     if args.engine == "openai-http" and not args.url:
         raise ConformanceError("the openai-http engine needs --url http://host:port (the server's base URL)")
-    if args.engine != "openai-http" and args.url:
-        raise ConformanceError(f"--url applies to openai-http only, not to {args.engine}")
+    if args.engine != "openai-http" and (args.url or args.api_key):
+        raise ConformanceError(f"--url and --api-key apply to openai-http only, not to {args.engine}")
     if args.engine != "llama-cpp-python" and (args.flash_attn != "auto" or args.swa_full):
         raise ConformanceError(f"--flash-attn and --swa-full apply to llama-cpp-python only, not to {args.engine}")
     if args.engine != "kvref" and args.backend != "auto":

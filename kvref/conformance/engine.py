@@ -27,7 +27,7 @@ state (llama.cpp removing positions from a window cache) raises Refused: the che
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,11 +49,14 @@ class Refused(KVRefError, RuntimeError):
 @dataclass
 class Rows:
     """Next-token log-probabilities of T positions: every token's (full [T, V]), or the engine's k
-    most likely (top_ids, top_logprobs [T, k], most likely first)."""
+    most likely (top_ids, top_logprobs [T, k], most likely first). `missing` names the rows the engine
+    answered without a distribution ({row: why}, a server that leaves entries out): such a row holds
+    placeholders (-inf), and the checks compare the other rows and report these as skipped."""
 
     full: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    missing: dict = field(default_factory=dict)
 
     @classmethod
     def from_logits(cls, logits) -> "Rows":
@@ -65,15 +68,27 @@ class Rows:
         return len(self.full if self.full is not None else self.top_ids)
 
     def top1(self) -> np.ndarray:
-        # -> [T] the engine's most likely token at each position
+        # -> [T] the engine's most likely token at each position (a placeholder on a missing row)
         return self.full.argmax(axis=-1) if self.full is not None else self.top_ids[:, 0]
+
+    def reported(self) -> np.ndarray:
+        """[T'] the indices of the rows that are not missing, in order."""
+        return np.array([i for i in range(len(self)) if i not in self.missing], dtype=np.int64)
+
+    def take(self, rows) -> "Rows":
+        """The given rows (indices of rows that are not missing)."""
+        if self.full is not None:
+            return Rows(full=self.full[rows])
+        return Rows(top_ids=self.top_ids[rows], top_logprobs=self.top_logprobs[rows])
 
     @staticmethod
     def concat(parts) -> "Rows":
+        offsets = np.cumsum([0] + [len(p) for p in parts])
+        missing = {int(start) + i: why for p, start in zip(parts, offsets) for i, why in p.missing.items()}
         if parts[0].full is not None:
-            return Rows(full=np.concatenate([p.full for p in parts]))
+            return Rows(full=np.concatenate([p.full for p in parts]), missing=missing)
         return Rows(top_ids=np.concatenate([p.top_ids for p in parts]),
-                    top_logprobs=np.concatenate([p.top_logprobs for p in parts]))
+                    top_logprobs=np.concatenate([p.top_logprobs for p in parts]), missing=missing)
 
 
 class Engine:

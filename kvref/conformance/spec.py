@@ -116,7 +116,10 @@ def full_kl(ref, act) -> np.ndarray:
 
 def topk_kl(ref, top_ids, top_logprobs) -> np.ndarray:
     # [T, V], [T, k] ids, [T, k] log-probabilities -> [T] KL over the k tokens + "the rest"
-    p = np.exp(np.take_along_axis(ref, top_ids, axis=-1))  # [T, k] the spec's mass on the engine's tokens
+    # an entry of log-probability -inf is padding (an engine with fewer than k tokens to report, its id a
+    # repeat): it goes into "the rest" on both sides, so no spec mass is counted twice
+    listed = np.isfinite(top_logprobs)  # [T, k]
+    p = np.where(listed, np.exp(np.take_along_axis(ref, top_ids, axis=-1)), 0.0)  # [T, k] the spec's mass on them
     q = np.exp(top_logprobs)
     p_rest = np.clip(1.0 - p.sum(axis=-1), TINY, 1.0)
     q_rest = np.clip(1.0 - q.sum(axis=-1), TINY, 1.0)
