@@ -25,6 +25,10 @@
  * by hand: the score kernels store a seen -inf score (it would look masked) as NaN
  * (kvref_attn_score_value), "no key seen" is l == 0 rather than l > 0 (which NaN fails), and a
  * non-finite output is written as NaN.
+ *
+ * Gemma 2's soft cap of the scores (a->softcap > 0) is applied here, between the kernels' scores and
+ * the mask, for every instruction set alike: one libm tanhf per score, so the capped scores are the
+ * same bits whichever kernel table scored them. A NaN score stays NaN through it.
  */
 #include <math.h>
 
@@ -84,7 +88,7 @@ static void quantize_query(const kvref_attn_args *a, const float *q, int64_t h0,
 }
 
 /* The online-softmax state of no key seen, for the G heads of a group: running max m = -inf, sum of
- * exponentials l = 0, unnormalised output acc = 0; m, l [G], acc [G, D] */
+ * exponentials l = 0, unnormalised output acc = 0; m, l [G], acc [G, D] (D: the values' width, Dv) */
 static void state_init(int64_t G, int64_t D, float *m, float *l, float *acc) {
     for (int64_t g = 0; g < G; g++) {
         m[g] = -INFINITY;
@@ -212,7 +216,7 @@ static const float *group_sinks(const kvref_attn_args *a, int64_t hk) {
 }
 
 /* The cursor's chunk for the G query heads of kv head hk: an online-softmax update of their state
- * (m, l [G], acc [G, D], relative to m; state_init is the state of no key seen). Each head's
+ * (m, l [G], acc [G, Dv], relative to m; state_init is the state of no key seen). Each head's
  * running max moves once per chunk, rescaling what was accumulated, then probability x value is
  * added. A unit applies this to the chunks of its keys in order from a multiple of
  * KVREF_ATTN_CHUNK, so a state is the same, bit for bit, however the keys were cut into segments
@@ -234,6 +238,9 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
         c->qsum = u->qsum + hk * G * u->s_head;
     }
     ak->score(a, c, p); /* a seen -inf score is stored as NaN (kvref_attn_score_value) */
+    if (a->softcap > 0.0f) /* Gemma 2: every score squashed into (-softcap, softcap) before the mask */
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t s = 0; s < c->n; s++) p[g * C + s] = kvref_soft_cap_value(p[g * C + s], a->softcap);
     if (!c->all) /* masked keys get probability exp(-inf) = 0 */
         for (int64_t s = 0; s < c->n; s++)
             if (kvref_attn_hidden(c, s))
@@ -243,7 +250,7 @@ static void chunk_update(const kvref_attn_kernels *ak, const kvref_attn_args *a,
         const float alpha = expf(m[g] - u->mnew[g]); /* 0 while nothing was seen (m = -inf) */
         l[g] = l[g] * alpha + u->sum[g];
         if (alpha != 1.0f)
-            for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
+            for (int64_t i = 0; i < a->Dv; i++) acc[g * a->Dv + i] *= alpha;
         m[g] = u->mnew[g];
     }
     ak->values(a, c, p, acc);
@@ -274,7 +281,7 @@ static kvref_attn_job *job_of(const attn_batch *b, int merge, int64_t *unit) {
  * where the unit normalises it at the end. */
 static void state_of(const kvref_attn_job *c, int64_t t, int64_t hk, int64_t seg, float *ml, int64_t hk0, float **m,
                      float **l, float **acc) {
-    const int64_t G = c->a.G, D = c->a.D;
+    const int64_t G = c->a.G, D = c->a.Dv; /* the state holds values */
     if (c->nseg > 1) {
         *m = c->partial + ((t * c->a.Hkv + hk) * c->nlive + seg - c->seg_lo) * G * (D + 2);
         *acc = *m + 2 * G;
@@ -317,7 +324,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
         const int64_t s1 = nseg == 1 || (seg + 1) * KVREF_ATTN_SEGMENT > c->k_end ? c->k_end : (seg + 1) * KVREF_ATTN_SEGMENT;
         for (int64_t hk = hk0; hk < hk1; hk++) {
             state_of(c, t, hk, seg, ml, hk0, &m, &l, &acc);
-            state_init(G, D, m, l, acc);
+            state_init(G, a->Dv, m, l, acc);
         }
         for (int64_t c0 = s0; c0 < s1; c0 += KVREF_ATTN_CHUNK) {
             if (!cursor_seek(&u, a, c0, s1 - c0 < KVREF_ATTN_CHUNK ? s1 - c0 : KVREF_ATTN_CHUNK)) continue;
@@ -330,7 +337,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
     if (nseg == 1)
         for (int64_t hk = hk0; hk < hk1; hk++) {
             state_of(c, t, hk, 0, ml, hk0, &m, &l, &acc);
-            normalise(G, D, m, l, group_sinks(a, hk), acc, acc);
+            normalise(G, a->Dv, m, l, group_sinks(a, hk), acc, acc);
         }
 }
 
@@ -340,7 +347,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
 static void merge_task(void *vctx, int64_t unit, int thread) {
     const kvref_attn_job *c = job_of(vctx, 1, &unit);
     const kvref_attn_args *a = &c->a;
-    const int64_t G = a->G, D = a->D, nseg = c->nlive, stride = G * (D + 2);
+    const int64_t G = a->G, D = a->Dv, nseg = c->nlive, stride = G * (D + 2); /* D: the values' width */
     const int64_t hk = unit % a->Hkv, t = unit / a->Hkv;
     (void)thread;
     const float *base = c->partial + unit * nseg * stride;
@@ -408,7 +415,7 @@ static int64_t job_plan(kvref_attn_job *c, int64_t threads, int64_t queries, con
     const kvref_attn_args *a = &c->a;
     c->nseg = n_segments(a->T, a->S);
     if (!live_keys(a, &c->k_begin, &c->k_end)) { /* no query sees any key */
-        no_key_seen(a->T, a->H, a->D, a->sinks, c->out);
+        no_key_seen(a->T, a->H, a->Dv, a->sinks, c->out);
         c->nseg = 1;
         return 0;
     }
@@ -451,10 +458,10 @@ void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n) {
 
 int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const kvref_kv *kv,
                     int64_t layer, int64_t S, const int64_t *q_positions, const int64_t *k_positions,
-                    int64_t window, float scale, const float *sinks, float *out) {
+                    int64_t window, float softcap, float scale, const float *sinks, float *out) {
     if (pool == NULL || kv == NULL) return KVREF_ERR_NULL;
     if (T < 0 || H < 0 || D < 0 || S < 0 || layer < 0 || layer >= kv->n_layers) return KVREF_ERR_DIM;
-    if (window < 0 || !isfinite(scale)) return KVREF_ERR_VALUE;
+    if (window < 0 || !isfinite(scale) || !(softcap >= 0.0f) || isinf(softcap)) return KVREF_ERR_VALUE;
     const int64_t Hkv = kv->n_kv_heads;
     int status = kvref_kv_check(kv, kv->n_layers, Hkv, D, 0);
     const int64_t ring = status == KVREF_OK ? kvref_kv_ring(kv, layer) : 0;
@@ -465,20 +472,21 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
     if (mul_overflows(T, H) || mul_overflows(T * H, D)) return KVREF_ERR_DIM;
     if (T == 0 || H == 0) return KVREF_OK;
     if (q == NULL || q_positions == NULL || out == NULL) return KVREF_ERR_NULL;
+    const int64_t Dv = kv->v_dim > 0 ? kv->v_dim : D;
     if (S == 0) {
-        no_key_seen(T, H, D, sinks, out);
+        no_key_seen(T, H, Dv, sinks, out);
         return KVREF_OK;
     }
     if (k_positions == NULL) return KVREF_ERR_NULL;
 
     const int64_t G = H / Hkv;
     kvref_attn_args a = {.q = q, .q_positions = q_positions, .k_positions = k_positions, .T = T, .H = H, .S = S,
-                         .G = G, .window = window, .scale = scale, .sinks = sinks};
+                         .G = G, .window = window, .scale = scale, .softcap = softcap, .sinks = sinks};
     kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
     status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G, D));
     float *partial = NULL;
-    const int64_t np = kvref_attention_partial_floats(T, Hkv, G, D, S);
+    const int64_t np = kvref_attention_partial_floats(T, Hkv, G, Dv, S);
     if (status == KVREF_OK && np > 0) {
         partial = kvref_pool_shared(pool, (size_t)np * sizeof(float));
         if (partial == NULL) status = KVREF_ERR_NOMEM;

@@ -1,4 +1,4 @@
-/* elementwise.c: RMSNorm, RoPE, SwiGLU, GeGLU and gpt-oss's clamped SwiGLU.
+/* elementwise.c: RMSNorm, RoPE, SwiGLU, GeGLU, gpt-oss's clamped SwiGLU and the soft cap.
  *
  * Each output element depends only on its own row (RMSNorm, RoPE) or its own index (SwiGLU), so
  * large calls are split over rows/ranges and every element is computed identically whichever
@@ -156,4 +156,38 @@ int kvref_geglu(kvref_pool *pool, const float *gate, const float *up, int64_t n,
 
 int kvref_swiglu_oai(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
     return glu(pool, KVREF_GATE_SWIGLU_OAI, gate, up, n, out);
+}
+
+/* ---- soft cap ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *x;            /* [n] */
+    int64_t n;
+    float cap;
+    float *out;                /* [n] */
+} cap_ctx;
+
+static void cap_task(void *vctx, int64_t unit, int thread) {
+    const cap_ctx *c = vctx;
+    (void)thread;
+    const int64_t i0 = unit * KVREF_GLU_UNIT, i1 = i0 + KVREF_GLU_UNIT < c->n ? i0 + KVREF_GLU_UNIT : c->n;
+    for (int64_t i = i0; i < i1; i++) c->out[i] = kvref_soft_cap_value(c->x[i], c->cap);
+}
+
+void kvref_soft_cap_run(kvref_pool *pool, const float *x, int64_t n, float cap, float *out) {
+    cap_ctx c = {x, n, cap, out};
+    if (n <= KVREF_GLU_UNIT) cap_task(&c, 0, 0); /* one unit (a decode step's logits): the calling thread */
+    else kvref_pool_run(pool, cap_task, &c, (n + KVREF_GLU_UNIT - 1) / KVREF_GLU_UNIT);
+}
+
+int kvref_soft_cap(kvref_pool *pool, const float *x, int64_t n, float cap, float *out) {
+    if (pool == NULL) return KVREF_ERR_NULL;
+    if (n < 0) return KVREF_ERR_DIM;
+    if (!(cap > 0.0f) || isinf(cap)) return KVREF_ERR_VALUE;
+    if (n == 0) return KVREF_OK;
+    if (x == NULL || out == NULL) return KVREF_ERR_NULL;
+    kvref_pool_lock(pool);
+    kvref_soft_cap_run(pool, x, n, cap, out);
+    kvref_pool_unlock(pool);
+    return KVREF_OK;
 }

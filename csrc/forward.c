@@ -153,7 +153,8 @@ static void qk_row(const fw *f, int64_t t) {
     const kvref_model_desc *c = f->c;
     const kvref_layer_desc *lw = f->lw;
     const int64_t H = c->n_heads, Hkv = c->n_kv_heads, D = c->head_dim;
-    const double *cs = f->s->cs + (f->model->table_of[f->layer] * f->s->rows + t) * D;
+    const int64_t table = f->model->table_of[f->layer]; /* -1: a NoPE layer */
+    const double *cs = table < 0 ? NULL : f->s->cs + (table * f->s->rows + t) * D;
     float *q = f->s->q + t * H * D, *k = f->s->k + t * Hkv * D, *v = f->s->v + t * Hkv * D;
     if (lw->bq != NULL) {
         for (int64_t i = 0; i < H * D; i++) q[i] = q[i] + lw->bq[i];
@@ -164,6 +165,7 @@ static void qk_row(const fw *f, int64_t t) {
         for (int64_t h = 0; h < H; h++) kvref_rms_norm_row(q + h * D, D, lw->q_norm, c->norm_eps, q + h * D);
         for (int64_t h = 0; h < Hkv; h++) kvref_rms_norm_row(k + h * D, D, lw->k_norm, c->norm_eps, k + h * D);
     }
+    if (cs == NULL) return; /* a NoPE layer: q and k carry no position */
     kvref_rope_row(q, H, D, cs, q);
     kvref_rope_row(k, Hkv, D, cs, k);
 }
@@ -337,7 +339,8 @@ static kvref_attn_job attention_job(const fw *f, const kvref_kv *kv, int64_t t0,
     const int64_t HD = c->n_heads * c->head_dim;
     kvref_attn_job job = {.a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
                                 .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads,
-                                .window = f->lw->window, .scale = c->attention_scale, .sinks = f->lw->sinks},
+                                .window = f->lw->window, .scale = c->attention_scale,
+                                .softcap = c->attn_softcap, .sinks = f->lw->sinks},
                           .partial = partial, .out = f->s->att + t0 * HD};
     kvref_kv_layer(kv, f->layer, &job.a);
     return job;
@@ -467,6 +470,7 @@ static void final_logits(fw *f) {
         if (n == 1) exact_top_row(f, 0, 0); /* the caller is thread 0 */
         else kvref_pool_run(f->pool, exact_top_task, (void *)f, n);
     }
+    if (c->final_softcap > 0.0f) kvref_soft_cap_run(f->pool, f->logits, n * V, c->final_softcap, f->logits); /* Gemma 2 */
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
@@ -514,6 +518,7 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0) return KVREF_ERR_SHAPE;
     if (!(c->norm_eps >= 0.0) || isinf(c->norm_eps) || !(c->embedding_scale > 0.0f) || isinf(c->embedding_scale)
         || !(c->attention_scale > 0.0f) || isinf(c->attention_scale)
+        || !(c->attn_softcap >= 0.0f) || isinf(c->attn_softcap) || !(c->final_softcap >= 0.0f) || isinf(c->final_softcap)
         || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH && c->gate != KVREF_GATE_SWIGLU_OAI))
         return KVREF_ERR_VALUE;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
@@ -522,13 +527,13 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     if (status == KVREF_OK) status = c->tok_embeddings.packed == NULL ? check_packed(&c->output) : KVREF_ERR_VALUE;
     for (int64_t l = 0; status == KVREF_OK && l < c->n_layers; l++) {
         const kvref_layer_desc *lw = &c->layers[l];
-        if (lw->attn_norm == NULL || lw->ffn_norm == NULL || lw->rope_freqs == NULL) return KVREF_ERR_NULL;
+        if (lw->attn_norm == NULL || lw->ffn_norm == NULL) return KVREF_ERR_NULL;
         /* the optional fields come in their groups: all three biases, both QK-norms, both sandwich norms */
         if ((lw->bq == NULL) != (lw->bk == NULL) || (lw->bq == NULL) != (lw->bv == NULL)
             || (lw->q_norm == NULL) != (lw->k_norm == NULL) || (lw->post_attn_norm == NULL) != (lw->post_ffn_norm == NULL))
             return KVREF_ERR_NULL;
         if (lw->window < 0) return KVREF_ERR_VALUE;
-        for (int64_t i = 0; i < c->head_dim / 2; i++)
+        for (int64_t i = 0; lw->rope_freqs != NULL && i < c->head_dim / 2; i++)
             if (!isfinite(lw->rope_freqs[i])) return KVREF_ERR_VALUE;
         const struct { const kvref_tensor *t; int64_t rows, cols; } expect[] = {
             {&lw->wq, QD, E}, {&lw->wk, KVD, E}, {&lw->wv, KVD, E}, {&lw->wo, E, QD},
@@ -555,8 +560,13 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     memcpy(m->layers, c->layers, (size_t)c->n_layers * sizeof *m->layers);
     for (int64_t l = 0; l < c->n_layers; l++) { /* layers with equal frequencies share their cos/sin */
         int64_t first = 0;
-        while (first < l && memcmp(c->layers[first].rope_freqs, c->layers[l].rope_freqs,
-                                   (size_t)(c->head_dim / 2) * sizeof(double)) != 0)
+        if (c->layers[l].rope_freqs == NULL) { /* NoPE: no table */
+            m->table_of[l] = -1;
+            continue;
+        }
+        while (first < l && (c->layers[first].rope_freqs == NULL ||
+                             memcmp(c->layers[first].rope_freqs, c->layers[l].rope_freqs,
+                                    (size_t)(c->head_dim / 2) * sizeof(double)) != 0))
             first++;
         m->table_of[l] = first < l ? m->table_of[first] : m->n_tables++;
     }
@@ -643,7 +653,7 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const 
         s->att = alloc_floats(rows * QD);
         s->gate = alloc_floats(rows * c->d_ff);
         s->up = alloc_floats(rows * c->d_ff);
-        s->cs = malloc((size_t)(s->model->n_tables * rows * c->head_dim) * sizeof(double));
+        s->cs = malloc((size_t)((s->model->n_tables > 0 ? s->model->n_tables : 1) * rows * c->head_dim) * sizeof(double));
         s->q_positions = malloc((size_t)rows * sizeof(int64_t));
         s->row_seq = malloc((size_t)rows * sizeof(int64_t));
         if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->cs ||
@@ -753,7 +763,7 @@ static int forward_pass(fw *f, int64_t S) {
         }
     for (int64_t l = 0, seen = 0; l < c->n_layers; l++) { /* RoPE angles once per position and distinct table */
         const int64_t table = f->model->table_of[l];
-        if (table < seen) continue; /* tables are numbered as layers first use them */
+        if (table < seen) continue; /* tables are numbered as layers first use them (NoPE layers: -1) */
         seen++;
         for (int64_t t = 0; t < T; t++)
             kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, state->q_positions[t],

@@ -169,11 +169,18 @@ typedef struct kvref_attn_args {
     int64_t block_size;        /* ... or in slot s when block_table is NULL */
     const int64_t *q_positions, *k_positions; /* [T], [S] */
     int64_t T, H, D, S, Hkv, G;
+    int64_t Dv;                /* the values' width: each V vector's first Dv <= D elements (MLA: the
+                                  latent c_kv inside the latent key); acc and out hold Dv per head */
     int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
     float scale;               /* what scores are multiplied by */
+    float softcap;             /* > 0: scaled scores -> kvref_soft_cap_value(score, softcap) before the mask; 0: none */
     const float *sinks;        /* [H] each head's sink logit, joining its softmax denominator with no
                                   value (gpt-oss), or NULL */
 } kvref_attn_args;
+
+/* Gemma 2's soft cap of one score or logit: cap * tanh(x / cap) for finite x, x itself otherwise
+ * (kvref.spec.ops.soft_cap: tanh would turn an infinity into a finite cap) */
+static inline float kvref_soft_cap_value(float x, float cap) { return isfinite(x) ? cap * tanhf(x / cap) : x; }
 
 /* Keys the skeleton hands the kernels per step; how far ahead of the keys it scores a kernel
  * prefetches (one chunk); and so how many keys past a chunk the skeleton looks up rows for. */
@@ -234,8 +241,8 @@ static inline float kvref_attn_score_value(float score) { return score + score *
  * max(m[g], max_s p[g * C + s]), p[g * C + s] = exp(p[g * C + s] - mnew[g]) in place (0 for a masked
  * key's -inf) and sum[g] = the sum of those. p [G, C]; m, mnew, sum [G]. */
 typedef void (*kvref_attn_exp_fn)(int64_t G, int64_t n, const float *m, float *p, float *mnew, float *sum);
-/* acc[g * D + i] += sum over the visible keys s of p[g * C + s] * v_s[i], for g < G, i < D: p [G, C],
- * acc [G, D]. A masked key never touches acc. */
+/* acc[g * Dv + i] += sum over the visible keys s of p[g * C + s] * v_s[i], for g < G, i < Dv: p [G, C],
+ * acc [G, Dv]. A masked key never touches acc. */
 typedef void (*kvref_attn_values_fn)(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc);
 
 /* One instruction set's attention kernels. Their vectors read an I8 K or V one scale group at a time,
@@ -630,6 +637,8 @@ void kvref_rms_norm_row(const float *x, int64_t E, const float *weight, double e
 void kvref_rope_cos_sin(int64_t D, const double *inv_freq, int64_t position, double *cs);
 /* rotate the nh heads of one position: x, out [nh, D] (out may be x), cs from kvref_rope_cos_sin */
 void kvref_rope_row(const float *x, int64_t nh, int64_t D, const double *cs, float *out);
+/* kvref_soft_cap's work on a locked pool */
+void kvref_soft_cap_run(kvref_pool *pool, const float *x, int64_t n, float cap, float *out);
 
 /* ---- matmul and attention bodies (arguments checked, the pool lock held) -------------------- */
 

@@ -552,7 +552,7 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
     const int64_t *row = c->row, *srow = c->srow;
     const int64_t n = c->n;
     const int all = c->all;
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8;
+    const int64_t D = a->Dv, C = KVREF_ATTN_CHUNK, Dv = D / 8 * 8; /* D: the values' width here */
     const int keys = gb == 1 ? 4 : 2;
     for (int64_t i = 0; i < Dv; i += 8) {
         const int64_t jg = v_type == KVREF_TYPE_I8 ? i / a->group_size : 0;
@@ -591,7 +591,7 @@ TARGET __attribute__((always_inline)) static inline void pv_block(
 
 TARGET __attribute__((always_inline)) static inline void pv_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type) {
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK;
+    const int64_t D = a->Dv, C = KVREF_ATTN_CHUNK; /* acc [G, Dv] */
     for (int64_t g0 = 0; g0 < a->G; g0 += 3) {
         const float *pg = p + g0 * C;
         float *ag = acc + g0 * D;

@@ -708,7 +708,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
     const float *vs = c->v_scales;
     const int64_t *row = c->row, *srow = c->srow;
     const int64_t n = c->n, nrows = c->nrows;
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
+    const int64_t D = a->Dv, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16; /* D: the values' width here */
     const int keys = gb == 1 ? 2 : 1; /* keys per step */
     __mmask16 mk[4];
     int64_t jg[4]; /* the I8 scale group of each vector */
@@ -754,7 +754,7 @@ TARGET __attribute__((always_inline)) static inline void pv_visible(
 TARGET __attribute__((always_inline)) static inline void pv_typed(
     const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc, const int32_t v_type,
     const int full) {
-    const int64_t D = a->D, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16;
+    const int64_t D = a->Dv, C = KVREF_ATTN_CHUNK, nvec = (D + 15) / 16; /* acc [G, Dv] */
     const __mmask16 last = D % 16 ? tail_mask(D % 16) : (__mmask16)0xffff;
     kvref_attn_chunk vis = *c;
     int64_t keep[KVREF_ATTN_CHUNK], row[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD], srow[KVREF_ATTN_CHUNK + KVREF_ATTN_LOOKAHEAD];
@@ -1021,7 +1021,7 @@ TARGET static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *
 }
 
 TARGET static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
-    const int full = a->D % 16 == 0;
+    const int full = a->Dv % 16 == 0;
     switch (a->v_type) {
     case KVREF_TYPE_KIVI4: values_kivi(a, c, p, acc); break;
     case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8, 1); break;

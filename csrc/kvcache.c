@@ -16,6 +16,8 @@ int kvref_kv_check(const kvref_kv *kv, int64_t n_layers, int64_t Hkv, int64_t D,
     if (kv->n_layers < 0 || kv->n_slots < 0 || kv->n_kv_heads < 1 || kv->head_dim < 1 || positions < 0)
         return KVREF_ERR_DIM;
     if (kv->n_layers != n_layers || kv->n_kv_heads != Hkv || kv->head_dim != D) return KVREF_ERR_SHAPE;
+    if (kv->v_dim < 0 || kv->v_dim > D) return KVREF_ERR_SHAPE;
+    if (kv->v_dim != 0 && kv->v_dim != D && kv->v_type == KVREF_TYPE_KIVI4) return KVREF_ERR_SHAPE; /* whole vectors */
     int64_t slots = 0, plain = kv->n_layers; /* slots in all layers; layers without a ring */
     if (kv->layer_ring != NULL) {
         if (kv->block_table != NULL) return KVREF_ERR_SHAPE; /* a ring layout has no blocks */
@@ -76,6 +78,7 @@ void kvref_kv_layer(const kvref_kv *kv, int64_t layer, kvref_attn_args *a) {
     a->block_table = kv->block_table;
     a->block_size = kv->block_size;
     a->D = kv->head_dim;
+    a->Dv = kv->v_dim > 0 ? kv->v_dim : kv->head_dim;
     a->Hkv = kv->n_kv_heads;
 }
 

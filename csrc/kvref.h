@@ -103,6 +103,21 @@ int kvref_matmul(kvref_pool *pool,
                  const void *w, int32_t w_type, int64_t w_nbytes, int64_t N,
                  float *y);
 
+/* A mixture of experts' projection: y[r] = x[r] @ W_e.T with e = experts[r], W a stack of X matrices
+ * [N, K] in `w_type` blocks, expert after expert, read in place. The rows naming one expert are taken
+ * together (in ascending row order) and multiplied as kvref_matmul multiplies them, so each expert named
+ * is read once per call, an expert no row names is never read, and y[r] is kvref_matmul's row for r
+ * among its expert's rows.
+ *   x:       float32 [R, K]
+ *   experts: int64   [R], each in [0, X) (KVREF_ERR_VALUE otherwise, before anything is read)
+ *   w:       bytes   [X, N, kvref_row_nbytes(w_type, K)], w_nbytes in total
+ *   y:       float32 [R, N] (must not overlap x or w)
+ * Scratch for the grouped rows is allocated per call (KVREF_ERR_NOMEM if it cannot be). */
+int kvref_matmul_experts(kvref_pool *pool,
+                         const float *x, int64_t R, int64_t K, const int64_t *experts,
+                         const void *w, int32_t w_type, int64_t w_nbytes, int64_t X, int64_t N,
+                         float *y);
+
 /* The projection of the int8 activation mode: y = x~ @ W.T, where each row of x is first rounded
  * to blocks of 32 int8 values, x~[j] = d_b * q[j] with d_b = max_{j in b} |x[j]| / 127 and
  * q[j] = rint(x[j] * (1 / d_b)), and the dot products are computed in integers per block; a block
@@ -189,6 +204,14 @@ int kvref_swiglu_oai(kvref_pool *pool,
                      const float *gate, const float *up, int64_t n,
                      float *out);
 
+/* out = cap * tanh(x / cap) for finite x, x itself otherwise (kvref.spec.ops.soft_cap: Gemma 2's final
+ * logits and, inside kvref_attention, its scores).
+ *   x, out: float32 [n] (out may be x)
+ *   cap:    > 0, finite */
+int kvref_soft_cap(kvref_pool *pool,
+                   const float *x, int64_t n, float cap,
+                   float *out);
+
 /* A KV cache's storage, read and written in place (kvref/cache/quant.py's SlotStore). K and V of
  * every layer live in a grid of slots, one head_dim vector per (layer, slot, kv head):
  *   k, v:               k_type / v_type [n_layers, n_slots, n_kv_heads, head_dim]
@@ -221,6 +244,9 @@ typedef struct kvref_kv {
     int64_t n_blocks, block_size;
     const int64_t *layer_ring;   /* [n_layers], each >= 0, or NULL (every layer as above) */
     uint16_t *k_residual;        /* KIVI4 K: float16 [n_layers, group_size, n_kv_heads, head_dim]; else NULL */
+    int64_t v_dim;               /* Dv, what attention reads of each V vector: its first Dv of head_dim
+                                    elements, 1 <= Dv <= head_dim; 0: head_dim (KIVI4 V: always). A latent
+                                    (MLA) cache passes its K as V (k, k_type, k_scales) with Dv = kv_lora_rank */
 } kvref_kv;
 
 /* Causal grouped-query attention by position with a single-pass (online) softmax, reading layer
@@ -229,23 +255,25 @@ typedef struct kvref_kv {
  * layer, whose caller says in k_positions which position each slot holds, in any order); query t,
  * head h attends to every key with k_positions[s] <= q_positions[t], and with a window W > 0 only to
  * those with q_positions[t] - W < k_positions[s], through kv head h / (H / Hkv); scores are
- * (q . k) * scale. A query that sees no key gets a zero output. Chunks of keys no query can see are
+ * (q . k) * scale, then with softcap > 0 softcap * tanh(score / softcap) (kvref_soft_cap: Gemma 2), before
+ * the mask. A query that sees no key gets a zero output. Chunks of keys no query can see are
  * skipped without reading their K/V (a windowed decode step reads about W keys of a long cache).
  *   q:           float32 [T, H, D], D == kv->head_dim, Hkv == kv->n_kv_heads
  *   q_positions: int64   [T]
  *   k_positions: int64   [S]
  *   window:      >= 0 (0: none)
+ *   softcap:     >= 0, finite (0: none)
  *   scale:       finite (kvref.spec.ops.attention's scale; 1 / sqrt(D) is its default)
  *   sinks:       float32 [H] or NULL: each head's sink logit (gpt-oss), one more term of its softmax
  *                denominator, exp(sink), that multiplies no value; a non-finite one makes its head NaN
- *   out:         float32 [T, H, D] (must not overlap the inputs)
+ *   out:         float32 [T, H, Dv] (must not overlap the inputs); Dv = kv->v_dim, or D when that is 0
  * H must be a multiple of Hkv; the layer must hold S positions (n_slots, or the table's blocks, or
  * the ring's R slots). */
 int kvref_attention(kvref_pool *pool,
                     const float *q, int64_t T, int64_t H, int64_t D,
                     const kvref_kv *kv, int64_t layer, int64_t S,
                     const int64_t *q_positions, const int64_t *k_positions,
-                    int64_t window, float scale, const float *sinks,
+                    int64_t window, float softcap, float scale, const float *sinks,
                     float *out);
 
 /* ---- the fused forward: one whole execution (a prefill or a decode step) per call ------------ */
@@ -290,7 +318,8 @@ typedef struct kvref_layer_desc {
                                   (both or neither) */
     const float *post_attn_norm, *post_ffn_norm; /* float32 [E] RMSNorm gains of the attention and MLP
                                   outputs before their residual adds, or NULL (both or neither) */
-    const double *rope_freqs;  /* float64 [D/2] the layer's RoPE frequencies, as kvref_rope takes them */
+    const double *rope_freqs;  /* float64 [D/2] the layer's RoPE frequencies, as kvref_rope takes them; NULL: a
+                                  NoPE layer (SmolLM3), whose q and k are not rotated */
     int64_t window;            /* the layer's attention window W (a query at p sees p-W+1 .. p), 0: none */
     const float *sinks;        /* float32 [H] the layer's sink logits (kvref_attention), or NULL */
 } kvref_layer_desc;
@@ -315,6 +344,9 @@ typedef struct kvref_model_desc {
     double norm_eps;           /* >= 0 */
     float embedding_scale;     /* > 0, finite: embeddings are multiplied by it (Gemma: sqrt(E)), 1: as stored */
     float attention_scale;     /* > 0, finite: what scores are multiplied by (1 / sqrt(D) unless a family says) */
+    float attn_softcap;        /* >= 0, finite: scaled scores -> attn_softcap * tanh(score / attn_softcap)
+                                  (Gemma 2), as kvref_attention's softcap; 0: none */
+    float final_softcap;       /* >= 0, finite: logits -> kvref_soft_cap(logits, final_softcap) (Gemma 2); 0: none */
     int32_t gate;              /* a kvref_gate */
     kvref_tensor tok_embeddings; /* [V, E] */
     const kvref_layer_desc *layers; /* [n_layers] */
@@ -370,7 +402,7 @@ enum { KVREF_PASS_ROWS = 128 };
  *               (A ring layer's overwritten slots are the caller's to restore if it aborts.)
  *   logits:     float32 [T, V] with all_logits, else [V] for the last position
  * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
- * kvref_attention, kvref_rms_norm, kvref_rope and kvref_swiglu / kvref_geglu in the same order:
+ * kvref_attention, kvref_rms_norm, kvref_rope, kvref_swiglu / kvref_geglu and kvref_soft_cap in the same order:
  * with KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by
  * one on the same pool, pass by pass (KVREF_PASS_ROWS; a ring layer's keys are in slot order, so
  * its results are the decoder's over a contiguous cache to float32 rounding). The caller commits the cache length (length + T)

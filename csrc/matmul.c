@@ -121,6 +121,71 @@ int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const v
     return status;
 }
 
+/* ---- a mixture of experts' projection ------------------------------------------------------ */
+
+/* Sorts the rows of x by expert, stably, as a counting sort: expert e's rows go to the slots
+ * first[e] .. first[e + 1] in row order, order[slot] naming the row. first: [X + 1] zeros, placed: [X]
+ * zeros, order: [R]. Returns the most rows one expert takes. */
+static int64_t group_by_expert(const int64_t *experts, int64_t R, int64_t X, int64_t *first, int64_t *placed,
+                               int64_t *order) {
+    for (int64_t r = 0; r < R; r++) first[experts[r] + 1]++;
+    int64_t most = 0;
+    for (int64_t e = 0; e < X; e++) {
+        most = first[e + 1] > most ? first[e + 1] : most;
+        first[e + 1] += first[e];
+    }
+    for (int64_t r = 0; r < R; r++) order[first[experts[r]] + placed[experts[r]]++] = r;
+    return most;
+}
+
+int kvref_matmul_experts(kvref_pool *pool, const float *x, int64_t R, int64_t K, const int64_t *experts,
+                         const void *w, int32_t w_type, int64_t w_nbytes, int64_t X, int64_t N, float *y) {
+    if (pool == NULL) return KVREF_ERR_NULL;
+    if (R < 0 || K < 0 || N < 0 || X < 0 || w_nbytes < 0) return KVREF_ERR_DIM;
+    if (kvref_block_values(w_type) < 0) return KVREF_ERR_TYPE;
+    const int64_t rb = kvref_row_nbytes(w_type, K);
+    if (rb < 0) return KVREF_ERR_SHAPE;
+    if (X > 0 && N > 0 && rb > 0 && (N > INT64_MAX / rb || X > INT64_MAX / (N * rb))) return KVREF_ERR_SIZE;
+    const int64_t expert_bytes = N * rb; /* one expert's matrix */
+    if (w_nbytes != X * expert_bytes) return KVREF_ERR_SIZE;
+    if (R == 0 || N == 0) return KVREF_OK;
+    if (experts == NULL || y == NULL || (K > 0 && (x == NULL || w == NULL))) return KVREF_ERR_NULL;
+    for (int64_t r = 0; r < R; r++)
+        if (experts[r] < 0 || experts[r] >= X) return KVREF_ERR_VALUE;
+    if (K == 0) { /* empty sums: nothing of x or w to read */
+        for (int64_t i = 0; i < R * N; i++) y[i] = 0.0f;
+        return KVREF_OK;
+    }
+    if ((uint64_t)R > SIZE_MAX / sizeof(float) / (uint64_t)(K + N + 2)) return KVREF_ERR_SIZE;
+    int64_t *first = calloc((size_t)X + 1, sizeof(int64_t));
+    int64_t *placed = calloc((size_t)X, sizeof(int64_t));
+    int64_t *order = malloc((size_t)R * sizeof(int64_t));
+    float *xs = malloc((size_t)R * (size_t)K * sizeof(float)); /* [R, K]: x's rows, grouped by expert */
+    float *ys = malloc((size_t)R * (size_t)N * sizeof(float)); /* [R, N]: their outputs, in the same order */
+    int status = first && placed && order && xs && ys ? KVREF_OK : KVREF_ERR_NOMEM;
+    if (status == KVREF_OK) {
+        const int64_t most = group_by_expert(experts, R, X, first, placed, order);
+        for (int64_t slot = 0; slot < R; slot++) memcpy(xs + slot * K, x + order[slot] * K, (size_t)K * sizeof(float));
+        kvref_pool_lock(pool);
+        status = kvref_pool_reserve(pool, kvref_matmul_scratch_bytes(most, K));
+        for (int64_t e = 0; status == KVREF_OK && e < X; e++) { /* each expert's weights stream once */
+            const int64_t n = first[e + 1] - first[e];
+            if (n > 0)
+                kvref_matmul_run(pool, xs + first[e] * K, n, K, (const uint8_t *)w + e * expert_bytes, w_type, N,
+                                 ys + first[e] * N);
+        }
+        kvref_pool_unlock(pool);
+    }
+    if (status == KVREF_OK)
+        for (int64_t slot = 0; slot < R; slot++) memcpy(y + order[slot] * N, ys + slot * N, (size_t)N * sizeof(float));
+    free(first);
+    free(placed);
+    free(order);
+    free(xs);
+    free(ys);
+    return status;
+}
+
 /* ---- 8-bit activations ------------------------------------------------------------------- */
 
 typedef struct {

@@ -232,19 +232,19 @@ static inline void score_ref(const kvref_attn_args *a, const kvref_attn_chunk *c
     }
 }
 
-/* acc += p V: key by key, each value loaded once for the G heads */
+/* acc += p V: key by key, each value loaded once for the G heads; V's first Dv elements */
 static inline void values_ref(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc,
                               const int32_t type) {
-    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n;
+    const int64_t G = a->G, Dv = a->Dv, C = KVREF_ATTN_CHUNK, gs = a->group_size, n = c->n;
     const float *scales = c->v_scales;
     const uint8_t *v = c->v;
     const int64_t *row = c->row;
     const int all = c->all;
     for (int64_t s = 0; s < n; s++) {
         if (!all && kvref_attn_hidden(c, s)) continue;
-        for (int64_t i = 0; i < D; i++) {
+        for (int64_t i = 0; i < Dv; i++) {
             const float vi = kv_value(v, scales, type, gs, row[s] + i);
-            for (int64_t g = 0; g < G; g++) acc[g * D + i] += p[g * C + s] * vi;
+            for (int64_t g = 0; g < G; g++) acc[g * Dv + i] += p[g * C + s] * vi;
         }
     }
 }

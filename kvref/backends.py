@@ -1,8 +1,8 @@
 """Which kernel set runs the decoder: the NumPy spec, or the native C module.
 
-Both provide the same names (embed, matmul, rms_norm, rope, attention, swiglu, geglu) with the same meaning;
-the decoder is shared. "auto" takes the native kernels when they are built and the model is float32
-(they compute in float32), and says once when it has to fall back to the spec.
+Both provide the same names (embed, matmul, matmul_experts, rms_norm, rope, attention, swiglu, geglu) with
+the same meaning; the decoder is shared. "auto" takes the native kernels when they are built and the model
+is float32 (they compute in float32), and says once when it has to fall back to the spec.
 
 `fused_forward` gives a Model on the native backend its fused C forward (kvref.native.fused: a whole
 prefill or decode step in one C call, checked against the shared decoder), or the reason there is none
@@ -16,6 +16,7 @@ import os
 import warnings
 
 from . import native
+from .config import MOE_FIELDS
 from .errors import BackendError, DTypeError, KVRefError
 from .spec import ops as spec_ops
 
@@ -27,10 +28,13 @@ DEFAULT_ACTIVATIONS = "float32"  # the API's, unless KVREF_ACTIVATIONS or the ca
 # the programs' (kvref run, chat, serve, bench, perplexity): the fastest mode at least as accurate as
 # llama.cpp's own 8-bit path on the same file (docs/benchmarks.md, "What 8-bit activations cost")
 PROGRAM_ACTIVATIONS = "auto"
-# the ModelConfig family fields the native kernels and the fused C forward compute, named one by one: a
-# field added for a new family stays on the spec until its native side exists and it is listed here
+# the ModelConfig family fields the native kernels compute, named one by one: a field added for a new family
+# stays on the spec until its native side exists and it is listed here. The fused C forward computes them
+# all but a mixture of experts' (kvref.native.fused.config_problem), which the native kernels run
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
-                        "layer_windows", "rope_local_theta", "rope_scaling", "attention_sinks", "attention_out_bias")
+                        "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap",
+                        "nope_layers", "attention_sinks", "attention_out_bias", *MOE_FIELDS, "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                        "mla_form")
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes
 # bfloat16, int8 and kivi4 to float32 for it; the C forward reads its types in place (any layout or
@@ -120,7 +124,13 @@ def fused_forward(backend: str, config, weights, activations: str | None = None)
         return None, "this model runs the NumPy spec"
     from .native import fused
 
+    if config.latent:
+        return None, ("multi-head latent attention (kv_lora_rank) runs the shared decoder over the native kernels: "
+                      "the fused C forward has no latent attention yet")
     mode = activations or default_activations()
+    problem = fused.config_problem(config)
+    if problem is not None:
+        return None, problem
     try:
         return fused.FusedForward(config, weights, "int8" if mode == "auto" else mode), None
     except KVRefError as exc:

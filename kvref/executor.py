@@ -34,11 +34,13 @@ class KernelSet(Protocol):
 
     def matmul(self, x, w): ...  # [T, K], w [N, K] (any stored type) -> [T, N]
 
+    def matmul_experts(self, x, w, experts): ...  # [R, K], w [X, N, K], [R] expert ids -> [R, N]
+
     def rms_norm(self, x, weight, eps): ...  # [T, E], [E] -> [T, E]
 
     def rope(self, x, positions, theta, scaling=None): ...  # [T, H, D], [T] -> [T, H, D]
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None): ...
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None): ...
     # [T, H, D], [S, Hkv, D] x2, [T], [S], [H] or None -> [T, H, D]
 
     def swiglu(self, gate, up): ...  # [T, F] x2 -> [T, F]
@@ -46,6 +48,8 @@ class KernelSet(Protocol):
     def geglu(self, gate, up): ...  # [T, F] x2 -> [T, F]
 
     def swiglu_oai(self, gate, up): ...  # [T, F] x2 -> [T, F]
+
+    def soft_cap(self, x, cap): ...  # [...] -> [...]
 
 
 class Executor(Protocol):

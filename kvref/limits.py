@@ -32,6 +32,7 @@ CONFIG_CEILINGS = {
     "d_ff": 2**20,
     "vocab_size": 2**24,
     "max_seq_len": 2**30,  # positions; a sliding window is bounded by the same number
+    "n_experts": 2**12,  # routed experts of a layer (the largest released models have 384); groups are bounded alike
 }
 MAX_CONTEXT = CONFIG_CEILINGS["max_seq_len"]
 # bytes the cache a model makes by default (new_cache() without capacity or num_blocks, hence

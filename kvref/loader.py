@@ -202,10 +202,11 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
     dtype = model_dtype(dtype)
     with GGUFFile(path) as gguf:
         config = gguf_config(gguf)
-        architectures.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()})
+        architectures.check_tensors(config, {name: info.shape for name, info in gguf.tensors.items()},
+                                    gguf.metadata["general.architecture"])
         backend = backends.resolve(backend, dtype, config)
         in_place = native_weight_types() if backend == "c" else ()
-        total, done = len(architectures.expected_shapes(config)), 0
+        total, done = len(architectures.expected_shapes(config, gguf.metadata["general.architecture"])), 0
 
         def tensor(name):
             nonlocal done
@@ -213,7 +214,8 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
             if progress is not None:
                 progress(done, total)
             info = gguf.tensors[name]
-            if len(info.shape) == 2 and info.ggml_type in in_place:
+            stack = len(info.shape) == 3 and name.endswith("_exps.weight")  # not deepseek2's 3-D attn_k_b/attn_v_b
+            if (len(info.shape) == 2 or stack) and info.ggml_type in in_place:  # a matrix, or a stack of experts
                 return gguf.quantized(name)  # a view of the mapped file: no copy, no dequantization
             return gguf.dequantize(name).astype(dtype, copy=False)
 
@@ -238,9 +240,13 @@ def load_config(path=None):
 
 
 def gguf_config(gguf):
-    """An open GGUF file's ModelConfig, with the RoPE divisors of its rope_freqs.weight if it has one."""
+    """An open GGUF file's ModelConfig, with the RoPE divisors of its rope_freqs.weight or LongRoPE tensors if
+    it has them."""
     factors = gguf.dequantize("rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
-    return architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys(), factors)
+    longrope = None
+    if all(name in gguf.tensors for name in architectures.LONGROPE_TENSORS):
+        longrope = [gguf.dequantize(name) for name in architectures.LONGROPE_TENSORS]
+    return architectures.config_from_metadata(gguf.metadata, gguf.tensors.keys(), factors, longrope)
 
 
 def read_config_json(directory: Path) -> dict:

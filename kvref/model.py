@@ -87,22 +87,29 @@ class Model:
     def cache_shape(self) -> CacheShape:
         """What a cache needs to know of this model (kvref.cache.CacheShape)."""
         c = self.config
-        return CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len, c.vocab_size, c.layer_windows,
-                          self.kv_rope_theta, self.fingerprint())
+        kv_heads, k_width, _, latent_dim = c.cache_geometry()  # MLA: one latent key per position
+        return CacheShape(c.n_layers, kv_heads, k_width, c.max_seq_len, c.vocab_size, c.layer_windows,
+                          self.kv_rope_theta, self.fingerprint(), latent_dim)
 
     @deprecated("model.cache_shape().check_budget(positions, codecs, what)")
     def check_cache_budget(self, positions: int, k_dtype: str, v_dtype: str, group_size=None,
                            what: str = "a cache") -> None:
-        codecs = Codecs.named(k_dtype, v_dtype, self.config.head_dim, group_size)
+        _, k_width, _, latent_dim = self.config.cache_geometry()
+        codecs = Codecs.named(k_dtype, v_dtype, k_width, group_size, latent_dim=latent_dim)
         self.cache_shape().check_budget(positions, codecs, what)
 
     @property
     def kv_rope_theta(self) -> float | None:
-        """The RoPE base every cached key was rotated with, which a context shift needs; None when it
+        """The RoPE base every cached key was rotated with, which a context shift needs: one number, or one
+        per layer with None for a NoPE layer (SmolLM3), whose keys a shift leaves as they are; None when it
         differs between layers (Gemma 3's local and global bases) or the frequencies are scaled, so a
         cache refuses to shift."""
         c = self.config
-        return c.rope_theta if c.rope_local_theta in (None, c.rope_theta) and c.rope_scaling is None else None
+        if c.rope_local_theta not in (None, c.rope_theta) or c.rope_scaling is not None:
+            return None
+        if c.nope_layers:
+            return tuple(None if c.layer_rope(i) is None else c.rope_theta for i in range(c.n_layers))
+        return c.rope_theta
 
     def load_cache(self, path, pool=None) -> KVCache:
         """A cache holding what cache.save(path) wrote, for this model only (see kvref/cache/fileformat.py).
@@ -149,7 +156,10 @@ class Model:
                 raise CacheError(f"kv_dtype {name!r} is not supported by the {self.backend!r} backend; "
                                  f"expected one of {allowed}")
         asked = any(x is not None for x in (kv_dtype, k_dtype, v_dtype, group_size))
-        return Codecs.named(*names, self.config.head_dim, group_size, asked)
+        _, k_width, _, latent_dim = self.config.cache_geometry()
+        if latent_dim is not None and v_dtype is None:
+            names = (names[0], names[0])  # no V is stored: kv_dtype and k_dtype name the latent key's type
+        return Codecs.named(*names, k_width, group_size, asked, latent_dim)
 
     def forward(self, token_ids, cache: KVCache | None = None, all_logits: bool = False):
         """Run the new tokens at positions cache.next_position.. and append their K/V to `cache`.
@@ -304,11 +314,12 @@ class Model:
         c = self.config
         if not isinstance(cache, KVCache):
             raise CacheError(f"expected a KVCache from model.new_cache(); got {type(cache).__name__}")
+        kv_heads, k_width, _, latent_dim = c.cache_geometry()  # MLA: one latent key, and its latent width
         got = (cache.n_layers, cache.n_kv_heads, cache.head_dim)
-        if got != (c.n_layers, c.n_kv_heads, c.head_dim):
+        if got != (c.n_layers, kv_heads, k_width) or cache.latent_dim != latent_dim:
             raise CacheError(
-                f"cache shape (layers, kv heads, head_dim) = {got} does not match the model's "
-                f"{(c.n_layers, c.n_kv_heads, c.head_dim)}")
+                f"cache shape (layers, kv heads, head_dim) = {got}, latent_dim {cache.latent_dim} does not match "
+                f"the model's {(c.n_layers, kv_heads, k_width)}, latent_dim {latent_dim}")
         owner, ours = cache.sequence.model, self.fingerprint()
         if owner is None:
             raise CacheError("this cache was not made by a model, so nothing says whose K/V it holds; make it "

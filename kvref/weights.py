@@ -45,12 +45,12 @@ class _CountsRebinds:
 @dataclass
 class LayerWeights(_CountsRebinds):
     attn_norm: object  # [E]        RMSNorm gain before attention
-    wq: object  # [H*D, E]          query projection
-    wk: object  # [Hkv*D, E]        key projection
-    wv: object  # [Hkv*D, E]        value projection
-    wo: object  # [E, H*D]          attention output projection
+    wq: object  # [H*D, E]          query projection (MLA with q_lora_rank: q_b, [H*D, q_lora_rank])
+    wk: object  # [Hkv*D, E]        key projection (None with MLA)
+    wv: object  # [Hkv*D, E]        value projection (None with MLA)
+    wo: object  # [E, H*D]          attention output projection (MLA: [E, H*Dv])
     ffn_norm: object  # [E]         RMSNorm gain before the MLP
-    w_gate: object  # [F, E]        SwiGLU gate projection
+    w_gate: object  # [F, E]        SwiGLU gate projection (None on a MoE layer: config.moe_layer)
     w_up: object  # [F, E]          SwiGLU up projection
     w_down: object  # [E, F]        SwiGLU down projection
     bq: object = None  # [H*D]      query bias (config.qkv_bias)
@@ -62,6 +62,26 @@ class LayerWeights(_CountsRebinds):
     post_ffn_norm: object = None  # [E]   RMSNorm gain on the MLP output
     sinks: object = None  # [H]     each query head's sink logit (config.attention_sinks)
     bo: object = None  # [E]        attention output bias (config.attention_out_bias)
+    # a MoE layer (config.moe_layer): X experts of width Fx, each a gated MLP, stacked on a leading expert
+    # axis as GGUF stores them (one 3-D tensor per projection); the decoder reads the routed experts' only
+    router: object = None  # [X, E]             expert logits per position
+    router_bias: object = None  # [X]           (config.router_bias)
+    expert_selection_bias: object = None  # [X] added to the scores to choose experts (config.expert_selection_bias)
+    experts_gate: object = None  # [X, Fx, E]   each expert's gate projection
+    experts_up: object = None  # [X, Fx, E]     each expert's up projection
+    experts_down: object = None  # [X, E, Fx]   each expert's down projection
+    experts_gate_bias: object = None  # [X, Fx] (config.expert_bias)
+    experts_up_bias: object = None  # [X, Fx]
+    experts_down_bias: object = None  # [X, E]
+    shared_gate: object = None  # [Fs, E]       the shared expert every position runs (config.shared_expert_d_ff)
+    shared_up: object = None  # [Fs, E]
+    shared_down: object = None  # [E, Fs]
+    # multi-head latent attention (config.kv_lora_rank = R; Dr = qk_rope_head_dim, Dn = D - Dr, Dv = v_head_dim)
+    wq_a: object = None  # [q_lora_rank, E]   the query's down-projection (config.q_lora_rank), then q_a_norm, wq
+    q_a_norm: object = None  # [q_lora_rank]  its RMSNorm gain
+    wkv_a: object = None  # [R + Dr, E]       down-projection to the latent c_kv and the shared RoPE key
+    kv_a_norm: object = None  # [R]           RMSNorm gain of c_kv
+    wkv_b: object = None  # [H*(Dn + Dv), R]  up-projection: per head W_UK [Dn, R] rows then W_UV [Dv, R] rows
 
 
 @dataclass
@@ -95,17 +115,33 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
     def optional_gain(n, present):
         return gain(n) if present else None
 
-    layers = [
-        LayerWeights(
+    def stack(n_out, n_in):  # [X, n_out, n_in]: one matrix per expert
+        return np.stack([matrix(n_out, n_in) for _ in range(config.n_experts)])
+
+    def small(*shape, present=True):  # router and expert biases
+        return (0.1 * rng.standard_normal(shape)).astype(dtype) if present else None
+
+    def attention():
+        # one layer's attention projections, drawn in field order: K/V heads, or MLA's latent projections
+        if not config.latent:
+            return dict(wq=matrix(config.q_dim, E), wk=matrix(config.kv_dim, E), wv=matrix(config.kv_dim, E),
+                        wo=matrix(E, config.q_dim))
+        H, R, Dr, Dv, Q = (config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim, config.v_head_dim,
+                           config.q_lora_rank)
+        low_rank_q = {} if Q is None else dict(wq_a=matrix(Q, E), q_a_norm=gain(Q))
+        return dict(**low_rank_q, wq=matrix(config.q_dim, E if Q is None else Q), wk=None, wv=None,
+                    wkv_a=matrix(R + Dr, E), kv_a_norm=gain(R),
+                    wkv_b=matrix(H * (config.qk_nope_head_dim + Dv), R), wo=matrix(E, H * Dv))
+
+    def layer(i):
+        dense = not config.moe_layer(i)
+        lw = LayerWeights(
             attn_norm=gain(E),
-            wq=matrix(config.q_dim, E),
-            wk=matrix(config.kv_dim, E),
-            wv=matrix(config.kv_dim, E),
-            wo=matrix(E, config.q_dim),
+            **attention(),
             ffn_norm=gain(E),
-            w_gate=matrix(F, E),
-            w_up=matrix(F, E),
-            w_down=matrix(E, F),
+            w_gate=matrix(F, E) if dense else None,  # drawn in this order: the dense models' numbers never change
+            w_up=matrix(F, E) if dense else None,
+            w_down=matrix(E, F) if dense else None,
             bq=bias(config.q_dim), bk=bias(config.kv_dim), bv=bias(config.kv_dim),
             q_norm=optional_gain(config.head_dim, config.qk_norm),
             k_norm=optional_gain(config.head_dim, config.qk_norm),
@@ -114,8 +150,20 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
             sinks=rng.standard_normal(config.n_heads).astype(dtype) if config.attention_sinks else None,
             bo=(0.1 * rng.standard_normal(E)).astype(dtype) if config.attention_out_bias else None,
         )
-        for _ in range(config.n_layers)
-    ]
+        if dense:
+            return lw
+        X, Fx, Fs = config.n_experts, config.experts_d_ff, config.shared_expert_d_ff
+        lw.router = matrix(X, E)
+        lw.router_bias = small(X, present=config.router_bias)
+        lw.expert_selection_bias = small(X, present=config.expert_selection_bias)
+        lw.experts_gate, lw.experts_up, lw.experts_down = stack(Fx, E), stack(Fx, E), stack(E, Fx)
+        if config.expert_bias:
+            lw.experts_gate_bias, lw.experts_up_bias, lw.experts_down_bias = small(X, Fx), small(X, Fx), small(X, E)
+        if Fs:
+            lw.shared_gate, lw.shared_up, lw.shared_down = matrix(Fs, E), matrix(Fs, E), matrix(E, Fs)
+        return lw
+
+    layers = [layer(i) for i in range(config.n_layers)]
     output_norm = gain(E)
     output = tok_embeddings if config.tie_embeddings else matrix(V, E)
     return Weights(tok_embeddings, layers, output_norm, output)

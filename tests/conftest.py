@@ -107,6 +107,41 @@ def configs(draw, max_layers=4, max_seq_len=96):
     )
 
 
+@st.composite
+def moe_configs(draw, max_layers=3, max_seq_len=96):
+    """Small random mixtures of experts (random configs() with experts): every router the config describes
+    (softmax or sigmoid scores, router and selection biases, grouped top-k scored either way, renormalised
+    and scaled weights), dense first layers, a shared expert, expert biases."""
+    base = draw(configs(max_layers=max_layers, max_seq_len=max_seq_len))
+    n_experts = draw(st.integers(1, 8))
+    group_score = draw(st.sampled_from(["top2_sum", "max"]))
+    groups = draw(st.sampled_from([g for g in (1, 2, 4) if n_experts % g == 0
+                                   and (g == 1 or group_score == "max" or n_experts // g >= 2)]))
+    groups_used = draw(st.integers(1, groups))
+    return base.replace(
+        n_experts=n_experts, n_experts_used=draw(st.integers(1, groups_used * (n_experts // groups))),
+        expert_d_ff=draw(st.integers(2, 40)), first_dense_layers=draw(st.integers(0, base.n_layers)),
+        router_score=draw(st.sampled_from(["softmax", "sigmoid"])), router_bias=draw(st.booleans()),
+        expert_selection_bias=draw(st.booleans()), n_expert_groups=groups, n_expert_groups_used=groups_used,
+        expert_group_score=group_score, norm_topk_prob=draw(st.booleans()),
+        routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), shared_expert_d_ff=draw(st.sampled_from([0, 12])),
+        expert_bias=draw(st.booleans()))
+
+
+@st.composite
+def latent_configs(draw, max_layers=4, max_seq_len=96):
+    """Small random multi-head latent attention (MLA) configs: any ranks and widths, a low-rank query or
+    one projection, either form of attention."""
+    n_heads, rope = draw(st.integers(1, 4)), 2 * draw(st.integers(1, 8))
+    return kvref.ModelConfig(
+        n_layers=draw(st.integers(1, max_layers)), d_model=draw(st.integers(4, 48)), n_heads=n_heads,
+        n_kv_heads=n_heads, head_dim=2 * draw(st.integers(1, 8)) + rope, d_ff=draw(st.integers(4, 96)),
+        vocab_size=draw(st.integers(8, 96)), max_seq_len=max_seq_len,
+        rope_theta=draw(st.sampled_from([10000.0, 500.0])), kv_lora_rank=draw(st.integers(1, 24)),
+        q_lora_rank=draw(st.one_of(st.none(), st.integers(1, 16))), qk_rope_head_dim=rope,
+        v_head_dim=draw(st.integers(1, 16)), mla_form=draw(st.sampled_from(["absorbed", "naive"])))
+
+
 def token_lists(config, min_size=1, max_size=64):
     return st.lists(st.integers(0, config.vocab_size - 1), min_size=min_size, max_size=max_size)
 

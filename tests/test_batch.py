@@ -10,7 +10,7 @@ from kvref.errors import CacheError, CacheFullError, GenerationError
 from kvref.generation.batch import Engine, Scheduler, StepPlan, forward_batch
 from kvref.generation.sampling import Sampler
 from kvref.tolerance import assert_close
-from tests.conftest import configs
+from tests.conftest import configs, moe_configs
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=128)
 
@@ -25,7 +25,8 @@ def every_block_free(engine):
 
 @given(st.data())
 def test_one_batched_execution_equals_each_sequence_alone(data):
-    cfg = data.draw(configs(max_layers=2, max_seq_len=96))
+    # a mixture of experts too: its rows are grouped by expert across the sequences of the batch
+    cfg = data.draw(configs(max_layers=2, max_seq_len=96) | moe_configs(max_layers=2, max_seq_len=96))
     model = kvref.Model.random(cfg, seed=data.draw(st.integers(0, 2**16)), dtype="float64", backend="numpy")
     lengths = data.draw(LENGTHS.map(lambda ls: [min(n, 90) for n in ls]))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))

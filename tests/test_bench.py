@@ -56,6 +56,27 @@ def test_run_reports_every_figure_with_sane_values(backend):
     assert mem["cache_bytes"] == kvref.cache_bytes(2, 10, 2, 8, "float32")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mixture_counts_the_experts_its_routers_chose_beside_the_active_and_all_experts_bytes(backend):
+    config = CONFIG.replace(n_experts=6, n_experts_used=2, expert_d_ff=16, first_dense_layers=1)
+    model = kvref.Model.random(config, seed=0, backend=backend)
+    r = bench.run(model, **{**TINY, "repeat": 1})
+    stacks = [model.weights.layers[1].experts_gate, model.weights.layers[1].experts_up,
+              model.weights.layers[1].experts_down]
+    everything = sum(a.nbytes for a in stacks)
+    assert r["experts"] == {"all": everything, "active": everything // 3, "experts": 6, "used": 2}
+    # a decode step reads its 2 experts in the one MoE layer, once each; a prefill reads each expert any of
+    # its 8 positions chose once, for all of them: at most all 6, at least the 2 one position runs
+    for case in ("decode", "context"):
+        assert r["split"][case]["expert_bytes_per_token"] == everything // 3
+    assert everything // 3 / 8 <= r["split"]["prefill"]["expert_bytes_per_token"] <= everything / 8
+    dense = sum(a.nbytes for lw in model.weights.layers for name, a in vars(lw).items()
+                if a is not None and not name.startswith("experts_"))
+    head = model.weights.output.nbytes + model.weights.output_norm.nbytes + 32 * 4  # and one embedding row
+    assert r["roofline"]["decode"]["weight_bytes"] == dense + everything // 3 + head
+    assert "experts read per token (profiled pass): prefill" in bench.report(r)
+
+
 def test_shims_time_every_kernel_call_and_change_nothing():
     model = kvref.Model.random(CONFIG, seed=1, backend="numpy")
     clock = bench.ShimClock(model)

@@ -13,9 +13,11 @@ from kvref.cache import ContiguousCache, reorder
 from kvref.errors import CacheError, CacheFullError, ContextOverflowError
 from kvref.generation.generate import resume
 from kvref.tolerance import FLOAT32, QUANTIZED_LOGIT_BOUNDS, VISIBLE_CHANGE, assert_close, compare
-from tests.conftest import chunkings, configs, token_lists
+from tests.conftest import chunkings, configs, latent_configs, token_lists
 
 CFG = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=96)
+# multi-head latent attention: the cache holds one latent key (kv_lora_rank + qk_rope_head_dim) per position
+LATENT_CFG = CFG.replace(n_kv_heads=4, head_dim=14, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=6, v_head_dim=10)
 
 
 def run_chunks(model, cache, tokens, sizes):
@@ -37,7 +39,7 @@ def layouts(draw, n_tokens):
 
 @given(st.data())
 def test_every_layout_gives_exactly_the_contiguous_logits_and_kv(data):
-    cfg = data.draw(configs(max_layers=2, max_seq_len=48))
+    cfg = data.draw(st.one_of(configs(max_layers=2, max_seq_len=48), latent_configs(max_layers=2, max_seq_len=48)))
     dtype = data.draw(st.sampled_from(["float32", "float64"]))
     model = kvref.Model.random(cfg, seed=data.draw(st.integers(0, 2**16)), dtype=dtype, backend="numpy")
     tokens = data.draw(token_lists(cfg, max_size=40))
@@ -169,7 +171,8 @@ def test_window_truncate_before_wrap_equals_never_extending():
 def test_shift_equals_a_window_that_dropped_the_same_positions(data):
     # RoPE scores depend only on offsets: keys moved down by n and a query moved down by n see what
     # the unshifted keys show the unshifted query. Float rounding of one extra rotation: float32 tol.
-    model = kvref.Model.random(CFG, seed=data.draw(st.integers(0, 2**16)), backend="numpy")
+    model = kvref.Model.random(data.draw(st.sampled_from([CFG, LATENT_CFG])), seed=data.draw(st.integers(0, 2**16)),
+                               backend="numpy")
     L = data.draw(st.integers(2, 40))
     n = data.draw(st.integers(1, L - 1))
     tokens = data.draw(st.lists(st.integers(0, 63), min_size=L + 1, max_size=L + 1))
@@ -181,6 +184,28 @@ def test_shift_equals_a_window_that_dropped_the_same_positions(data):
     window = model.new_cache(layout="window", window=L - n)
     model.forward(tokens[:L], window)
     assert_close(model.forward(tokens[L:], cache), model.forward(tokens[L:], window), "float32", "shift vs window")
+
+
+@pytest.mark.parametrize("layout", [{}, {"layout": "paged", "block_size": 4}])
+def test_a_shift_moves_nope_layers_keys_unrotated_and_equals_a_window_that_dropped_the_positions(layout, tmp_path):
+    # SmolLM3's NoPE layers store keys that carry no position: a shift moves their bytes as they are and
+    # turns back only the RoPE layers' keys; the next logits are then those of a window of the kept
+    # positions (a rotated NoPE key would change them by far more than float32 rounding)
+    model = kvref.Model.random(CFG.replace(n_layers=3, nope_layers=(1,)), seed=5, backend="numpy")
+    tokens, n = list(range(3, 20)), 4
+    cache = model.new_cache(**layout)
+    model.forward(tokens[:16], cache)
+    cache.save(tmp_path / "nope.kvc")  # its per-layer RoPE bases (None on the NoPE layer) go through the file
+    cache = model.load_cache(tmp_path / "nope.kvc")
+    assert cache.rope_theta == (CFG.rope_theta, None, CFG.rope_theta)
+    before = [np.array(cache.keys(layer)) for layer in range(3)]
+    cache.shift(n)
+    after = [np.array(cache.keys(layer)) for layer in range(3)]
+    np.testing.assert_array_equal(after[1], before[1][n:])  # the NoPE layer's keys, byte for byte
+    assert not np.allclose(after[0], before[0][n:])  # a RoPE layer's keys turned back by n
+    window = model.new_cache(layout="window", window=16 - n)
+    model.forward(tokens[:16], window)
+    assert_close(model.forward(tokens[16:], cache), model.forward(tokens[16:], window), "float32", "shift vs window")
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
@@ -390,12 +415,15 @@ def test_new_cache_refuses_options_of_other_layouts_and_mismatched_pools():
 
 
 @pytest.mark.skipif(not kvref.native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("cfg", [CFG, LATENT_CFG], ids=["kv", "latent"])
 @pytest.mark.parametrize("options", [{"layout": "paged", "block_size": 4}, {"layout": "window", "window": 40},
                                      {"kv_dtype": "int8"}, {"layout": "paged", "kv_dtype": "bfloat16"},
                                      {"k_dtype": "float16", "v_dtype": "int8"}])
-def test_every_layout_and_kv_type_runs_on_the_native_backend(options):
-    native = kvref.Model.random(CFG, seed=8, backend="c")
-    spec = kvref.Model.random(CFG, seed=8, backend="numpy")
+def test_every_layout_and_kv_type_runs_on_the_native_backend(options, cfg):
+    if cfg.latent and "v_dtype" in options:
+        pytest.skip("a latent cache stores no V (tests/test_latent_attention.py checks the refusal)")
+    native = kvref.Model.random(cfg, seed=8, backend="c")
+    spec = kvref.Model.random(cfg, seed=8, backend="numpy")
     tokens = list(range(30))
     got = run_chunks(native, native.new_cache(**options), tokens, [20, 1, 9])
     expected = run_chunks(spec, spec.new_cache(**options), tokens, [20, 1, 9])
@@ -421,9 +449,10 @@ def test_generation_resumes_exactly_from_a_saved_cache(tmp_path):
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_layouts_that_claim_chunking_invariance_give_one_shot_logits_in_any_chunking(data):
-    cfg = data.draw(configs(max_layers=2, max_seq_len=48))
-    cfg = dataclasses.replace(cfg, layer_windows=tuple(data.draw(st.one_of(st.none(), st.integers(1, 5)))
-                                                        for _ in range(cfg.n_layers)))
+    cfg = data.draw(st.one_of(configs(max_layers=2, max_seq_len=48), latent_configs(max_layers=2, max_seq_len=48)))
+    if not cfg.latent:  # MLA models have no window layers
+        cfg = dataclasses.replace(cfg, layer_windows=tuple(data.draw(st.one_of(st.none(), st.integers(1, 5)))
+                                                            for _ in range(cfg.n_layers)))
     model = kvref.Model.random(cfg, seed=data.draw(st.integers(0, 2**16)), dtype="float64", backend="numpy")
     tokens = data.draw(token_lists(cfg, min_size=2, max_size=30))
     expected = model.forward(tokens, model.new_cache(layout="contiguous"), all_logits=True)

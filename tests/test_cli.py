@@ -45,6 +45,13 @@ def test_trace_draws_recomputation_without_the_cache_and_reads_with_it(capsys):
     assert "6 positions computed (0 recomputed), 12 cached positions read" in out
 
 
+def test_trace_of_a_latent_attention_model_compares_what_each_form_reads(capsys):
+    assert main(["trace", "--latent", "32", "--prompt-tokens", "3", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    # 2 layers x 6 positions x (32 + 8) x 4 bytes, against 4 heads x (16 + 16) expanded per position
+    assert "reads 1,920 bytes of latent keys in the absorbed form" in out and "against 6,144 bytes" in out
+
+
 def test_cli_reports_kvref_errors_without_a_traceback(capsys):
     assert main(["trace", "--heads", "4", "--kv-heads", "3"]) == 2
     assert "ConfigError: n_heads=4 must be a multiple of n_kv_heads=3" in capsys.readouterr().err

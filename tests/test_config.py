@@ -78,3 +78,35 @@ def test_yarn_attention_factor_multiplies_the_score_scale_by_its_square():
     assert kvref.ModelConfig(**base, rope_scaling=yarn).score_scale == 8 ** -0.5 * 2.25
     assert kvref.ModelConfig(**base, rope_scaling=yarn, attention_scale=0.5).score_scale == 0.5 * 2.25
     assert kvref.ModelConfig(**base, rope_scaling=("linear", 2.0), attention_scale=0.5).score_scale == 0.5
+
+
+MOE = dict(BASE, n_experts=8, n_experts_used=2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(n_experts_used=0), r"n_experts_used=0 must be in 1..n_experts=8"),
+    (dict(n_experts_used=9), r"n_experts_used=9 must be in 1..n_experts=8"),
+    (dict(n_experts=0, n_experts_used=0, norm_topk_prob=True), r"\['norm_topk_prob'\] describe a mixture of experts"),
+    (dict(n_experts=5000), r"n_experts=5000 must be an integer in \[0, 4096\]"),
+    (dict(router_score="relu"), "router_score='relu' is unknown"),
+    (dict(expert_group_score="mean", n_expert_groups=2), "expert_group_score='mean' is unknown"),
+    (dict(n_expert_groups=3), "n_expert_groups=3 must divide n_experts=8"),
+    (dict(n_expert_groups=4, n_expert_groups_used=5), "n_expert_groups_used=5 groups"),
+    (dict(n_expert_groups=4, n_expert_groups_used=1, n_experts_used=3), "at least n_experts_used=3 experts"),
+    (dict(n_expert_groups_used=2), "n_expert_groups_used=2 needs n_expert_groups > 1"),
+    (dict(n_expert_groups=8, n_experts_used=1), "expert_group_score='top2_sum' needs groups of at least 2 experts"),
+    (dict(first_dense_layers=3), r"first_dense_layers=3 must be an integer in \[0, 2\]"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0 must be a positive finite number"),
+    (dict(expert_d_ff=0), r"expert_d_ff=0 must be an integer in \[1, 1048576\]"),
+    (dict(router_bias=1), "router_bias=1 must be True or False"),
+])
+def test_moe_fields_are_validated_and_every_router_they_describe_is_computable(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        kvref.ModelConfig(**{**MOE, **fields})
+
+
+def test_moe_layers_are_the_ones_after_the_dense_first_layers():
+    config = kvref.ModelConfig(**MOE, first_dense_layers=1, expert_d_ff=32)
+    assert [config.moe_layer(i) for i in range(2)] == [False, True]
+    assert config.experts_d_ff == 32 and kvref.ModelConfig(**MOE).experts_d_ff == BASE["d_ff"]
+    assert not kvref.ModelConfig(**BASE).moe_layer(1)

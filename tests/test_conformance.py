@@ -158,7 +158,7 @@ def test_a_rollback_that_keeps_one_position_too_many_fails_rollback(monkeypatch,
 
 
 def test_a_shift_that_does_not_rotate_keys_again_fails_context_shift(monkeypatch, spec, plan):
-    monkeypatch.setattr(KVCache, "_rerotate", lambda self, k, n: k)
+    monkeypatch.setattr(KVCache, "_rerotate", lambda self, k, n, layer: k)
     results = run(engine("contiguous"), spec, plan, ["context_shift", "golden"])
     assert results["golden"].status == "pass"
     assert results["context_shift"].status == "fail"

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import kvref
 from kvref.spec import ops as spec
 from kvref.tolerance import FLOAT64, VISIBLE_CHANGE, assert_close, compare
-from tests.conftest import chunkings, configs, token_lists
+from tests.conftest import chunkings, configs, moe_configs, token_lists
 
 
 def prefill_in_chunks(model, tokens, sizes):
@@ -158,3 +158,99 @@ def test_a_nan_embedding_at_a_later_position_never_reaches_earlier_logits():
             logits = model.forward([5, 7, 5], all_logits=True)
         assert np.isfinite(logits[0]).all() and np.isnan(logits[1:]).all()
         assert_close(logits[0], kvref.Model.random(cfg, seed=0, backend=backend).forward([5]), "float32", backend)
+
+
+# ---- mixtures of experts ------------------------------------------------------------------------
+
+@given(st.data())
+def test_cached_moe_logits_in_any_chunking_equal_full_recomputation_for_every_router(data):
+    cfg = data.draw(moe_configs())
+    model = kvref.Model.random(cfg, seed=data.draw(st.integers(0, 2**16)), dtype="float64")
+    tokens = data.draw(token_lists(cfg, max_size=24))
+    cached, _ = prefill_in_chunks(model, tokens, data.draw(chunkings(len(tokens))))
+    assert_close(cached, model.forward(tokens, cache=None, all_logits=True), "float64", "MoE cached vs full")
+
+
+def route_by_hand(cfg, logits, selection_bias):
+    # one position at a time, with Python's sort: [X] -> (expert ids best first, weights)
+    X, scores = len(logits), [float(spec.sigmoid(z)) for z in logits]
+    if cfg.router_score == "softmax":
+        scores = list(np.exp(logits - max(logits)) / np.sum(np.exp(logits - max(logits))))
+    choice = [s + (0 if selection_bias is None else b) for s, b in zip(scores, selection_bias if selection_bias
+                                                                      is not None else [0] * X)]
+    size = X // cfg.n_expert_groups
+    groups = [sorted(choice[g * size:(g + 1) * size], reverse=True) for g in range(cfg.n_expert_groups)]
+    group_scores = [sum(g[:2]) if cfg.expert_group_score == "top2_sum" else g[0] for g in groups]
+    kept = sorted(range(cfg.n_expert_groups), key=lambda g: -group_scores[g])[:cfg.n_expert_groups_used]
+    candidates = [e for e in range(X) if cfg.n_expert_groups == 1 or e // size in kept]
+    chosen = sorted(candidates, key=lambda e: -choice[e])[:cfg.n_experts_used]
+    weights = [scores[e] for e in chosen]
+    total = sum(weights) if cfg.norm_topk_prob else 1.0
+    return chosen, [w / total * cfg.routed_scaling_factor for w in weights]
+
+
+def expert_mlp(cfg, lw, e, h):
+    # [E] -> [E]: expert e alone, dense, as one MLP of its own
+    def bias(b):
+        return 0 if b is None else b[e]
+
+    gate = lw.experts_gate[e] @ h + bias(lw.experts_gate_bias)
+    up = lw.experts_up[e] @ h + bias(lw.experts_up_bias)
+    return lw.experts_down[e] @ (spec.silu(gate) * up) + bias(lw.experts_down_bias)
+
+
+@given(st.data())
+def test_a_mixture_is_the_weighted_sum_of_the_chosen_experts_mlps_for_every_router(data):
+    cfg = data.draw(moe_configs()).replace(first_dense_layers=0)
+    lw = kvref.weights.random_weights(cfg, seed=data.draw(st.integers(0, 2**16)), dtype="float64").layers[0]
+    h = np.random.default_rng(data.draw(st.integers(0, 2**16))).standard_normal((data.draw(st.integers(1, 6)),
+                                                                                  cfg.d_model))
+    got = kvref.spec.decoder.moe(spec, cfg, lw, h)  # [T, E]
+    for t in range(h.shape[0]):
+        logits = lw.router @ h[t] + (0 if lw.router_bias is None else lw.router_bias)
+        chosen, weights = route_by_hand(cfg, logits, lw.expert_selection_bias)
+        want = sum(w * expert_mlp(cfg, lw, e, h[t]) for e, w in zip(chosen, weights))
+        if cfg.shared_expert_d_ff:
+            want = want + lw.shared_down @ (spec.silu(lw.shared_gate @ h[t]) * (lw.shared_up @ h[t]))
+        np.testing.assert_allclose(got[t], want, rtol=1e-10, atol=1e-10)
+
+
+def router_config(**fields):
+    return kvref.ModelConfig(n_layers=1, d_model=4, n_heads=1, n_kv_heads=1, d_ff=4, vocab_size=8, max_seq_len=8,
+                             **{"n_experts": 4, "n_experts_used": 2, **fields})
+
+
+def test_each_router_variant_chooses_and_weights_as_its_model_does():
+    route = kvref.spec.decoder.route
+    logits = np.array([[0.0, 1.0, 2.0, 3.0]])
+    softmax = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    experts, weights = route(router_config(), logits, None)  # Qwen3-MoE without renormalising, DeepSeek-V2
+    assert experts.tolist() == [[3, 2]] and np.allclose(weights, [softmax[[3, 2]]])
+    experts, weights = route(router_config(norm_topk_prob=True), logits, None)  # Mixtral, gpt-oss
+    assert np.allclose(weights, [[np.e / (np.e + 1), 1 / (np.e + 1)]])
+    _, scaled = route(router_config(routed_scaling_factor=2.5), logits, None)
+    assert np.allclose(scaled, [2.5 * softmax[[3, 2]]])
+    # DeepSeek-V3: sigmoid scores; the selection bias chooses expert 0, its unbiased score weights it
+    experts, weights = route(router_config(router_score="sigmoid", expert_selection_bias=True, n_experts_used=1),
+                             logits, np.array([5.0, 0.0, 0.0, 0.0]))
+    assert experts.tolist() == [[0]] and np.allclose(weights, [[0.5]])
+
+
+def test_grouped_top_k_keeps_the_best_groups_by_their_two_best_or_their_best_score():
+    choice = np.array([[0.9, 0.01, 0.5, 0.45]])  # groups {0, 1} and {2, 3}
+    grouped = dict(n_expert_groups=2, n_expert_groups_used=1)
+    by_top2 = kvref.spec.decoder.best_groups_only(router_config(**grouped), choice)
+    assert by_top2.tolist() == [[-np.inf, -np.inf, 0.5, 0.45]]  # 0.95 > 0.91
+    by_max = kvref.spec.decoder.best_groups_only(router_config(**grouped, expert_group_score="max"), choice)
+    assert by_max.tolist() == [[0.9, 0.01, -np.inf, -np.inf]]  # 0.9 > 0.5
+    sigmoid_logits = np.log(choice / (1 - choice))  # the router logits whose sigmoid scores are `choice`
+    experts, _ = kvref.spec.decoder.route(router_config(**grouped, router_score="sigmoid"), sigmoid_logits, None)
+    assert sorted(experts[0].tolist()) == [2, 3]  # the best single expert (0) is in the group left out
+
+
+def test_matmul_experts_sends_each_row_through_its_own_experts_matrix_only():
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 3)), rng.standard_normal((4, 2, 3))
+    w[1] = np.nan  # an expert no row names is never read
+    ids = np.array([2, 0, 2, 3, 0])
+    np.testing.assert_allclose(spec.matmul_experts(x, w, ids), np.stack([w[e] @ x[r] for r, e in enumerate(ids)]))

@@ -89,14 +89,16 @@ def test_the_tokenizer_config_names_the_special_tokens_and_the_chat_template(exp
 
 def test_every_family_exports_the_tensors_of_the_checkpoint_its_gguf_was_written_from(tmp_path):
     torch = require("torch")
-    from tests.test_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_EXPRESSIBLE, hf_model, write_gguf
+    from tests.test_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_EXPRESSIBLE, checkpoint, hf_model, write_gguf
 
-    for family in sorted(set(FAMILIES) & set(GGUF_ARCHITECTURES) - {"llama3"}):
+    # the families whose architecture export writes (Gemma 2, Phi-3 and SmolLM3 have none yet: refused by name)
+    for family in sorted(f for f in set(FAMILIES) & set(GGUF_ARCHITECTURES) - {"llama3"}
+                         if GGUF_ARCHITECTURES[f][0] in export_module.FAMILIES):
         hf = hf_model(family, seed=5, **GGUF_EXPRESSIBLE.get(family, {}))
         write_gguf(hf, family, tmp_path / f"{family}.gguf")
         directory = export_hf(tmp_path / f"{family}.gguf", tmp_path / family)
         exported = SafetensorsFile(directory / "model.safetensors")
-        state = {n: t.detach().to(torch.float32).numpy() for n, t in hf.state_dict().items()}
+        state = {n: t.detach().to(torch.float32).numpy() for n, t in checkpoint(hf).items()}
         if hf.config.tie_word_embeddings:
             del state["lm_head.weight"]
         assert set(exported.tensors) == set(state), family

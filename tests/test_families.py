@@ -10,6 +10,7 @@ equals the contiguous one, in float64.
 """
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from tests.conftest import require
 torch = require("torch")
 transformers = require("transformers")
 
+NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults past the tiny vocabulary
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+           first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
 # a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
@@ -51,6 +55,33 @@ FAMILIES = {
                                                                                "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1000000.0}})),
+    # Gemma 2: caps small enough that tanh bends the random model's scores and logits; every other layer windowed
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=1.0)),
+    # Phi-3: fused qkv_proj and gate_up_proj, LongRoPE; max_position_embeddings == original: the short
+    # factors, attention factor 1 (Phi-3-mini-4k's shape), and Mistral-like windows on every layer
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, hidden_size=40, sliding_window=5, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.5, 4.0, 7.0, 12.0], "original_max_position_embeddings": 48},
+        original_max_position_embeddings=48, **NO_SPECIAL_IDS)),
+    # Phi-3 128k's shape: max_position_embeddings 48 > original 8, so the long factors and the attention
+    # factor sqrt(1 + ln 6 / ln 8) (the prompt also passes 8 positions, as transformers needs to pick them)
+    "phi3-long": ("Phi3Config", dict(num_key_value_heads=4, hidden_size=40, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.5, 4.0, 7.0, 12.0], "original_max_position_embeddings": 8},
+        original_max_position_embeddings=8, **NO_SPECIAL_IDS)),
+    # SmolLM3: layer 3 of 4 skips RoPE (NoPE), llama.cpp's fixed pattern
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, hidden_size=40, num_hidden_layers=4,
+                                      no_rope_layer_interval=4, **NO_SPECIAL_IDS)),
+    # mixtures of experts: 2 of 5 or 6 experts per position, narrower than the dense width
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=10, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=20, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, head_dim=12, num_local_experts=5, num_experts_per_tok=2,
+                                      sliding_window=5)),
+    # multi-head latent attention; every layer dense (first_k_dense_replace = num_hidden_layers) until MoE
+    # is computed. V2-Lite's one query projection; V3's low-rank query, half-split RoPE rows
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False)),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -67,7 +98,7 @@ def hf_model(family, seed=0, **overrides):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # gains near 1 (Gemma stores w of 1 + w: near 0)
-                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
             else:
@@ -86,8 +117,16 @@ def hf_logits(model, ids, dtype):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+def checkpoint(model):
+    """{name: tensor} as save_pretrained writes them: transformers holds a mixture's experts as 3-D tensors
+    in memory and writes (as every released checkpoint stores) one matrix per expert."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())
+
+
 def kvref_model(model, dtype):
-    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(model).items()}
     config, weights = weights_from_hf(model.config.to_dict(), tensors, dtype)
     return kvref.Model(config, weights, dtype=dtype, backend="numpy")
 
@@ -143,8 +182,23 @@ def test_unsupported_checkpoints_are_refused_by_name():
     with pytest.raises(ConfigError, match="incomplete"):
         config_from_hf({**base, "model_type": "llama",
                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
-    with pytest.raises(ConfigError, match="final_logit_softcapping"):
-        config_from_hf({**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0})
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):  # a Gemma field nowhere else computed
+        config_from_hf({**base, "model_type": "llama", "final_logit_softcapping": 30.0})
+    phi3 = config_json("phi3")
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75"):  # Phi-4-mini
+        config_from_hf({**phi3, "rope_parameters": {**phi3["rope_parameters"], "partial_rotary_factor": 0.75}})
+    with pytest.raises(ConfigError, match="long_factor .* must list 5 numbers"):
+        config_from_hf({**phi3, "rope_parameters": {**phi3["rope_parameters"], "long_factor": [1.0, 2.0]}})
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        config_from_hf({**config_json("smollm3"), "use_sliding_window": True, "sliding_window": 4})
+    with pytest.raises(ConfigError, match="no_rope_layers"):
+        config_from_hf({**config_json("smollm3"), "no_rope_layers": [1, 0, 1]})
+    deepseek = config_json("deepseek_v3")
+    with pytest.raises(ConfigError, match="mixture-of-experts layers"):
+        config_from_hf({**deepseek, "first_k_dense_replace": 1})
+    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):  # DeepSeek-V3's YaRN with mscale
+        config_from_hf({**deepseek, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                                                        "mscale": 1.0, "mscale_all_dim": 1.0}})
     hf = hf_model("qwen2")
     tensors = {k: v.numpy() for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
     with pytest.raises(ShapeError, match="k_proj.bias"):
@@ -156,14 +210,19 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     if not kvref.native.available():
         pytest.skip("the native module is not built")
     hf = hf_model(family)
-    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in hf.state_dict().items()}
+    tensors = {name: t.detach().to(torch.float64).numpy() for name, t in checkpoint(hf).items()}
     config, weights = weights_from_hf(hf.config.to_dict(), tensors, "float32")
     model = kvref.Model(config, weights, dtype="float32", backend="auto")
-    assert model.backend == "c" and model.executor(model.new_cache()).fallback is None
-    model.fused.reset_timings()
+    assert model.backend == "c"
+    if config.n_experts or config.latent:  # the shared decoder over the native kernels, which say why
+        fallback = model.executor(model.new_cache()).fallback
+        assert "mixtures of experts" in fallback if config.n_experts else "latent attention" in fallback
+    else:
+        assert model.executor(model.new_cache()).fallback is None
+        model.fused.reset_timings()
     assert_close(model.forward(PROMPT, model.new_cache(), all_logits=True), hf_logits(hf, PROMPT, "float32"),
                  "float32", f"{family} native vs transformers")
-    assert model.fused.timings()["calls"] == 1
+    assert config.n_experts or config.latent or model.fused.timings()["calls"] == 1
 
 
 def test_the_native_backend_says_which_fields_it_does_not_compute(monkeypatch):
@@ -223,27 +282,52 @@ def test_kvref_run_on_a_checkpoint_without_a_tokenizer_says_so(tmp_path, capsys)
     assert "model_type 'qwen3'" in out and "model.layers.0.self_attn.q_norm.weight" in out and "qk_norm=True" in out
 
 
+def test_kvref_inspect_says_how_many_experts_a_mixture_runs(tmp_path, capsys):
+    from kvref.tools.cli import main
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "2 of 6 per position, each 20 wide" in capsys.readouterr().out
+
+
 # what llama.cpp's converter writes for each family (architecture, Q/K rows reordered to adjacent pairs?)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "llama3": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False)}
+                      "qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "gemma2": ("gemma2", False),
+                      "phi3": ("phi3", False), "phi3-long": ("phi3", False), "smollm3": ("smollm3", True),
+                      "qwen3_moe": ("qwen3moe", False), "mixtral": ("llama", True),
+                      "deepseek_v2": ("deepseek2", False), "deepseek_v3": ("deepseek2", False)}
 # what GGUF can express: a llama-architecture file carries no window (llama.cpp runs Mistral without
 # one), and Gemma 3's files carry the window but not the layer pattern or query_pre_attn_scalar, which
-# llama.cpp (and kvref) take as every 6th layer global and head_dim
-GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None),
+# llama.cpp (and kvref) take as every 6th layer global and head_dim; Gemma 2's, every 2nd and head_dim
+GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
+                    "gemma2": dict(query_pre_attn_scalar=16),
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
-                                   layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+                                   layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                    # deepseek2 files rotate adjacent pairs: the converter does not reorder rope_interleave=false
+                    "deepseek_v3": dict(rope_interleave=True)}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+              "self_attn.k_norm": "attn_k_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+              "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+              "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+              "self_attn.kv_a_layernorm": "attn_kv_a_norm"}
+# a checkpoint's expert j matrices -> the one 3-D tensor of the layer's experts llama.cpp's converter stacks them into
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def write_gguf(hf, family, path):
-    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains."""
+def write_gguf(hf, family, path, expert_type=None):
+    """The model as llama.cpp's convert_hf_to_gguf.py lays it out: names, metadata, row order, gains; a
+    mixture's experts stacked into one tensor per projection, in `expert_type` blocks (a GGMLQuantizationType;
+    None: float32)."""
     gguf = require("gguf")
     arch, permute = GGUF_ARCHITECTURES[family]
     c = hf.config
-    gemma = family == "gemma3"
+    gemma = family.startswith("gemma")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
@@ -251,13 +335,33 @@ def write_gguf(hf, family, path):
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch == "deepseek2":  # the latent attention as MQA over R + Dr wide keys, as the converter writes it
+        write_latent_metadata(writer, c)
+    else:
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else c.rope_parameters["rope_theta"])
+    if family in ("qwen3_moe", "mixtral"):
+        writer.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if family == "qwen3_moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     if gemma:
         writer.add_sliding_window(c.sliding_window)
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "phi3":  # Phi3MiniModel: the window (0: none), LongRoPE's tensors and attention factor
+        writer.add_sliding_window(c.sliding_window or 0)
+        original = c.rope_parameters["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)) if scale > 1 else 1.0)
+        for name in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{name}.weight",
+                              np.array(c.rope_parameters[f"{name}_factor"], dtype=np.float32))
     if c.rope_parameters.get("rope_type") == "llama3":  # Llama 3.1+: one divisor per frequency, as a tensor
         plain = c.rope_parameters["rope_theta"] ** (-np.arange(0, head_dim, 2) / head_dim)
         scaled = kvref.spec.ops.rope_frequencies(head_dim, c.rope_parameters["rope_theta"],
@@ -266,20 +370,54 @@ def write_gguf(hf, family, path):
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
     writer.add_token_merges(["a b"])
-    for name, t in hf.state_dict().items():
+    experts = {}  # GGUF name -> {j: expert j's matrix}
+    for name, t in checkpoint(hf).items():
         a = t.detach().to(torch.float32).numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        if match := EXPERT.fullmatch(name):
+            layer, j, projection = match.groups()
+            experts.setdefault(f"blk.{layer}.{EXPERT_NAMES[projection]}.weight", {})[int(j)] = a
+            continue
         if "norm" in name and gemma:
             a = a + 1  # Gemma files store the (1 + w) of its RMSNorm
+        if name.endswith("kv_b_proj.weight"):  # split per head: W_UK transposed [H, R, Dn], W_UV [H, Dv, R]
+            kv_b = a.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+            writer.add_tensor(gguf_name(name, gemma).replace("kv_b", "k_b"),
+                              np.ascontiguousarray(kv_b[:, :c.qk_nope_head_dim].transpose(0, 2, 1)))
+            writer.add_tensor(gguf_name(name, gemma).replace("kv_b", "v_b"),
+                              np.ascontiguousarray(kv_b[:, c.qk_nope_head_dim:]))
+            continue
         if permute and ("q_proj" in name or "k_proj" in name):  # llama.cpp's permute: to adjacent pairs
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             a = a.reshape(heads, 2, -1, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         writer.add_tensor(gguf_name(name, gemma), a)
+    for name, matrices in experts.items():
+        stack = np.stack([matrices[j] for j in range(len(matrices))])  # [X, N, K]
+        if expert_type is None:
+            writer.add_tensor(name, stack)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(stack, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_latent_metadata(writer, c):
+    # deepseek2's keys for a DeepSeek-V2/V3 config (llama.cpp's conversion/deepseek.py)
+    writer.add_head_count_kv(1)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    writer.add_value_length(c.kv_lora_rank)
+    writer.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    writer.add_value_length_mla(c.v_head_dim)
+    writer.add_rope_dimension_count(c.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    writer.add_expert_count(c.n_routed_experts)
+    writer.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        writer.add_q_lora_rank(c.q_lora_rank)
 
 
 def gguf_name(name, gemma):
@@ -291,7 +429,8 @@ def gguf_name(name, gemma):
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = dict(GGUF_NAMES, post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
+    names = dict(GGUF_NAMES, **{"self_attn.kv_b_proj": "attn_kv_b"},
+                 post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
                  pre_feedforward_layernorm="ffn_norm")
     return f"blk.{layer}.{names[module]}.{kind}"
 
@@ -302,13 +441,14 @@ def test_every_family_written_as_gguf_gives_transformers_logits(family, tmp_path
     write_gguf(hf, family, tmp_path / "model.gguf")
     model = kvref.load(tmp_path / "model.gguf", backend="auto")
     def fields(config):  # the family fields, with the score scale and RoPE scaling as the numbers they stand for
-        frequencies = kvref.spec.ops.rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        return {**config.family_fields(), "attention_scale": config.attention_scale or config.head_dim ** -0.5,
-                "rope_scaling": tuple(float(f"{f:.6g}") for f in frequencies)}  # a file stores float32 divisors
+        frequencies = kvref.spec.ops.rope_frequencies(config.head_dim, *config.layer_rope(0))
+        scale = config.attention_scale or config.head_dim ** -0.5
+        return {**config.family_fields(), "attention_scale": float(f"{scale:.6g}"),  # a file stores float32s
+                "rope_scaling": tuple(float(f"{f:.6g}") for f in frequencies)}
 
     assert fields(model.config) == fields(config_from_hf(hf.config.to_dict()))
     assert model.backend == ("c" if kvref.native.available() else "numpy")  # every family runs natively
-    if model.backend == "c":
+    if model.backend == "c" and not (model.config.n_experts or model.config.latent):  # those: the decoder over C kernels
         assert model.fused is not None and model.executor(model.new_cache()).fallback is None
     assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
                  f"{family} GGUF vs transformers")
@@ -357,3 +497,52 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers_rope_init(para
     assert config.rope_scaling[5] == pytest.approx(attention_factor, rel=1e-12)
     score_scale = config.score_scale or head_dim ** -0.5  # None: 1/sqrt(head_dim)
     assert score_scale == pytest.approx(head_dim ** -0.5 * attention_factor ** 2, rel=1e-12)
+
+
+def test_quantized_experts_are_read_in_place_and_give_the_spec_logits_of_their_dequantized_values(tmp_path):
+    gguf = require("gguf")
+    hf = hf_model("qwen3_moe", seed=5, hidden_size=64, moe_intermediate_size=32)  # whole blocks of 32 values
+    write_gguf(hf, "qwen3_moe", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    spec = kvref.load(tmp_path / "q8.gguf", backend="numpy")  # every tensor dequantized to float32
+    want = spec.forward(PROMPT, all_logits=True)
+    if not kvref.native.available():
+        pytest.skip("the native module is not built")
+    native = kvref.load(tmp_path / "q8.gguf", backend="c")
+    stack = native.weights.layers[1].experts_down
+    assert isinstance(stack, kvref.spec.ggml.QuantizedTensor) and stack.shape == (6, 64, 32)  # [X, E, Fx], in place
+    assert_close(native.forward(PROMPT, all_logits=True), want, "float32", "Q8_0 experts: native vs spec")
+
+
+def test_a_gguf_router_kvref_does_not_read_is_refused_by_name(tmp_path):
+    from kvref.errors import GGUFError
+
+    write_gguf(hf_model("qwen3_moe", seed=6), "qwen3_moe", tmp_path / "m.gguf")
+    with kvref.formats.gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        metadata, names = dict(f.metadata), list(f.tensors)
+    config = kvref.formats.architectures.config_from_metadata(metadata, names)
+    assert (config.n_experts, config.n_experts_used, config.experts_d_ff, config.norm_topk_prob) == (6, 2, 20, True)
+    for key, value in (("expert_shared_count", 2), ("expert_gating_func", 2), ("expert_group_count", 4)):
+        with pytest.raises(GGUFError, match=f"qwen3moe.{key}={value}"):
+            kvref.formats.architectures.config_from_metadata({**metadata, f"qwen3moe.{key}": value}, names)
+
+
+def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_name():
+    from kvref.errors import GGUFError
+    from kvref.formats.architectures import config_from_metadata
+
+    keys = {"block_count": 3, "embedding_length": 36, "feed_forward_length": 52, "attention.head_count": 4,
+            "attention.head_count_kv": 1, "attention.kv_lora_rank": 16, "attention.key_length": 22,
+            "attention.value_length": 16, "attention.key_length_mla": 14, "attention.value_length_mla": 10,
+            "rope.dimension_count": 6, "context_length": 48, "attention.layer_norm_rms_epsilon": 1e-6,
+            "vocab_size": 61, "expert_count": 4, "leading_dense_block_count": 3}
+    names = [f"blk.{i}.attn_norm.weight" for i in range(3)]
+
+    def metadata(**changes):
+        return {"general.architecture": "deepseek2", **{f"deepseek2.{k}": v for k, v in {**keys, **changes}.items()}}
+
+    config = config_from_metadata(metadata(), names)
+    assert (config.kv_lora_rank, config.head_dim, config.n_kv_heads, config.q_lora_rank) == (16, 14, 4, None)
+    with pytest.raises(GGUFError, match="mixture-of-experts"):
+        config_from_metadata(metadata(leading_dense_block_count=1), names)
+    with pytest.raises(GGUFError, match="MQA view"):
+        config_from_metadata(metadata(**{"attention.value_length": 10}), names)

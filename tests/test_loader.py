@@ -98,8 +98,8 @@ def test_kvref_model_variable_and_explicit_paths_select_the_file(monkeypatch, tm
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     from kvref.formats.architectures import config_from_metadata
 
-    with pytest.raises(GGUFError, match="architecture 'phi3' is not supported"):
-        config_from_metadata({"general.architecture": "phi3"}, [])
+    with pytest.raises(GGUFError, match="architecture 'phi2' is not supported"):
+        config_from_metadata({"general.architecture": "phi2"}, [])
     with pytest.raises(GGUFError, match="partial RoPE"):
         config_from_metadata({"general.architecture": "llama", "llama.attention.head_count": 4,
                               "llama.embedding_length": 64, "llama.rope.dimension_count": 8}, [])
@@ -321,3 +321,41 @@ def test_yarn_rope_scaling_keys_are_read_as_llama_cpp_computes_them_and_the_rest
     del metadata["llama.rope.scaling.original_context_length"]
     with pytest.raises(GGUFError, match="original_context_length"):
         config_from_metadata(metadata, ONE_BLOCK)
+
+
+def gemma2_metadata(n_layers, **keys):
+    arch = {"attention.head_count": 4, "attention.head_count_kv": 2, "embedding_length": 64, "block_count": n_layers,
+            "feed_forward_length": 32, "context_length": 64, "attention.layer_norm_rms_epsilon": 1e-6,
+            "attention.key_length": 8, "attention.sliding_window": 16, "vocab_size": 10, **keys}
+    return {"general.architecture": "gemma2", **{f"gemma2.{k}": v for k, v in arch.items()}}
+
+
+def test_a_gemma2_file_is_capped_at_llama_cpps_defaults_unless_it_says_and_its_27b_scales_by_d_model():
+    from kvref.formats.architectures import config_from_metadata
+
+    blocks = lambda n: [f"blk.{i}.attn_norm.weight" for i in range(n)]  # noqa: E731
+    config = config_from_metadata(gemma2_metadata(4), blocks(4))
+    assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
+    assert config.layer_windows == (16, None, 16, None) and config.attention_scale is None  # 1/sqrt(head_dim)
+    config = config_from_metadata(gemma2_metadata(4, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
+                                  blocks(4))
+    assert (config.attn_softcap, config.final_softcap) == (20.0, 10.0)
+    assert config_from_metadata(gemma2_metadata(46), blocks(46)).attention_scale == 16 ** -0.5  # d_model / n_heads
+
+
+def test_a_phi3_file_needs_both_longrope_tensors_of_one_divisor_per_frequency():
+    from kvref.formats.architectures import LONGROPE_TENSORS, config_from_metadata
+
+    metadata = {**{k.replace("gemma2", "phi3"): v for k, v in gemma2_metadata(1).items()},
+                "general.architecture": "phi3", "phi3.rope.scaling.original_context_length": 16,
+                "phi3.rope.scaling.attn_factor": 1.5}
+    names = ["blk.0.attn_norm.weight", *LONGROPE_TENSORS]
+    with pytest.raises(GGUFError, match="needs both"):
+        config_from_metadata(metadata, names[:2], None)
+    with pytest.raises(GGUFError, match=r"rope_factors_long.weight must hold one positive finite divisor .*\(4,\)"):
+        config_from_metadata(metadata, names, None, (np.ones(4), np.ones(3)))
+    config = config_from_metadata(metadata, names, None, (np.ones(4), np.full(4, 2.0)))
+    assert config.rope_scaling == ("longrope", (1.0,) * 4, (2.0,) * 4, 16)
+    assert config.layer_rope(0) == (10000.0, ("factors", (2.0,) * 4))  # context 64 > 16: the long set
+    assert config.attention_scale == pytest.approx(1.5 ** 2 / 8 ** 0.5)
+    assert config.layer_windows == (16,)  # Phi-3's window, as transformers runs it

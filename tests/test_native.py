@@ -14,6 +14,7 @@ that an error instead (CI does).
 """
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import signal
@@ -28,14 +29,17 @@ from hypothesis import strategies as st
 from kvref import native
 from kvref.cache import BlockPool, ContiguousCache, WindowCache
 from kvref.errors import BackendError, CacheError, ConfigError, DTypeError, KVRefError, ShapeError, TokenError
+from kvref.spec import decoder
 from kvref.spec import ops as spec
 from kvref.spec import quants
 from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.tolerance import FLOAT32_UNIT_ROUNDOFF as U  # u in the bounds below
+from kvref.tolerance import assert_close
+from kvref.weights import random_weights
 from kvref.tolerance import (INT8_KEY_QUERY_ROUNDING, ROPE_FLOAT32_RTOL, ROPE_FLOAT64_TRIG_ATOL, UNDERFLOW_SLACK,
                              gamma)
-from tests.conftest import (NATIVE_KV_DTYPES, fill_interleaved, guarded_copy, misaligned, reads_like_float_kv,
-                            require)
+from tests.conftest import (NATIVE_KV_DTYPES, fill_interleaved, guarded_copy, misaligned, moe_configs,
+                            reads_like_float_kv, require)
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -153,6 +157,80 @@ def test_matmul_equals_spec_on_dequantized_weights_within_the_float32_dot_bound(
     y = ks(threads, isa).matmul(x, w)
     assert y.dtype == np.float32 and y.shape == (T, N)
     assert_within(y, spec.matmul(x, W), dot_bound(x, W), what=f"{gtype.name} T={T} N={N} K={K} {isa}")
+
+
+def random_expert_stack(gtype, X, N, K, rng, unread=()):
+    """A QuantizedTensor [X, N, K] of X random matrices; the experts in `unread` hold 0xFF bytes, a NaN
+    scale (or value) in every block, so any output that read one would be NaN."""
+    data = np.stack([random_weight(gtype, N, K, rng).data for _ in range(X)])  # [X, N, row bytes]
+    data[list(unread)] = 0xFF
+    return QuantizedTensor(gtype, (X, N, K), data)
+
+
+@st.composite
+def expert_cases(draw):
+    # a stack of 1..5 experts, and rows naming some of them: an expert's rows cross the GEMM switch
+    gtype, N, K, _ = draw(weight_shapes())
+    X = draw(st.integers(1, 5))
+    experts = draw(st.lists(st.integers(0, X - 1), min_size=1, max_size=2 * nops.GEMM_MIN_T + 3))
+    return gtype, X, N, K, np.array(experts, dtype=np.int64)
+
+
+@given(expert_cases(), ISAS, THREADS, SEEDS)
+def test_matmul_experts_equals_spec_on_dequantized_stacks_and_never_reads_an_expert_no_row_names(case, isa, threads,
+                                                                                                 seed):
+    gtype, X, N, K, experts = case
+    rng = np.random.default_rng(seed)
+    unread = sorted(set(range(X)) - set(experts.tolist()))
+    w = random_expert_stack(gtype, X, N, K, rng, unread)
+    W = quants.dequantize(gtype, w.data, w.shape)  # [X, N, K] float32, the spec's experts
+    x = rng.standard_normal((len(experts), K)).astype(np.float32)
+    y = ks(threads, isa).matmul_experts(x, w, experts)
+    assert y.dtype == np.float32 and y.shape == (len(experts), N) and np.isfinite(y).all()
+    bound = np.stack([dot_bound(x[r:r + 1], W[e])[0] for r, e in enumerate(experts)])
+    assert_within(y, spec.matmul_experts(x, W, experts), bound, what=f"{gtype.name} X={X} N={N} K={K} {isa}")
+
+
+@given(expert_cases(), ISAS, THREADS, SEEDS)
+def test_matmul_experts_gives_each_row_the_matmul_of_its_experts_rows_taken_together_bit_for_bit(case, isa, threads,
+                                                                                                seed):
+    # an expert's weights stream once per call for all of its rows: each row's output is kvref_matmul's
+    # for that expert over exactly those rows, in row order
+    gtype, X, N, K, experts = case
+    rng = np.random.default_rng(seed)
+    w = random_expert_stack(gtype, X, N, K, rng)
+    x = rng.standard_normal((len(experts), K)).astype(np.float32)
+    y = ks(threads, isa).matmul_experts(x, w, experts)
+    for e in np.unique(experts):
+        rows = np.flatnonzero(experts == e)
+        one = QuantizedTensor(gtype, (N, K), np.ascontiguousarray(w.data[e]))
+        np.testing.assert_array_equal(y[rows], ks(threads, isa).matmul(x[rows], one))
+
+
+def choice_margin(config, lw, h):
+    # the smallest gap, over positions, between the last expert chosen and the first left out (float64):
+    # native and spec choose alike when rounding moves no score by that much
+    logits = h @ lw.router.T + (0 if lw.router_bias is None else lw.router_bias)  # [T, X]
+    scores = spec.softmax(logits) if config.router_score == "softmax" else spec.sigmoid(logits)
+    choice = scores + (0 if lw.expert_selection_bias is None else lw.expert_selection_bias)
+    if config.n_expert_groups > 1:
+        choice = decoder.best_groups_only(config, choice)
+    ranked = -np.sort(-choice, axis=-1)  # [T, X] best first
+    k = config.n_experts_used
+    return np.inf if k == config.n_experts else float(np.min(ranked[:, k - 1] - ranked[:, k]))
+
+
+@given(moe_configs(max_layers=1), ISAS, THREADS, SEEDS, st.integers(1, 12))
+def test_a_mixture_on_the_native_kernels_equals_the_float64_spec_for_every_router(config, isa, threads, seed, T):
+    config = config.replace(first_dense_layers=0)
+    lw = random_weights(config, seed, "float64").layers[0]
+    h = np.random.default_rng(seed).standard_normal((T, config.d_model)).astype(np.float32)  # [T, E]
+    assume(choice_margin(config, lw, h.astype(np.float64)) > 1e-3)  # float32 rounding cannot change the choice
+    lw32 = dataclasses.replace(lw, **{f.name: None if getattr(lw, f.name) is None else getattr(lw, f.name).astype(
+        np.float32) for f in dataclasses.fields(lw)})
+    got = decoder.moe(ks(threads, isa), config, lw32, h)
+    assert got.dtype == np.float32
+    assert_close(got, decoder.moe(spec, config, lw, h.astype(np.float64)), "float32", "native vs spec mixture")
 
 
 @given(weight_shapes(), ISAS, THREADS, SEEDS)
@@ -388,10 +466,10 @@ def test_attention_with_sink_logits_equals_spec_within_the_softmax_bound_with_on
     q, k, v, q_pos, k_pos, window, scale = case
     sinks = (size * np.random.default_rng(seed).standard_normal(q.shape[1])).astype(np.float32)
     out = ks(threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale, window=window, sinks=sinks)
-    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window, sinks) if k.shape[0] else np.zeros(q.shape)
+    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window, sinks=sinks) if k.shape[0] else np.zeros(q.shape)
     assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos, window, scale, sinks=sinks),
                   what=f"T={q.shape[0]} H={q.shape[1]} S={k.shape[0]} window={window} sinks x{size} {isa}")
-    np.testing.assert_array_equal(out, ks(3 - threads, isa).attention(q, k, v, q_pos, k_pos, scale, window, sinks))
+    np.testing.assert_array_equal(out, ks(3 - threads, isa).attention(q, k, v, q_pos, k_pos, scale, window, sinks=sinks))
     assert np.all(out[~visible(q_pos, k_pos, window).any(axis=1)] == 0.0)
 
 
@@ -415,6 +493,46 @@ def test_sink_logits_of_the_wrong_shape_are_refused_before_c():
     for sinks in (np.ones(3, np.float32), np.ones((4, 1), np.float32), [0.0] * 4, np.ones(4, np.int32)):
         with pytest.raises(ShapeError, match="one logit per query head"):
             nops.attention(q, k, k, [2], np.arange(3), sinks=sinks)
+
+
+def softcap_attention_bound(q, k, v, scale, softcap):
+    """Bound on |native - spec| for attention with soft-capped scores (Gemma 2). The cap
+    cap * tanh(x / cap) moves an error in x by at most itself (tanh' <= 1) and adds its own rounding,
+    at most 8u cap (the division, tanh within 4 ulp on either side, the product); every capped score
+    is within 2 cap of its row max, so attention_bound's softmax terms hold with |a_s - m| <= 2 cap,
+    and sum_s p_s |v_si| <= max_s |v_si| (over every key, seen or not: looser, never wrong)."""
+    T, H, D = q.shape
+    heads = np.arange(H) // (H // k.shape[1])
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)[:, heads, :]  # [T, H, D], [S, H, D]
+    c = 1 / np.sqrt(D) if scale is None else scale
+    a = np.einsum("thd,shd->ths", q64, k64) * c
+    mag = np.einsum("thd,shd->ths", np.abs(q64), np.abs(k64)) * c
+    err = gamma(D) * mag + 2 * U * np.abs(a) + 8 * U * softcap  # [T, H, S]
+    delta = 2 * err.max(axis=-1, keepdims=True)  # [T, H, 1]
+    rel = 2 * delta + 4 * U * softcap + 8 * U + 4 * gamma(k.shape[0] + 1)
+    return 2 * rel * np.abs(v.astype(np.float64)).max(axis=0)[heads][None] + UNDERFLOW_SLACK  # [T, H, D]
+
+
+@given(attention_cases(), ISAS, THREADS, st.sampled_from([0.5, 2.0, 50.0]))
+def test_attention_with_softcap_equals_spec_within_the_capped_softmax_bound(case, isa, threads, softcap):
+    q, k, v, q_pos, k_pos, window, scale = case
+    assume(k.shape[0] > 0)  # the spec's softmax needs a key (no key: zeros, tested below)
+    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
+    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window, softcap)
+    assert_within(out, ref, softcap_attention_bound(q, k, v, scale, softcap),
+                  what=f"S={k.shape[0]} D={q.shape[2]} window={window} scale={scale} softcap={softcap} {isa}")
+    np.testing.assert_array_equal(out, ks(3 - threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale,
+                                                                      window=window, softcap=softcap))
+
+
+@given(st.integers(1, 40000), ISAS, THREADS, SEEDS, st.sampled_from([1.0, 30.0]))
+def test_soft_cap_equals_spec_within_tanh_rounding_and_keeps_non_finite_values(n, isa, threads, seed, cap):
+    x = (40 * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+    out = ks(threads, isa).soft_cap(x, cap)
+    ref = spec.soft_cap(x, np.float32(cap))
+    assert_within(out, ref, 8 * U * cap + UNDERFLOW_SLACK)
+    edge = ks(threads, isa).soft_cap(np.array([np.inf, -np.inf, np.nan, 0.0], np.float32), cap)
+    assert edge[0] == np.inf and edge[1] == -np.inf and np.isnan(edge[2]) and edge[3] == 0.0
 
 
 @given(attention_cases(), ISAS)
@@ -832,6 +950,7 @@ def _q(gtype=GGMLType.Q4_1, N=4, K=64):
 
 X = np.ones((2, 64), dtype=np.float32)
 W = _q()
+STACK = random_expert_stack(GGMLType.Q4_1, 3, 4, 64, np.random.default_rng(0))  # 3 experts [4, 64]
 
 
 @pytest.mark.parametrize("call, error", [
@@ -887,6 +1006,15 @@ W = _q()
     (lambda: nops.geglu(np.ones(5, np.float32), np.ones(5, np.float64)), DTypeError),
     (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 1e4, ("yarn", 2.0)), ConfigError),
     (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 1e4, ("linear",)), ConfigError),
+    (lambda: nops.matmul_experts(X, STACK, [0, 3]), ShapeError),  # no expert 3
+    (lambda: nops.matmul_experts(X, STACK, [0, -1]), ShapeError),
+    (lambda: nops.matmul_experts(X, STACK, [0]), ShapeError),  # one id per row
+    (lambda: nops.matmul_experts(X, STACK, [0.0, 1.0]), DTypeError),
+    (lambda: nops.matmul_experts(X, W, [0, 1]), ShapeError),  # a 2-D matrix is not a stack
+    (lambda: nops.matmul_experts(X[:, :32], STACK, [0, 1]), ShapeError),
+    (lambda: nops.matmul_experts(X.astype(np.float64), STACK, [0, 1]), DTypeError),
+    (lambda: nops.matmul_experts(X, QuantizedTensor(W.ggml_type, (3, 4, 64), STACK.data[:2]), [0, 1]), ShapeError),
+    (lambda: nops.matmul_experts(X, np.ones((3, 4, 64), np.float64), [0, 1]), DTypeError),
 ])
 def test_wrong_calls_raise_the_named_kvref_error_before_c_runs(call, error):
     with pytest.raises(error) as info:
@@ -963,6 +1091,20 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     assert lib.kvref_matmul(pool, xb, 2, 64, wb, 3, nbytes, 4, yb) == lib.KVREF_OK
     ids = np.array([0, 7], np.int64)
     assert lib.kvref_embed(pool, wb, 3, nbytes, 4, 64, ffi.from_buffer("int64_t[]", ids), 2, yb) == lib.KVREF_ERR_VALUE
+    sb, sbytes = ffi.from_buffer(STACK.data), STACK.data.nbytes  # 3 experts [4, 64]
+
+    def experts(ids, R=2, K=64, x=xb, w=sb, nbytes=sbytes, X=3, N=4, y=yb, p=pool):
+        return lib.kvref_matmul_experts(p, x, R, K, ffi.from_buffer("int64_t[]", np.array(ids, np.int64)), w, 3,
+                                        nbytes, X, N, y)
+
+    assert experts([2, 0]) == lib.KVREF_OK
+    assert experts([0, 3]) == lib.KVREF_ERR_VALUE and experts([-1, 0]) == lib.KVREF_ERR_VALUE
+    assert experts([0, 1], p=ffi.NULL) == lib.KVREF_ERR_NULL and experts([0, 1], x=ffi.NULL) == lib.KVREF_ERR_NULL
+    assert experts([0, 1], nbytes=sbytes - 1) == lib.KVREF_ERR_SIZE and experts([0, 1], X=2) == lib.KVREF_ERR_SIZE
+    assert experts([0, 1], K=60) == lib.KVREF_ERR_SHAPE and experts([0, 1], R=-1) == lib.KVREF_ERR_DIM
+    assert experts([0, 1], X=2**40, N=2**40) == lib.KVREF_ERR_SIZE
+    y[:] = np.nan
+    assert experts([0, 2], K=0, x=ffi.NULL, w=ffi.NULL, nbytes=0) == lib.KVREF_OK and not y.any()  # empty sums
     table = np.array([1, 0, 5], np.int64)
     pos = ffi.from_buffer("int64_t[]", np.arange(8, dtype=np.int64))
     kvb = ffi.from_buffer("float[]", np.zeros(2 * 8 * 3 * 8, np.float32))  # 2 layers x 8 slots x 3 kv heads x 8
@@ -971,13 +1113,16 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
     def attention(S=4, layer=0, H=6, **fields):  # one query, H heads of 8 over float32 K/V
         kv = ffi.new("kvref_kv *", dict(k=kvb, v=kvb, k_type=lib.KVREF_TYPE_F32, v_type=lib.KVREF_TYPE_F32,
                                         n_layers=2, n_slots=8, n_kv_heads=3, head_dim=8, block_size=1))
-        window, scale = fields.pop("window", 0), fields.pop("scale", 0.5)
+        window, softcap, scale = fields.pop("window", 0), fields.pop("softcap", 0.0), fields.pop("scale", 0.5)
         for name, value in fields.items():
             setattr(kv, name, value)
-        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, scale, ffi.NULL, ob)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, softcap, scale, ffi.NULL, ob)
 
     assert attention() == lib.KVREF_OK
+    assert attention(softcap=30.0) == lib.KVREF_OK
     assert attention(window=-1) == lib.KVREF_ERR_VALUE
+    assert attention(softcap=-1.0) == lib.KVREF_ERR_VALUE
+    assert attention(softcap=float("inf")) == lib.KVREF_ERR_VALUE
     assert attention(scale=float("nan")) == lib.KVREF_ERR_VALUE
     rings = np.array([3, 0], np.int64)
     ringed = dict(layer_ring=ffi.from_buffer("int64_t[]", rings), n_slots=5)  # 3 + 5 slots of the 16 given

@@ -98,9 +98,10 @@ def family_fields(draw, n_layers):
     """The fields of the other families (ModelConfig.FAMILY_FIELDS), each at its Llama default or drawn:
     Qwen 2's biases, QK-norm, Gemma's sandwich norms, embedding scale, GeGLU and score scale, per-layer
     windows (shorter than the executions below) and local RoPE bases, Llama 3, linear and YaRN RoPE scaling,
-    gpt-oss's sink logits and clamped SwiGLU."""
+    Gemma 2's soft caps, SmolLM3's NoPE layers, gpt-oss's sink logits and clamped SwiGLU."""
     windows = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n_layers,
                                                  max_size=n_layers).map(tuple)))
+    nope = draw(st.lists(st.booleans(), min_size=n_layers, max_size=n_layers))
     return dict(
         qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()), sandwich_norms=draw(st.booleans()),
         embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])),
@@ -108,7 +109,9 @@ def family_fields(draw, n_layers):
         attention_scale=draw(st.sampled_from([None, 0.0625, 0.4])), layer_windows=windows,
         rope_local_theta=draw(st.sampled_from([None, 100.0])),
         rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16),
-                                           ("yarn", 8.0, 32.0, 1.0, 16, 1.2, False)])))
+                                           ("yarn", 8.0, 32.0, 1.0, 16, 1.2, False)])),
+        attn_softcap=draw(st.sampled_from([None, 0.7, 50.0])), final_softcap=draw(st.sampled_from([None, 0.5, 30.0])),
+        nope_layers=tuple(i for i, skip in enumerate(nope) if skip))
 
 
 @st.composite
@@ -213,14 +216,14 @@ class StoredKVKernels:
     def __getattr__(self, name):
         return getattr(self.ks, name)
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None):
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
         # [T, H, D], k and v unused (the cache holds them), [T], [S], [H] or None -> [T, H, D]
         layer, b = divmod(self.calls, len(self.executions))
         self.calls += 1
         e = self.executions[b]
         kv = cache_descriptor(e.cache)  # the execution's reserved slots included
         return self.ks._attention(q, kv, len(k_positions), e.cache.n_kv_heads, q_positions, k_positions, layer,
-                                  scale, window, sinks)
+                                  scale, window, softcap, sinks)
 
 
 def stored_kv_forward_batch(ops, config, weights, executions, all_logits=False):

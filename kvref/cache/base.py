@@ -80,12 +80,13 @@ class KVCache(Transactional, Capable):
     uniform_layers = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, *, v_dtype=None,
-                 group_size=None, rope_theta=None, lock=None):
+                 group_size=None, rope_theta=None, latent_dim=None, lock=None):
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        self.k_codec = Codec(dtype, head_dim, group_size)
-        self.v_codec = Codec(dtype if v_dtype is None else v_dtype, head_dim, group_size)
+        # MLA: K is the latent key [c_kv ; k_rope] and V, never stored, is its first latent_dim values
+        self.latent_dim = latent_dim
+        self.k_codec, self.v_codec = quant.kv_codecs(dtype, v_dtype, head_dim, group_size, latent_dim)
         k, v = self.k_codec.name, self.v_codec.name
         self.dtype_name = k if k == v else f"{k}/{v}"
         if self.k_codec.groups_positions:
@@ -96,7 +97,9 @@ class KVCache(Transactional, Capable):
             # a query reads the groups its execution completed quantized: how an input is split into
             # executions changes what earlier queries of a group saw (float16 or quantized K)
             self.chunking_invariant = False
-        self.rope_theta = rope_theta  # needed to re-rotate keys (shift); recorded in saved files
+        # needed to re-rotate keys (shift), recorded in saved files: one base, or one per layer (None for a
+        # NoPE layer, kvref.cache.CacheShape)
+        self.rope_theta = rope_theta
         self.sequence = Sequence()
         # what runs executions on this cache (kvref.executor), set by the model the first time it is given
         # this cache; opaque here, and it never changes what the cache stores
@@ -146,7 +149,8 @@ class KVCache(Transactional, Capable):
         """Bytes one position occupies: the layout's position_bytes for this cache (a layout whose layers
         hold different positions counts its nbytes layer by layer)."""
         # the shape of what this cache holds: max_seq_len plays no part in a position's bytes
-        held = shape.CacheShape(self.n_layers, self.n_kv_heads, self.head_dim, max_seq_len=self.capacity)
+        held = shape.CacheShape(self.n_layers, self.n_kv_heads, self.head_dim, max_seq_len=self.capacity,
+                                latent_dim=self.latent_dim)
         return self.position_bytes(held, Codecs(self.k_codec, self.v_codec))
 
     @property
@@ -169,7 +173,7 @@ class KVCache(Transactional, Capable):
 
     def stats(self) -> dict:
         """Every accounting number of this cache in one dict (what `kvref memory` and benchmarks print)."""
-        return {"layout": self.layout, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype,
+        return {"layout": self.layout, "k_dtype": self.k_dtype, "v_dtype": self.v_dtype, "latent_dim": self.latent_dim,
                 "group_size": self.group_size, "length": self.length, "next_position": self.next_position,
                 "capacity": self.capacity, "nbytes": self.nbytes, "bytes_per_position": self.bytes_per_position}
 
@@ -191,7 +195,9 @@ class KVCache(Transactional, Capable):
         return readonly(self.k_codec.decode(k, ks))
 
     def values(self, layer: int) -> np.ndarray:
-        # -> [length, Hkv, D], read-only, decoded to V's read dtype
+        # -> [length, Hkv, D], read-only, decoded to V's read dtype; a latent cache: K's first latent_dim values
+        if self.latent_dim is not None:
+            return self.keys(layer)[..., :self.latent_dim]
         if self.k_codec.groups_positions:  # no rows to read raw beside such a K: read() decodes both
             return readonly(self.read(layer)[1].astype(self.v_codec.read_dtype, copy=False))
         _, _, v, vs = self.read_raw(layer)
@@ -325,8 +331,16 @@ class KVCache(Transactional, Capable):
         if self.executing:
             raise CacheError("an execution is open on this cache; finish it (commit or abort) first")
 
-    def _rerotate(self, k, n):
-        # [S, Hkv, D] keys stored after RoPE at positions p -> the same keys at positions p - n
+    def _rerotate(self, k, n, layer):
+        # [S, Hkv, D] keys of `layer` stored after RoPE at positions p -> the same keys at positions p - n.
+        # A NoPE layer's keys (base None in a per-layer rope_theta: SmolLM3) carry no position: as they are.
+        # A latent key rotates only its k_rope part: c_kv carries no position, and RoPE never touched it.
         from ..spec.ops import rope
 
-        return rope(k, np.full(k.shape[0], -n, dtype=np.int64), self.rope_theta)
+        theta = self.rope_theta[layer] if isinstance(self.rope_theta, tuple) else self.rope_theta
+        if theta is None:
+            return k
+        back = np.full(k.shape[0], -n, dtype=np.int64)
+        if self.latent_dim is None:
+            return rope(k, back, theta)
+        return np.concatenate([k[..., :self.latent_dim], rope(k[..., self.latent_dim:], back, theta)], axis=-1)

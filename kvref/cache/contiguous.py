@@ -55,16 +55,17 @@ class ContiguousCache(KVCache):
     @classmethod
     def create(cls, shape, codecs, options):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs, cls),
-                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta)
+                   codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   latent_dim=shape.latent_dim)
 
     @classmethod
     def position_bytes(cls, shape, codecs):
         return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)  # a row in every layer
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="float32", *, v_dtype=None,
-                 group_size=None, rope_theta=None):
+                 group_size=None, rope_theta=None, latent_dim=None):
         super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
-                         rope_theta=rope_theta)
+                         rope_theta=rope_theta, latent_dim=latent_dim)
         self._capacity = int(capacity)
         self.store = SlotStore(n_layers, (self._capacity,), n_kv_heads, head_dim, self.k_codec, self.v_codec)
         self.k = self.store.k  # [L, capacity, Hkv, D] stored form
@@ -132,7 +133,8 @@ class ContiguousCache(KVCache):
 
     def _fork(self):
         child = ContiguousCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.k_dtype,
-                                v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta)
+                                v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta,
+                                latent_dim=self.latent_dim)
         rows = slice(0, self._length)
         for name, a in self.store.arrays():
             getattr(child.store, name)[:, rows] = a[:, rows]  # stored bytes, never re-encoded
@@ -146,7 +148,7 @@ class ContiguousCache(KVCache):
         moved, dest = slice(keep + n, self._length), slice(keep, self._length - n)
         for layer in range(self.n_layers):
             k, ks, v, vs = (None if a is None else a.copy() for a in self.store.read_raw(layer, moved))
-            self.store.write_raw(layer, dest, (self._rerotate(k, n).astype(k.dtype), ks, v, vs))
+            self.store.write_raw(layer, dest, (self._rerotate(k, n, layer).astype(k.dtype), ks, v, vs))
         self._length -= n
 
     def _free(self):

@@ -70,15 +70,17 @@ class Transactional:
             return execution
 
     def append(self, k, v, token_ids=None):
-        """Store K/V of new positions in every layer at once: k, v [L, T, Hkv, D] (tools and tests)."""
-        k, v = np.asarray(k), np.asarray(v)
+        """Store K/V of new positions in every layer at once: k, v [L, T, Hkv, D] (tools and tests); a latent
+        cache takes v=None."""
+        k = np.asarray(k)
+        v = None if v is None else np.asarray(v)
         if k.ndim != 4 or k.shape[0] != self.n_layers:
             raise ShapeError(f"k has shape {k.shape}; expected [{self.n_layers}, T, {self.n_kv_heads}, {self.head_dim}]")
         if token_ids is not None and len(token_ids) != k.shape[1]:
             raise ShapeError(f"{len(token_ids)} token ids for {k.shape[1]} positions")
         with self.begin(k.shape[1] if token_ids is None else token_ids) as step:
             for layer in range(self.n_layers):
-                step.update(layer, k[layer], v[layer])
+                step.update(layer, k[layer], None if v is None else v[layer])
 
     def _finish(self, execution, commit: bool) -> None:
         # the end of `execution`: commit (the checks are done; nothing here can fail) or release.
@@ -129,7 +131,11 @@ class Transactional:
         expected = (n_new, self.n_kv_heads, self.head_dim)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.n_layers:
             raise ShapeError(f"layer {layer!r} out of range: the cache has {self.n_layers} layers")
-        for name, a in (("k", k), ("v", v)):
+        if self.latent_dim is not None and v is not None:
+            raise ShapeError(f"a latent (MLA) cache stores no V: pass v=None (V is K's first {self.latent_dim} values)")
+        if self.latent_dim is None and v is None:
+            raise ShapeError("v is None; only a latent (MLA) cache takes no V")
+        for name, a in (("k", k), ("v", v)) if v is not None else (("k", k),):
             if not isinstance(a, np.ndarray) or a.shape != expected:
                 raise ShapeError(f"{name} has shape {getattr(a, 'shape', None)}; expected [T, Hkv, D] = {list(expected)}")
 
@@ -175,15 +181,22 @@ class Execution:
 
         k, v: [T, Hkv, D] -> k_all, v_all: [S, Hkv, D] (one dtype), k_positions: [S]: everything the
         new queries may attend to (causal masking by position is the attention's job).
+        A latent (MLA) cache: k the latent keys [T, 1, R + Dr], v None; v_all is k_all's first R values
+        [S, 1, R], a view: the V no layout stores.
         """
         if not self._open:
             raise CacheError(ENDED)
-        self.cache._check_kv(layer, k, v, self.n_new)
+        cache = self.cache
+        cache._check_kv(layer, k, v, self.n_new)
         if int(layer) in self._written:  # a second write would read what the first one put in a ring
             raise CacheError(f"layer {layer}'s K/V were already written in this execution")
-        out = self.cache._write(self.reservation, int(layer), k, v)
+        if cache.latent_dim is not None:
+            v = k[..., :0]  # [T, 1, 0]: the layouts store a V of no elements
+        k_all, v_all, k_positions = cache._write(self.reservation, int(layer), k, v)
         self._written.add(int(layer))
-        return out
+        if cache.latent_dim is not None:
+            v_all = k_all[..., :cache.latent_dim]
+        return k_all, v_all, k_positions
 
     def write_in_place(self) -> Storage:
         """The cache's Storage with this execution's reserved slots, for a caller that writes the new

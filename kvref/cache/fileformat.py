@@ -8,7 +8,9 @@
                              {name, dtype, shape, offset, nbytes} for every array below
     ...         arrays       each starting at a multiple of 64 bytes, little-endian, C order:
                                positions    int64 [n]                 stored positions, ascending
-                               k, v         [L, n, Hkv, D]            stored form (float, uint16 bfloat16, int8)
+                               k, v         [L, n, Hkv, D]            stored form (float, uint16 bfloat16, int8);
+                                                                      a latent (MLA) cache: Hkv 1, D the
+                                                                      latent key's width, v [L, n, 1, 0]
                                k_scales ..  float32 [L, n, Hkv, D/g]  int8 scales (only for int8)
                                layer_rows   int64 [L]                 only when layers hold different
                                                                       numbers of positions (hybrid): layer
@@ -96,6 +98,7 @@ def save_cache(cache, path) -> None:
         "options": cache.layout_options(),
         "n_layers": cache.n_layers, "n_kv_heads": cache.n_kv_heads, "head_dim": cache.head_dim,
         "k_dtype": cache.k_dtype, "v_dtype": cache.v_dtype, "group_size": cache.group_size,
+        "latent_dim": cache.latent_dim,  # MLA: V is not stored, it is K's first latent_dim values
         "rope": {"theta": cache.rope_theta, "pairs": "adjacent (x[2i], x[2i+1])",
                  "keys": "stored after RoPE at their absolute positions"},
         "length": cache.length, "next_position": cache.next_position,
@@ -244,7 +247,8 @@ def load_cache(path, shape: CacheShape, factory, pool=None):
     positions = arrays["positions"]
     if np.any(np.diff(positions) <= 0) or (n and (positions[0] < 0 or positions[-1] >= next_position)):
         raise CacheError(f"{where}: positions are not ascending within 0..{next_position - 1}")
-    codecs = Codecs.named(fields["k_dtype"], fields["v_dtype"], shape.head_dim, fields["group_size"])
+    codecs = Codecs.named(fields["k_dtype"], fields["v_dtype"], shape.head_dim, fields["group_size"],
+                          latent_dim=shape.latent_dim)
     if pool is not None:
         options = {"pool": pool}
     else:
@@ -324,7 +328,11 @@ def _header_fields(header, shape, where):
         if header.get(name) not in KV_NAMES:
             raise CacheError(f"{where}: {name} is {_short(header.get(name))}; expected one of {KV_NAMES}")
         fields[name] = header[name]
+    if header.get("latent_dim") != shape.latent_dim:  # files from before MLA have none: not latent
+        raise CacheError(f"{where}: latent_dim is {_short(header.get('latent_dim'))}; this model's cache has "
+                         f"{shape.latent_dim}")
     theta = rope.get("theta")
+    theta = tuple(theta) if isinstance(theta, list) else theta  # per layer (NoPE layers), as JSON stores a tuple
     if theta != shape.rope_theta:
         raise CacheError(f"{where}: keys were rotated with rope_theta={_short(theta)}; this model uses "
                          f"{shape.rope_theta}")
@@ -341,11 +349,13 @@ def _check_arrays(arrays, fields, shape, where):
     if rows is not None and (rows.shape != (c.n_layers,) or np.any(rows < 0) or np.any(rows > n)):
         raise CacheError(f"{where}: layer_rows must give each of {c.n_layers} layers 0..{n} rows")
     kv = (c.n_layers, n, c.n_kv_heads, c.head_dim) if rows is None else (int(rows.sum()), c.n_kv_heads, c.head_dim)
-    need = {"positions": (n,), "k": kv, "v": kv, **({} if rows is None else {"layer_rows": (c.n_layers,)})}
+    widths = {"k": c.head_dim, "v": 0 if c.latent_dim is not None else c.head_dim}  # a latent cache stores no V
+    need = {"positions": (n,), "k": kv, "v": (*kv[:-1], widths["v"]),
+            **({} if rows is None else {"layer_rows": (c.n_layers,)})}
     group_size = fields["group_size"]
     for name in ("k", "v"):
         if fields[f"{name}_dtype"] == "int8":
-            groups = c.head_dim // group_size if group_size is not None else -1
+            groups = widths[name] // group_size if group_size is not None else -1
             need[f"{name}_scales"] = (*kv[:-1], groups)
     if "token_ids" in arrays:
         need["token_ids"] = (fields["next_position"],)

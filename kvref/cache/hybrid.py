@@ -73,6 +73,7 @@ class HybridCache(KVCache):
         windows = shape.layer_windows or (None,) * shape.n_layers
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.capacity_for(shape, codecs, cls), windows,
                    codecs.k.name, v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   latent_dim=shape.latent_dim,
                    spare=options.spare)
 
     @classmethod
@@ -83,7 +84,7 @@ class HybridCache(KVCache):
         return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, layer_windows, dtype="float32", *,
-                 v_dtype=None, group_size=None, rope_theta=None, spare=DEFAULT_SPARE):
+                 v_dtype=None, group_size=None, rope_theta=None, latent_dim=None, spare=DEFAULT_SPARE):
         if capacity is None:
             raise CacheError("a hybrid cache needs capacity=, the positions its global layers hold")
         HybridOptions(capacity=capacity, spare=spare)  # checks them
@@ -93,7 +94,7 @@ class HybridCache(KVCache):
             raise CacheError(f"layer_windows={layer_windows!r} must give each of {n_layers} layers None or a "
                              "window >= 1")
         super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
-                         rope_theta=rope_theta)
+                         rope_theta=rope_theta, latent_dim=latent_dim)
         self._capacity, self.spare, self.windows = int(capacity), int(spare), windows
         self.rings = ring_sizes(windows, self.spare, self._capacity)
         extents = [r or self._capacity for r in self.rings]
@@ -227,7 +228,7 @@ class HybridCache(KVCache):
     def _fork(self):
         child = HybridCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.windows,
                             self.k_dtype, v_dtype=self.v_dtype, group_size=self.group_size,
-                            rope_theta=self.rope_theta, spare=self.spare)
+                            rope_theta=self.rope_theta, latent_dim=self.latent_dim, spare=self.spare)
         for name, a in self.store.arrays():
             getattr(child.store, name)[...] = a  # stored bytes, never re-encoded
         child._next, child._start = self._next, list(self._start)

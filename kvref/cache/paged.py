@@ -79,7 +79,8 @@ class PagedCache(KVCache):
             shape.check_budget(num_blocks * block_size, codecs, "the default cache", cls)
         pool = BlockPool(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks=num_blocks,
                          block_size=block_size, k_dtype=codecs.k.name, v_dtype=codecs.v.name,
-                         group_size=codecs.group_size, rope_theta=shape.rope_theta, max_positions=shape.max_seq_len,
+                         group_size=codecs.group_size, rope_theta=shape.rope_theta, latent_dim=shape.latent_dim,
+                         max_positions=shape.max_seq_len,
                          prefix_reuse=bool(options.prefix_reuse), model_fingerprint=shape.model)
         return pool.new_cache()
 
@@ -109,7 +110,7 @@ class PagedCache(KVCache):
     def __init__(self, pool: BlockPool):
         super().__init__(pool.n_layers, pool.n_kv_heads, pool.head_dim, pool.k_codec.name,
                          v_dtype=pool.v_codec.name, group_size=pool.k_codec.group_size or pool.v_codec.group_size,
-                         rope_theta=pool.rope_theta, lock=pool.lock)
+                         rope_theta=pool.rope_theta, latent_dim=pool.latent_dim, lock=pool.lock)
         self.pool = pool
         self.sequence.model = pool.model_fingerprint
         self._table: list[int] = []
@@ -297,7 +298,8 @@ class PagedCache(KVCache):
         # the first `end` positions of `layer` in position order, stored form: (k, ks, v, vs) [end, ...]
         table = np.asarray(self._table[: blocks_for(end, self.pool.block_size)], dtype=np.int64)
         raw = self.pool.store.read_raw(layer, table)  # [blocks, block_size, ...] each
-        return tuple(None if a is None else a.reshape(-1, *a.shape[2:])[:end] for a in raw)
+        # blocks x block_size rows, counted: a latent cache's V has no elements, so -1 could not be inferred
+        return tuple(None if a is None else a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])[:end] for a in raw)
 
     def _kivi_index(self, table):
         # (slots, groups): position p -> its block slot; K group i -> the group slot of its block
@@ -351,7 +353,7 @@ class PagedCache(KVCache):
         dst_index = (np.asarray(fresh, dtype=np.int64)[dst // bs], dst % bs)
         for layer in range(self.n_layers):
             k, ks, v, vs = pool.store.read_raw(layer, (table[src // bs], src % bs))  # copies
-            k[moved] = self._rerotate(k[moved], n).astype(k.dtype)
+            k[moved] = self._rerotate(k[moved], n, layer).astype(k.dtype)
             pool.store.write_raw(layer, dst_index, (k, ks, v, vs))
         pool.release(self._table[first:])
         self._table = self._table[:first] + fresh

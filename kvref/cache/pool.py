@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import CacheError, CacheFullError
 from .prefix import PrefixIndex
-from .quant import KIVI, Codec, SlotStore
+from .quant import KIVI, SlotStore, kv_codecs
 from .registry import layout_class
 
 DEFAULT_BLOCK_SIZE = 16
@@ -53,7 +53,7 @@ class BlockPool:
     """num_blocks blocks of block_size positions for every layer, with refcounts, a free list and a prefix index."""
 
     def __init__(self, n_layers, n_kv_heads, head_dim, *, num_blocks, block_size=DEFAULT_BLOCK_SIZE,
-                 k_dtype="float32", v_dtype=None, group_size=None, rope_theta=None, max_positions=None,
+                 k_dtype="float32", v_dtype=None, group_size=None, rope_theta=None, latent_dim=None, max_positions=None,
                  prefix_reuse=False, model_fingerprint=None):
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -62,8 +62,8 @@ class BlockPool:
             raise CacheError(f"prefix_reuse={prefix_reuse!r} must be True or False")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
-        self.k_codec = Codec(k_dtype, head_dim, group_size)
-        self.v_codec = Codec(k_dtype if v_dtype is None else v_dtype, head_dim, group_size)
+        self.latent_dim = latent_dim  # MLA: K is the latent key, V its first latent_dim values (not stored)
+        self.k_codec, self.v_codec = kv_codecs(k_dtype, v_dtype, head_dim, group_size, latent_dim)
         if self.k_codec.name == KIVI and self.block_size % self.k_codec.group_size:
             raise CacheError(f"block_size={self.block_size} must be a multiple of the kivi4 group of "
                              f"{self.k_codec.group_size} positions, so that a K group never straddles two blocks")

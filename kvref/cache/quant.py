@@ -24,6 +24,7 @@ K params [..., Hkv, 2, D] per group of positions: the D channels' scales, then t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,6 +182,32 @@ class Codec:
         return self.decode(*self.encode(x))
 
 
+def kv_codecs(k_dtype, v_dtype, head_dim: int, group_size=None, latent_dim=None) -> tuple:
+    """(K codec, V codec) of a cache storing head vectors of head_dim elements; v_dtype None: K's type.
+
+    latent_dim (MLA's kv_lora_rank R): a latent cache. Its K is the latent key [c_kv ; k_rope] and V is
+    not stored (a V codec of no elements): a query reads V as K's first R elements. int8 then means the
+    latent key in groups of group_size along its whole width, scales beside it, and V is the same bytes:
+    so a group never straddles the end of c_kv (group_size divides R), and V has no type of its own.
+    """
+    if latent_dim is None:
+        v = k_dtype if v_dtype is None else v_dtype
+        return Codec(k_dtype, head_dim, group_size), Codec(v, head_dim, group_size)
+    if v_dtype not in (None, k_dtype):
+        raise CacheError(f"a latent (MLA) cache stores no V, only the latent key whose first {latent_dim} values "
+                         f"V is read from: give kv_dtype or k_dtype, not v_dtype={v_dtype!r}")
+    if dtype_name(k_dtype) == KIVI:
+        raise CacheError("kivi4 quantizes K per channel over positions and V per position; a latent key is both "
+                         "at once, so a latent (MLA) cache cannot store kivi4 (use int8)")
+    if group_size is None and dtype_name(k_dtype) in GROUPED_DTYPES:
+        group_size = default_group_size(math.gcd(latent_dim, head_dim))
+    k = Codec(k_dtype, head_dim, group_size)
+    if k.has_scales and latent_dim % k.group_size:
+        raise CacheError(f"group_size={k.group_size} must divide kv_lora_rank={latent_dim} too: V is the latent "
+                         "key's first kv_lora_rank values and reads their int8 groups")
+    return k, Codec(k_dtype, 0, group_size)
+
+
 @dataclass(frozen=True)
 class Codecs:
     """The stored forms of K and V a cache is made with (kvref.cache.make).
@@ -194,13 +221,14 @@ class Codecs:
     request: tuple | None = None
 
     @classmethod
-    def named(cls, k_dtype, v_dtype, head_dim: int, group_size=None, asked: bool = True) -> "Codecs":
+    def named(cls, k_dtype, v_dtype, head_dim: int, group_size=None, asked: bool = True,
+              latent_dim=None) -> "Codecs":
         """Codecs for the K and V type names; group_size applies to the grouped types only. asked:
-        whether the caller named them (False: the model's default)."""
+        whether the caller named them (False: the model's default). latent_dim: a latent cache (kv_codecs)."""
         if group_size is not None and not set(GROUPED_DTYPES) & {k_dtype, v_dtype}:
             raise CacheError(f"group_size={group_size!r} applies to int8 K/V and kivi4; these are {k_dtype}/{v_dtype}")
         request = (k_dtype, v_dtype, group_size) if asked else None
-        return cls(Codec(k_dtype, head_dim, group_size), Codec(v_dtype, head_dim, group_size), request)
+        return cls(*kv_codecs(k_dtype, v_dtype, head_dim, group_size, latent_dim), request)
 
     @property
     def group_size(self) -> int | None:

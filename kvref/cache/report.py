@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .hybrid import DEFAULT_SPARE, positions_held
 from .pool import DEFAULT_BLOCK_SIZE, blocks_for
-from .quant import ELEMENT_BYTES, SCALE_DTYPE, Codec, Codecs, default_group_size
+from .quant import ELEMENT_BYTES, GROUPED_DTYPES, SCALE_DTYPE, Codec, Codecs, default_group_size, kv_codecs
 from .registry import layout_class
 from .shape import CacheShape
 
@@ -33,14 +33,19 @@ def layout_rows(config, tokens: int | None = None, batch: int = 1, block_size: i
     """
     tokens = config.max_seq_len if tokens is None else int(tokens)
     window = min(1024, tokens) if window is None else int(window)
-    L, Hkv, D = config.n_layers, config.n_kv_heads, config.head_dim
-    shape = CacheShape(L, Hkv, D, config.max_seq_len)
-    g = default_group_size(D) if group_size is None else group_size
+    L = config.n_layers
+    Hkv, D, _, latent = config.cache_geometry()  # MLA: one latent key of R + Dr values, no V
+    shape = CacheShape(L, Hkv, D, config.max_seq_len, latent_dim=latent)
+    g = default_group_size(D) if group_size is None and latent is None else group_size
     rows = []
     for k, v in DTYPE_PAIRS:
-        kc, vc = Codec(k, D, g), Codec(v, D, g)
+        if latent is not None and (k != v or k == "kivi4"):
+            continue  # a latent cache stores one key type and no V; kivi4 it refuses (quant.kv_codecs)
+        kc, vc = kv_codecs(k, v, D, g if _grouped(k, v) else None, latent)
         formula = f"{L} x {Hkv} x ({_vector(kc)} + {_vector(vc)})"
-        if k == v and not kc.has_scales:
+        if latent is not None:
+            formula = f"{L} x {_vector(kc)}"
+        elif k == v and not kc.has_scales:
             formula = f"2 x {L} x {Hkv} x {D} x {ELEMENT_BYTES[k]}"
         block = -(-block_size // g) * g if kc.groups_positions else block_size  # a K group within a block
         held = {  # layout -> positions each layer holds
@@ -75,8 +80,9 @@ def layout_report(config, tokens: int | None = None, batch: int = 1, **options) 
     lines = ["  ".join(cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right)).rstrip()
              for row in cells]
     lines.insert(1, "-" * len(lines[0]))
-    title = (f"KV cache for {config.n_layers} layers x {config.n_kv_heads} kv heads x head_dim {config.head_dim}, "
-             f"{rows[0]['tokens']:,} tokens per sequence, batch {batch}")
+    what = (f"a latent key of kv_lora_rank {config.kv_lora_rank} + qk_rope_head_dim {config.qk_rope_head_dim} "
+            "(MLA: no V)" if config.latent else f"{config.n_kv_heads} kv heads x head_dim {config.head_dim}")
+    title = f"KV cache for {config.n_layers} layers x {what}, {rows[0]['tokens']:,} tokens per sequence, batch {batch}"
     notes = []
     if any(min(r["positions_per_layer"]) != r["positions_held"] for r in rows):
         notes.append("hybrid: positions held by the window layers' rings / by the global layers")
@@ -84,6 +90,11 @@ def layout_report(config, tokens: int | None = None, batch: int = 1, **options) 
         notes.append("kivi4 K quantizes groups of positions, which a ring (window, hybrid) would split: "
                      "those layouts store kivi4 for V only")
     return "\n".join([title, *lines, *notes])
+
+
+def _grouped(k, v) -> bool:
+    """Whether K or V of the pair takes a group size (int8, kivi4)."""
+    return bool({k, v} & set(GROUPED_DTYPES))
 
 
 def _held(row) -> str:

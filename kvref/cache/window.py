@@ -59,6 +59,7 @@ class WindowCache(KVCache):
     def create(cls, shape, codecs, options):
         return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, options.window, options.sinks, codecs.k.name,
                    v_dtype=codecs.v.name, group_size=codecs.group_size, rope_theta=shape.rope_theta,
+                   latent_dim=shape.latent_dim,
                    max_positions=shape.max_seq_len)
 
     @classmethod
@@ -66,10 +67,10 @@ class WindowCache(KVCache):
         return codecs.bytes_per_position(shape.n_layers, shape.n_kv_heads)  # a ring slot in every layer
 
     def __init__(self, n_layers, n_kv_heads, head_dim, window, sinks=0, dtype="float32", *, v_dtype=None,
-                 group_size=None, rope_theta=None, max_positions=None):
+                 group_size=None, rope_theta=None, latent_dim=None, max_positions=None):
         WindowOptions(window=window, sinks=sinks)  # checks them
         super().__init__(n_layers, n_kv_heads, head_dim, dtype, v_dtype=v_dtype, group_size=group_size,
-                         rope_theta=rope_theta)
+                         rope_theta=rope_theta, latent_dim=latent_dim)
         self.window, self.sinks = int(window), int(sinks)
         # The model's max_seq_len (None: unbounded): positions stay absolute, so the ring holds fewer
         # positions than that but next_position never passes it; shift renumbers to go on, as Model.forward
@@ -210,12 +211,13 @@ class WindowCache(KVCache):
         ring = self._slots()[self._n_sinks:]
         for layer in range(self.n_layers):
             k, ks, v, vs = self.store.read_raw(layer, ring)  # copies
-            self.store.write_raw(layer, ring, (self._rerotate(k, n).astype(k.dtype), ks, v, vs))
+            self.store.write_raw(layer, ring, (self._rerotate(k, n, layer).astype(k.dtype), ks, v, vs))
         self._next -= n
 
     def _fork(self):
         child = WindowCache(self.n_layers, self.n_kv_heads, self.head_dim, self.window, self.sinks, self.k_dtype,
                             v_dtype=self.v_dtype, group_size=self.group_size, rope_theta=self.rope_theta,
+                            latent_dim=self.latent_dim,
                             max_positions=self.max_positions)
         for name, a in self.store.arrays():
             getattr(child.store, name)[...] = a

@@ -75,7 +75,8 @@ class Spec:
         v = np.stack([np.array(run.values(layer))[kept] for layer in range(c.n_layers)])
         back = np.full(int(moved.sum()), -n)
         for layer in range(c.n_layers):
-            k[layer, moved] = ops.rope(k[layer, moved], back, c.layer_rope_theta(layer), c.rope_scaling)
+            if c.layer_rope(layer) is not None:  # a NoPE layer's keys carry no position
+                k[layer, moved] = ops.rope(k[layer, moved], back, *c.layer_rope(layer))
         cache = model.new_cache(layout="contiguous", capacity=len(kept) + len(continuation))
         cache.append(k, v)
         return Rows.from_logits(model.forward(list(continuation), cache, all_logits=True)).full

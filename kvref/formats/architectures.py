@@ -3,18 +3,38 @@
 `general.architecture` names the family, and its keys are prefixed with that name (`llama.block_count`,
 `qwen3.attention.head_count`, ...):
 
-    llama    Llama, SmolLM, Mistral      llama.cpp's converter permutes each head's Q/K rows so that RoPE
-                                         rotates adjacent pairs (x[2i], x[2i+1]): read as stored
+    llama    Llama, SmolLM, Mistral,     llama.cpp's converter permutes each head's Q/K rows so that RoPE
+             Mixtral (with experts)      rotates adjacent pairs (x[2i], x[2i+1]): read as stored
+    smollm3  SmolLM3: NoPE layers
     qwen2    Qwen 2/2.5: Q/K/V biases    these keep the checkpoint's row order, where RoPE rotates
     qwen3    Qwen 3: QK-norm             (x[i], x[i + D/2]) (llama.cpp's NEOX mode): the rows (and their
-    gemma3   Gemma 3                     biases and QK-norm gains) are reordered once here, as
-                                         kvref.formats.hf does for every HF checkpoint
+    qwen3moe Qwen3-MoE: QK-norm, experts biases and QK-norm gains) are reordered once here, as
+    gemma2   Gemma 2: soft caps          kvref.formats.hf does for every HF checkpoint
+    gemma3   Gemma 3
+    phi3     Phi-3/3.5: fused tensors, LongRoPE
+    deepseek2  DeepSeek-V2/V3 (MLA)      adjacent pairs as stored; the converter writes the latent
+                                         attention as MQA (head_count_kv 1, key_length R + Dr,
+                                         value_length R) and splits kv_b into attn_k_b [H, R, Dn]
+                                         (W_UK transposed) and attn_v_b [H, Dv, R] (W_UV), which are
+                                         joined back into wkv_b here; only all-dense files are read
 
-Gemma 3 files store its norm gains as 1 + w already. What they do not carry, llama.cpp assumes and so
-does kvref: a global layer after every 5 windowed ones, RoPE base 10,000 on the windowed layers,
-embeddings scaled by sqrt(d_model), and scores scaled by 1/sqrt(head_dim) (query_pre_attn_scalar =
-head_dim, as in every released Gemma 3 text model). docs/architectures.md has the table; anything
-else a file asks for (RoPE scalings other than linear, yarn and rope_freqs, partial RoPE) is refused by name.
+A mixture of experts (`<arch>.expert_count`, in llama and qwen3moe files) stores each MoE layer's
+experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
+[X, E, Fx]) and its router as ffn_gate_inp [X, E]; llama.cpp renormalises the chosen experts' softmax
+scores for both architectures, and so does kvref. Keys of routers it does not read yet (shared
+experts, leading dense layers, sigmoid gating, expert groups, a weights scale) are refused by name.
+
+Gemma 2 and 3 files store their norm gains as 1 + w already. What they do not carry, llama.cpp assumes
+and so does kvref: a global layer after every windowed one (Gemma 2) or every 5 (Gemma 3), RoPE base
+10,000 on Gemma 3's windowed layers, embeddings scaled by sqrt(d_model), and scores scaled by
+1/sqrt(head_dim) (query_pre_attn_scalar = head_dim, as in every released Gemma 3 text model and Gemma 2
+but its 27B, which llama.cpp recognises by its 46 blocks and scales by 1/sqrt(d_model / n_heads)).
+SmolLM3 files carry no NoPE pattern: llama.cpp takes every 4th layer, as SmolLM3-3B has it. Phi-3 files
+fuse Q, K and V (attn_qkv) and gate and up (ffn_up, [gate | up] rows), split here, and carry LongRoPE as
+two tensors of divisors (rope_factors_short, rope_factors_long), the original context length and the
+attention factor (rope.scaling.attn_factor, folded into attention_scale squared, as kvref.formats.hf).
+docs/architectures.md has the table; anything else a file asks for (other RoPE scaling, partial RoPE)
+is refused by name.
 """
 
 from __future__ import annotations
@@ -28,10 +48,20 @@ from ..spec import ops as spec_ops
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma3")  # Q/K rows in rotate_half order in the file
-GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's sliding-window pattern for gemma3: layer i is global if (i + 1) % 6 == 0
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen3moe", "deepseek2")
+HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")  # Q/K rows in rotate_half order in the file
+GEMMAS = ("gemma2", "gemma3")
+# llama.cpp's sliding-window patterns: layer i is global if (i + 1) % n == 0
+GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # llama.cpp's defaults
+GEMMA2_27B_BLOCKS = 46  # llama.cpp's sign of Gemma 2 27B, whose query_pre_attn_scalar is d_model / n_heads
+SMOLLM3_NOPE_EVERY = 4  # llama.cpp's SmolLM3: layer i is NoPE if (i + 1) % 4 == 0
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # where <arch>.expert_count makes a mixture of experts
+# router keys llama.cpp may write, which kvref does not read from GGUF yet -> the values that change nothing
+UNREAD_EXPERT_KEYS = {"expert_shared_count": (0,), "leading_dense_block_count": (0,), "expert_group_count": (0, 1),
+                      "expert_gating_func": (0, 1), "expert_weights_scale": (0, 1)}  # gating func 1: softmax
 
 # LayerWeights field -> GGUF tensor name within block i (the optional ones when the config asks)
 LAYER_TENSORS = {
@@ -41,16 +71,21 @@ LAYER_TENSORS = {
 BIAS_TENSORS = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # .bias
 QK_NORM_TENSORS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm"}
+DENSE_MLP_TENSORS = ("w_gate", "w_up", "w_down")  # a MoE layer has these instead:
+EXPERT_TENSORS = {"router": "ffn_gate_inp", "experts_gate": "ffn_gate_exps", "experts_up": "ffn_up_exps",
+                  "experts_down": "ffn_down_exps"}
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
+FUSED = ("phi3",)  # attn_qkv rows [Q | K | V], ffn_up rows [gate | up]
 
 
-def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> ModelConfig:
+def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longrope_factors=None) -> ModelConfig:
     """ModelConfig from the `<architecture>.*` keys; anything the spec does not implement is refused by name.
 
     Every number is type-checked and bounded (kvref.limits) before it sizes anything, and the block
     count is compared with the blocks whose tensors the file holds before any per-layer table is made.
     rope_factors: the values of the file's rope_freqs.weight tensor (Llama 3.1+: one divisor per
-    RoPE frequency), which a file with that tensor needs.
+    RoPE frequency), which a file with that tensor needs; longrope_factors: the values of its
+    LONGROPE_TENSORS (Phi-3), short then long, which a file with them needs.
     """
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
@@ -70,23 +105,40 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
 
     n_heads = integer("attention.head_count", "n_heads")
     d_model = integer("embedding_length", "d_model")
-    head_dim = integer("attention.key_length", "head_dim", max(d_model // n_heads, 1))
+    latent = _latent_metadata(metadata, arch, integer) if arch == "deepseek2" else {}
+    head_dim = latent.pop("head_dim") if latent else integer("attention.key_length", "head_dim",
+                                                              max(d_model // n_heads, 1))
     rotary = integer("rope.dimension_count", "head_dim", head_dim)
-    if rotary != head_dim:
+    if not latent and rotary != head_dim:
         raise GGUFError(f"{arch}.rope.dimension_count={rotary} (partial RoPE) is not supported; expected {head_dim}")
-    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim)
+    rope_scaling = _rope_scaling(metadata, arch, tensor_names, rope_factors, rotary)
+    attention_scale = None
+    if any(name in tensor_names for name in LONGROPE_TENSORS):
+        rope_scaling = _longrope(arch, tensor_names, longrope_factors, head_dim, rope_scaling,
+                                 integer("rope.scaling.original_context_length", "max_seq_len"))
+        attention_factor = number("rope.scaling.attn_factor", 1.0)
+        attention_scale = attention_factor ** 2 / head_dim ** 0.5 if attention_factor != 1.0 else None
     n_layers = integer("block_count", "n_layers")
     check_layer_count(n_layers, tensor_names, "blk.", f"{arch}.block_count", GGUFError)
-    gemma = arch == "gemma3"
+    gemma = arch in GEMMAS
     windows = None
     if gemma:
         window = integer("attention.sliding_window", "max_seq_len")
-        windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
+        windows = tuple(None if (i + 1) % GEMMA_GLOBAL_EVERY[arch] == 0 else window for i in range(n_layers))
+        if arch == "gemma2" and n_layers == GEMMA2_27B_BLOCKS:
+            attention_scale = (d_model / n_heads) ** -0.5
+    if arch == "phi3" and metadata.get("phi3.attention.sliding_window", 0):  # 0: Phi-4, no window
+        windows = (integer("attention.sliding_window", "max_seq_len"),) * n_layers
+    softcaps = dict.fromkeys(GEMMA2_SOFTCAPS)  # None: no cap
+    if arch == "gemma2":  # always capped: at 50 and 30 unless the file says otherwise (llama.cpp's defaults)
+        softcaps = {name: number(name, cap) for name, cap in GEMMA2_SOFTCAPS.items()}
+    elif arch == "gemma3":  # where the file says
+        softcaps.update({name: number(name) for name in GEMMA2_SOFTCAPS if f"{arch}.{name}" in metadata})
     return ModelConfig(
         n_layers=n_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=integer("attention.head_count_kv", "n_kv_heads", n_heads),
+        n_kv_heads=n_heads if latent else integer("attention.head_count_kv", "n_kv_heads", n_heads),
         head_dim=head_dim,
         d_ff=integer("feed_forward_length", "d_ff"),
         vocab_size=_vocab_size(metadata, arch),
@@ -95,14 +147,60 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None) -> Mod
         norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
+        attention_scale=attention_scale,
         layer_windows=windows,
-        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
         rope_scaling=rope_scaling,
+        attn_softcap=softcaps["attn_logit_softcapping"],
+        final_softcap=softcaps["final_logit_softcapping"],
+        nope_layers=tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NOPE_EVERY == 0) if arch == "smollm3" else (),
+        **_experts(metadata, arch, integer),
+        **latent,
     )
+
+
+def _experts(metadata, arch, integer):
+    # the ModelConfig fields of a mixture of experts ({} for a dense file: no expert_count, or 0)
+    what = f"{arch}.expert_count"
+    if arch not in MOE_ARCHITECTURES or what not in metadata:
+        return {}
+    n_experts = bounded_int(metadata[what], what, 0, CONFIG_CEILINGS["n_experts"], GGUFError)
+    if n_experts == 0:
+        return {}
+    unread = [f"{arch}.{name}={metadata[f'{arch}.{name}']!r}" for name, plain in UNREAD_EXPERT_KEYS.items()
+              if not _one_of(metadata.get(f"{arch}.{name}", plain[0]), plain)]
+    if unread:
+        raise GGUFError(f"this file's router sets {', '.join(unread)}, which kvref does not read from GGUF yet")
+    return {"n_experts": n_experts, "n_experts_used": integer("expert_used_count", "n_experts"),
+            "expert_d_ff": integer("expert_feed_forward_length", "d_ff", metadata.get(f"{arch}.feed_forward_length")),
+            "norm_topk_prob": True}
+
+
+def _one_of(value, numbers):
+    # a metadata value is one of `numbers` (a number of any type, never a bool, string or array)
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value in numbers
+
+
+def _latent_metadata(metadata, arch, integer) -> dict:
+    # deepseek2's keys -> the ModelConfig MLA fields (and head_dim, a query head's Dn + Dr)
+    n_layers = integer("block_count", "n_layers")
+    dense = metadata.get(f"{arch}.leading_dense_block_count", n_layers)
+    if metadata.get(f"{arch}.expert_count") and not (isinstance(dense, (int, np.integer)) and dense >= n_layers):
+        raise GGUFError(f"this {arch} file has mixture-of-experts layers ({arch}.leading_dense_block_count={dense!r} "
+                        f"of {n_layers} blocks are dense), which kvref does not compute yet")
+    R, rope = integer("attention.kv_lora_rank", "head_dim"), integer("rope.dimension_count", "head_dim")
+    mqa = (integer("attention.key_length", "head_dim"), integer("attention.value_length", "head_dim"))
+    if mqa != (R + rope, R):
+        raise GGUFError(f"{arch}.attention.key_length/value_length = {mqa}; the latent attention's MQA view is "
+                        f"(kv_lora_rank + rope.dimension_count, kv_lora_rank) = {(R + rope, R)}")
+    q_lora = metadata.get(f"{arch}.attention.q_lora_rank")
+    return {"head_dim": integer("attention.key_length_mla", "head_dim"), "kv_lora_rank": R,
+            "q_lora_rank": None if q_lora is None else integer("attention.q_lora_rank", "head_dim"),
+            "qk_rope_head_dim": rope, "v_head_dim": integer("attention.value_length_mla", "head_dim")}
 
 
 def _vocab_size(metadata, arch):
@@ -124,11 +222,7 @@ def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
     if "rope_freqs.weight" in tensor_names:
         if kind not in ("none", None) or rope_factors is None:
             raise GGUFError(f"a rope_freqs.weight tensor with {arch}.rope.scaling.type={kind!r} is not supported")
-        factors = np.asarray(rope_factors, dtype=np.float64)
-        if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors) & (factors > 0)):
-            raise GGUFError(f"rope_freqs.weight must hold one positive finite divisor per RoPE frequency, "
-                            f"shape ({head_dim // 2},); it has shape {factors.shape}")
-        return ("factors", tuple(float(f) for f in factors))
+        return ("factors", _divisors("rope_freqs.weight", rope_factors, head_dim))
     if kind in ("none", None):
         return None
     if kind == "linear":
@@ -166,14 +260,43 @@ def _yarn(metadata, arch):
             spec_ops.yarn_attention_factor(factor), True)
 
 
-def expected_shapes(config: ModelConfig) -> dict:
+def _longrope(arch, tensor_names, factors, head_dim, other_scaling, original):
+    # Phi-3's two tensors of divisors -> ("longrope", short, long, original)
+    if other_scaling is not None or not all(name in tensor_names for name in LONGROPE_TENSORS) or factors is None:
+        raise GGUFError(f"a {arch} file with LongRoPE needs both {' and '.join(LONGROPE_TENSORS)} and no other RoPE "
+                        "scaling")
+    return ("longrope", *(_divisors(name, values, head_dim) for name, values in zip(LONGROPE_TENSORS, factors)),
+            original)
+
+
+def _divisors(name, values, head_dim):
+    # a RoPE tensor's values -> one positive finite divisor per frequency, as a tuple
+    values = np.asarray(values, dtype=np.float64)
+    if values.shape != (head_dim // 2,) or not np.all(np.isfinite(values) & (values > 0)):
+        raise GGUFError(f"{name} must hold one positive finite divisor per RoPE frequency, shape ({head_dim // 2},); "
+                        f"it has shape {values.shape}")
+    return tuple(float(f) for f in values)
+
+
+def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
     """Every tensor name the decoder needs, with its shape in NumPy order ([out, in] for matrices)."""
     E, F, V, D = config.d_model, config.d_ff, config.vocab_size, config.head_dim
+    X, Fx = config.n_experts, config.experts_d_ff
     per_layer = {
         "attn_norm.weight": (E,), "attn_q.weight": (config.q_dim, E), "attn_k.weight": (config.kv_dim, E),
         "attn_v.weight": (config.kv_dim, E), "attn_output.weight": (E, config.q_dim), "ffn_norm.weight": (E,),
-        "ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F),
     }
+    dense = {"ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)}
+    if architecture in FUSED:  # Phi-3: Q, K, V in one tensor, gate and up in another
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
+            del per_layer[name]
+        per_layer["attn_qkv.weight"] = (config.q_dim + 2 * config.kv_dim, E)
+        dense = {"ffn_up.weight": (2 * F, E), "ffn_down.weight": (E, F)}
+    experts = {"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, Fx, E), "ffn_up_exps.weight": (X, Fx, E),
+               "ffn_down_exps.weight": (X, E, Fx)}
+    if config.latent:
+        del per_layer["attn_q.weight"], per_layer["attn_k.weight"], per_layer["attn_v.weight"]
+        per_layer.update(latent_shapes(config))
     if config.qkv_bias:
         per_layer.update({"attn_q.bias": (config.q_dim,), "attn_k.bias": (config.kv_dim,),
                           "attn_v.bias": (config.kv_dim,)})
@@ -185,43 +308,93 @@ def expected_shapes(config: ModelConfig) -> dict:
     if not config.tie_embeddings:
         shapes["output.weight"] = (V, E)
     for i in range(config.n_layers):
-        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
+        mlp = experts if config.moe_layer(i) else dense
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in {**per_layer, **mlp}.items()})
     return shapes
 
 
-def check_tensors(config: ModelConfig, tensor_shapes: dict) -> None:
+def check_tensors(config: ModelConfig, tensor_shapes: dict, architecture: str = "llama") -> None:
     """Every needed tensor is present with the shape the config implies."""
-    for name, shape in expected_shapes(config).items():
+    for name, shape in expected_shapes(config, architecture).items():
         if name not in tensor_shapes:
             raise GGUFError(f"tensor {name} is missing from the file")
         if tuple(tensor_shapes[name]) != shape:
             raise GGUFError(f"tensor {name} has shape {tuple(tensor_shapes[name])}; the metadata implies {shape}")
 
 
+def latent_shapes(config: ModelConfig) -> dict:
+    """deepseek2's attention tensors of one block (they replace attn_q's shape, attn_k and attn_v)."""
+    E, H, R, Dr, Dv, Q = (config.d_model, config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim,
+                          config.v_head_dim, config.q_lora_rank)
+    query = ({"attn_q.weight": (config.q_dim, E)} if Q is None else
+             {"attn_q_a.weight": (Q, E), "attn_q_a_norm.weight": (Q,), "attn_q_b.weight": (config.q_dim, Q)})
+    return {**query, "attn_kv_a_mqa.weight": (R + Dr, E), "attn_kv_a_norm.weight": (R,),
+            "attn_k_b.weight": (H, R, config.qk_nope_head_dim), "attn_v_b.weight": (H, Dv, R),
+            "attn_output.weight": (E, H * Dv)}
+
+
+def latent_layer(config: ModelConfig, tensor, i: int) -> dict:
+    """Block i's MLA LayerWeights fields from a deepseek2 file: wkv_b joined back from attn_k_b and attn_v_b
+    (3-D, so the loader gives them as float arrays)."""
+    def t(name):
+        return tensor(f"blk.{i}.{name}.weight")
+
+    R = config.kv_lora_rank
+    w_uk = np.swapaxes(t("attn_k_b"), 1, 2)  # [H, R, Dn] -> W_UK [H, Dn, R]
+    wkv_b = np.concatenate([w_uk, t("attn_v_b")], axis=1).reshape(-1, R)  # [H * (Dn + Dv), R], HF's row order
+    query = ({"wq": t("attn_q")} if config.q_lora_rank is None else
+             {"wq_a": t("attn_q_a"), "q_a_norm": t("attn_q_a_norm"), "wq": t("attn_q_b")})
+    return {**query, "wk": None, "wv": None, "wkv_a": t("attn_kv_a_mqa"), "kv_a_norm": t("attn_kv_a_norm"),
+            "wkv_b": np.ascontiguousarray(wkv_b), "wo": t("attn_output")}
+
+
 def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> Weights:
     """Weights whose every tensor is `tensor(name)`: the backend decides what a tensor is."""
     reorder = architecture in HALF_SPLIT_PAIRS
 
-    def rows(field, name, heads):
-        t = tensor(name)
-        return half_split_to_adjacent(t, heads, config.head_dim) if reorder and field in ROTATED else t
+    def reordered(t, field):
+        return half_split_to_adjacent(t, heads[field], config.head_dim) if reorder and field in ROTATED else t
 
     heads = {"wq": config.n_heads, "bq": config.n_heads, "wk": config.n_kv_heads, "bk": config.n_kv_heads,
              "q_norm": 1, "k_norm": 1}
+    fused = architecture in FUSED
+    q, kv, F = config.q_dim, config.kv_dim, config.d_ff
     layers = []
     for i in range(config.n_layers):
-        names = {field: f"blk.{i}.{name}.weight" for field, name in LAYER_TENSORS.items()}
+        names = {field: f"blk.{i}.{name}.weight" for field, name in LAYER_TENSORS.items()
+                 if not (fused and field in ("wq", "wk", "wv", "w_gate", "w_up"))}
+        if config.moe_layer(i):
+            names = {field: name for field, name in names.items() if field not in DENSE_MLP_TENSORS}
+            names.update({field: f"blk.{i}.{name}.weight" for field, name in EXPERT_TENSORS.items()})
+        latent = latent_layer(config, tensor, i) if config.latent else {}
+        for field in latent:
+            names.pop(field, None)  # MLA's attention tensors come from latent_layer
         if config.qkv_bias:
             names.update({field: f"blk.{i}.{name}.bias" for field, name in BIAS_TENSORS.items()})
         if config.qk_norm:
             names.update({field: f"blk.{i}.{name}.weight" for field, name in QK_NORM_TENSORS.items()})
         if config.sandwich_norms:
             names.update({field: f"blk.{i}.{name}.weight" for field, name in SANDWICH_TENSORS.items()})
-        layers.append(LayerWeights(**{field: rows(field, name, heads.get(field)) for field, name in names.items()}))
+        fields = {field: reordered(tensor(name), field) for field, name in names.items()}
+        if fused:  # Phi-3: split once here into the decoder's separate projections
+            wq, wk, wv = split_rows(tensor(f"blk.{i}.attn_qkv.weight"), (q, kv, kv))
+            w_gate, w_up = split_rows(tensor(f"blk.{i}.ffn_up.weight"), (F, F))
+            fields.update(wq=reordered(wq, "wq"), wk=reordered(wk, "wk"), wv=wv, w_gate=w_gate, w_up=w_up)
+        layers.append(LayerWeights(**{**dict.fromkeys(DENSE_MLP_TENSORS), **fields, **latent}))  # w_* None on a MoE layer
     tok_embeddings = tensor("token_embd.weight")
     output = tok_embeddings if config.tie_embeddings else tensor("output.weight")
     return Weights(tok_embeddings, layers, tensor("output_norm.weight"), output)
 
+
+
+def split_rows(t, sizes):
+    """Consecutive row ranges of `sizes` rows of a [sum(sizes), K] float array or QuantizedTensor (a
+    row is whole blocks, so a quantized one splits between rows as it is)."""
+    bounds = np.cumsum([0, *sizes])
+    if isinstance(t, QuantizedTensor):
+        return [QuantizedTensor(t.ggml_type, (int(b - a), t.shape[1]), np.ascontiguousarray(t.data[a:b]))
+                for a, b in zip(bounds[:-1], bounds[1:])]
+    return [np.ascontiguousarray(np.asarray(t)[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def half_split_to_adjacent(t, heads: int, head_dim: int):

@@ -348,10 +348,12 @@ class GGUFFile:
         return data.reshape(*rows, row_nbytes(info.ggml_type, info.shape[-1]))
 
     def quantized(self, name):
-        """A 2-D tensor as stored: QuantizedTensor(ggml_type, (N, K), uint8 [N, row_nbytes] view)."""
+        """A matrix as stored: QuantizedTensor(ggml_type, (N, K), uint8 [N, row_nbytes] view), or a mixture's
+        stack of X of them, (X, N, K) and uint8 [X, N, row_nbytes]."""
         info = self._info(name)
-        if len(info.shape) != 2:
-            raise ShapeError(f"tensor {name!r} has shape {info.shape}; a QuantizedTensor is a 2-D (N, K) matrix")
+        if len(info.shape) not in (2, 3):
+            raise ShapeError(f"tensor {name!r} has shape {info.shape}; a QuantizedTensor is a 2-D (N, K) matrix "
+                             "or a 3-D (X, N, K) stack of experts")
         return QuantizedTensor(info.ggml_type, info.shape, self.raw(name))
 
     def dequantize(self, name):

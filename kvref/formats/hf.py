@@ -3,9 +3,11 @@
     config_from_hf(config_json)                      a config.json dict -> ModelConfig
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
-Families read: `model_type` llama, mistral, qwen2, qwen3 and gemma3_text (docs/architectures.md has
-the table of fields). What a checkpoint stores differently from what the decoder reads is converted
-here, once, so the decoder never needs to know where a model came from:
+Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, the
+mixtures of experts qwen3_moe and mixtral, and deepseek_v2 and deepseek_v3 whose layers are all dense
+(multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores
+differently from what the decoder reads is converted here, once, so the decoder never needs to know
+where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
     decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
@@ -14,11 +16,25 @@ here, once, so the decoder never needs to know where a model came from:
     is unchanged by reordering both alike. V and the output projection keep their order, so the
     attention output is HF's. The cached K are in the reordered layout.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains become 1 + w.
+  - Phi-3 fuses Q, K and V into one qkv_proj and gate and up into one gate_up_proj: they are split
+    into the decoder's separate projections (rows [Q | K | V] and [gate | up]).
+  - LongRoPE (Phi-3): ("longrope", short, long, original) in rope_scaling, and its attention factor m
+    folded into attention_scale as m**2 / sqrt(D): transformers multiplies cos and sin by m, so q and k
+    both carry it. Which factor set rotates is chosen once by max_seq_len (ModelConfig.layer_rope), as
+    llama.cpp chooses by its context size; transformers instead picks per call, by the highest
+    position of that call, so below original_max_position_embeddings it rotates with the short set
+    even when max_position_embeddings is larger (kvref then uses the long one; see docs/architectures.md).
+  - Experts. A checkpoint stores one matrix per expert (`mlp.experts.{j}.gate_proj.weight`; Mixtral's
+    `block_sparse_moe.experts.{j}.w1.weight`); they are stacked into the [X, Fx, E] tensors of
+    LayerWeights, the layout GGUF files store.
+  - DeepSeek rotates adjacent pairs already (V2's complex multiply, V3's rope_interleave); a V3
+    checkpoint with rope_interleave false rotates half-split pairs, and the rotated rows of each query
+    head and of the shared key are reordered as above.
 
-Anything this module does not compute exactly (RoPE types other than default, linear, llama3 and yarn;
-scaling that differs between layer types; biases on the output or MLP
-projections, logit soft-capping, sliding windows on some Qwen layers) is refused with a ConfigError
-naming the field, never ignored.
+Anything this module does not compute exactly (RoPE types other than default, linear, llama3,
+longrope and yarn; partial rotary; scaling that differs between layer types; biases on the output or MLP
+projections, logit soft-capping outside Gemma, sliding windows on some Qwen and SmolLM3 layers) is
+refused with a ConfigError naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -34,7 +50,15 @@ from ..spec import ops as spec_ops
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral",
+            "deepseek_v2", "deepseek_v3")
+GEMMAS = ("gemma2", "gemma3_text")
+# the sliding-window pattern of Gemma config.json files without layer_types: every n-th layer global
+GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+# a mixture's tensors in each MoE layer: (its MLP module, and the names of expert j's gate, up and down projections)
+EXPERT_TENSORS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                  "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -59,9 +83,15 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     head_dim = _int(hf, "head_dim", "head_dim", max(d_model // n_heads, 1)) if hf.get("head_dim") is not None \
         else max(d_model // n_heads, 1)
     _refuse(hf, family)
-    gemma = family == "gemma3_text"
-    thetas, scaling = _rope(hf, family)
+    latent = _latent_fields(hf, family, n_layers, n_heads)
+    if latent:  # a query head is qk_nope + qk_rope wide (HF's head_dim names the rotated part only)
+        head_dim = latent.pop("head_dim")
+    gemma = family in GEMMAS
+    thetas, scaling, rope_attention_factor = _rope(hf, family, head_dim)
     windows = _layer_windows(hf, family, n_layers)
+    attention_scale = _float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None
+    if rope_attention_factor != 1.0:  # LongRoPE's m on q and k: m**2 on every score
+        attention_scale = rope_attention_factor ** 2 / head_dim ** 0.5
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads,
         n_kv_heads=_int(hf, "num_key_value_heads", "n_kv_heads", n_heads), d_ff=_int(hf, "intermediate_size", "d_ff"),
@@ -69,15 +99,56 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         head_dim=head_dim, rope_theta=thetas["full_attention"], norm_eps=_float(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=_bool(hf, "tie_word_embeddings", gemma),
         qkv_bias=family == "qwen2" or _bool(hf, "attention_bias", False),
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
         activation="gelu_tanh" if gemma else "silu",
-        attention_scale=_float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None,
+        attention_scale=attention_scale,
         layer_windows=windows,
-        rope_local_theta=thetas["sliding_attention"] if windows is not None and gemma else None,
+        rope_local_theta=thetas["sliding_attention"] if windows is not None and family == "gemma3_text" else None,
         rope_scaling=scaling,
+        attn_softcap=_softcap(hf, "attn_logit_softcapping") if gemma else None,
+        final_softcap=_softcap(hf, "final_logit_softcapping") if gemma else None,
+        nope_layers=_nope_layers(hf, n_layers) if family == "smollm3" else (),
+        **_experts(hf, family),
+        **latent,
     )
+
+
+def _experts(hf, family):
+    # the ModelConfig fields of a mixture of experts ({} for a dense family)
+    if family not in EXPERT_TENSORS:
+        return {}
+    name = "num_experts" if "num_experts" in hf else "num_local_experts"  # older Qwen3-MoE configs: num_experts
+    fields = {"n_experts": _int(hf, name, "n_experts"), "n_experts_used": _int(hf, "num_experts_per_tok", "n_experts")}
+    if family == "mixtral":  # every layer: experts intermediate_size wide, the chosen scores renormalised
+        return {**fields, "expert_d_ff": _int(hf, "intermediate_size", "d_ff"), "norm_topk_prob": True}
+    if hf.get("mlp_only_layers", []) != [] or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"this qwen3_moe checkpoint has dense layers (mlp_only_layers={hf.get('mlp_only_layers')!r}, "
+                          f"decoder_sparse_step={hf.get('decoder_sparse_step')!r}), which kvref does not compute yet; "
+                          "it reads a mixture in every layer")
+    return {**fields, "expert_d_ff": _int(hf, "moe_intermediate_size", "d_ff"),
+            "norm_topk_prob": _bool(hf, "norm_topk_prob", False)}
+
+
+def _latent_fields(hf, family, n_layers, n_heads) -> dict:
+    # DeepSeek-V2/V3 -> the ModelConfig MLA fields (and head_dim); {} for the other families
+    if family not in LATENT_FAMILIES:
+        return {}
+    dense = hf.get("first_k_dense_replace", 0)
+    experts = hf.get("n_routed_experts")
+    if experts not in (None, 0) and not (isinstance(dense, int) and dense >= n_layers):
+        raise ConfigError(f"this {family} checkpoint has mixture-of-experts layers (first_k_dense_replace={dense!r} < "
+                          f"num_hidden_layers={n_layers}, n_routed_experts={experts!r}), which kvref does not compute "
+                          "yet; it reads checkpoints whose layers are all dense")
+    if _int(hf, "num_key_value_heads", "n_kv_heads", n_heads) != n_heads:
+        raise ConfigError(f"{family}: num_key_value_heads must equal num_attention_heads ({n_heads}): every head "
+                          "expands the latent to its own K and V")
+    nope, rope = _int(hf, "qk_nope_head_dim", "head_dim"), _int(hf, "qk_rope_head_dim", "head_dim")
+    q_lora = hf.get("q_lora_rank")
+    return {"head_dim": nope + rope, "kv_lora_rank": _int(hf, "kv_lora_rank", "head_dim"),
+            "q_lora_rank": None if q_lora is None else _int(hf, "q_lora_rank", "head_dim"),
+            "qk_rope_head_dim": rope, "v_head_dim": _int(hf, "v_head_dim", "head_dim")}
 
 
 def weights_from_hf(hf: dict, tensors, dtype="float32"):
@@ -88,7 +159,8 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
     """
     config = config_from_hf(hf)
     c = config
-    gemma = hf["model_type"] == "gemma3_text"
+    gemma = hf["model_type"] in GEMMAS
+    fused = hf["model_type"] == "phi3"  # qkv_proj and gate_up_proj
     check_layer_count(c.n_layers, tensors.keys(), "model.layers.", "config.json num_hidden_layers",
                       ShapeError)
 
@@ -108,7 +180,45 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         # [heads * D, ...] in HF's half-split pair order -> the adjacent-pair order the decoder rotates
         return half_split_to_adjacent(a, heads, c.head_dim)
 
-    E, F = c.d_model, c.d_ff
+    def experts(name, shape):
+        # [X, *shape]: expert j's matrix, the tensor name.format(j), at j
+        return np.stack([get(name.format(j), shape) for j in range(c.n_experts)])
+
+    def attention(attn):
+        # one layer's attention projections: K/V heads (Phi-3: from one fused qkv_proj), or the latent ones (MLA)
+        if c.latent:
+            return latent_attention(attn)
+        if fused:  # Phi-3: rows [Q | K | V] of qkv_proj
+            wq, wk, wv = np.split(get(attn + "qkv_proj.weight", (c.q_dim + 2 * c.kv_dim, E)),
+                                  [c.q_dim, c.q_dim + c.kv_dim])
+        else:
+            wq, wk, wv = (get(attn + f"{x}_proj.weight", (n, E)) for x, n in (("q", c.q_dim), ("k", c.kv_dim),
+                                                                             ("v", c.kv_dim)))
+        return dict(wq=pairs_adjacent(wq, c.n_heads), wk=pairs_adjacent(wk, c.n_kv_heads),
+                    wv=np.ascontiguousarray(wv), wo=get(attn + "o_proj.weight", (E, c.q_dim)))
+
+    def latent_attention(attn):
+        R, Dr, Dv, Q = c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank
+        rotated = rope_rows_adjacent if half_split else (lambda a, heads, width: a)
+        low_rank_q = {} if Q is None else dict(wq_a=get(attn + "q_a_proj.weight", (Q, E)),
+                                               q_a_norm=get(attn + "q_a_layernorm.weight", (Q,)))
+        wq = get(attn + ("q_proj.weight" if Q is None else "q_b_proj.weight"), (c.q_dim, E if Q is None else Q))
+        return dict(**low_rank_q, wq=rotated(wq, c.n_heads, c.head_dim), wk=None, wv=None,
+                    wkv_a=rotated(get(attn + "kv_a_proj_with_mqa.weight", (R + Dr, E)), 1, R + Dr),
+                    kv_a_norm=get(attn + "kv_a_layernorm.weight", (R,)),
+                    wkv_b=get(attn + "kv_b_proj.weight", (c.n_heads * (c.qk_nope_head_dim + Dv), R)),
+                    wo=get(attn + "o_proj.weight", (E, c.n_heads * Dv)))
+
+    def rope_rows_adjacent(a, heads, width):
+        # rows [heads * width, K], the last Dr of each head rotated in half-split pairs -> adjacent pairs
+        Dr = c.qk_rope_head_dim
+        by_head = np.array(a).reshape(heads, width, -1)  # a copy: [heads, width, K]
+        by_head[:, width - Dr:] = half_split_to_adjacent(by_head[:, width - Dr:].reshape(heads * Dr, -1), heads,
+                                                         Dr).reshape(heads, Dr, -1)
+        return by_head.reshape(a.shape)
+
+    half_split = c.latent and hf["model_type"] == "deepseek_v3" and not _bool(hf, "rope_interleave", True)
+    E, F, Fx = c.d_model, c.d_ff, c.experts_d_ff
     layers = []
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
@@ -116,17 +226,25 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         post_attention = norm(p + "post_attention_layernorm.weight", E)
         lw = LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight", E),
-            wq=pairs_adjacent(get(attn + "q_proj.weight", (c.q_dim, E)), c.n_heads),
-            wk=pairs_adjacent(get(attn + "k_proj.weight", (c.kv_dim, E)), c.n_kv_heads),
-            wv=get(attn + "v_proj.weight", (c.kv_dim, E)),
-            wo=get(attn + "o_proj.weight", (E, c.q_dim)),
+            **attention(attn),
             # Gemma names its pre-MLP norm pre_feedforward_layernorm; its post_attention_layernorm is
             # the sandwich norm on the attention output. Llama's post_attention_layernorm is the pre-MLP norm.
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
-            w_gate=get(p + "mlp.gate_proj.weight", (F, E)),
-            w_up=get(p + "mlp.up_proj.weight", (F, E)),
-            w_down=get(p + "mlp.down_proj.weight", (E, F)),
+            w_gate=None, w_up=None, w_down=None,
         )
+        if c.moe_layer(i):
+            module, (gate, up, down) = EXPERT_TENSORS[hf["model_type"]]
+            lw.router = get(f"{p}{module}.gate.weight", (c.n_experts, E))
+            lw.experts_gate = experts(f"{p}{module}.experts.{{}}.{gate}.weight", (Fx, E))
+            lw.experts_up = experts(f"{p}{module}.experts.{{}}.{up}.weight", (Fx, E))
+            lw.experts_down = experts(f"{p}{module}.experts.{{}}.{down}.weight", (E, Fx))
+        else:
+            if fused:  # Phi-3: rows [gate | up] of gate_up_proj
+                w_gate, w_up = np.split(get(p + "mlp.gate_up_proj.weight", (2 * F, E)), 2)
+            else:
+                w_gate, w_up = get(p + "mlp.gate_proj.weight", (F, E)), get(p + "mlp.up_proj.weight", (F, E))
+            lw.w_gate, lw.w_up = np.ascontiguousarray(w_gate), np.ascontiguousarray(w_up)
+            lw.w_down = get(p + "mlp.down_proj.weight", (E, F))
         if c.qkv_bias:
             lw.bq = pairs_adjacent(get(attn + "q_proj.bias", (c.q_dim,)), c.n_heads)
             lw.bk = pairs_adjacent(get(attn + "k_proj.bias", (c.kv_dim,)), c.n_kv_heads)
@@ -161,26 +279,48 @@ def _bool(hf, name, default):
 
 def _refuse(hf, family):
     # fields whose computation the decoder does not have: refused by name, never ignored
+    gemma = family in GEMMAS
     unsupported = {
         "mlp_bias": hf.get("mlp_bias", False),
-        "attention_bias (on the output projection too)": family == "llama" and hf.get("attention_bias", False),
-        "final_logit_softcapping": hf.get("final_logit_softcapping"),
-        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "attention_bias (on the output projection too)": family in ("llama", "smollm3", "gemma2")
+        and hf.get("attention_bias", False),
+        "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
+        "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
+        "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
-        "use_sliding_window (Qwen)": family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False),
+        "use_sliding_window (Qwen, SmolLM3)": family in ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+        and hf.get("use_sliding_window", False),
     }
-    act = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act")
-    expected = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
+    act = hf.get("hidden_activation" if gemma else "hidden_act")
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
     unsupported[f"activation {act!r} (expected {expected!r})"] = act not in (None, expected)
     bad = [name for name, value in unsupported.items() if value]
     if bad:
         raise ConfigError(f"this {family} checkpoint uses {', '.join(bad)}, which kvref does not compute yet")
 
 
-def _rope(hf, family):
-    # -> ({"full_attention": base, "sliding_attention": base}, scaling or None); transformers 5 writes
-    # rope_parameters (per layer type for Gemma 3), earlier versions rope_theta, rope_local_base_freq
-    # and rope_scaling
+def _softcap(hf, name):
+    # a Gemma soft cap: None (absent or null) or a positive number
+    return None if hf.get(name) is None else _float(hf, name, None)
+
+
+def _nope_layers(hf, n_layers):
+    # SmolLM3: no_rope_layers holds 1 for a layer that rotates and 0 for a NoPE one; without it, every
+    # no_rope_layer_interval-th layer is NoPE (transformers' and llama.cpp's rule)
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = _int(hf, "no_rope_layer_interval", "n_layers", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) or isinstance(f, float)
+                                                                    for f in flags):
+        raise ConfigError(f"no_rope_layers {flags!r} must hold 0 (NoPE) or 1 (RoPE) for each of {n_layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
+
+
+def _rope(hf, family, head_dim):
+    # -> ({"full_attention": base, "sliding_attention": base}, scaling or None, LongRoPE's attention factor
+    # or 1.0); transformers 5 writes rope_parameters (per layer type for Gemma 3), earlier versions
+    # rope_theta, rope_local_base_freq and rope_scaling
     params = hf.get("rope_parameters")
     if params is None:
         params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
@@ -192,15 +332,50 @@ def _rope(hf, family):
     for kind in ("full_attention", "sliding_attention"):
         p = per_type.get(kind, per_type["full_attention"])
         thetas[kind] = bounded_float(p.get("rope_theta", 10000.0), f"config.json rope_theta ({kind})")
-        scalings.add(_rope_scaling(p, kind))
+        rotary = p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if rotary != 1.0:
+            raise ConfigError(f"partial_rotary_factor={rotary!r} (RoPE on part of each head, as Phi-4-mini) is not "
+                              "computed by kvref yet; it rotates whole heads (1.0)")
+        scalings.add(_rope_scaling(hf, p, kind, head_dim))
     if len(scalings) > 1:
         raise ConfigError(f"RoPE scaling that differs between layer types ({per_type}) is not computed by kvref yet")
-    return thetas, scalings.pop()
+    scaling, factor = scalings.pop()
+    return thetas, scaling, factor
 
 
-def _rope_scaling(p, kind):
-    # a rope_parameters entry -> ModelConfig.rope_scaling
+def _rope_scaling(hf, p, kind, head_dim):
+    # a rope_parameters entry -> (ModelConfig.rope_scaling, LongRoPE's attention factor or 1.0)
     kind_of = p.get("rope_type", p.get("type", "default"))
+    if kind_of in ("longrope", "su"):  # "su": Phi-3's first name for it
+        return _longrope(hf, p, kind, head_dim)
+    return _plain_rope_scaling(p, kind, kind_of), 1.0
+
+
+def _longrope(hf, p, kind, head_dim):
+    # -> (("longrope", short, long, original), attention factor), as transformers computes them: the
+    # factor defaults to max_position_embeddings / original (Phi-3), the attention factor to
+    # sqrt(1 + ln(factor) / ln(original)) when that exceeds 1
+    sets = []
+    for name in ("short_factor", "long_factor"):
+        f = p.get(name)
+        if not isinstance(f, list) or len(f) != head_dim // 2:
+            raise ConfigError(f"RoPE {name} ({kind}) must list {head_dim // 2} numbers (one per frequency), got {f!r}")
+        sets.append(tuple(bounded_float(v, f"config.json RoPE {name} ({kind})") for v in f))
+    original = _int(p, "original_max_position_embeddings", "max_seq_len",
+                    hf.get("original_max_position_embeddings"))
+    factor = p.get("factor")
+    factor = _int(hf, "max_position_embeddings", "max_seq_len") / original if factor is None else \
+        _float_field(p, kind, "factor")
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else float(np.sqrt(1 + np.log(factor) / np.log(original)))
+    else:
+        attention_factor = _float_field(p, kind, "attention_factor")
+    return ("longrope", *sets, original), attention_factor
+
+
+def _plain_rope_scaling(p, kind, kind_of):
+    # a rope_parameters entry of any other type -> ModelConfig.rope_scaling
     number = functools.partial(_float_field, p, kind)
     if kind_of == "default":
         return None
@@ -212,7 +387,7 @@ def _rope_scaling(p, kind):
     if kind_of == "yarn":
         return _yarn(p, number)
     raise ConfigError(f"RoPE type {kind_of!r} ({kind}) is not computed by kvref yet; it computes the default "
-                      "RoPE and the linear, llama3 and yarn scalings")
+                      "RoPE and the linear, llama3, longrope and yarn scalings")
 
 
 def _yarn(p, number):
@@ -246,14 +421,14 @@ def _float_field(p, kind, name):
 def _layer_windows(hf, family, n_layers):
     # per layer: None (global) or the sliding window W
     window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
-    if family == "mistral":
+    if family in ("mistral", "mixtral", "phi3"):  # transformers windows every layer of these (llama.cpp runs Phi-3 without)
         return None if window is None else (window,) * n_layers
-    if family not in ("gemma3_text", "gpt_oss"):
+    if family not in (*GEMMAS, "gpt_oss"):
         return None
     kinds = hf.get("layer_types")
     if kinds is None:  # older config.json files: every pattern-th layer is global (gpt-oss: every other)
         name = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
-        pattern = _int(hf, name, "n_layers", 6 if family == "gemma3_text" else 2)
+        pattern = _int(hf, name, "n_layers", {**GEMMA_GLOBAL_EVERY, "gpt_oss": 2}[family])
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
     if (not isinstance(kinds, list) or len(kinds) != n_layers
             or any(k not in ("full_attention", "sliding_attention") for k in kinds)):

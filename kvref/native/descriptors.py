@@ -23,10 +23,11 @@ class KVDescriptor:
     """A kvref_kv descriptor (csrc/kvref.h) and the arrays it points into, kept alive with it.
     Without rings the arrays are [L, *slots, Hkv, D]; with layer_ring (int64 [L]) they are
     [1, sum of extents, Hkv, D] and n_slots is the extent of a layer without a ring. kivi4 K/V hold
-    D / 2 bytes a vector (head_dim says D) and kivi4 K its float16 residual rows (k_residual)."""
+    D / 2 bytes a vector (head_dim says D) and kivi4 K its float16 residual rows (k_residual). v_dim: the
+    values' width Dv, each V vector's first Dv elements (None: D); a latent cache's V is its K."""
 
     def __init__(self, k, v, k_scales, v_scales, k_type, v_type, group_size, block_table=None, block_size=1,
-                 layer_ring=None, n_slots=None, head_dim=None, k_residual=None):
+                 layer_ring=None, n_slots=None, head_dim=None, k_residual=None, v_dim=None):
         L, Hkv = k.shape[0] if layer_ring is None else layer_ring.shape[0], k.shape[-2]
         D = k.shape[-1] if head_dim is None else head_dim
         self._keep = []  # what the descriptor points into, pinned with us
@@ -43,6 +44,7 @@ class KVDescriptor:
         d.block_size = block_size
         d.layer_ring = ffi.cast("const int64_t *", self._keep[5])
         d.k_residual = ffi.cast("uint16_t *", self._keep[6])
+        d.v_dim = 0 if v_dim is None else v_dim
 
 
 def in_place_problem(cache) -> str | None:
@@ -103,9 +105,12 @@ def cache_descriptor(cache, storage=None, checked=False, kept=None) -> KVDescrip
             raise CacheError(f"block table must be int64 ids in [0, {n_blocks}) of blocks of {store.k.shape[2]}")
         table = np.require(table, requirements=["C", "A"])  # C reads int64s: contiguous and aligned
     group = store.k_codec.group_size or store.v_codec.group_size
-    kv = KVDescriptor(store.k, store.v, store.k_scales, store.v_scales, KV_TYPES[store.k_codec.name],
-                      KV_TYPES[store.v_codec.name], group, table, storage.block_size, rings,
-                      None if rings is None else storage.layer_slots, D, storage.k_residual)
+    v, v_scales, v_codec = store.v, store.v_scales, store.v_codec
+    if cache.latent_dim is not None:  # MLA: no V is stored; it is the latent key's first latent_dim values
+        v, v_scales, v_codec = store.k, store.k_scales, store.k_codec
+    kv = KVDescriptor(store.k, v, store.k_scales, v_scales, KV_TYPES[store.k_codec.name],
+                      KV_TYPES[v_codec.name], group, table, storage.block_size, rings,
+                      None if rings is None else storage.layer_slots, D, storage.k_residual, cache.latent_dim)
     if source is not None:
         kv.source, kv.ring_tuple = source, ring_tuple  # the tuple kept alive: its id is in source
         kept[store] = kv

@@ -20,10 +20,11 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     then attend), so no query reads a slot a later position overwrote.
 
 Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's
-attention factor included), sink logits, per-layer windows, and each
-layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for its base and the config's
-scaling, computed once here, the same table kvref.native.ops.rope passes).
+sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
+included), sink logits, the score and final-logit soft
+caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
+the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
+passes), or none on a NoPE layer.
 
 An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model runs the shared
 decoder over the native kernels. Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
@@ -94,6 +95,16 @@ LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_u
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
+def config_problem(config) -> str | None:
+    """Why the C forward cannot run `config` (None when it can); the shared decoder then runs it over the
+    native kernels."""
+    if config.n_experts:
+        return "the fused C forward does not run mixtures of experts (their experts run on the native kernels)"
+    if config.attention_out_bias:
+        return "the fused C forward has no attention output bias (attention_out_bias)"
+    return None
+
+
 def _tensors(weights):
     """Every tensor object of `weights` (None for an absent optional one), in a fixed order (the
     identity check of `serves`)."""
@@ -128,8 +139,6 @@ class FusedForward:
         c = config
         if len(weights.layers) != c.n_layers:
             raise ShapeError(f"weights have {len(weights.layers)} layers, config says {c.n_layers}")
-        if c.attention_out_bias:
-            raise ConfigError("the C forward has no attention output bias (attention_out_bias)")
         E, D = c.d_model, c.head_dim
         desc = ffi.new("kvref_model_desc *")
         # the LM head first: packing it while nothing else is packed keeps the peak of the int8 mode's
@@ -150,13 +159,17 @@ class FusedForward:
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
-            d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, c.layer_rope_theta(i), c.rope_scaling), "double *")
+            rope = c.layer_rope(i)  # None: a NoPE layer, no table (C leaves its q and k as projected)
+            if rope is not None:
+                d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, *rope), "double *")
             d.window = native_ops.attention_window(c.window(i))
         desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
         desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
         desc.attention_scale = native_ops.attention_scale(c.score_scale, D)
+        desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
+        desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")

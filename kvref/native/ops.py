@@ -5,10 +5,13 @@
     rms_norm(x, weight, eps)                         [T, E], [E] -> [T, E]
     rope(x, positions, theta, scaling=None)          [T, nh, D], [T] -> [T, nh, D]
     attention(q, k, v, q_positions, k_positions,     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
-              scale=None, window=None, sinks=None)    (sinks: [H] sink logits, gpt-oss)
+              scale=None, window=None, softcap=None, sinks=None)  (sinks: [H] sink logits, gpt-oss)
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
     geglu(gate, up)                                  [T, F], [T, F] -> [T, F]
     swiglu_oai(gate, up)                             [T, F], [T, F] -> [T, F]  (gpt-oss's clamped SwiGLU)
+    soft_cap(x, cap)                                 [...] -> [...]   (Gemma 2's final logits)
+    matmul_experts(x, w, experts)                    [R, K], [X, N, K], [R] -> [R, N]  (row r through
+        expert experts[r]'s matrix; each expert named read once, the others never)
     matmul_int8(x, w)                                [T, K], [N, K] -> [T, N]  (Kernels only: the
         int8 activation mode's projection, x rounded to 8-bit blocks of 32; see kvref.native.fused)
 
@@ -177,6 +180,12 @@ def attention_scale(scale, head_dim) -> float:
     return float(np.float32(_real(scale, "scale", minimum_exclusive=0.0)))
 
 
+def attention_softcap(softcap) -> float:
+    """A score soft cap as C takes it: the float32 cap, or 0 for None (no cap); ConfigError unless
+    positive and finite."""
+    return 0.0 if softcap is None else float(np.float32(_real(softcap, "softcap", minimum_exclusive=0.0)))
+
+
 def attention_window(window) -> int:
     """A layer window as C takes it: a positive int, or 0 for None (no window)."""
     if window is None:
@@ -195,9 +204,50 @@ def attention_sinks(sinks, n_heads):
     return np.ascontiguousarray(sinks, dtype=_F32)
 
 
+def _prefix_of(v, k) -> bool:
+    """Whether v is k[..., :Dv] of a C-contiguous k, Dv < D: the same memory, read in place."""
+    return (isinstance(v, np.ndarray) and isinstance(k, np.ndarray) and v.ndim == 3 and v.shape[:2] == k.shape[:2]
+            and 0 < v.shape[-1] < k.shape[-1] and v.dtype == k.dtype and k.flags.c_contiguous
+            and v.strides == k.strides and (v.size == 0 or v.ctypes.data == k.ctypes.data))
+
+
+def _common_width(q, k, v, scale):
+    # q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] -> the same padded with zeros to one width W = max(D, Dv), the
+    # values' width Dv (None when Dv == D) and the scale of the unpadded D: C reads K and V vectors of one
+    # width, and zeros add nothing to a score (MLA's naive form has Dv != D: a copy, off the absorbed path)
+    D, Dv = k.shape[-1], v.shape[-1]
+    if D == Dv:
+        return q, k, v, None, scale
+    W = max(D, Dv)
+    scale = attention_scale(scale, q.shape[-1])
+
+    def widened(a):
+        out = np.zeros((*a.shape[:-1], W), dtype=a.dtype)
+        out[..., :a.shape[-1]] = a
+        return out
+
+    if D < W:
+        return widened(q), widened(k), v, None, scale
+    return q, k, widened(v), Dv, scale
+
+
 def check_weight(w, name):
     """(type id, uint8/float buffer, N, K) for a float ndarray or a QuantizedTensor [N, K], checked
     (type, shape, byte count, contiguity); DTypeError/ShapeError naming `name` otherwise."""
+    gtype, data, (N, K) = _checked_weight(w, name, 2)
+    return gtype, data, N, K
+
+
+def check_expert_stack(w, name):
+    """(type id, uint8/float buffer, X, N, K) for a mixture's stack of X matrices [N, K] (LayerWeights.experts_*):
+    a float ndarray or a QuantizedTensor [X, N, K], checked like check_weight."""
+    gtype, data, (X, N, K) = _checked_weight(w, name, 3)
+    return gtype, data, X, N, K
+
+
+def _checked_weight(w, name, ndim):
+    # (type id, buffer, shape) of a weight of `ndim` axes, the last its K values (whole blocks) per row
+    axes = ("X", "N", "K")[-ndim:]
     if isinstance(w, QuantizedTensor):
         try:
             gtype = GGMLType(w.ggml_type)
@@ -207,10 +257,11 @@ def check_weight(w, name):
             raise DTypeError(f"{name} is {gtype.name}; the native kernels read "
                              f"{', '.join(t.name for t in WEIGHT_TYPES)}")
         shape = w.shape
-        if (not isinstance(shape, tuple) or len(shape) != 2
+        if (not isinstance(shape, tuple) or len(shape) != ndim
                 or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise ShapeError(f"{name}.shape must be (N, K) with non-negative ints, got {shape!r}")
-        N, K = int(shape[0]), int(shape[1])
+            raise ShapeError(f"{name}.shape must be ({', '.join(axes)}) with non-negative ints, got {shape!r}")
+        shape = tuple(int(s) for s in shape)
+        K = shape[-1]
         block_values, block_bytes = BLOCK_LAYOUT[gtype]
         if K % block_values:
             raise ShapeError(f"{name}: K={K} is not a whole number of {gtype.name} blocks of {block_values}")
@@ -219,15 +270,16 @@ def check_weight(w, name):
         if not isinstance(data, np.ndarray) or data.dtype != _U8:
             raise DTypeError(f"{name}.data must be a uint8 ndarray, got "
                              f"{type(data).__name__} {getattr(data, 'dtype', '')}")
-        if data.shape != (N, row_bytes):
-            raise ShapeError(f"{name}.data has shape {data.shape}; a {gtype.name} [{N}, {K}] tensor is "
-                             f"uint8 [{N}, {row_bytes}] ({N * row_bytes} bytes, got {data.nbytes})")
+        if data.shape != (*shape[:-1], row_bytes):
+            rows = int(np.prod(shape[:-1]))
+            raise ShapeError(f"{name}.data has shape {data.shape}; a {gtype.name} {list(shape)} tensor is "
+                             f"uint8 {[*shape[:-1], row_bytes]} ({rows * row_bytes} bytes, got {data.nbytes})")
         if not data.flags.c_contiguous:
             raise ShapeError(f"{name}.data is not C-contiguous")
-        return int(gtype), data, N, K
+        return int(gtype), data, shape
     if isinstance(w, np.ndarray):
-        _array(w, name, (_F32, _F16), 2)
-        return (lib.KVREF_TYPE_F32 if w.dtype == _F32 else lib.KVREF_TYPE_F16), w, w.shape[0], w.shape[1]
+        _array(w, name, (_F32, _F16), ndim)
+        return (lib.KVREF_TYPE_F32 if w.dtype == _F32 else lib.KVREF_TYPE_F16), w, w.shape
     raise DTypeError(f"{name} must be a float32/float16 ndarray or a QuantizedTensor, not {type(w).__name__}")
 
 
@@ -388,6 +440,25 @@ class Kernels:
         # [T, K], [N, K] -> [T, N]
         return self._projection(lib.kvref_matmul, "matmul", x, w)
 
+    def matmul_experts(self, x, w, experts):
+        # [R, K], [X, N, K], [R] expert ids -> [R, N]: row r through expert experts[r]'s matrix, the rows of
+        # each expert taken together (each expert named is read once, the others never)
+        _array(x, "x", (_F32,), 2)
+        gtype, data, X, N, K = check_expert_stack(w, "w")
+        R = x.shape[0]
+        if x.shape[1] != K:
+            raise ShapeError(f"x has {x.shape[1]} columns but w is [{X}, {N}, {K}] (each expert needs {K})")
+        ids = _positions(experts, "experts", R)
+        if ids.size and (ids.min() < 0 or ids.max() >= X):
+            bad = ids[(ids < 0) | (ids >= X)][0]
+            raise ShapeError(f"experts holds {int(bad)}, outside the {X} experts [0, {X}) of w")
+        y = np.empty((R, N), dtype=_F32)
+        status = lib.kvref_matmul_experts(self._pool.ptr, ffi.from_buffer("float[]", x), R, K,
+                                          ffi.from_buffer("int64_t[]", ids), ffi.from_buffer(data), gtype,
+                                          data.nbytes, X, N, ffi.from_buffer("float[]", y))
+        check_status(status, "matmul_experts")
+        return y
+
     def matmul_int8(self, x, w):
         # [T, K], [N, K] -> [T, N]: the int8 activation mode's projection (see csrc/kvref.h):
         # rows of x rounded to 8-bit blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights (and Q4_K/Q6_K from 4
@@ -452,21 +523,26 @@ class Kernels:
         check_status(status, "rope")
         return out
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None):
-        # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], [H] or None -> [T, H, D]
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+        # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S], [H] or None -> [T, H, Dv]
         _array(k, "k", (_F32, _F16), 3)
-        _array(v, "v", (_F32, _F16), 3)
-        if v.shape != k.shape or v.dtype != k.dtype:
-            raise ShapeError(f"k and v must match: k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+        if _prefix_of(v, k):  # MLA's latent values: the first Dv elements of each key, read in place
+            v, v_dim = k, v.shape[-1]
+        else:
+            _array(v, "v", (_F32, _F16), 3)
+            if v.shape[:2] != k.shape[:2] or v.dtype != k.dtype:
+                raise ShapeError(f"k and v must match: k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+            q, k, v, v_dim, scale = _common_width(q, k, v, scale)
         if k.shape[1] == 0:
             raise ShapeError(f"{q.shape[1]} query heads cannot be grouped over 0 kv heads")
         kv_type = lib.KVREF_TYPE_F32 if k.dtype == _F32 else lib.KVREF_TYPE_F16
-        kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None)  # one layer, key s in slot s
+        kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None,  # one layer, key s in slot s
+                          v_dim=v_dim)
         return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window,
-                               sinks=sinks)
+                               softcap=softcap, sinks=sinks)
 
-    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None, sinks=None):
-        # [T, H, D], [T], a cache of `length` positions, [H] or None -> [T, H, D]
+    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None, softcap=None, sinks=None):
+        # [T, H, D], [T], a cache of `length` positions [H] or None -> [T, H, D]
         """Attention of q over every stored position of `layer`, reading the cache in place (its
         cache.storage(): a slot store, with a block table for a paged cache, or per-layer rings),
         K/V in float32, float16, bfloat16 or int8. A ring layer's keys are its slots, holding the
@@ -482,23 +558,23 @@ class Kernels:
             stale = k_positions < (held[0] if len(held) else cache.next_position)
             k_positions[stale] = np.iinfo(np.int64).max
         return self._attention(q, kv, k_positions.shape[0], cache.n_kv_heads, q_positions, k_positions, layer,
-                               scale, window, sinks)
+                               scale, window, softcap, sinks)
 
-    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None, sinks=None):
+    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None, softcap=None, sinks=None):
         _array(q, "q", (_F32,), 3)
         T, H, D = q.shape
+        c_scale, c_window, c_softcap = attention_scale(scale, D), attention_window(window), attention_softcap(softcap)
         c_sinks = ffi.NULL if sinks is None else ffi.from_buffer("float[]", attention_sinks(sinks, H))
-        c_scale, c_window = attention_scale(scale, D), attention_window(window)
         if D != kv.ptr.head_dim:
             raise ShapeError(f"q has head_dim {D}, the keys have {kv.ptr.head_dim}")
         if H % Hkv:
             raise ShapeError(f"{H} query heads cannot be grouped over {Hkv} kv heads (H % Hkv must be 0)")
         qp = _positions(q_positions, "q_positions", T)
         kp = _positions(k_positions, "k_positions", S)
-        out = np.empty((T, H, D), dtype=_F32)
+        out = np.empty((T, H, kv.ptr.v_dim or D), dtype=_F32)  # [T, H, Dv]
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
-                                     c_window, c_scale, c_sinks, ffi.from_buffer("float[]", out))
+                                     c_window, c_softcap, c_scale, c_sinks, ffi.from_buffer("float[]", out))
         check_status(status, "attention")
         return out
 
@@ -513,6 +589,16 @@ class Kernels:
     def swiglu_oai(self, gate, up):
         # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
         return self._glu(lib.kvref_swiglu_oai, "swiglu_oai", gate, up)
+
+    def soft_cap(self, x, cap):
+        # [...] -> [...]: cap * tanh(x / cap) elementwise, a non-finite x kept (kvref.spec.ops.soft_cap)
+        _array(x, "x", (_F32,), None)
+        out = np.empty_like(x)
+        status = lib.kvref_soft_cap(self._pool.ptr, ffi.from_buffer("float[]", x), x.size,
+                                    float(np.float32(_real(cap, "cap", minimum_exclusive=0.0))),
+                                    ffi.from_buffer("float[]", out))
+        check_status(status, "soft_cap")
+        return out
 
     def _glu(self, c_function, name, gate, up):
         _array(gate, "gate", (_F32,), None)
@@ -538,6 +624,11 @@ def matmul(x, w, *, threads=None):
     return kernels(threads).matmul(x, w)
 
 
+def matmul_experts(x, w, experts, *, threads=None):
+    # [R, K], [X, N, K], [R] -> [R, N]
+    return kernels(threads).matmul_experts(x, w, experts)
+
+
 def rms_norm(x, weight, eps, *, threads=None):
     # [T, E], [E] -> [T, E]
     return kernels(threads).rms_norm(x, weight, eps)
@@ -548,9 +639,9 @@ def rope(x, positions, theta, scaling=None, *, threads=None):
     return kernels(threads).rope(x, positions, theta, scaling)
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None, *, threads=None):
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None, *, threads=None):
     # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], [H] or None -> [T, H, D]
-    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window, sinks)
+    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window, softcap, sinks)
 
 
 def swiglu(gate, up, *, threads=None):
@@ -568,6 +659,11 @@ def swiglu_oai(gate, up, *, threads=None):
     return kernels(threads).swiglu_oai(gate, up)
 
 
+def soft_cap(x, cap, *, threads=None):
+    # [...] -> [...]
+    return kernels(threads).soft_cap(x, cap)
+
+
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
-           "matmul", "reset_default", "rms_norm", "rope", "supported_isas", "swiglu",
+           "matmul", "matmul_experts", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu",
            "swiglu_oai"]

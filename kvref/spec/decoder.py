@@ -13,6 +13,19 @@ reserves room before any work, every layer writes its K/V through the execution,
 `with` block commits the new positions together with their ids and the last logits. An exception
 anywhere inside (a bad kernel argument, Ctrl-C) aborts instead, leaving the cache as it was.
 
+A mixture of experts changes only the MLP of its layers (`moe`): a router scores the experts for each
+position, the k best run, and their outputs are summed with the router's weights. Every router the
+config can describe (softmax or sigmoid scores, a selection bias, grouped top-k, renormalised or
+scaled weights) is the one function `route`; the experts' projections are one kernel,
+`matmul_experts`, which takes the rows of each expert together, so a batch reads each routed
+expert's weights once.
+
+Multi-head latent attention (MLA, DeepSeek-V2/V3; config.kv_lora_rank) changes what is cached: per
+layer and position one latent key [c_kv ; k_rope] (kv_lora_rank + qk_rope_head_dim values) instead of
+per-head K and V. `latent_attention_block` writes it, and attention reads it in one of two forms
+(config.mla_form) that compute the same numbers: naive, expanding the latent to every head's K and V,
+or absorbed, folding the key up-projection into the query so attention runs over the latent itself.
+
 `forward_batch` is the same execution for several sequences at once (continuous batching): their
 new positions are stacked into one [N, E] activation so every position-wise step runs once, and
 only attention is split per sequence, because each sequence attends to its own cache. It runs
@@ -24,8 +37,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import LATENT_NORM_EPS, ModelConfig
 from ..weights import LayerWeights, Weights
+from . import ops as spec_ops
 
 
 def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_logits=False):
@@ -34,12 +48,20 @@ def forward(ops, config: ModelConfig, weights: Weights, token_ids, cache, all_lo
         x = embed_tokens(ops, config, weights, token_ids)  # [T, E]
         for layer, lw in enumerate(weights.layers):
             x = x + attention_block(ops, config, lw, x, execution, layer)  # [T, E]
-            x = x + mlp_block(ops, config, lw, x)  # [T, E]
+            x = x + mlp_block(ops, config, lw, x, layer)  # [T, E]
         if not all_logits:
             x = x[-1:]  # only the last position's logits select the next token
         x = ops.rms_norm(x, weights.output_norm, config.norm_eps)  # [T or 1, E]
-        logits = ops.matmul(x, weights.output)  # [T or 1, V]
+        logits = lm_head(ops, config, weights, x)  # [T or 1, V]
         execution.last_logits = logits[-1]  # committed with the new positions as the block ends
+    return logits
+
+
+def lm_head(ops, config: ModelConfig, weights: Weights, x):
+    # [N, E] final-normed -> [N, V]
+    logits = ops.matmul(x, weights.output)  # [N, V]
+    if config.final_softcap is not None:  # Gemma 2 squashes the logits into (-cap, cap)
+        logits = ops.soft_cap(logits, config.final_softcap)
     return logits
 
 
@@ -53,11 +75,14 @@ def embed_tokens(ops, config: ModelConfig, weights: Weights, token_ids):
 
 def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, layer):
     # [T, E] -> [T, E]; execution: the open one (positions, and the cache's K/V)
+    if config.latent:
+        return latent_attention_block(ops, config, lw, x, execution.positions, [0, len(x)], [execution], layer)
     positions = execution.positions  # [T] absolute positions of the new tokens
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [T, H, D], [T, Hkv, D] x2
     k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
     out = ops.attention(q, k_all, v_all, positions, k_positions,  # [T, H, D]
-                        scale=config.score_scale, window=config.window(layer), sinks=lw.sinks)
+                        scale=config.score_scale, window=config.window(layer), softcap=config.attn_softcap,
+                        sinks=lw.sinks)
     return attention_output(ops, config, lw, out)  # [T, E]
 
 
@@ -71,9 +96,10 @@ def project_qkv(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer)
     if config.qk_norm:  # Qwen 3, Gemma 3: every head's q and k normalised on their own, before RoPE
         q = ops.rms_norm(q.reshape(T * H, D), lw.q_norm, config.norm_eps).reshape(T, H, D)
         k = ops.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, config.norm_eps).reshape(T, Hkv, D)
-    theta, scaling = config.layer_rope_theta(layer), config.rope_scaling
-    q = ops.rope(q, positions, theta, scaling)  # rotated for the absolute positions
-    k = ops.rope(k, positions, theta, scaling)  # stored rotated: never rotated again
+    rope = config.layer_rope(layer)  # (base, scaling), or None on a NoPE layer (SmolLM3): q, k carry no position
+    if rope is not None:
+        q = ops.rope(q, positions, *rope)  # rotated for the absolute positions
+        k = ops.rope(k, positions, *rope)  # stored rotated: never rotated again
     return q, k, v
 
 
@@ -91,24 +117,83 @@ def attention_output(ops, config: ModelConfig, lw: LayerWeights, out):
     return y
 
 
-def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x):
+def mlp_block(ops, config: ModelConfig, lw: LayerWeights, x, layer):
     # [T, E] -> [T, E]; position-wise: no position sees another, so caching cannot change it
     h = ops.rms_norm(x, lw.ffn_norm, config.norm_eps)  # [T, E]
-    gate = ops.matmul(h, lw.w_gate)  # [T, F]
-    up = ops.matmul(h, lw.w_up)  # [T, F]
-    gated = gated_activation(ops, config, gate, up)  # [T, F]
-    y = ops.matmul(gated, lw.w_down)  # [T, E]
+    if config.moe_layer(layer):
+        y = moe(ops, config, lw, h)  # [T, E]
+    else:
+        y = gated_mlp(ops, config, h, lw.w_gate, lw.w_up, lw.w_down)  # [T, E]
     if config.sandwich_norms:
         y = ops.rms_norm(y, lw.post_ffn_norm, config.norm_eps)
     return y
 
 
+def gated_mlp(ops, config: ModelConfig, h, w_gate, w_up, w_down):
+    # [T, E], [F, E], [F, E], [E, F] -> [T, E]: down(act(gate h) * up h)
+    return ops.matmul(gated(ops, config, ops.matmul(h, w_gate), ops.matmul(h, w_up)), w_down)
+
+
 GATES = {"silu": "swiglu", "gelu_tanh": "geglu", "swiglu_oai": "swiglu_oai"}  # ModelConfig.activation -> kernel
 
 
-def gated_activation(ops, config: ModelConfig, gate, up):
-    # [T, F], [T, F] -> [T, F]: the MLP's gate, by config.activation
+def gated(ops, config: ModelConfig, gate, up):
+    # [R, F], [R, F] -> [R, F]: the gate of config.activation, one dispatch for dense MLPs and experts alike
     return getattr(ops, GATES[config.activation])(gate, up)
+
+
+def moe(ops, config: ModelConfig, lw: LayerWeights, h):
+    # [T, E] -> [T, E]: each position through its k routed experts, their outputs weighted and summed,
+    # plus the shared expert when there is one
+    logits = project(ops, h, lw.router, lw.router_bias)  # [T, X]
+    experts, weights = route(config, logits, lw.expert_selection_bias)  # [T, k] ids, [T, k]
+    T, k = experts.shape
+    ids = experts.reshape(-1)  # [T*k]: row t*k + j is position t through its j-th expert
+    hk = np.repeat(h, k, axis=0)  # [T*k, E]
+    gate = project_experts(ops, hk, lw.experts_gate, lw.experts_gate_bias, ids)  # [T*k, Fx]
+    up = project_experts(ops, hk, lw.experts_up, lw.experts_up_bias, ids)  # [T*k, Fx]
+    out = project_experts(ops, gated(ops, config, gate, up), lw.experts_down, lw.experts_down_bias, ids)  # [T*k, E]
+    y = np.sum(out.reshape(T, k, -1) * weights[:, :, None].astype(out.dtype), axis=1)  # [T, E]
+    if config.shared_expert_d_ff:
+        y = y + gated_mlp(ops, config, h, lw.shared_gate, lw.shared_up, lw.shared_down)  # [T, E]
+    return y
+
+
+def project_experts(ops, x, w, bias, experts):
+    # [R, K], [X, N, K], [X, N] or None, [R] -> [R, N]: row r through expert experts[r]
+    y = ops.matmul_experts(x, w, experts)
+    return y if bias is None else y + bias[experts]  # gpt-oss's expert biases
+
+
+def route(config: ModelConfig, logits, selection_bias):
+    # [T, X] router logits, [X] or None -> experts [T, k] int64 (best first), weights [T, k]
+    # The same NumPy on every backend: a [T, X] array, small beside the experts it chooses.
+    scores = spec_ops.softmax(logits) if config.router_score == "softmax" else spec_ops.sigmoid(logits)  # [T, X]
+    choice = scores if selection_bias is None else scores + selection_bias  # [T, X]: chooses, never weights
+    if config.n_expert_groups > 1:
+        choice = best_groups_only(config, choice)
+    # best first; ties go to the lower id, and a NaN score (from a NaN activation) sorts last
+    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :config.n_experts_used]  # [T, k]
+    weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]: the unbiased scores of the chosen
+    if config.norm_topk_prob:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return experts, weights * np.asarray(config.routed_scaling_factor, dtype=weights.dtype)
+
+
+def best_groups_only(config: ModelConfig, choice):
+    # [T, X] -> [T, X]: grouped top-k (DeepSeek): the X experts form n_expert_groups equal groups, each scored
+    # by the sum of its two best scores or by its best; experts outside a position's n_expert_groups_used
+    # best groups become -inf, so they are never chosen
+    T, X = choice.shape
+    groups = choice.reshape(T, config.n_expert_groups, X // config.n_expert_groups)  # [T, G, X/G]
+    if config.expert_group_score == "top2_sum":
+        group_scores = np.sum(np.sort(groups, axis=-1)[..., -2:], axis=-1)  # [T, G]
+    else:
+        group_scores = np.max(groups, axis=-1)  # [T, G]
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :config.n_expert_groups_used]  # [T, G_used]
+    keep = np.zeros(group_scores.shape, dtype=bool)  # [T, G]
+    np.put_along_axis(keep, best, True, axis=-1)
+    return np.where(keep[:, :, None], groups, -np.inf).reshape(T, X)
 
 
 def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_logits=False):
@@ -122,12 +207,12 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
     x = embed_tokens(ops, config, weights, np.concatenate([e.token_ids for e in executions]))  # [N, E]
     for layer, lw in enumerate(weights.layers):
         x = x + batch_attention_block(ops, config, lw, x, positions, bounds, executions, layer)  # [N, E]
-        x = x + mlp_block(ops, config, lw, x)  # [N, E]
+        x = x + mlp_block(ops, config, lw, x, layer)  # [N, E]
     rows = bounds
     if not all_logits:
         x = x[bounds[1:] - 1]  # [B, E]: each sequence's last position selects its next token
         rows = np.arange(len(executions) + 1)
-    logits = ops.matmul(ops.rms_norm(x, weights.output_norm, config.norm_eps), weights.output)  # [N or B, V]
+    logits = lm_head(ops, config, weights, ops.rms_norm(x, weights.output_norm, config.norm_eps))  # [N or B, V]
     out = [logits[rows[b]:rows[b + 1]] for b in range(len(executions))]  # [T_b or 1, V] each
     for execution, sequence_logits in zip(executions, out):
         execution.last_logits = sequence_logits[-1]  # committed with the sequence's new positions
@@ -136,11 +221,91 @@ def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_lo
 
 def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
     # [N, E] rows of B sequences -> [N, E]; the projections are shared, attention is per sequence
+    if config.latent:
+        return latent_attention_block(ops, config, lw, x, positions, bounds, executions, layer)
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [N, H, D], [N, Hkv, D] x2
     out = np.empty_like(q)  # [N, H, D]
     for b, execution in enumerate(executions):
         rows = slice(bounds[b], bounds[b + 1])  # this sequence's new positions
         k_all, v_all, k_positions = execution.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
         out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions,  # [T_b, H, D]
-                                  scale=config.score_scale, window=config.window(layer), sinks=lw.sinks)
+                                  scale=config.score_scale, window=config.window(layer),
+                                  softcap=config.attn_softcap, sinks=lw.sinks)
     return attention_output(ops, config, lw, out)  # [N, E]
+
+
+# ---- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------------------------
+# Legend: R kv_lora_rank (the latent c_kv), Dr qk_rope_head_dim (the rotated part, one key shared by all
+# heads), Dn = D - Dr (the part RoPE leaves alone), Dv v_head_dim. Per head h the up-projection wkv_b
+# holds W_UK[h] [Dn, R] (latent -> the key's unrotated part) and W_UV[h] [Dv, R] (latent -> value).
+
+
+def latent_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
+    # [N, E] rows of B sequences (bounds as forward_batch's) -> [N, E]
+    q_nope, q_rope, latent_key = project_latent(ops, config, lw, x, positions, layer)  # [N,H,Dn], [N,H,Dr], [N,1,R+Dr]
+    out = np.empty((len(x), config.n_heads, config.v_head_dim), dtype=x.dtype)  # [N, H, Dv]
+    for b, execution in enumerate(executions):
+        rows = slice(bounds[b], bounds[b + 1])
+        # the cache stores the latent key only; its V is the key's first R values (c_kv), never stored
+        latent_all, c_all, k_positions = execution.update(layer, latent_key[rows], None)  # [S, 1, R+Dr], [S, 1, R], [S]
+        attend_latent = naive_latent_attention if config.mla_form == "naive" else absorbed_latent_attention
+        out[rows] = attend_latent(ops, config, lw, q_nope[rows], q_rope[rows], latent_all, c_all,
+                                  positions[rows], k_positions)  # [T_b, H, Dv]
+    return attention_output(ops, config, lw, out)  # [N, E]
+
+
+def project_latent(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer):
+    # [N, E], [N] -> q_nope [N, H, Dn], q_rope [N, H, Dr] (rotated), latent_key [N, 1, R + Dr] (k_rope rotated)
+    N, H, D, R, Dn = x.shape[0], config.n_heads, config.head_dim, config.kv_lora_rank, config.qk_nope_head_dim
+    theta, scaling = config.layer_rope_theta(layer), config.rope_scaling
+    h = ops.rms_norm(x, lw.attn_norm, config.norm_eps)  # [N, E]
+    if lw.wq_a is not None:  # DeepSeek-V2/V3: the query through its own low-rank bottleneck
+        h_q = ops.rms_norm(ops.matmul(h, lw.wq_a), lw.q_a_norm, LATENT_NORM_EPS)  # [N, q_lora_rank]
+    else:  # DeepSeek-V2-Lite: one projection
+        h_q = h
+    q = ops.matmul(h_q, lw.wq).reshape(N, H, D)  # [N, H, D]: per head [nope | rope]
+    q_rope = ops.rope(np.ascontiguousarray(q[..., Dn:]), positions, theta, scaling)  # [N, H, Dr]
+    kv = ops.matmul(h, lw.wkv_a)  # [N, R + Dr]: [c_kv | k_rope]
+    c_kv = ops.rms_norm(np.ascontiguousarray(kv[:, :R]), lw.kv_a_norm, LATENT_NORM_EPS)  # [N, R]
+    k_rope = ops.rope(np.ascontiguousarray(kv[:, None, R:]), positions, theta, scaling)  # [N, 1, Dr]: one for all heads
+    latent_key = np.concatenate([c_kv[:, None, :], k_rope], axis=-1)  # [N, 1, R + Dr]: what the cache stores
+    return np.ascontiguousarray(q[..., :Dn]), q_rope, latent_key
+
+
+def latent_up_projections(config: ModelConfig, lw: LayerWeights):
+    # wkv_b [H*(Dn+Dv), R] -> W_UK [H, Dn, R], W_UV [H, Dv, R] (views, file layout)
+    w = np.asarray(lw.wkv_b).reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim, config.kv_lora_rank)
+    return w[:, :config.qk_nope_head_dim], w[:, config.qk_nope_head_dim:]
+
+
+def latent_scale(config: ModelConfig) -> float:
+    # the softmax scale of a query head of D = Dn + Dr values, whichever form computes the scores
+    return config.head_dim ** -0.5 if config.attention_scale is None else config.attention_scale
+
+
+def naive_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions, k_positions):
+    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
+    # Expand the cached latent of every position to each head's key and value, then attend as MHA:
+    # key h = [W_UK[h] c ; k_rope] (k_rope shared), value h = W_UV[h] c.
+    S, H, R, Dn = latent_all.shape[0], config.n_heads, config.kv_lora_rank, config.qk_nope_head_dim
+    c = np.ascontiguousarray(c_all[:, 0])  # [S, R]
+    kv = ops.matmul(c, lw.wkv_b).reshape(S, H, Dn + config.v_head_dim)  # [S, H, Dn + Dv]: W_UK c, W_UV c per head
+    k_rope = np.broadcast_to(latent_all[:, :, R:], (S, H, config.qk_rope_head_dim))  # [S, H, Dr]
+    k = np.concatenate([kv[..., :Dn], k_rope], axis=-1)  # [S, H, D]
+    v = np.ascontiguousarray(kv[..., Dn:])  # [S, H, Dv]
+    q = np.concatenate([q_nope, q_rope], axis=-1)  # [T, H, D]
+    return ops.attention(q, k, v, q_positions, k_positions, scale=latent_scale(config))  # [T, H, Dv]
+
+
+def absorbed_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions,
+                              k_positions):
+    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
+    # q_nope . (W_UK c) = (W_UK^T q_nope) . c: fold W_UK into the query once per new position, and the
+    # scores are MQA over the cached latent keys (width R + Dr) with values their first R elements (c).
+    # The value up-projection is linear, so it moves after the weighted sum: W_UV (sum_s p_s c_s).
+    # Per step this reads S x (R + Dr) cached values instead of S x H x (D + Dv) expanded ones.
+    w_uk, w_uv = latent_up_projections(config, lw)  # [H, Dn, R], [H, Dv, R]
+    q_latent = (q_nope.transpose(1, 0, 2) @ w_uk).transpose(1, 0, 2)  # per head [T, Dn] @ [Dn, R] -> [T, H, R]
+    q = np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, R + Dr]
+    out_latent = ops.attention(q, latent_all, c_all, q_positions, k_positions, scale=latent_scale(config))  # [T, H, R]
+    return (out_latent.transpose(1, 0, 2) @ w_uv.transpose(0, 2, 1)).transpose(1, 0, 2)  # per head @ W_UV^T: [T, H, Dv]

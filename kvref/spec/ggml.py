@@ -83,6 +83,8 @@ class QuantizedTensor:
 
     data: uint8 [N, row_nbytes] (usually a read-only view into the memory-mapped file)
     shape: (N, K) logical values, out x in
+    A mixture's stack of X experts' matrices (LayerWeights.experts_*) is one such tensor, as GGUF stores
+    it: shape (X, N, K), data uint8 [X, N, row_nbytes].
     """
 
     ggml_type: GGMLType

@@ -5,6 +5,7 @@ Shape legend (used in every shape comment in kvref):
     H   query heads      Hkv  kv heads          G   H // Hkv, query heads per kv head
     D   head_dim         E    d_model           F   d_ff         V   vocab_size
     N   output rows of a weight matrix          K   input columns of a weight matrix
+    X   experts of a MoE layer   k  experts each position runs   Fx  an expert's d_ff   R  rows (T x k)
 
 The native module provides the same names with the same meaning; the decoder calls them by name.
 Weights stay in file layout: a projection matrix is [N, K] (out, in), so y = x @ W.T.
@@ -23,6 +24,17 @@ def embed(table, token_ids):
 def matmul(x, w):
     # [T, K], [N, K] -> [T, N]
     return x @ w.T
+
+
+def matmul_experts(x, w, experts):
+    # [R, K], [X, N, K], [R] expert ids -> [R, N]: row r through the matrix of expert experts[r]
+    # A mixture's projection (kvref.spec.decoder.moe): the rows of each expert are taken together, so
+    # only the experts named are read, each once.
+    y = np.empty((x.shape[0], w.shape[1]), dtype=np.result_type(x.dtype, w.dtype))
+    for e in np.unique(experts):
+        rows = experts == e
+        y[rows] = matmul(x[rows], w[e])
+    return y
 
 
 def rms_norm(x, weight, eps):
@@ -132,14 +144,24 @@ def log_softmax(logits):
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None, sinks=None):
-    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], sinks [H] or None -> [T, H, D]
+def soft_cap(x, cap):
+    # [...] -> [...]: cap * tanh(x / cap), Gemma 2's squashing of attention scores and final logits into
+    # (-cap, cap), in x's dtype. A non-finite x stays as it is: tanh would turn an infinity into a finite
+    # +-cap and hide it from attention's rule for non-finite scores.
+    c = np.asarray(cap, dtype=x.dtype)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(x), c * np.tanh(x / c), x)
+
+
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+    # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S], sinks [H] or None -> [T, H, Dv]; Dv == D but in MLA (decoder.latent_attention_block)
     # Causal by position, not by index: query at position p sees every stored key at a position
     # <= p, and with a layer window W only those > p - W (its last W positions, itself included),
     # whatever the cache holds and however the input was split into executions. The cache decides
     # which positions it still holds (a window layout drops old ones).
     # GQA without copying K/V: query head h reads kv head h // G, expressed as a group axis.
-    # scale: what scores are multiplied by; None: 1/sqrt(D).
+    # scale: what scores are multiplied by; None: 1/sqrt(D). softcap: scaled scores -> soft_cap(scores,
+    # softcap) before the mask and softmax (Gemma 2); None: as they are.
     # sinks (gpt-oss): one learned logit per query head that joins every softmax of that head as a
     # score with no value: it takes probability mass away from the keys, so a head may attend to
     # "nothing". Not the sink *positions* a window cache keeps (docs/cache-layouts.md).
@@ -163,13 +185,14 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None, sinks=
             scores = (qg @ kh[:, None]) / np.sqrt(D).astype(q.dtype)  # [Hkv, G, T, S]
         else:
             scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
-    return attend(scores, v, q_positions, k_positions, window, sinks).reshape(T, H, D)
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    return attend(scores, v, q_positions, k_positions, window, sinks).reshape(T, H, v.shape[-1])
 
 
 def attend(scores, v, q_positions, k_positions, window=None, sinks=None):
-    # [Hkv, G, T, S] scores, [S, Hkv, D], [T], [S], [H] or None -> [T, Hkv, G, D]: attention's masking,
-    # softmax (with the sink logits in its denominator) and weighted sum of values, with its rule for
-    # non-finite values (see `attention`)
+    # [Hkv, G, T, S] scores, [S, Hkv, Dv], [T], [S], [H] or None -> [T, Hkv, G, Dv]: attention's masking,
+    # softmax (with the sink logits in its denominator) and weighted sum of values, with its rule for non-finite values (see `attention`)
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     k_pos, q_pos = np.asarray(k_positions)[None, :], np.asarray(q_positions)[:, None]
     visible = k_pos <= q_pos  # [T, S]
@@ -231,18 +254,25 @@ def int8_key_scores(q, k8, k_scales, scale=None):
     return scores
 
 
-def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None, sinks=None):
-    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, D] float, [T], [S], [H] -> [T, H, D]
+def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, Dv] float, [T], [S], [H] -> [T, H, Dv]
     # The attention the native kernels compute over an int8 K: `attention` with the scores of
     # int8_key_scores (the query rounded to 8 bits per group) in place of q . k over the decoded K.
     T, H, D = q.shape
     scores = int8_key_scores(q, k8, k_scales, scale)  # [Hkv, G, T, S]
-    return attend(scores, v, q_positions, k_positions, window, sinks).reshape(T, H, D)
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    return attend(scores, v, q_positions, k_positions, window, sinks).reshape(T, H, v.shape[-1])
+
+
+def sigmoid(x):
+    # 1 / (1 + exp(-x)), written through tanh so large |x| cannot overflow exp
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
 def silu(x):
-    # x * sigmoid(x), with sigmoid written through tanh so large |x| cannot overflow exp
-    return x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+    # x * sigmoid(x)
+    return x * sigmoid(x)
 
 
 def swiglu(gate, up):

@@ -64,14 +64,14 @@ from ..executor import describe
 from ..generation.sampling import greedy
 from .common import (Progress, activations, add_activations_argument, add_model_arguments, count, count_in,
                      human_bytes, plural)
-from .machine import (READ_TRIES, blas_threads, current_rss, kv_cache_bytes, kv_read, kvref_version, machine, median,
-                      peak_rss, roofline, threads_of)
+from .machine import (READ_TRIES, blas_threads, current_rss, expert_bytes, kv_cache_bytes, kv_read, kvref_version,
+                      machine, median, peak_rss, roofline, tensor_nbytes, threads_of)
 
 
 FAMILIES = ("projections", "attention", "other")
 #: which family each kernel of the kernel set belongs to
-KERNEL_FAMILY = {"matmul": "projections", "attention": "attention", "embed": "other", "rms_norm": "other",
-                 "rope": "other", "swiglu": "other", "geglu": "other"}
+KERNEL_FAMILY = {"matmul": "projections", "matmul_experts": "projections", "attention": "attention",
+                 "embed": "other", "rms_norm": "other", "rope": "other", "swiglu": "other", "geglu": "other"}
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 
@@ -112,8 +112,16 @@ class TimedOps:
         self._ops = ops
         self.seconds = dict.fromkeys(FAMILIES, 0.0)
         self.calls = 0
+        self.expert_bytes = 0  # bytes of experts' matrices matmul_experts read: each expert named once per call
         for name, family in KERNEL_FAMILY.items():
             setattr(self, name, self._shim(getattr(ops, name), family))
+        timed_experts = self.matmul_experts
+
+        def matmul_experts(x, w, experts):  # [R, K], [X, N, K], [R] -> [R, N]
+            self.expert_bytes += len(np.unique(experts)) * tensor_nbytes(w) // w.shape[0]
+            return timed_experts(x, w, experts)
+
+        self.matmul_experts = matmul_experts
 
     def _shim(self, kernel, family):
         clock, seconds = time.perf_counter, self.seconds
@@ -145,6 +153,7 @@ class ShimClock:
     def reset(self):
         self.ops.seconds.update(dict.fromkeys(FAMILIES, 0.0))
         self.ops.calls = 0
+        self.ops.expert_bytes = 0
 
     def read(self) -> dict:
         return dict(self.ops.seconds)
@@ -239,7 +248,10 @@ def profile(clock, prompt, steps, kv_dtype=None, cache=None, progress=None, labe
     ms = {f: 1e3 * seconds[f] / n for f in FAMILIES}
     total = 1e3 * wall / n
     ms["python"] = max(total - sum(ms.values()), 0.0)
-    return {"source": clock.source, "tokens": n, "ms_per_token": ms, "total_ms_per_token": total}
+    result = {"source": clock.source, "tokens": n, "ms_per_token": ms, "total_ms_per_token": total}
+    if runner.config.n_experts:  # a mixture: the bytes of the experts its routers chose, counted (ShimClock)
+        result["expert_bytes_per_token"] = clock.ops.expert_bytes / n
+    return result
 
 
 def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64, prefill_tokens=512,
@@ -363,6 +375,8 @@ def run(model, *, prompt_tokens=32, new_tokens=128, context=0, context_steps=64,
         "context_decode": result_context,
         "split": splits,
         "roofline": roof,
+        "experts": {**expert_bytes(model), "experts": model.config.n_experts, "used": model.config.n_experts_used}
+        if model.config.n_experts else None,
         "memory": memory,
     }
 
@@ -478,6 +492,13 @@ def report(r: dict) -> str:
                 ms = s["ms_per_token"]
                 lines.append(f"  {what:<9}{ms['projections']:>12.3f}{ms['attention']:>11.3f}{ms['other']:>8.3f}"
                              f"{ms['python']:>8.3f}{s['total_ms_per_token']:>8.3f}")
+    experts = r.get("experts")
+    if experts:
+        counted = [f"{what} {human_bytes(s['expert_bytes_per_token'])}" for what, s in r["split"].items()
+                   if s and "expert_bytes_per_token" in s]
+        lines.append(f"experts read per token (profiled pass): {', '.join(counted) or 'not profiled'}; the active "
+                     f"experts' bytes {human_bytes(experts['active'])} of {human_bytes(experts['all'])} "
+                     f"({experts['used']} of {experts['experts']} experts per MoE layer)")
     read = (r["split"].get("context") or {}).get("kv_read")
     if read:
         lines.append(f"attention at {r['settings']['context']} cached: {read['attention_ms']:.2f} ms per token = "

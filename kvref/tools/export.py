@@ -1,7 +1,8 @@
 """`kvref export hf MODEL DIR`: a GGUF model as a Hugging Face checkpoint folder that transformers
 loads (and kvref.load reads back), so the conformance tool's transformers engine runs on the same model.
 
-    config.json              the family's fields (model_type llama, qwen2, qwen3 or gemma3_text)
+    config.json              the family's fields (model_type llama, qwen2, qwen3, gemma3_text or deepseek_v2;
+                             for a mixture of experts qwen3_moe, or mixtral for a llama file with experts)
     model.safetensors        every weight dequantized, float32 (default) or bfloat16
     tokenizer.json           the GGUF tokenizer as HF's pipeline (kvref/text/hf.py reads the same)
     tokenizer_config.json    BOS/EOS, whether they are added, the chat template
@@ -12,6 +13,8 @@ What the export undoes of kvref.formats.hf's conversion, since the decoder's wei
   - RoPE pairs: the decoder rotates adjacent pairs (x[2i], x[2i+1]), HF rotates (x[i], x[i + D/2])
     (rotate_half); each head's Q and K rows (biases, QK-norm gains) go back to HF's order.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains g are written as g - 1.
+  - deepseek2 (MLA, all blocks dense): written as deepseek_v2, whose RoPE rotates adjacent pairs as the
+    decoder does, with every layer dense (first_k_dense_replace = num_hidden_layers).
 
 float32 is the default because it is the same model: a dequantized block value (d * q + m, with d and
 m float16) rarely fits in bfloat16's 8 significant bits, so a bfloat16 export rounds nearly every
@@ -37,7 +40,7 @@ from ..cache.quant import to_bfloat16
 from ..errors import ConfigError, ModelNotFoundError, TokenizerError
 from ..formats.architectures import half_split_to_adjacent
 from ..formats.gguf import GGUFFile
-from ..formats.hf import config_from_hf
+from ..formats.hf import EXPERT_TENSORS, config_from_hf
 from ..formats.safetensors import write_file
 from ..text.bytelevel import PRE_TOKENIZERS
 from ..text.gguf import merge_pair, tokenizer_parts
@@ -46,7 +49,9 @@ from ..text.vocab import CONTROL, UNKNOWN, USER_DEFINED
 
 # GGUF general.architecture -> (HF model_type, HF architectures class)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+            "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM")}
+MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # --dtype -> safetensors code
 
 
@@ -78,8 +83,8 @@ def export_hf(model, directory, dtype: str = "float32") -> Path:
     try:
         for name, value in files.items():
             (partial / name).write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        write_file(partial / "model.safetensors", hf_tensors(m.config, m.weights, arch == "gemma3", dtype),
-                   {"format": "pt"})
+        tensors = hf_tensors(m.config, m.weights, arch == "gemma3", dtype, files["config.json"]["model_type"])
+        write_file(partial / "model.safetensors", tensors, {"format": "pt"})
         os.replace(partial, directory)  # rename(2) replaces an empty folder
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -92,7 +97,7 @@ def hf_config(config, arch: str, parts: dict) -> dict:
     """config.json for `config`, checked by reading it back with kvref.formats.hf."""
     if arch not in FAMILIES:
         raise ConfigError(f"architecture {arch!r} has no Hugging Face family here; export writes {sorted(FAMILIES)}")
-    model_type, architecture = FAMILIES[arch]
+    model_type, architecture = MIXTRAL if arch == "llama" and config.n_experts else FAMILIES[arch]
     c = config
     out = {
         "architectures": [architecture], "model_type": model_type, "torch_dtype": "float32",
@@ -113,6 +118,16 @@ def hf_config(config, arch: str, parts: dict) -> dict:
                    final_logit_softcapping=None, attn_logit_softcapping=None)
     else:
         out.update(hidden_act="silu", attention_bias=c.qkv_bias and model_type != "qwen2")
+    if model_type == "qwen3_moe":
+        out.update(num_experts=c.n_experts, num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.experts_d_ff,
+                   norm_topk_prob=c.norm_topk_prob, mlp_only_layers=[], decoder_sparse_step=1)
+    if model_type == "mixtral":  # its experts are intermediate_size wide
+        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_used,
+                   intermediate_size=c.experts_d_ff, sliding_window=None)
+    if c.latent:  # HF's head_dim names the rotated part; a query head's width is nope + rope
+        out.update(head_dim=c.qk_rope_head_dim, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank,
+                   qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                   first_k_dense_replace=c.n_layers, n_routed_experts=None)
     out = {k: v.item() if isinstance(v, np.generic) else v for k, v in out.items()}  # JSON numbers
     _check_round_trip(config, out)
     return out
@@ -150,8 +165,9 @@ def _check_round_trip(config, hf: dict) -> None:
 
 # ---- model.safetensors ----------------------------------------------------------------------------
 
-def hf_tensors(config, weights, gemma: bool, dtype: str) -> dict:
-    """{HF tensor name: (safetensors dtype, array)} from the decoder's float32 Weights."""
+def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llama") -> dict:
+    """{HF tensor name: (safetensors dtype, array)} from the decoder's float32 Weights (a mixture's experts
+    named as `model_type`'s checkpoints name them)."""
     code = DTYPES[dtype]
 
     def tensor(a):
@@ -169,9 +185,12 @@ def hf_tensors(config, weights, gemma: bool, dtype: str) -> dict:
     for i, lw in enumerate(weights.layers):
         p, attn = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         out[p + "input_layernorm.weight"] = norm(lw.attn_norm)
-        out[attn + "q_proj.weight"] = tensor(pairs_half_split(lw.wq, config.n_heads))
-        out[attn + "k_proj.weight"] = tensor(pairs_half_split(lw.wk, config.n_kv_heads))
-        out[attn + "v_proj.weight"] = tensor(lw.wv)
+        if config.latent:
+            out.update(latent_tensors(config, lw, attn, tensor))
+        else:
+            out[attn + "q_proj.weight"] = tensor(pairs_half_split(lw.wq, config.n_heads))
+            out[attn + "k_proj.weight"] = tensor(pairs_half_split(lw.wk, config.n_kv_heads))
+            out[attn + "v_proj.weight"] = tensor(lw.wv)
         out[attn + "o_proj.weight"] = tensor(lw.wo)
         if config.qkv_bias:
             out[attn + "q_proj.bias"] = tensor(pairs_half_split(lw.bq, config.n_heads))
@@ -187,6 +206,13 @@ def hf_tensors(config, weights, gemma: bool, dtype: str) -> dict:
             out[p + "post_feedforward_layernorm.weight"] = norm(lw.post_ffn_norm)
         else:
             out[p + "post_attention_layernorm.weight"] = norm(lw.ffn_norm)
+        if config.moe_layer(i):  # the router, and one matrix per expert
+            module, projections = EXPERT_TENSORS[model_type]
+            out[f"{p}{module}.gate.weight"] = tensor(lw.router)
+            for j in range(config.n_experts):
+                for name, stack in zip(projections, (lw.experts_gate, lw.experts_up, lw.experts_down)):
+                    out[f"{p}{module}.experts.{j}.{name}.weight"] = tensor(stack[j])
+            continue
         out[p + "mlp.gate_proj.weight"] = tensor(lw.w_gate)
         out[p + "mlp.up_proj.weight"] = tensor(lw.w_up)
         out[p + "mlp.down_proj.weight"] = tensor(lw.w_down)
@@ -194,6 +220,15 @@ def hf_tensors(config, weights, gemma: bool, dtype: str) -> dict:
     if not config.tie_embeddings:
         out["lm_head.weight"] = tensor(weights.output)
     return out
+
+
+def latent_tensors(config, lw, attn: str, tensor) -> dict:
+    """An MLA layer's attention tensors by their HF (deepseek_v2) names; adjacent RoPE pairs, as stored."""
+    query = ({attn + "q_proj.weight": tensor(lw.wq)} if config.q_lora_rank is None else
+             {attn + "q_a_proj.weight": tensor(lw.wq_a), attn + "q_a_layernorm.weight": tensor(lw.q_a_norm),
+              attn + "q_b_proj.weight": tensor(lw.wq)})
+    return {**query, attn + "kv_a_proj_with_mqa.weight": tensor(lw.wkv_a),
+            attn + "kv_a_layernorm.weight": tensor(lw.kv_a_norm), attn + "kv_b_proj.weight": tensor(lw.wkv_b)}
 
 
 def _half_split_order(heads: int, head_dim: int):

@@ -37,7 +37,9 @@ def run_inspect(args) -> int:
         print(f"  {name:<16} {value}")
     print(f"attention: {window_summary(config)}")
     for dtype in ("float32", "float16"):
-        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype)
+        latent = dict(kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim)
+        per_token = cache_bytes(config.n_layers, 1, config.n_kv_heads, config.head_dim, dtype,
+                                layer_windows=config.layer_windows, **(latent if config.latent else {}))
         full = per_token * config.max_seq_len
         print(f"KV cache ({dtype}): {per_token:,} bytes per token, {human_bytes(full)} at the max context "
               f"of {config.max_seq_len:,} positions")
@@ -68,12 +70,22 @@ def config_lines(config) -> list[tuple[str, str]]:
                                                          f" ({_number(config.rope_local_theta)} on window layers)")),
              ("norm epsilon", f"{config.norm_eps:g}"),
              ("embeddings", "tied (the LM head reuses them)" if config.tie_embeddings else "separate LM head")]
+    if config.n_experts:
+        dense = f"; layers 0-{config.first_dense_layers - 1} dense" if config.first_dense_layers else ""
+        shared = f"; a shared expert {config.shared_expert_d_ff:,} wide" if config.shared_expert_d_ff else ""
+        lines.append(("experts", f"{config.n_experts_used} of {config.n_experts} per position, each "
+                                 f"{config.experts_d_ff:,} wide{dense}{shared}"))
     family = {name: value for name, value in config.family_fields().items()
               if name not in ("layer_windows", "rope_local_theta")}  # on their own lines
     if "rope_scaling" in family:
         scaling = family["rope_scaling"]
-        family["rope_scaling"] = (f"factors ({len(scaling[1])} divisors)" if scaling[0] == "factors"
-                                  else ", ".join(map(str, scaling)))
+        if scaling[0] == "factors":
+            family["rope_scaling"] = f"factors ({len(scaling[1])} divisors)"
+        elif scaling[0] == "longrope":  # the set in use: ModelConfig.layer_rope
+            chosen = "long" if config.max_seq_len > scaling[3] else "short"
+            family["rope_scaling"] = f"longrope (original {scaling[3]:,} positions; the {chosen} factors)"
+        else:
+            family["rope_scaling"] = ", ".join(map(str, scaling))
     lines.append(("family fields", ", ".join(f"{k}={_number(v) if isinstance(v, float) else v}"
                                              for k, v in family.items()) or "none (Llama's)"))
     return lines
@@ -142,13 +154,22 @@ def add_trace(commands):
     p.add_argument("--heads", type=count, default=4, help="its query heads (default 4)")
     p.add_argument("--kv-heads", type=count, default=2, help="its kv heads, a divisor of --heads (default 2)")
     p.add_argument("--seed", type=int, default=0, help="the seed of its random weights (default 0)")
+    p.add_argument("--latent", type=count, metavar="R",
+                   help="make it a multi-head latent attention model (DeepSeek's MLA) caching a latent of R values "
+                        "and a RoPE key of half a head per position, and compare the bytes a decode step reads "
+                        "over the latent (absorbed) and over the per-head K/V expanded from it (naive)")
     p.set_defaults(run=run_trace)
 
 
 def run_trace(args) -> int:
-    config = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
-                         n_kv_heads=args.kv_heads, d_ff=4 * args.d_model, vocab_size=256,
-                         max_seq_len=max(args.prompt_tokens + args.new_tokens, 1))
+    latent = {}
+    if args.latent:  # every head expands the latent: n_kv_heads = n_heads; RoPE on half of each head
+        head_dim = args.d_model // args.heads
+        latent = dict(n_kv_heads=args.heads, head_dim=head_dim, kv_lora_rank=args.latent,
+                      qk_rope_head_dim=2 * max(1, head_dim // 4), v_head_dim=head_dim)
+    config = ModelConfig(**{**dict(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                                   n_kv_heads=args.kv_heads, d_ff=4 * args.d_model, vocab_size=256,
+                                   max_seq_len=max(args.prompt_tokens + args.new_tokens, 1)), **latent})
     model = Model.random(config, seed=args.seed)
     prompt = list(range(1, args.prompt_tokens + 1))
     runs = {}
@@ -171,7 +192,21 @@ def run_trace(args) -> int:
     print(f"the cache computes {with_['new'] + with_['recomputed']} positions instead of "
           f"{without['new'] + without['recomputed']} and {flops(without) / flops(with_):.2f}x fewer FLOPs; "
           "without it the work grows with the square of the length, with it linearly")
+    if config.latent:
+        print_latent_reads(config, len(prompt) + len(tokens) - 1)
     return 0
+
+
+def print_latent_reads(config, n_keys) -> None:
+    """What the last decode step read from a latent cache, absorbed and naive (kvref.trace.latent_read_bytes)."""
+    read = trace.latent_read_bytes(config, n_keys, 4)
+    print("\n" f"multi-head latent attention: the cache holds {config.kv_lora_rank} + {config.qk_rope_head_dim} "
+          f"values per layer and position (c_kv and the shared RoPE key), no per-head K/V.\nThe last decode "
+          f"step, over {n_keys} positions in float32, reads {read['absorbed']:,} bytes of latent keys in the "
+          f"absorbed form (W_UK folded into the query, one latent read by all {config.n_heads} heads), against "
+          f"{read['naive']:,} bytes of per-head K/V in the naive form ({config.n_heads} heads x "
+          f"({config.head_dim} + {config.v_head_dim}) per position, expanded from the latent first): "
+          f"{read['naive'] / read['absorbed']:.1f}x.")
 
 
 def add_memory(commands):
@@ -205,12 +240,23 @@ def run_memory(args) -> int:
     if missing:
         raise ConfigError("kvref memory needs -m MODEL or " + ", ".join(f"--{m.replace('_', '-')}" for m in missing))
     # the formula's bytes, plus int8's float32 scales (what cache.nbytes and --layouts count)
-    per_sequence = bytes_per_position(args.layers, args.kv_heads, args.head_dim, args.dtype) * args.tokens
+    latent = config is not None and config.latent  # MLA: one latent key per layer and position, no V
+    if latent:
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        per_position = bytes_per_position(args.layers, 1, width, args.dtype, latent_dim=config.kv_lora_rank)
+        per_sequence = per_position * args.tokens
+        formula = (f"{args.layers} layers x {args.tokens:,} tokens x (kv_lora_rank {config.kv_lora_rank} + "
+                   f"qk_rope_head_dim {config.qk_rope_head_dim}) x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype}), "
+                   "the latent key of multi-head latent attention")
+        plain = args.layers * args.tokens * width * ELEMENT_BYTES[args.dtype]
+    else:
+        per_sequence = bytes_per_position(args.layers, args.kv_heads, args.head_dim, args.dtype) * args.tokens
+        formula = (f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "
+                   f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype})")
+        plain = cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
     total = per_sequence * args.batch
-    scales = per_sequence - cache_bytes(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
-    print(f"2 (K and V) x {args.layers} layers x {args.tokens:,} tokens x {args.kv_heads} kv heads "
-          f"x {args.head_dim} head_dim x {ELEMENT_BYTES[args.dtype]} bytes ({args.dtype})"
-          + (f" + {scales:,} bytes of float32 scales" if scales else "")
+    scales = per_sequence - plain
+    print(formula + (f" + {scales:,} bytes of float32 scales" if scales else "")
           + f" x {args.batch} sequence{'s' if args.batch != 1 else ''}")
     print(f"= {total:,} bytes ({human_bytes(total)})")
     if args.tokens:

@@ -62,14 +62,31 @@ def read_bandwidth(model, tries=READ_TRIES) -> dict:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every tensor but the embedding table, of which one row
-    (none apart when the LM head is the table itself: the head reads all of it); the int8 mode's
-    projections as their packed copies (kvref.native.fused)."""
+    (none apart when the LM head is the table itself: the head reads all of it); of a mixture's expert
+    stacks, the n_experts_used experts one position runs (expert_bytes); the int8 mode's projections as
+    their packed copies (kvref.native.fused)."""
     w = model.weights
-    tensors = [t for lw in w.layers for t in vars(lw).values() if t is not None] + [w.output_norm, w.output]
-    row = 0 if w.output is w.tok_embeddings else _nbytes(w.tok_embeddings) // model.config.vocab_size
+    stacks = {id(t) for lw in w.layers for t in expert_stacks(lw)}
+    tensors = [t for lw in w.layers for t in vars(lw).values() if t is not None and id(t) not in stacks]
+    tensors += [w.output_norm, w.output]
+    row = 0 if w.output is w.tok_embeddings else tensor_nbytes(w.tok_embeddings) // model.config.vocab_size
     fused = getattr(model, "fused", None)
-    read = _nbytes if fused is None else lambda t: fused.read_nbytes(t) if hasattr(t, "ggml_type") else _nbytes(t)
-    return sum(read(t) for t in tensors) + row
+    read = tensor_nbytes if fused is None else \
+        lambda t: fused.read_nbytes(t) if hasattr(t, "ggml_type") else tensor_nbytes(t)
+    return sum(read(t) for t in tensors) + row + expert_bytes(model)["active"]
+
+
+def expert_stacks(lw) -> list:
+    """A layer's tensors with one slice per expert (LayerWeights.experts_*), the ones a step reads in part."""
+    return [t for name, t in vars(lw).items() if name.startswith("experts_") and t is not None]
+
+
+def expert_bytes(model) -> dict:
+    """Bytes of a mixture's experts: "all" the model holds, and the "active" ones one position runs
+    (n_experts_used of n_experts in each MoE layer); 0 for a dense model."""
+    c = model.config
+    total = sum(tensor_nbytes(t) for lw in model.weights.layers for t in expert_stacks(lw))
+    return {"all": total, "active": total * c.n_experts_used // c.n_experts if c.n_experts else 0}
 
 
 def kv_bytes_per_token(model, positions, kv_dtype) -> int:
@@ -92,7 +109,8 @@ def roofline(model, kv_dtype, decode_positions, context_positions) -> dict:
     return roof
 
 
-def _nbytes(t) -> int:
+def tensor_nbytes(t) -> int:
+    """Bytes of a tensor as held: an array's, or a QuantizedTensor's blocks."""
     return int(t.data.nbytes if hasattr(t, "data") and not isinstance(t, np.ndarray) else t.nbytes)
 
 
@@ -144,7 +162,8 @@ def kv_cache_bytes(model, positions, kv_dtype) -> int:
     from ..cache import bytes_per_position
 
     c = model.config
-    return positions * bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype)
+    kv_heads, width, _, latent_dim = c.cache_geometry()  # MLA: one latent key per layer and position
+    return positions * bytes_per_position(c.n_layers, kv_heads, width, kv_dtype, latent_dim=latent_dim)
 
 
 def kvref_version():
