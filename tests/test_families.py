@@ -82,6 +82,12 @@ FAMILIES = {
     # is computed. V2-Lite's one query projection; V3's low-rank query, half-split RoPE rows
     "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
     "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False)),
+    # gpt-oss: sink logits, biases on every attention projection, the router and the experts, the clamped
+    # SwiGLU, windows of 4 on alternate layers (its default layer_types), YaRN blending pairs 0..4 of 6
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=4, rope_parameters={
+                                         "rope_type": "yarn", "rope_theta": 100.0, "factor": 8.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 100})),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -103,6 +109,10 @@ def hf_model(family, seed=0, **overrides):
                 p.copy_(0.3 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+            if name.endswith("sinks"):  # logits of the order of the scores: the sinks take a real share
+                p.mul_(4.0)
+            if name.endswith("gate_up_proj"):  # gpt-oss: some gates and ups past its clamp limit of 7
+                p.mul_(40.0)
     return model.eval()
 
 
@@ -546,3 +556,12 @@ def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_n
         config_from_metadata(metadata(leading_dense_block_count=1), names)
     with pytest.raises(GGUFError, match="MQA view"):
         config_from_metadata(metadata(**{"attention.value_length": 10}), names)
+
+
+def test_gpt_oss_swiglu_constants_other_than_its_own_are_refused_by_name():
+    hf = dict(config_json("gpt_oss"))
+    assert config_from_hf(hf).activation == "swiglu_oai"
+    with pytest.raises(ConfigError, match="swiglu_limit=5.0"):
+        config_from_hf({**hf, "swiglu_limit": 5.0})
+    with pytest.raises(ConfigError, match="swiglu_alpha=1.0"):
+        config_from_hf({**hf, "swiglu_alpha": 1.0})

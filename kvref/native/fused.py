@@ -79,7 +79,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import BackendError, ConfigError, DTypeError, ShapeError
+from ..errors import BackendError, DTypeError, ShapeError
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .descriptors import cache_descriptor, in_place_problem
