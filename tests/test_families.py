@@ -565,3 +565,98 @@ def test_gpt_oss_swiglu_constants_other_than_its_own_are_refused_by_name():
         config_from_hf({**hf, "swiglu_limit": 5.0})
     with pytest.raises(ConfigError, match="swiglu_alpha=1.0"):
         config_from_hf({**hf, "swiglu_alpha": 1.0})
+
+
+def write_gpt_oss_gguf(hf, path):
+    """A gpt-oss model as llama.cpp's converter lays it out: keys of the `gpt-oss` architecture, Q/K rows as in
+    the checkpoint (NEOX), the pre-MLP norm as post_attention_norm, sinks and biases, and the experts split
+    (gate, up de-interleaved), transposed to [X, out, in] and stored as MXFP4 blocks, as released files store them."""
+    gguf = require("gguf")
+    c, MXFP4 = hf.config, gguf.GGMLQuantizationType.MXFP4
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
+    writer.add_token_merges(["a b"])
+    names = dict(GGUF_NAMES, post_attention_layernorm="post_attention_norm", **{
+        "self_attn.sinks": "attn_sinks.weight", "mlp.router": "ffn_gate_inp"})
+    for name, t in checkpoint(hf).items():
+        a = t.detach().to(torch.float32).numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            writer.add_tensor(gguf_name(name, False), a)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest.startswith("mlp.experts."):
+            kind = rest.removeprefix("mlp.experts.")
+            if kind == "gate_up_proj":  # [X, E, 2 Fx] -> gate and up [X, Fx, E], MXFP4 blocks along E
+                for part, j in (("ffn_gate_exps", 0), ("ffn_up_exps", 1)):
+                    stack = np.ascontiguousarray(a[:, :, j::2].transpose(0, 2, 1))
+                    writer.add_tensor(f"blk.{layer}.{part}.weight", gguf.quants.quantize(stack, MXFP4), raw_dtype=MXFP4)
+            elif kind == "down_proj":  # [X, Fx, E] -> [X, E, Fx]
+                stack = np.ascontiguousarray(a.transpose(0, 2, 1))
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", gguf.quants.quantize(stack, MXFP4), raw_dtype=MXFP4)
+            elif kind == "gate_up_proj_bias":
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(a[:, 0::2]))
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(a[:, 1::2]))
+            else:
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", a)
+            continue
+        module, _, kind = rest.rpartition(".")
+        target = names.get(rest) or f"{names[module]}.{kind}"
+        writer.add_tensor(f"blk.{layer}.{target}", a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def round_experts_to_mxfp4(hf):
+    # the experts' weights replaced by the values their MXFP4 blocks hold, so that the file written from them
+    # holds the model exactly and its logits must be transformers'
+    gguf = require("gguf")
+    MXFP4 = gguf.GGMLQuantizationType.MXFP4
+
+    def rounded(stack):  # [X, N, K], blocks along K
+        return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(stack), MXFP4), MXFP4)
+
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            experts = layer.mlp.experts
+            w = experts.gate_up_proj.numpy().transpose(0, 2, 1)  # [X, 2 Fx, E]
+            experts.gate_up_proj.copy_(torch.from_numpy(rounded(w).transpose(0, 2, 1).copy()))
+            w = experts.down_proj.numpy().transpose(0, 2, 1)  # [X, E, Fx]
+            experts.down_proj.copy_(torch.from_numpy(rounded(w).transpose(0, 2, 1).copy()))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_gpt_oss_written_as_gguf_with_mxfp4_experts_gives_transformers_logits(backend, tmp_path):
+    # widths of whole MXFP4 blocks; YaRN truncated as ggml always truncates it (GGUF has no truncate key)
+    if backend == "c" and not kvref.native.available():
+        pytest.skip("the native module is not built")
+    rope = dict(FAMILIES["gpt_oss"][1]["rope_parameters"], truncate=True)
+    hf = hf_model("gpt_oss", seed=5, hidden_size=64, intermediate_size=32, rope_parameters=rope)
+    round_experts_to_mxfp4(hf)
+    write_gpt_oss_gguf(hf, tmp_path / "gpt-oss.gguf")
+    model = kvref.load(tmp_path / "gpt-oss.gguf", backend=backend)
+    assert model.config.layer_windows == (4, None, 4) and model.config.attention_sinks
+    if backend == "c":  # the experts stay MXFP4 blocks, multiplied where they lie
+        assert model.weights.layers[0].experts_gate.ggml_type == kvref.spec.ggml.GGMLType.MXFP4
+    assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
+                 f"gpt-oss GGUF (MXFP4 experts) on {backend} vs transformers")
