@@ -316,6 +316,9 @@ def _refuse(hf, family):
         "attention_bias (on the output projection too)": family in ("llama", "smollm3", "gemma2")
         and hf.get("attention_bias", False),
         "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
+        # DeepSeek's attention also scales its scores by mscale_all_dim's factor squared, beyond YaRN's own
+        "RoPE type 'yarn' (DeepSeek's, with its extra score scale)": family in LATENT_FAMILIES
+        and (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_type") == "yarn",
         "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
