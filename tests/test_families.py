@@ -574,24 +574,17 @@ def write_gpt_oss_gguf(hf, path):
     gguf = require("gguf")
     c, MXFP4 = hf.config, gguf.GGMLQuantizationType.MXFP4
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_expert_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_expert_count(c.num_local_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_sliding_window(c.sliding_window)
     rope = c.rope_parameters
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    keys = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+            "expert_feed_forward_length": c.intermediate_size, "head_count": c.num_attention_heads,
+            "head_count_kv": c.num_key_value_heads, "key_length": c.head_dim, "value_length": c.head_dim,
+            "layer_norm_rms_eps": c.rms_norm_eps, "expert_count": c.num_local_experts,
+            "expert_used_count": c.num_experts_per_tok, "sliding_window": c.sliding_window,
+            "rope_freq_base": rope["rope_theta"], "rope_scaling_type": gguf.RopeScalingType.YARN,
+            "rope_scaling_factor": rope["factor"], "rope_scaling_orig_ctx_len": rope["original_max_position_embeddings"]}
+    for key, value in keys.items():  # each through the writer's own add_<key>, as the converter writes them
+        getattr(writer, f"add_{key}")(value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
     writer.add_token_merges(["a b"])
