@@ -182,15 +182,37 @@ static int cursor_seek(attn_cursor *u, const kvref_attn_args *a, int64_t c0, int
 
 /* out [G, D] = acc / l for the G heads of a group (out may be acc): zeros for a head that saw no key
  * (l = 0: a seen key adds exp(0) = 1 to l, or NaN), NaN where the quotient is not finite (a
- * non-finite value, or l NaN from a non-finite score): the spec's outputs are finite or NaN. */
-static void normalise(int64_t G, int64_t D, const float *l, const float *acc, float *out) {
+ * non-finite value, or l NaN from a non-finite score): the spec's outputs are finite or NaN.
+ * sinks [G] (the group's heads' sink logits) or NULL: each joins its head's denominator as one more
+ * exponential, exp(sink - M) beside l exp(m - M), M = max(m, sink), with no value; a non-finite
+ * sink makes its head NaN, as a non-finite score does. m [G]: the running maxima l and acc are
+ * relative to. */
+static void normalise(int64_t G, int64_t D, const float *m, const float *l, const float *sinks, const float *acc,
+                      float *out) {
     for (int64_t g = 0; g < G; g++) {
-        const float inv = l[g] != 0.0f ? 1.0f / l[g] : 0.0f;
+        float denom = l[g], rescale = 1.0f;
+        if (sinks != NULL && !isfinite(sinks[g])) denom = NAN;
+        else if (sinks != NULL && l[g] != 0.0f) {
+            const float M = m[g] > sinks[g] ? m[g] : sinks[g]; /* m NaN-free: -inf or a seen score's max */
+            rescale = expf(m[g] - M);
+            denom = l[g] * rescale + expf(sinks[g] - M);
+        }
+        const float inv = denom != 0.0f ? rescale / denom : 0.0f;
         for (int64_t i = 0; i < D; i++) {
-            const float o = l[g] != 0.0f ? acc[g * D + i] * inv : 0.0f;
+            const float o = denom != 0.0f ? acc[g * D + i] * inv : 0.0f;
             out[g * D + i] = isfinite(o) ? o : NAN;
         }
     }
+}
+
+/* out [T, H, D] of queries that see no key: zeros, or NaN for a head whose sink logit is not finite */
+static void no_key_seen(int64_t T, int64_t H, int64_t D, const float *sinks, float *out) {
+    for (int64_t i = 0; i < T * H * D; i++) out[i] = sinks != NULL && !isfinite(sinks[i / D % H]) ? NAN : 0.0f;
+}
+
+/* the sink logits of kv head hk's G query heads, or NULL */
+static const float *group_sinks(const kvref_attn_args *a, int64_t hk) {
+    return a->sinks != NULL ? a->sinks + hk * a->G : NULL;
 }
 
 /* The cursor's chunk for the G query heads of kv head hk: an online-softmax update of their state
@@ -315,7 +337,7 @@ static void attn_task(void *vctx, int64_t unit, int thread) {
     if (nseg == 1)
         for (int64_t hk = hk0; hk < hk1; hk++) {
             state_of(c, t, hk, 0, ml, hk0, &m, &l, &acc);
-            normalise(G, a->Dv, l, acc, acc);
+            normalise(G, a->Dv, m, l, group_sinks(a, hk), acc, acc);
         }
 }
 
@@ -344,7 +366,8 @@ static void merge_task(void *vctx, int64_t unit, int thread) {
             L += p[G + g] * w;
             for (int64_t i = 0; i < D; i++) o[i] += p[2 * G + g * D + i] * w;
         }
-        normalise(1, D, &L, o, o);
+        const float *sink = group_sinks(a, hk);
+        normalise(1, D, &M, &L, sink != NULL ? sink + g : NULL, o, o);
     }
 }
 
@@ -392,7 +415,7 @@ static int64_t job_plan(kvref_attn_job *c, int64_t threads, int64_t queries, con
     const kvref_attn_args *a = &c->a;
     c->nseg = n_segments(a->T, a->S);
     if (!live_keys(a, &c->k_begin, &c->k_end)) { /* no query sees any key */
-        for (int64_t i = 0; i < a->T * a->H * a->Dv; i++) c->out[i] = 0.0f;
+        no_key_seen(a->T, a->H, a->Dv, a->sinks, c->out);
         c->nseg = 1;
         return 0;
     }
@@ -435,7 +458,7 @@ void kvref_attention_run(kvref_pool *pool, kvref_attn_job *jobs, int64_t n) {
 
 int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int64_t D, const kvref_kv *kv,
                     int64_t layer, int64_t S, const int64_t *q_positions, const int64_t *k_positions,
-                    int64_t window, float softcap, float scale, float *out) {
+                    int64_t window, float softcap, float scale, const float *sinks, float *out) {
     if (pool == NULL || kv == NULL) return KVREF_ERR_NULL;
     if (T < 0 || H < 0 || D < 0 || S < 0 || layer < 0 || layer >= kv->n_layers) return KVREF_ERR_DIM;
     if (window < 0 || !isfinite(scale) || !(softcap >= 0.0f) || isinf(softcap)) return KVREF_ERR_VALUE;
@@ -451,14 +474,14 @@ int kvref_attention(kvref_pool *pool, const float *q, int64_t T, int64_t H, int6
     if (q == NULL || q_positions == NULL || out == NULL) return KVREF_ERR_NULL;
     const int64_t Dv = kv->v_dim > 0 ? kv->v_dim : D;
     if (S == 0) {
-        for (int64_t i = 0; i < T * H * Dv; i++) out[i] = 0.0f; /* no key is visible */
+        no_key_seen(T, H, Dv, sinks, out);
         return KVREF_OK;
     }
     if (k_positions == NULL) return KVREF_ERR_NULL;
 
     const int64_t G = H / Hkv;
     kvref_attn_args a = {.q = q, .q_positions = q_positions, .k_positions = k_positions, .T = T, .H = H, .S = S,
-                         .G = G, .window = window, .scale = scale, .softcap = softcap};
+                         .G = G, .window = window, .scale = scale, .softcap = softcap, .sinks = sinks};
     kvref_kv_layer(kv, layer, &a);
     kvref_pool_lock(pool);
     status = kvref_pool_reserve(pool, kvref_attention_scratch_bytes(H, G, D));

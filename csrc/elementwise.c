@@ -1,4 +1,4 @@
-/* elementwise.c: RMSNorm, RoPE, SwiGLU, GeGLU and the soft cap.
+/* elementwise.c: RMSNorm, RoPE, SwiGLU, GeGLU, gpt-oss's clamped SwiGLU and the soft cap.
  *
  * Each output element depends only on its own row (RMSNorm, RoPE) or its own index (SwiGLU), so
  * large calls are split over rows/ranges and every element is computed identically whichever
@@ -119,7 +119,7 @@ int kvref_rope(kvref_pool *pool, const float *x, int64_t T, int64_t nh, int64_t 
 /* ---- SwiGLU and GeGLU ---------------------------------------------------------------------- */
 
 typedef struct {
-    kvref_glu_fn glu;          /* the kernel table's swiglu or geglu */
+    kvref_glu_fn glu;          /* the kernel table's swiglu, geglu or swiglu_oai */
     const float *gate, *up;    /* [n] */
     int64_t n;
     float *out;                /* [n] */
@@ -133,25 +133,29 @@ static void glu_task(void *vctx, int64_t unit, int thread) {
     c->glu(n, c->gate + i0, c->up + i0, c->out + i0);
 }
 
-static int glu(kvref_pool *pool, int gelu, const float *gate, const float *up, int64_t n, float *out) {
+static int glu(kvref_pool *pool, int32_t gate_kind, const float *gate, const float *up, int64_t n, float *out) {
     if (pool == NULL) return KVREF_ERR_NULL;
     if (n < 0) return KVREF_ERR_DIM;
     if (n == 0) return KVREF_OK;
     if (gate == NULL || up == NULL || out == NULL) return KVREF_ERR_NULL;
     kvref_pool_lock(pool);
     const kvref_kernels *kk = kvref_pool_kernels(pool);
-    glu_ctx c = {gelu ? kk->geglu : kk->swiglu, gate, up, n, out};
+    glu_ctx c = {kvref_gate_fn(kk, gate_kind), gate, up, n, out};
     kvref_pool_run(pool, glu_task, &c, (n + KVREF_GLU_UNIT - 1) / KVREF_GLU_UNIT);
     kvref_pool_unlock(pool);
     return KVREF_OK;
 }
 
 int kvref_swiglu(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
-    return glu(pool, 0, gate, up, n, out);
+    return glu(pool, KVREF_GATE_SILU, gate, up, n, out);
 }
 
 int kvref_geglu(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
-    return glu(pool, 1, gate, up, n, out);
+    return glu(pool, KVREF_GATE_GELU_TANH, gate, up, n, out);
+}
+
+int kvref_swiglu_oai(kvref_pool *pool, const float *gate, const float *up, int64_t n, float *out) {
+    return glu(pool, KVREF_GATE_SWIGLU_OAI, gate, up, n, out);
 }
 
 /* ---- soft cap ------------------------------------------------------------------------------ */

@@ -95,7 +95,7 @@ typedef struct {
     const kvref_layer_desc *lw;
     const float *gain;         /* the RMSNorm gain of the current norm step */
     float *norm_rows;          /* ... and the rows it normalises in place (NULL: x into xb) */
-    kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu or geglu) */
+    kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu, geglu or swiglu_oai) */
     const kvref_model *model;
 } fw;
 
@@ -340,7 +340,7 @@ static kvref_attn_job attention_job(const fw *f, const kvref_kv *kv, int64_t t0,
     kvref_attn_job job = {.a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
                                 .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads,
                                 .window = f->lw->window, .scale = c->attention_scale,
-                                .softcap = c->attn_softcap},
+                                .softcap = c->attn_softcap, .sinks = f->lw->sinks},
                           .partial = partial, .out = f->s->att + t0 * HD};
     kvref_kv_layer(kv, f->layer, &job.a);
     return job;
@@ -519,7 +519,7 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     if (!(c->norm_eps >= 0.0) || isinf(c->norm_eps) || !(c->embedding_scale > 0.0f) || isinf(c->embedding_scale)
         || !(c->attention_scale > 0.0f) || isinf(c->attention_scale)
         || !(c->attn_softcap >= 0.0f) || isinf(c->attn_softcap) || !(c->final_softcap >= 0.0f) || isinf(c->final_softcap)
-        || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH))
+        || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH && c->gate != KVREF_GATE_SWIGLU_OAI))
         return KVREF_ERR_VALUE;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
     int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
@@ -819,8 +819,8 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
     const int64_t passes = (T + KVREF_PASS_ROWS - 1) / KVREF_PASS_ROWS, rows = (T + passes - 1) / passes;
     kvref_pool_lock(pool);
     const fw whole = {.pool = pool, .kk = kvref_pool_kernels(pool), .c = c, .s = state, .int8 = activations ==
-                      KVREF_ACT_INT8, .all_logits = all_logits, .glu = c->gate == KVREF_GATE_GELU_TANH ?
-                      kvref_pool_kernels(pool)->geglu : kvref_pool_kernels(pool)->swiglu, .model = model};
+                      KVREF_ACT_INT8, .all_logits = all_logits, .glu = kvref_gate_fn(kvref_pool_kernels(pool), c->gate),
+                      .model = model};
     for (int64_t r0 = 0, b0 = 0; r0 < T && status == KVREF_OK; r0 += rows) {
         const int64_t r1 = r0 + rows < T ? r0 + rows : T;
         while (bounds[b0 + 1] <= r0) b0++;

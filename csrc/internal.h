@@ -33,8 +33,9 @@
 #define BYTES_Q8_0 34   /* f16 d; i8 qs[32]: value j = d * qs[j] */
 #define BYTES_Q4_K 144  /* f16 d, dmin; u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min); u8 qs[128] */
 #define BYTES_Q6_K 210  /* u8 ql[128], qh[64]; i8 scales[16]; f16 d */
+#define BYTES_MXFP4 17  /* u8 e; u8 qs[16]: value j = 2**(e - 128) * kvref_mxfp4_values[nibble j as Q4_0] */
 
-#define KVREF_TYPE_SLOTS 31 /* type ids are < 31 */
+#define KVREF_TYPE_SLOTS 40 /* type ids are < 40 */
 
 /* ---- half precision ------------------------------------------------------------------------- */
 
@@ -57,6 +58,14 @@ static inline float kvref_fp16_to_fp32(uint16_t h) {
 }
 
 static inline float kvref_bf16_to_fp32(uint16_t h) { return kvref_fp32_from_bits((uint32_t)h << 16); }
+
+/* MXFP4: the E2M1 code's value doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, times 2), so
+ * that it is an integer, and the E8M0 scale 2**(e - 127) halved to match: 2**(e - 128), exactly
+ * (as float32 bits; e = 0 and 1 are subnormal) */
+static const int8_t kvref_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float kvref_e8m0_half(uint8_t e) {
+    return kvref_fp32_from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
 
 /* binary32 -> binary16, round to nearest even (as NumPy's astype(float16) and F16C round):
  * overflow goes to infinity, tiny values to subnormals or zero, NaN stays a quiet NaN.
@@ -165,6 +174,8 @@ typedef struct kvref_attn_args {
     int64_t window;            /* a query at p sees keys at p - window < kp <= p; 0: every kp <= p */
     float scale;               /* what scores are multiplied by */
     float softcap;             /* > 0: scaled scores -> kvref_soft_cap_value(score, softcap) before the mask; 0: none */
+    const float *sinks;        /* [H] each head's sink logit, joining its softmax denominator with no
+                                  value (gpt-oss), or NULL */
 } kvref_attn_args;
 
 /* Gemma 2's soft cap of one score or logit: cap * tanh(x / cap) for finite x, x itself otherwise
@@ -392,7 +403,12 @@ typedef void (*kvref_tile_columns_fn)(int64_t K, const float *rows, float *tile)
 #define KVREF_GELU_C ((float)0.7978845608028654)
 #define KVREF_GELU_K 0.044715f
 
-/* out[i] = act(gate[i]) * up[i] for i < n (out may be gate or up): SwiGLU or GeGLU */
+/* gpt-oss's clamped SwiGLU (kvref.spec.ops.swiglu_oai): the sigmoid's gain and the clamp */
+#define KVREF_SWIGLU_OAI_ALPHA 1.702f
+#define KVREF_SWIGLU_OAI_LIMIT 7.0f
+
+/* out[i] = act(gate[i]) * up[i] for i < n (out may be gate or up): SwiGLU, GeGLU, or gpt-oss's
+ * min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1) */
 typedef void (*kvref_glu_fn)(int64_t n, const float *gate, const float *up, float *out);
 
 typedef struct kvref_kernels {
@@ -405,6 +421,7 @@ typedef struct kvref_kernels {
     kvref_attn_kernels attn;
     kvref_glu_fn swiglu;       /* silu(g) * u */
     kvref_glu_fn geglu;        /* gelu_tanh(g) * u */
+    kvref_glu_fn swiglu_oai;   /* gpt-oss's clamped SwiGLU */
     /* 8-bit activations */
     kvref_packed_dot_fn packed_dot; /* packed weights (below), up to 8 rows of x a call */
     kvref_quantize_q8_fn quantize_q8;
@@ -415,6 +432,11 @@ typedef struct kvref_kernels {
     /* out[i] = kvref_fp32_to_fp16(x[i]) */
     void (*to_fp16)(int64_t n, const float *x, uint16_t *out);
 } kvref_kernels;
+
+/* the kernel table's function for a kvref_gate (kvref.h) */
+static inline kvref_glu_fn kvref_gate_fn(const kvref_kernels *kk, int32_t gate) {
+    return gate == KVREF_GATE_GELU_TANH ? kk->geglu : gate == KVREF_GATE_SWIGLU_OAI ? kk->swiglu_oai : kk->swiglu;
+}
 
 extern const kvref_kernels kvref_kernels_scalar;
 #if KVREF_X86

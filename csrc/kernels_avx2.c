@@ -131,6 +131,28 @@ TARGET static ALWAYS_INLINE void dot_q4_0(int64_t K, const uint8_t *w, const flo
     store_sum2(R, a, out, ldo);
 }
 
+/* MXFP4: each nibble looks its (doubled) E2M1 value up in a 16-byte table (pshufb), widened to float and
+ * scaled by the block's 2**(e - 128): exact, as the spec's values */
+TARGET static ALWAYS_INLINE void dot_mxfp4(int64_t K, const uint8_t *w, const float *x, const int R, float *out,
+                                           int64_t ldo) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)(const void *)kvref_mxfp4_values), low4 = _mm_set1_epi8(0xF);
+    __m256 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_MXFP4, x += 32) {
+        const __m256 d = _mm256_set1_ps(kvref_e8m0_half(w[0]));
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(const void *)(w + 1));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(qs, low4));  /* values 0..15 */
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), low4));  /* 16..31 */
+        for (int h = 0; h < 2; h++) {
+            const __m256 vlo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(lo, 8) : lo)), d);
+            const __m256 vhi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(hi, 8) : hi)), d);
+            FMA_ROWS(a, 0, vlo, x, 8 * h);
+            FMA_ROWS(a, 1, vhi, x, 16 + 8 * h);
+        }
+    }
+    store_sum2(R, a, out, ldo);
+}
+
 TARGET static ALWAYS_INLINE void dot_q4_1(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF);
     __m256 a[ROWS_MAX][2];
@@ -249,6 +271,7 @@ KVREF_DOT_KERNELS(q5_0, 4)
 KVREF_DOT_KERNELS(q8_0, 4)
 KVREF_DOT_KERNELS(q4_k, 4)
 KVREF_DOT_KERNELS(q6_k, 2)
+KVREF_DOT_KERNELS(mxfp4, 4)
 
 
 /* ---- tiles: the scalar dequantizers (already exact); the GEMM is where the time goes ------- */
@@ -269,6 +292,7 @@ GENERIC_DEQUANT(dequant_q5_0, KVREF_TYPE_Q5_0)
 GENERIC_DEQUANT(dequant_q8_0, KVREF_TYPE_Q8_0)
 GENERIC_DEQUANT(dequant_q4_k, KVREF_TYPE_Q4_K)
 GENERIC_DEQUANT(dequant_q6_k, KVREF_TYPE_Q6_K)
+GENERIC_DEQUANT(dequant_mxfp4, KVREF_TYPE_MXFP4)
 
 /* ---- float32 GEMM on a dequantized tile: outer products ------------------------------------ */
 
@@ -392,28 +416,39 @@ TARGET static inline __m256 geglu8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
+/* gpt-oss's clamped SwiGLU; min/max return their second operand when either is NaN, so the
+ * clamps (the limit first) keep a NaN a NaN */
+TARGET static inline __m256 swiglu_oai8(__m256 g, __m256 u) {
+    const __m256 L = _mm256_set1_ps(KVREF_SWIGLU_OAI_LIMIT), one = _mm256_set1_ps(1.0f);
+    g = _mm256_min_ps(L, g);
+    u = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), L), _mm256_min_ps(L, u));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-KVREF_SWIGLU_OAI_ALPHA), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_add_ps(u, one));
+}
+
 /* The tail goes through the same vector code (via a padded copy), so each element's value does not
  * depend on where it sits: the fused forward applies SwiGLU to row ranges, the single kernel to a
  * whole [T, F] array, and both must agree bit for bit. */
 TARGET __attribute__((always_inline)) static inline void glu8(int64_t n, const float *gate, const float *up, float *out,
-                                                               const int gelu) {
+                                                               const int kind) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
-        _mm256_storeu_ps(out + i, gelu ? geglu8(g, u) : swiglu8(g, u));
+        _mm256_storeu_ps(out + i, kind == 1 ? geglu8(g, u) : kind == 2 ? swiglu_oai8(g, u) : swiglu8(g, u));
     }
     if (i < n) {
         float g[8] = {0}, u[8] = {0}, o[8];
         memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
         memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
         const __m256 gv = _mm256_loadu_ps(g), uv = _mm256_loadu_ps(u);
-        _mm256_storeu_ps(o, gelu ? geglu8(gv, uv) : swiglu8(gv, uv));
+        _mm256_storeu_ps(o, kind == 1 ? geglu8(gv, uv) : kind == 2 ? swiglu_oai8(gv, uv) : swiglu8(gv, uv));
         memcpy(out + i, o, (size_t)(n - i) * sizeof(float));
     }
 }
 
 TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 0); }
 TARGET static void geglu(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 1); }
+TARGET static void swiglu_oai(int64_t n, const float *gate, const float *up, float *out) { glu8(n, gate, up, out, 2); }
 
 /* ---- attention chunk kernels (the skeleton that runs them: csrc/attention.c) -------------- */
 
@@ -1088,25 +1123,27 @@ const kvref_kernels kvref_kernels_avx2 = {
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
         [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
         [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k, [KVREF_TYPE_MXFP4] = vec_dot_mxfp4,
     },
     .vec_dot_rows = {
         [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,
         [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,
         [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,
         [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,
+        [KVREF_TYPE_MXFP4] = vec_dot_rows_mxfp4,
     },
     .dequant = {
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
         [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0,
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k, [KVREF_TYPE_MXFP4] = dequant_mxfp4,
     },
     .gemm_f32 = gemm_f32,
     .tile_columns = tile_columns,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .swiglu = swiglu,
     .geglu = geglu,
+    .swiglu_oai = swiglu_oai,
     .packed_dot = kvref_avx2_packed_dot,
     .quantize_q8 = quantize_q8,
     .read_sum = read_sum,

@@ -193,6 +193,27 @@ TARGET static ALWAYS_INLINE void dot_q4_1(int64_t K, const uint8_t *w, const flo
     store_sum4(R, a, out, ldo);
 }
 
+/* MXFP4: the block's table is its 16 (doubled) E2M1 values times 2**(e - 128), exact; each nibble
+ * picks its value with a permute, as Q4_0 */
+TARGET static inline __m512 mxfp4_table(const uint8_t *w) {
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)kvref_mxfp4_values)));
+    return _mm512_mul_ps(values, _mm512_set1_ps(kvref_e8m0_half(w[0])));
+}
+
+TARGET static ALWAYS_INLINE void dot_mxfp4(int64_t K, const uint8_t *w, const float *x, const int R, float *out,
+                                           int64_t ldo) {
+    __m512 a[ROWS_MAX][2];
+    ZERO_ROWS(a, 2);
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_MXFP4, x += 32) {
+        const __m512 table = mxfp4_table(w);
+        const __m512i q = load_nibble_bytes(w + 1);
+        const __m512 v0 = _mm512_permutexvar_ps(q, table), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+        FMA_ROWS(a, 0, v0, x, 0);
+        FMA_ROWS(a, 1, v1, x, 16);
+    }
+    store_sum2(R, a, out, ldo);
+}
+
 /* Q5_0 has 32 possible values per block: d * (q - 16) for q < 16 in one table, q >= 16 in the other,
  * and each value's index is its nibble with the fifth bit set from qh (a mask op), so a two-table
  * permute selects it */
@@ -313,6 +334,7 @@ KVREF_DOT_KERNELS(q5_0, 8)
 KVREF_DOT_KERNELS(q8_0, 8)
 KVREF_DOT_KERNELS(q4_k, 4)
 KVREF_DOT_KERNELS(q6_k, 4)
+KVREF_DOT_KERNELS(mxfp4, 8)
 
 /* ---- dequantize a row to memory (GEMM tiles); same values as the dot kernels use ----------- */
 
@@ -323,6 +345,15 @@ TARGET static void dequant_q4_1(int64_t K, const uint8_t *w, float *out) {
         bcast_fp16_pair(w, &d, &m);
         const __m512 table = _mm512_fmadd_ps(iota, d, m); /* d * q + m: one rounding, as NumPy */
         const __m512i q = load_nibble_bytes(w + 4);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, table));
+        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
+    }
+}
+
+TARGET static void dequant_mxfp4(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_MXFP4, out += 32) {
+        const __m512 table = mxfp4_table(w);
+        const __m512i q = load_nibble_bytes(w + 1);
         _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, table));
         _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table));
     }
@@ -512,6 +543,20 @@ TARGET static void swiglu(int64_t n, const float *gate, const float *up, float *
         const __m512 g = _mm512_maskz_loadu_ps(mk, gate + i);
         const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(mk, up + i)));
+    }
+}
+
+/* gpt-oss's clamped SwiGLU; min/max return their second operand when either is NaN, so the
+ * clamps (the limit first) keep a NaN a NaN */
+TARGET static void swiglu_oai(int64_t n, const float *gate, const float *up, float *out) {
+    const __m512 one = _mm512_set1_ps(1.0f), L = _mm512_set1_ps(KVREF_SWIGLU_OAI_LIMIT);
+    const __m512 minus_L = _mm512_set1_ps(-KVREF_SWIGLU_OAI_LIMIT), minus_alpha = _mm512_set1_ps(-KVREF_SWIGLU_OAI_ALPHA);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+        const __m512 g = _mm512_min_ps(L, _mm512_maskz_loadu_ps(mk, gate + i));
+        const __m512 u = _mm512_max_ps(minus_L, _mm512_min_ps(L, _mm512_maskz_loadu_ps(mk, up + i)));
+        const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_mul_ps(minus_alpha, g))));
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(sig, _mm512_add_ps(u, one)));
     }
 }
 
@@ -1477,6 +1522,7 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
         [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0,                      \
         [KVREF_TYPE_Q8_0] = vec_dot_q8_0,                                                        \
         [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,                      \
+        [KVREF_TYPE_MXFP4] = vec_dot_mxfp4,                                                      \
     },                                                                                           \
     .vec_dot_rows = {                                                                            \
         [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,                \
@@ -1484,6 +1530,7 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
         [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0,            \
         [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,                                                   \
         [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,            \
+        [KVREF_TYPE_MXFP4] = vec_dot_rows_mxfp4,                                                 \
     },                                                                                           \
     .dequant = {                                                                                 \
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,                          \
@@ -1491,11 +1538,13 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
         [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0,                      \
         [KVREF_TYPE_Q8_0] = dequant_q8_0,                                                        \
         [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
+        [KVREF_TYPE_MXFP4] = dequant_mxfp4,                                                      \
     },                                                                                           \
     .gemm_f32 = gemm_f32,                                                                        \
     .tile_columns = tile_columns,                                                                \
     .swiglu = swiglu,                                                                            \
     .geglu = geglu,                                                                              \
+    .swiglu_oai = swiglu_oai,                                                                    \
     .quantize_q8 = quantize_q8,                                                                  \
     .read_sum = read_sum,                                                                        \
     .to_fp16 = to_fp16

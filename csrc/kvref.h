@@ -65,7 +65,8 @@ enum kvref_type {
     KVREF_TYPE_Q6_K = 14,
     KVREF_TYPE_I8 = 24,        /* K/V only: int8 elements, each group read as value * its float32 scale */
     KVREF_TYPE_KIVI4 = 25,     /* K/V only: 4-bit KIVI, two unsigned nibbles a byte, read as q * scale + zero */
-    KVREF_TYPE_BF16 = 30
+    KVREF_TYPE_BF16 = 30,
+    KVREF_TYPE_MXFP4 = 39      /* 32 values: an E8M0 scale byte, 16 bytes of 4-bit E2M1 codes (gpt-oss experts) */
 };
 
 /* A persistent pool of worker threads plus the instruction set its kernels use. The calling
@@ -196,6 +197,13 @@ int kvref_geglu(kvref_pool *pool,
                 const float *gate, const float *up, int64_t n,
                 float *out);
 
+/* out = min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(up, -7, 7) + 1): gpt-oss's clamped SwiGLU, as
+ * kvref.spec.ops.swiglu_oai computes it (a NaN stays NaN through the clamps).
+ *   gate, up, out: float32 [n] (out may be gate or up) */
+int kvref_swiglu_oai(kvref_pool *pool,
+                     const float *gate, const float *up, int64_t n,
+                     float *out);
+
 /* out = cap * tanh(x / cap) for finite x, x itself otherwise (kvref.spec.ops.soft_cap: Gemma 2's final
  * logits and, inside kvref_attention, its scores).
  *   x, out: float32 [n] (out may be x)
@@ -256,6 +264,8 @@ typedef struct kvref_kv {
  *   window:      >= 0 (0: none)
  *   softcap:     >= 0, finite (0: none)
  *   scale:       finite (kvref.spec.ops.attention's scale; 1 / sqrt(D) is its default)
+ *   sinks:       float32 [H] or NULL: each head's sink logit (gpt-oss), one more term of its softmax
+ *                denominator, exp(sink), that multiplies no value; a non-finite one makes its head NaN
  *   out:         float32 [T, H, Dv] (must not overlap the inputs); Dv = kv->v_dim, or D when that is 0
  * H must be a multiple of Hkv; the layer must hold S positions (n_slots, or the table's blocks, or
  * the ring's R slots). */
@@ -263,7 +273,7 @@ int kvref_attention(kvref_pool *pool,
                     const float *q, int64_t T, int64_t H, int64_t D,
                     const kvref_kv *kv, int64_t layer, int64_t S,
                     const int64_t *q_positions, const int64_t *k_positions,
-                    int64_t window, float softcap, float scale,
+                    int64_t window, float softcap, float scale, const float *sinks,
                     float *out);
 
 /* ---- the fused forward: one whole execution (a prefill or a decode step) per call ------------ */
@@ -311,12 +321,14 @@ typedef struct kvref_layer_desc {
     const double *rope_freqs;  /* float64 [D/2] the layer's RoPE frequencies, as kvref_rope takes them; NULL: a
                                   NoPE layer (SmolLM3), whose q and k are not rotated */
     int64_t window;            /* the layer's attention window W (a query at p sees p-W+1 .. p), 0: none */
+    const float *sinks;        /* float32 [H] the layer's sink logits (kvref_attention), or NULL */
 } kvref_layer_desc;
 
 /* How the MLP gates: out = act(x @ Wg.T) * (x @ Wu.T). */
 enum kvref_gate {
     KVREF_GATE_SILU = 0,       /* SwiGLU (Llama, Qwen, Mistral): kvref_swiglu */
-    KVREF_GATE_GELU_TANH = 1   /* GeGLU (Gemma): kvref_geglu */
+    KVREF_GATE_GELU_TANH = 1,  /* GeGLU (Gemma): kvref_geglu */
+    KVREF_GATE_SWIGLU_OAI = 2  /* gpt-oss's clamped SwiGLU: kvref_swiglu_oai */
 };
 
 /* Everything a forward reads besides the tokens and the cache. kvref_model_create copies it (and

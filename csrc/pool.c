@@ -373,6 +373,7 @@ int64_t kvref_block_values(int32_t type) {
     switch (type) {
     case KVREF_TYPE_F32: case KVREF_TYPE_F16: case KVREF_TYPE_BF16: return 1;
     case KVREF_TYPE_Q4_0: case KVREF_TYPE_Q4_1: case KVREF_TYPE_Q5_0: case KVREF_TYPE_Q8_0: return 32;
+    case KVREF_TYPE_MXFP4: return 32;
     case KVREF_TYPE_Q4_K: case KVREF_TYPE_Q6_K: return QK_K;
     default: return -1;
     }
@@ -388,6 +389,7 @@ static int64_t block_bytes(int32_t type) {
     case KVREF_TYPE_Q8_0: return BYTES_Q8_0;
     case KVREF_TYPE_Q4_K: return BYTES_Q4_K;
     case KVREF_TYPE_Q6_K: return BYTES_Q6_K;
+    case KVREF_TYPE_MXFP4: return BYTES_MXFP4;
     default: return -1;
     }
 }

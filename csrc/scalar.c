@@ -64,6 +64,17 @@ static void dequant_q8_0(int64_t K, const uint8_t *w, float *out) {
     }
 }
 
+static void dequant_mxfp4(int64_t K, const uint8_t *w, float *out) {
+    for (int64_t b = 0; b < K / 32; b++, w += BYTES_MXFP4, out += 32) {
+        const float d = kvref_e8m0_half(w[0]);
+        const uint8_t *qs = w + 1;
+        for (int j = 0; j < 16; j++) { /* a power of two times a small integer: exact, as in NumPy */
+            out[j] = d * (float)kvref_mxfp4_values[qs[j] & 0xF];
+            out[j + 16] = d * (float)kvref_mxfp4_values[qs[j] >> 4];
+        }
+    }
+}
+
 static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) {
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, out += QK_K) {
         float d = kvref_load_fp16(w), dmin = kvref_load_fp16(w + 2);
@@ -114,6 +125,7 @@ void kvref_dequant_row(int32_t type, int64_t K, const uint8_t *w_row, float *out
     case KVREF_TYPE_Q8_0: dequant_q8_0(K, w_row, out); break;
     case KVREF_TYPE_Q4_K: dequant_q4_k(K, w_row, out); break;
     case KVREF_TYPE_Q6_K: dequant_q6_k(K, w_row, out); break;
+    case KVREF_TYPE_MXFP4: dequant_mxfp4(K, w_row, out); break;
     default: break; /* unreachable: callers validate the type */
     }
 }
@@ -150,6 +162,7 @@ BLOCKWISE_DOT(vec_dot_q5_0, KVREF_TYPE_Q5_0, 32, BYTES_Q5_0)
 BLOCKWISE_DOT(vec_dot_q8_0, KVREF_TYPE_Q8_0, QK8_0, BYTES_Q8_0)
 BLOCKWISE_DOT(vec_dot_q4_k, KVREF_TYPE_Q4_K, QK_K, BYTES_Q4_K)
 BLOCKWISE_DOT(vec_dot_q6_k, KVREF_TYPE_Q6_K, QK_K, BYTES_Q6_K)
+BLOCKWISE_DOT(vec_dot_mxfp4, KVREF_TYPE_MXFP4, 32, BYTES_MXFP4)
 
 /* F16/BF16 rows are any length: the 32-value blocks above, then a tail one value at a time */
 static float vec_dot_f16_any(int64_t K, const uint8_t *w, const float *x) {
@@ -471,25 +484,36 @@ static void swiglu_scalar(int64_t n, const float *gate, const float *up, float *
     for (int64_t i = 0; i < n; i++) out[i] = kvref_silu_ref(gate[i]) * up[i];
 }
 
+/* the clamps written so that a NaN fails every comparison and passes through */
+static void swiglu_oai_scalar(int64_t n, const float *gate, const float *up, float *out) {
+    const float L = KVREF_SWIGLU_OAI_LIMIT;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i] > L ? L : gate[i];
+        const float u = up[i] > L ? L : up[i] < -L ? -L : up[i];
+        out[i] = g / (1.0f + expf(-KVREF_SWIGLU_OAI_ALPHA * g)) * (u + 1.0f);
+    }
+}
+
 const kvref_kernels kvref_kernels_scalar = {
     .isa = KVREF_ISA_SCALAR,
     .vec_dot = {
         [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16_any,
         [KVREF_TYPE_BF16] = vec_dot_bf16_any, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
         [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,
+        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k, [KVREF_TYPE_MXFP4] = vec_dot_mxfp4,
     },
     .dequant = {
         [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
         [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
         [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0,
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,
+        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k, [KVREF_TYPE_MXFP4] = dequant_mxfp4,
     },
     .gemm_f32 = gemm_f32,
     .tile_columns = tile_columns,
     .attn = {.score = attn_score_ref, .exp = attn_exp_ref, .values = attn_values_ref, .i8_lanes = 1, .kivi_lanes = 1},
     .swiglu = swiglu_scalar,
     .geglu = geglu_scalar,
+    .swiglu_oai = swiglu_oai_scalar,
     .packed_dot = packed_dot,
     .quantize_q8 = quantize_q8_scalar,
     .gemm_q8 = gemm_q8,

@@ -33,7 +33,7 @@ PROGRAM_ACTIVATIONS = "auto"
 # all but a mixture of experts' (kvref.native.fused.config_problem), which the native kernels run
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
                         "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap",
-                        "nope_layers", *MOE_FIELDS, "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                        "nope_layers", "attention_sinks", "attention_out_bias", *MOE_FIELDS, "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
                         "mla_form")
 NATIVE_DTYPES = ("float32",)
 # K/V storage types each backend runs: the spec's attention reads float64/32/16 and the cache decodes

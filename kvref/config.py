@@ -1,6 +1,6 @@
 """ModelConfig: every architecture number of a decoder-only model, in one place.
 
-A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 2, Gemma 3, Phi-3, SmolLM3) is a set of these fields, read by the one
+A family (Llama, Qwen 2, Qwen 3, Mistral, Gemma 2, Gemma 3, Phi-3, SmolLM3, gpt-oss) is a set of these fields, read by the one
 decoder where they apply; the defaults are Llama's. docs/architectures.md has the table.
 """
 
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .limits import CONFIG_CEILINGS, MAX_CONTEXT, bounded_int
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 ROUTER_SCORES = ("softmax", "sigmoid")  # how a router turns its logits into expert scores
 EXPERT_GROUP_SCORES = ("top2_sum", "max")  # how grouped top-k scores a group of experts
 # the fields that make the families other than Llama; at their defaults a config is Llama's
 FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
                  "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap", "nope_layers",
+                 "attention_sinks", "attention_out_bias",
                  "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "mla_form")
 # the fields of a mixture of experts (kvref.spec.decoder.moe): family fields too, at their defaults a dense MLP
 MOE_FIELDS = ("n_experts", "n_experts_used", "expert_d_ff", "first_dense_layers", "router_score", "router_bias",
@@ -48,7 +49,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen 3, Gemma 3: RMSNorm of each head's q and k (gain [D]) before RoPE
     sandwich_norms: bool = False  # Gemma 3: RMSNorm also on the attention and MLP outputs, before the residual add
     embedding_scale: float = 1.0  # Gemma 3: sqrt(d_model); embeddings are multiplied by it
-    activation: str = "silu"  # the MLP gate: "silu" (SwiGLU: Llama, Qwen, Mistral) or "gelu_tanh" (GeGLU: Gemma)
+    activation: str = "silu"  # the MLP gate: "silu" (SwiGLU: Llama, Qwen, Mistral), "gelu_tanh" (GeGLU: Gemma) or
+    #                           "swiglu_oai" (gpt-oss: clamped, gate x sigmoid(1.702 gate) x (up + 1); spec.ops.swiglu_oai)
     attention_scale: float | None = None  # scores x this; None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar**-0.5
     layer_windows: tuple | None = None  # per layer: None (attends to every position) or W (the last W
     #                                     positions, itself included); Gemma 3: 512 on 5 layers of 6, Mistral v0.1: 4096
@@ -59,10 +61,14 @@ class ModelConfig:
     #   (rope_freqs.weight, what llama3 scaling computes), or ("longrope", short_factors, long_factors,
     #   original_max_positions) (Phi-3): the long divisors when max_seq_len > original_max_positions, else
     #   the short ones, chosen once for the model as llama.cpp does (layer_rope), so a stored key is never
-    #   rotated with another set; its attention factor is in attention_scale (squared: q and k both carry it)
+    #   rotated with another set; its attention factor is in attention_scale (squared: q and k both carry it),
+    #   or ("yarn", factor, beta_fast, beta_slow, original_max_positions, attention_factor, truncate) (gpt-oss,
+    #   DeepSeek): attention_factor scales both q and k after rotation, so scores by its square (score_scale)
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap), before the mask and softmax
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     nope_layers: tuple = ()  # SmolLM3: the layers whose q and k are not rotated (NoPE; every 4th layer)
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head joins each softmax (no value)
+    attention_out_bias: bool = False  # gpt-oss: the attention output projection adds a bias
     # -- a mixture of experts (Qwen3-MoE, Mixtral, DeepSeek, gpt-oss): the MLP of a MoE layer is n_experts_used
     #    of n_experts expert MLPs, chosen per position by a router, their outputs weighted and summed --------
     n_experts: int = 0  # X: routed experts per MoE layer; 0: every layer's MLP is dense (d_ff wide)
@@ -116,7 +122,7 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number")
-        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms"):
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms", "attention_sinks", "attention_out_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("embedding_scale", "attention_scale", "rope_local_theta", "attn_softcap", "final_softcap"):
@@ -237,6 +243,16 @@ class ModelConfig:
         return self.n_kv_heads, self.head_dim, self.head_dim, None
 
     @property
+    def score_scale(self) -> float | None:
+        """What attention scores are multiplied by: attention_scale (None: 1/sqrt(head_dim)), times the
+        square of YaRN's attention factor, which HF multiplies into the cos and sin that rotate q and k;
+        multiplying the scores instead leaves the cached K as rotation alone made it."""
+        if self.rope_scaling is None or self.rope_scaling[0] != "yarn" or self.rope_scaling[5] == 1.0:
+            return self.attention_scale
+        base = self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+        return base * self.rope_scaling[5] ** 2
+
+    @property
     def group_size(self) -> int:
         """Query heads sharing one kv head (H / Hkv)."""
         return self.n_heads // self.n_kv_heads
@@ -254,7 +270,7 @@ class ModelConfig:
 
 
 def _check_rope_scaling(scaling, head_dim):
-    shapes = {"linear": 2, "llama3": 5, "factors": 2, "longrope": 4}
+    shapes = {"linear": 2, "llama3": 5, "factors": 2, "longrope": 4, "yarn": 7}
     kind = scaling[0] if isinstance(scaling, tuple) and scaling else None
     numbers = scaling[1:] if kind in shapes else ()
     if kind in ("factors", "longrope") and len(scaling) == shapes[kind]:
@@ -262,14 +278,17 @@ def _check_rope_scaling(scaling, head_dim):
         numbers = (0,)
         if all(isinstance(f, tuple) and len(f) == head_dim // 2 for f in sets):
             numbers = tuple(f for factors in sets for f in factors) + scaling[3:]
+    if kind == "yarn" and len(scaling) == 7:  # the last is the truncate flag
+        numbers = scaling[1:6] if isinstance(scaling[6], bool) else (0,)
     if (kind not in shapes or len(scaling) != shapes[kind]
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in numbers)
             or (kind == "llama3" and not scaling[2] < scaling[3])):
         raise ConfigError(f"rope_scaling={scaling!r} must be ('linear', factor), ('llama3', factor, "
                           "low_freq_factor, high_freq_factor, original_max_positions), ('factors', (one per "
                           f"frequency: {head_dim // 2})) or ('longrope', (short: {head_dim // 2}), (long: "
-                          f"{head_dim // 2}), original_max_positions), positive numbers with low_freq_factor < "
-                          "high_freq_factor")
+                          f"{head_dim // 2}), original_max_positions) or ('yarn', factor, beta_fast, beta_slow, "
+                          "original_max_positions, attention_factor, truncate: True or False), positive numbers with "
+                          "low_freq_factor < high_freq_factor")
 
 
 def _check_latent(c):

@@ -40,12 +40,14 @@ class KernelSet(Protocol):
 
     def rope(self, x, positions, theta, scaling=None): ...  # [T, H, D], [T] -> [T, H, D]
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None): ...
-    # [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None): ...
+    # [T, H, D], [S, Hkv, D] x2, [T], [S], [H] or None -> [T, H, D]
 
     def swiglu(self, gate, up): ...  # [T, F] x2 -> [T, F]
 
     def geglu(self, gate, up): ...  # [T, F] x2 -> [T, F]
+
+    def swiglu_oai(self, gate, up): ...  # [T, F] x2 -> [T, F]
 
     def soft_cap(self, x, cap): ...  # [...] -> [...]
 

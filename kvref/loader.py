@@ -215,7 +215,8 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
                 progress(done, total)
             info = gguf.tensors[name]
             stack = len(info.shape) == 3 and name.endswith("_exps.weight")  # not deepseek2's 3-D attn_k_b/attn_v_b
-            if (len(info.shape) == 2 or stack) and info.ggml_type in in_place:  # a matrix, or a stack of experts
+            # a matrix (never a bias: gpt-oss's experts' biases are [X, Fx] arrays), or a stack of experts
+            if ((len(info.shape) == 2 and name.endswith(".weight")) or stack) and info.ggml_type in in_place:
                 return gguf.quantized(name)  # a view of the mapped file: no copy, no dequantization
             return gguf.dequantize(name).astype(dtype, copy=False)
 

@@ -60,6 +60,8 @@ class LayerWeights(_CountsRebinds):
     k_norm: object = None  # [D]    RMSNorm gain of each key head
     post_attn_norm: object = None  # [E]  RMSNorm gain on the attention output (config.sandwich_norms)
     post_ffn_norm: object = None  # [E]   RMSNorm gain on the MLP output
+    sinks: object = None  # [H]     each query head's sink logit (config.attention_sinks)
+    bo: object = None  # [E]        attention output bias (config.attention_out_bias)
     # a MoE layer (config.moe_layer): X experts of width Fx, each a gated MLP, stacked on a leading expert
     # axis as GGUF stores them (one 3-D tensor per projection); the decoder reads the routed experts' only
     router: object = None  # [X, E]             expert logits per position
@@ -145,6 +147,8 @@ def random_weights(config: ModelConfig, seed: int, dtype="float32") -> Weights:
             k_norm=optional_gain(config.head_dim, config.qk_norm),
             post_attn_norm=optional_gain(E, config.sandwich_norms),
             post_ffn_norm=optional_gain(E, config.sandwich_norms),
+            sinks=rng.standard_normal(config.n_heads).astype(dtype) if config.attention_sinks else None,
+            bo=(0.1 * rng.standard_normal(E)).astype(dtype) if config.attention_out_bias else None,
         )
         if dense:
             return lw

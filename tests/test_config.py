@@ -52,6 +52,10 @@ def test_group_size_names_mha_gqa_and_mqa():
     ({"attention_scale": -1.0}, "attention_scale=-1.0 must be a positive finite number"),
     ({"embedding_scale": float("inf")}, "embedding_scale=inf"),
     ({"qk_norm": 1}, "qk_norm=1 must be True or False"),
+    ({"attention_sinks": "yes"}, "attention_sinks='yes' must be True or False"),
+    ({"rope_scaling": ("yarn", 32.0, 32.0, 1.0, 4096, 1.3)}, "rope_scaling=.* must be"),
+    ({"rope_scaling": ("yarn", 32.0, 32.0, 1.0, 4096, 1.3, "no")}, "truncate: True or False"),
+    ({"rope_scaling": ("yarn", 32.0, 32.0, 1.0, 4096, -1.0, False)}, "rope_scaling=.* must be"),
 ])
 def test_family_fields_are_validated(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -65,6 +69,15 @@ def test_family_fields_name_what_differs_from_llama_and_the_layers_read_them():
     assert gemma.family_fields() == {"qk_norm": True, "layer_windows": (4, 4, None), "rope_local_theta": 1e4}
     assert [gemma.window(i) for i in range(3)] == [4, 4, None]
     assert [gemma.layer_rope_theta(i) for i in range(3)] == [1e4, 1e4, 1e6]
+
+
+def test_yarn_attention_factor_multiplies_the_score_scale_by_its_square():
+    base = dict(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=8, vocab_size=8, max_seq_len=8)
+    yarn = ("yarn", 32.0, 32.0, 1.0, 4096, 1.5, False)
+    assert kvref.ModelConfig(**base).score_scale is None  # 1/sqrt(head_dim), as the kernels default it
+    assert kvref.ModelConfig(**base, rope_scaling=yarn).score_scale == 8 ** -0.5 * 2.25
+    assert kvref.ModelConfig(**base, rope_scaling=yarn, attention_scale=0.5).score_scale == 0.5 * 2.25
+    assert kvref.ModelConfig(**base, rope_scaling=("linear", 2.0), attention_scale=0.5).score_scale == 0.5
 
 
 MOE = dict(BASE, n_experts=8, n_experts_used=2)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import kvref
 from kvref.errors import BackendError, ConfigError, ShapeError
 from kvref.formats.hf import config_from_hf, weights_from_hf
-from kvref.tolerance import assert_close
+from kvref.tolerance import FLOAT32_KERNEL_RTOL, assert_close
 from tests.conftest import require
 
 torch = require("torch")
@@ -38,6 +38,11 @@ FAMILIES = {
     "llama3": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # YaRN (gpt-oss's and DeepSeek's scaling): a base and original context that put pairs 0..4 of 8 in
+    # the blended band, and the attention factor 0.1 ln(8) + 1 on the scores
+    "llama-yarn": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 100.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 100, "truncate": False})),
     "llama-linear": ("LlamaConfig", dict(num_key_value_heads=4, head_dim=12, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, head_dim=12, sliding_window=5)),
@@ -77,6 +82,12 @@ FAMILIES = {
     # is computed. V2-Lite's one query projection; V3's low-rank query, half-split RoPE rows
     "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
     "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False)),
+    # gpt-oss: sink logits, biases on every attention projection, the router and the experts, the clamped
+    # SwiGLU, windows of 4 on alternate layers (its default layer_types), YaRN blending pairs 0..4 of 6
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=4, rope_parameters={
+                                         "rope_type": "yarn", "rope_theta": 100.0, "factor": 8.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 100})),
 }
 COMMON = dict(hidden_size=36, num_hidden_layers=3, num_attention_heads=4, intermediate_size=52, vocab_size=61,
               max_position_embeddings=48, rms_norm_eps=1e-6)
@@ -98,6 +109,10 @@ def hf_model(family, seed=0, **overrides):
                 p.copy_(0.3 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+            if name.endswith("sinks"):  # logits of the order of the scores: the sinks take a real share
+                p.mul_(4.0)
+            if name.endswith("gate_up_proj"):  # gpt-oss: some gates and ups past its clamp limit of 7
+                p.mul_(40.0)
     return model.eval()
 
 
@@ -171,9 +186,9 @@ def test_unsupported_checkpoints_are_refused_by_name():
         config_from_hf({**base, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="mlp_bias"):
         config_from_hf({**base, "model_type": "llama", "mlp_bias": True})
-    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):
+    with pytest.raises(ConfigError, match="RoPE type 'dynamic'"):
         config_from_hf({**base, "model_type": "llama",
-                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}})
+                        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}})
     with pytest.raises(ConfigError, match="incomplete"):
         config_from_hf({**base, "model_type": "llama",
                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
@@ -470,6 +485,30 @@ def test_chat_on_a_gemma3_checkpoint_keeps_one_hybrid_cache_across_turns_and_equ
         assert reply == expected  # the same greedy reply as recomputing the whole conversation
 
 
+@pytest.mark.parametrize("parameters", [
+    # gpt-oss's (its config's defaults): no truncation of the correction range
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    # DeepSeek-V3's: the attention factor from mscale / mscale_all_dim, truncation by default
+    {"factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
+     "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 0.8},  # given; betas default
+    {"factor": 1.0, "original_max_position_embeddings": 256, "truncate": True},  # no interpolation at all
+])
+@pytest.mark.parametrize("theta, head_dim", [(150000.0, 64), (10000.0, 24)])
+def test_yarn_frequencies_and_attention_factor_equal_transformers_rope_init(parameters, theta, head_dim):
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"]
+    hf = transformers.LlamaConfig(**{**COMMON, "head_dim": head_dim, "max_position_embeddings": 131072,
+                                     "rope_parameters": {"rope_type": "yarn", "rope_theta": theta, **parameters}})
+    inv_freq, attention_factor = init(hf)
+    config = config_from_hf(hf.to_dict())
+    # transformers computes the frequencies in float32 (power, ramp and blend each rounded), kvref in float64
+    np.testing.assert_allclose(kvref.spec.ops.rope_frequencies(head_dim, theta, config.rope_scaling),
+                               inv_freq.numpy(), rtol=FLOAT32_KERNEL_RTOL)
+    assert config.rope_scaling[5] == pytest.approx(attention_factor, rel=1e-12)
+    score_scale = config.score_scale or head_dim ** -0.5  # None: 1/sqrt(head_dim)
+    assert score_scale == pytest.approx(head_dim ** -0.5 * attention_factor ** 2, rel=1e-12)
+
+
 def test_quantized_experts_are_read_in_place_and_give_the_spec_logits_of_their_dequantized_values(tmp_path):
     gguf = require("gguf")
     hf = hf_model("qwen3_moe", seed=5, hidden_size=64, moe_intermediate_size=32)  # whole blocks of 32 values
@@ -517,3 +556,100 @@ def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_n
         config_from_metadata(metadata(leading_dense_block_count=1), names)
     with pytest.raises(GGUFError, match="MQA view"):
         config_from_metadata(metadata(**{"attention.value_length": 10}), names)
+
+
+def test_gpt_oss_swiglu_constants_other_than_its_own_are_refused_by_name():
+    hf = dict(config_json("gpt_oss"))
+    assert config_from_hf(hf).activation == "swiglu_oai"
+    with pytest.raises(ConfigError, match="swiglu_limit=5.0"):
+        config_from_hf({**hf, "swiglu_limit": 5.0})
+    with pytest.raises(ConfigError, match="swiglu_alpha=1.0"):
+        config_from_hf({**hf, "swiglu_alpha": 1.0})
+
+
+def write_gpt_oss_gguf(hf, path):
+    """A gpt-oss model as llama.cpp's converter lays it out: keys of the `gpt-oss` architecture, Q/K rows as in
+    the checkpoint (NEOX), the pre-MLP norm as post_attention_norm, sinks and biases, and the experts split
+    (gate, up de-interleaved), transposed to [X, out, in] and stored as MXFP4 blocks, as released files store them."""
+    gguf = require("gguf")
+    c, MXFP4 = hf.config, gguf.GGMLQuantizationType.MXFP4
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    rope = c.rope_parameters
+    keys = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+            "expert_feed_forward_length": c.intermediate_size, "head_count": c.num_attention_heads,
+            "head_count_kv": c.num_key_value_heads, "key_length": c.head_dim, "value_length": c.head_dim,
+            "layer_norm_rms_eps": c.rms_norm_eps, "expert_count": c.num_local_experts,
+            "expert_used_count": c.num_experts_per_tok, "sliding_window": c.sliding_window,
+            "rope_freq_base": rope["rope_theta"], "rope_scaling_type": gguf.RopeScalingType.YARN,
+            "rope_scaling_factor": rope["factor"], "rope_scaling_orig_ctx_len": rope["original_max_position_embeddings"]}
+    for key, value in keys.items():  # each through the writer's own add_<key>, as the converter writes them
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
+    writer.add_token_merges(["a b"])
+    names = dict(GGUF_NAMES, post_attention_layernorm="post_attention_norm", **{
+        "self_attn.sinks": "attn_sinks.weight", "mlp.router": "ffn_gate_inp"})
+    for name, t in checkpoint(hf).items():
+        a = t.detach().to(torch.float32).numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            writer.add_tensor(gguf_name(name, False), a)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest.startswith("mlp.experts."):
+            kind = rest.removeprefix("mlp.experts.")
+            if kind == "gate_up_proj":  # [X, E, 2 Fx] -> gate and up [X, Fx, E], MXFP4 blocks along E
+                for part, j in (("ffn_gate_exps", 0), ("ffn_up_exps", 1)):
+                    stack = np.ascontiguousarray(a[:, :, j::2].transpose(0, 2, 1))
+                    writer.add_tensor(f"blk.{layer}.{part}.weight", gguf.quants.quantize(stack, MXFP4), raw_dtype=MXFP4)
+            elif kind == "down_proj":  # [X, Fx, E] -> [X, E, Fx]
+                stack = np.ascontiguousarray(a.transpose(0, 2, 1))
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", gguf.quants.quantize(stack, MXFP4), raw_dtype=MXFP4)
+            elif kind == "gate_up_proj_bias":
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(a[:, 0::2]))
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(a[:, 1::2]))
+            else:
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", a)
+            continue
+        module, _, kind = rest.rpartition(".")
+        target = names.get(rest) or f"{names[module]}.{kind}"
+        writer.add_tensor(f"blk.{layer}.{target}", a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def round_experts_to_mxfp4(hf):
+    # the experts' weights replaced by the values their MXFP4 blocks hold, so that the file written from them
+    # holds the model exactly and its logits must be transformers'
+    gguf = require("gguf")
+    MXFP4 = gguf.GGMLQuantizationType.MXFP4
+
+    def rounded(stack):  # [X, N, K], blocks along K
+        return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(stack), MXFP4), MXFP4)
+
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            experts = layer.mlp.experts
+            w = experts.gate_up_proj.numpy().transpose(0, 2, 1)  # [X, 2 Fx, E]
+            experts.gate_up_proj.copy_(torch.from_numpy(rounded(w).transpose(0, 2, 1).copy()))
+            w = experts.down_proj.numpy().transpose(0, 2, 1)  # [X, E, Fx]
+            experts.down_proj.copy_(torch.from_numpy(rounded(w).transpose(0, 2, 1).copy()))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_gpt_oss_written_as_gguf_with_mxfp4_experts_gives_transformers_logits(backend, tmp_path):
+    # widths of whole MXFP4 blocks; YaRN truncated as ggml always truncates it (GGUF has no truncate key)
+    if backend == "c" and not kvref.native.available():
+        pytest.skip("the native module is not built")
+    rope = dict(FAMILIES["gpt_oss"][1]["rope_parameters"], truncate=True)
+    hf = hf_model("gpt_oss", seed=5, hidden_size=64, intermediate_size=32, rope_parameters=rope)
+    round_experts_to_mxfp4(hf)
+    write_gpt_oss_gguf(hf, tmp_path / "gpt-oss.gguf")
+    model = kvref.load(tmp_path / "gpt-oss.gguf", backend=backend)
+    assert model.config.layer_windows == (4, None, 4) and model.config.attention_sinks
+    if backend == "c":  # the experts stay MXFP4 blocks, multiplied where they lie
+        assert model.weights.layers[0].experts_gate.ggml_type == kvref.spec.ggml.GGMLType.MXFP4
+    assert_close(model.forward(PROMPT, all_logits=True), hf_logits(hf, PROMPT, "float32"), "float32",
+                 f"gpt-oss GGUF (MXFP4 experts) on {backend} vs transformers")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gguf_writer import assemble, gguf_bytes, header, kv, tensor_info, u32, u64
+from kvref import native
 from kvref.errors import GGUFError, ModelNotFoundError, ShapeError
 from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor
 from kvref.formats.gguf import MAX_ARRAY_NESTING, GGUFFile, TensorInfo, ValueType as V
@@ -426,3 +427,26 @@ def test_smollm2_dequantized_tensors_equal_gguf(smollm2, name):
     actual = f.dequantize(name)
     assert actual.dtype == np.float32
     np.testing.assert_array_equal(actual.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+def test_mxfp4_tensors_the_gguf_package_writes_read_as_blocks_and_decode_as_it_decodes_them(tmp_path):
+    # gpt-oss GGUFs carry their experts in MXFP4: the blocks are handed out as stored, and decode
+    # (spec and native matmul alike) to the gguf package's values
+    gguf = require("gguf")
+    path = tmp_path / "mxfp4.gguf"
+    writer = gguf.GGUFWriter(path, "gpt-oss")
+    weight = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.MXFP4)  # [3, 2 * 17] uint8
+    writer.add_tensor("w_mxfp4", blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)  # [3, 64]
+    with GGUFFile(path) as f:
+        q = f.quantized("w_mxfp4")
+        assert q.ggml_type == GGMLType.MXFP4 and q.shape == (3, 64) and q.data.shape == (3, 34)
+        np.testing.assert_array_equal(f.dequantize("w_mxfp4"), expected)
+        if native.available():
+            from kvref.native import ops as native_ops
+            np.testing.assert_array_equal(native_ops.matmul(np.eye(64, dtype=np.float32), q), expected.T)

@@ -306,6 +306,23 @@ def test_a_local_path_wins_over_a_cache_entry_of_the_same_name(tmp_path, monkeyp
     assert resolve("org/tiny") == Path("org/tiny")
 
 
+def test_yarn_rope_scaling_keys_are_read_as_llama_cpp_computes_them_and_the_rest_refused_by_name():
+    from kvref.formats.architectures import config_from_metadata
+
+    metadata = {**LLAMA_METADATA, "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 32.0,
+                "llama.rope.scaling.original_context_length": 4096}
+    # beta_fast 32 and beta_slow 1 by default, always truncated (ggml), attention factor 1 + 0.1 ln 32
+    assert config_from_metadata(metadata, ONE_BLOCK).rope_scaling == (
+        "yarn", 32.0, 32.0, 1.0, 4096, pytest.approx(1 + 0.1 * np.log(32)), True)
+    metadata["llama.rope.scaling.yarn_beta_fast"] = 16.0
+    assert config_from_metadata(metadata, ONE_BLOCK).rope_scaling[2] == 16.0
+    with pytest.raises(GGUFError, match="llama.rope.scaling.yarn_log_multiplier"):
+        config_from_metadata({**metadata, "llama.rope.scaling.yarn_log_multiplier": 0.1}, ONE_BLOCK)
+    del metadata["llama.rope.scaling.original_context_length"]
+    with pytest.raises(GGUFError, match="original_context_length"):
+        config_from_metadata(metadata, ONE_BLOCK)
+
+
 def gemma2_metadata(n_layers, **keys):
     arch = {"attention.head_count": 4, "attention.head_count_kv": 2, "embedding_length": 64, "block_count": n_layers,
             "feed_forward_length": 32, "context_length": 64, "attention.layer_norm_rms_epsilon": 1e-6,

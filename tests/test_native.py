@@ -101,9 +101,11 @@ def random_weight(gtype, N, K, rng):
         nb = N * (K // block_values)
         blocks = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
         scale_offsets = {GGMLType.Q8_0: [0], GGMLType.Q4_0: [0], GGMLType.Q4_1: [0, 2], GGMLType.Q5_0: [0],
-                         GGMLType.Q4_K: [0, 2], GGMLType.Q6_K: [208]}[gtype]
+                         GGMLType.Q4_K: [0, 2], GGMLType.Q6_K: [208], GGMLType.MXFP4: []}[gtype]
         for off in scale_offsets:
             blocks[:, off:off + 2] = f16_fields(rng, nb)
+        if gtype == GGMLType.MXFP4:  # E8M0 scales 2**-16 .. 2**8, and some subnormal ones (e = 0, 1)
+            blocks[:, 0] = np.where(rng.random(nb) < 0.1, rng.integers(0, 2, nb), rng.integers(112, 137, nb))
         data = blocks
     data = np.ascontiguousarray(data.reshape(N, row_nbytes(gtype, K)))
     return QuantizedTensor(gtype, (N, K), data)
@@ -369,7 +371,7 @@ def visible(q_pos, k_pos, window=None):
     return vis if window is None else vis & (k_pos[None, :] > q_pos[:, None] - window)
 
 
-def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None, score_error=None):
+def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None, score_error=None, sinks=None):
     """Elementwise bound on |native - spec| for attention (first order, times 2 for safety).
 
     With a_s the exact score of key s and m the row max: each side computes a_s within
@@ -382,6 +384,8 @@ def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None, score_error=
     A fully masked row is zero on both sides, and its bound is 0. With an explicit scale c in place
     of 1/sqrt(D), every 1/sqrt(D) above becomes c (the scaling's rounding is the same 2u).
     score_error [T, H, S]: what else may move the native side's scores (int8_key_score_error), added to e_s.
+    sinks [H]: each head's sink logit is one more score, seen by every query, exact on both sides (e = 0),
+    whose probability multiplies no value: the same bound with S + 1 terms and p over the S + 1 scores.
     """
     T, H, D = q.shape
     S, Hkv, _ = k.shape
@@ -399,9 +403,14 @@ def attention_bound(q, k, v, q_pos, k_pos, window=None, scale=None, score_error=
         visible = visible & (k_pos[None, :] > q_pos[:, None] - window)[:, None, :]
     a = np.where(visible, a, -np.inf)
     m = a.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks.astype(np.float64)[None, :, None])
     m = np.where(np.isneginf(m), 0.0, m)
     e = np.exp(a - m)
     total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.where(visible.any(axis=-1, keepdims=True), np.exp(sinks[None, :, None] - m), 0.0)
+        S = S + 1
     p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
     err = np.where(visible, gamma(D) * mag + 2 * U * np.abs(np.where(visible, a, 0.0)), 0.0)
     if score_error is not None:
@@ -447,6 +456,43 @@ def test_attention_equals_spec_within_the_derived_softmax_bound(case, isa, threa
     assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos, window, scale),
                   what=f"T={q.shape[0]} H={q.shape[1]} Hkv={k.shape[1]} D={q.shape[2]} S={k.shape[0]} "
                        f"window={window} scale={scale} {k.dtype} {isa}")
+
+
+@given(attention_cases(), ISAS, THREADS, st.sampled_from([0.0, 1.0, 4.0]), SEEDS)
+def test_attention_with_sink_logits_equals_spec_within_the_softmax_bound_with_one_more_score(case, isa, threads,
+                                                                                             size, seed):
+    # gpt-oss's sinks: one more score per head in the denominator, no value; 4.0 makes most heads give the
+    # sink most of the mass. Queries that see no key stay zeros.
+    q, k, v, q_pos, k_pos, window, scale = case
+    sinks = (size * np.random.default_rng(seed).standard_normal(q.shape[1])).astype(np.float32)
+    out = ks(threads, isa).attention(q, k, v, q_pos, k_pos, scale=scale, window=window, sinks=sinks)
+    ref = spec.attention(q, k, v, q_pos, k_pos, scale, window, sinks=sinks) if k.shape[0] else np.zeros(q.shape)
+    assert_within(out, ref, attention_bound(q, k, v, q_pos, k_pos, window, scale, sinks=sinks),
+                  what=f"T={q.shape[0]} H={q.shape[1]} S={k.shape[0]} window={window} sinks x{size} {isa}")
+    np.testing.assert_array_equal(out, ks(3 - threads, isa).attention(q, k, v, q_pos, k_pos, scale, window, sinks=sinks))
+    assert np.all(out[~visible(q_pos, k_pos, window).any(axis=1)] == 0.0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("isa", nops.supported_isas())
+@pytest.mark.parametrize("S", [0, 5, 600])  # no key; one chunk; segments merged (decode-sized T)
+def test_a_non_finite_sink_logit_makes_its_head_nan_as_a_non_finite_score_does(isa, S):
+    rng = np.random.default_rng(S)
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((S, 2, 8)).astype(np.float32) for _ in range(2))
+    sinks = np.array([0.5, np.nan, np.inf, -np.inf], np.float32)
+    out = ks(1, isa).attention(q, k, v, [S, S + 1], np.arange(S), sinks=sinks)
+    assert np.all(np.isfinite(out[:, 0])) and np.all(np.isnan(out[:, 1:]))
+    if S:
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(spec.attention(q, k, v, [S, S + 1], np.arange(S),
+                                                                              sinks=sinks)))
+
+
+def test_sink_logits_of_the_wrong_shape_are_refused_before_c():
+    q, k = np.ones((1, 4, 8), np.float32), np.ones((3, 2, 8), np.float32)
+    for sinks in (np.ones(3, np.float32), np.ones((4, 1), np.float32), [0.0] * 4, np.ones(4, np.int32)):
+        with pytest.raises(ShapeError, match="one logit per query head"):
+            nops.attention(q, k, k, [2], np.arange(3), sinks=sinks)
 
 
 def softcap_attention_bound(q, k, v, scale, softcap):
@@ -814,14 +860,17 @@ def test_rope_equals_spec_to_one_float32_rounding(T, nh, half, theta, isa, threa
 # gelu_tanh(g); elsewhere ~6u relative (exp, the division, 1 + e, the product with up).
 # For both: atol = 4u |g| |up| and rtol = 16u, each a factor ~2 above the sum of both sides.
 
-@given(st.sampled_from(["swiglu", "geglu"]), st.integers(1, 40000), ISAS, THREADS, SEEDS,
+@given(st.sampled_from(["swiglu", "geglu", "swiglu_oai"]), st.integers(1, 40000), ISAS, THREADS, SEEDS,
        st.sampled_from([1.0, 3.0, 10.0, 100.0]))
 def test_gated_activations_equal_spec_within_the_tanh_and_sigmoid_bound(name, n, isa, threads, seed, scale):
+    # swiglu_oai: the same with up + 1 in place of up (its clamps are exact; up + 1 rounds once, u |up|
+    # absolute, inside the atol as the sigmoid's factor is below 1)
     rng = np.random.default_rng(seed)
+    oai = name == "swiglu_oai"
     gate = (scale * rng.standard_normal(n)).astype(np.float32)
-    up = rng.standard_normal(n).astype(np.float32)
+    up = ((scale if oai else 1.0) * rng.standard_normal(n)).astype(np.float32)
     out = getattr(ks(threads, isa), name)(gate, up)
-    atol = 4 * U * np.abs(gate.astype(np.float64)) * np.abs(up) + UNDERFLOW_SLACK
+    atol = 4 * U * np.abs(gate.astype(np.float64)) * (np.abs(up) + oai) + UNDERFLOW_SLACK
     assert_within(out, getattr(spec, name)(gate, up), atol, 16 * U)
 
 
@@ -836,6 +885,7 @@ def test_elementwise_kernels_are_bit_identical_for_1_and_2_threads():
         np.testing.assert_array_equal(one.rms_norm(x, w, 1e-5), two.rms_norm(x, w, 1e-5))
         np.testing.assert_array_equal(one.swiglu(g, g[::-1].copy()), two.swiglu(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.geglu(g, g[::-1].copy()), two.geglu(g, g[::-1].copy()))
+        np.testing.assert_array_equal(one.swiglu_oai(g, g[::-1].copy()), two.swiglu_oai(g, g[::-1].copy()))
         np.testing.assert_array_equal(one.rope(r, np.arange(37), 1e4), two.rope(r, np.arange(37), 1e4))
 
 
@@ -1066,7 +1116,7 @@ def test_the_c_api_returns_a_status_for_null_pointers_and_inconsistent_sizes():
         window, softcap, scale = fields.pop("window", 0), fields.pop("softcap", 0.0), fields.pop("scale", 0.5)
         for name, value in fields.items():
             setattr(kv, name, value)
-        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, softcap, scale, ob)
+        return lib.kvref_attention(pool, qb, 1, H, 8, kv, layer, S, pos, pos, window, softcap, scale, ffi.NULL, ob)
 
     assert attention() == lib.KVREF_OK
     assert attention(softcap=30.0) == lib.KVREF_OK

@@ -78,7 +78,7 @@ def sane_quantized(gtype, W, rng):
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.view(np.uint8)))
     if gtype == GGMLType.F16:
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(W.astype(np.float16).view(np.uint8)))
-    if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0):
+    if gtype in (GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.MXFP4):
         gguf = require("gguf")
         data = gguf.quants.quantize(W, gguf.GGMLQuantizationType[gtype.name])
         return QuantizedTensor(gtype, (N, K), np.ascontiguousarray(data.view(np.uint8).reshape(N, row_nbytes(gtype, K))))
@@ -97,17 +97,19 @@ def sane_quantized(gtype, W, rng):
 def family_fields(draw, n_layers):
     """The fields of the other families (ModelConfig.FAMILY_FIELDS), each at its Llama default or drawn:
     Qwen 2's biases, QK-norm, Gemma's sandwich norms, embedding scale, GeGLU and score scale, per-layer
-    windows (shorter than the executions below) and local RoPE bases, Llama 3 and linear RoPE scaling,
-    Gemma 2's soft caps and SmolLM3's NoPE layers."""
+    windows (shorter than the executions below) and local RoPE bases, Llama 3, linear and YaRN RoPE scaling,
+    Gemma 2's soft caps, SmolLM3's NoPE layers, gpt-oss's sink logits and clamped SwiGLU."""
     windows = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n_layers,
                                                  max_size=n_layers).map(tuple)))
     nope = draw(st.lists(st.booleans(), min_size=n_layers, max_size=n_layers))
     return dict(
         qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()), sandwich_norms=draw(st.booleans()),
-        embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])), activation=draw(st.sampled_from(["silu", "gelu_tanh"])),
+        embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])),
+        activation=draw(st.sampled_from(["silu", "gelu_tanh", "swiglu_oai"])), attention_sinks=draw(st.booleans()),
         attention_scale=draw(st.sampled_from([None, 0.0625, 0.4])), layer_windows=windows,
         rope_local_theta=draw(st.sampled_from([None, 100.0])),
-        rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16)])),
+        rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16),
+                                           ("yarn", 8.0, 32.0, 1.0, 16, 1.2, False)])),
         attn_softcap=draw(st.sampled_from([None, 0.7, 50.0])), final_softcap=draw(st.sampled_from([None, 0.5, 30.0])),
         nope_layers=tuple(i for i, skip in enumerate(nope) if skip))
 
@@ -214,14 +216,14 @@ class StoredKVKernels:
     def __getattr__(self, name):
         return getattr(self.ks, name)
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-        # [T, H, D], k and v unused (the cache holds them), [T], [S] -> [T, H, D]
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+        # [T, H, D], k and v unused (the cache holds them), [T], [S], [H] or None -> [T, H, D]
         layer, b = divmod(self.calls, len(self.executions))
         self.calls += 1
         e = self.executions[b]
         kv = cache_descriptor(e.cache)  # the execution's reserved slots included
         return self.ks._attention(q, kv, len(k_positions), e.cache.n_kv_heads, q_positions, k_positions, layer,
-                                  scale, window, softcap)
+                                  scale, window, softcap, sinks)
 
 
 def stored_kv_forward_batch(ops, config, weights, executions, all_logits=False):
@@ -1009,7 +1011,7 @@ def test_the_model_descriptor_is_validated_in_c():
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
     desc.attention_scale, desc.embedding_scale = 0.35, float("inf")
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
-    desc.embedding_scale, desc.gate = 1.0, 2
+    desc.embedding_scale, desc.gate = 1.0, 3  # no such kvref_gate
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE
     desc.gate = lib.KVREF_GATE_GELU_TANH
     # a whole layer: then each optional group half given, a negative window, a non-finite frequency

@@ -149,3 +149,41 @@ def test_swiglu_is_silu_of_gate_times_up_and_never_overflows():
     with np.errstate(over="ignore"):  # the textbook formula overflows at -1000; the kernel must not
         expected = 2 * gate / (1 + np.exp(-gate.astype(np.float64)))
     np.testing.assert_allclose(out, expected, rtol=FLOAT32_KERNEL_RTOL, atol=UNDERFLOW_SLACK)
+
+
+def test_swiglu_oai_clamps_the_gate_above_and_up_both_ways_then_adds_one_to_up():
+    gate = np.array([-1000.0, -1.0, 0.0, 3.0, 7.0, 50.0], dtype=np.float64)
+    up = np.array([-50.0, -1.0, 2.0, 8.0, -7.5, 0.5], dtype=np.float64)
+    with np.errstate(all="raise"):
+        out = ops.swiglu_oai(gate, up)
+    g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+    with np.errstate(over="ignore"):
+        expected = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    np.testing.assert_allclose(out, expected, rtol=FLOAT64_KERNEL.rtol, atol=UNDERFLOW_SLACK)
+    assert np.isnan(ops.swiglu_oai(np.array([np.nan]), np.array([1.0]))).all()  # the clamp keeps a NaN
+    assert np.isnan(ops.swiglu_oai(np.array([1.0]), np.array([np.nan]))).all()
+
+
+@given(st.integers(1, 5), st.integers(0, 40), st.sampled_from([None, 3]), st.integers(0, 2**32 - 1))
+def test_attention_with_sinks_is_plain_attention_times_the_mass_the_keys_keep(T, S, window, seed):
+    # a sink logit joins the denominator only: each head's output is the sinkless output times
+    # Z / (Z + exp(sink)), Z the sum of exp(score) over the keys its query sees (0 when it sees none)
+    rng = np.random.default_rng(seed)
+    H, Hkv, D = 4, 2, 6
+    q, k, v = rng.standard_normal((T, H, D)), rng.standard_normal((S, Hkv, D)), rng.standard_normal((S, Hkv, D))
+    q_pos, k_pos = np.arange(S - T, S) if S >= T else np.arange(T), np.arange(S)
+    sinks = 2 * rng.standard_normal(H)
+    kh = k[:, np.arange(H) // 2]  # [S, H, D]
+    scores = np.einsum("thd,shd->ths", q, kh) / np.sqrt(D)
+    seen = (k_pos[None] <= q_pos[:, None]) & ((k_pos[None] > q_pos[:, None] - window) if window else True)
+    z = np.where(seen[:, None, :], np.exp(scores), 0).sum(axis=-1)  # [T, H]
+    plain = ops.attention(q, k, v, q_pos, k_pos, window=window) if S else np.zeros((T, H, D))
+    with_sinks = ops.attention(q, k, v, q_pos, k_pos, window=window, sinks=sinks) if S else np.zeros((T, H, D))
+    expected = plain * (z / (z + np.exp(sinks)))[..., None]
+    np.testing.assert_allclose(with_sinks, expected, rtol=FLOAT64_ATTENTION.rtol, atol=FLOAT64_ATTENTION.atol)
+
+
+def test_a_non_finite_sink_logit_makes_its_head_nan_like_a_non_finite_score():
+    q, k, v = np.ones((1, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4))
+    out = ops.attention(q, k, v, [2], np.arange(3), sinks=np.array([np.inf, 0.0]))
+    assert np.isnan(out[0, 0]).all() and np.isfinite(out[0, 1]).all()

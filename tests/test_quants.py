@@ -140,3 +140,13 @@ def test_dequantize_refuses_what_it_cannot_do():
         quants.dequantize(GGMLType.Q4_0, np.zeros(18, np.uint8), (1, 64))
     with pytest.raises(ShapeError, match="dtype float32"):
         quants.dequantize(GGMLType.F32, np.zeros(1, np.float32), (1,))
+
+
+def test_mxfp4_codes_are_e2m1_values_times_the_power_of_two_scale_low_nibbles_first():
+    # e = 129: scale 2**(129 - 127) = 4 on the E2M1 values (ggml: doubled values, halved scale)
+    block = np.array([[129] + [0x10 * (15 - j) + j for j in range(16)]], dtype=np.uint8)
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    expected = 4 * np.array(e2m1 + e2m1[::-1], dtype=np.float32)  # low nibbles j, then high nibbles 15 - j
+    np.testing.assert_array_equal(quants.dequantize(GGMLType.MXFP4, block, (32,)), expected)
+    subnormal = quants.dequantize_mxfp4(np.array([[0] + [0x77] * 16], dtype=np.uint8))  # e = 0: 2**-128 x 12
+    assert subnormal[0, 0] == np.float32(12 * 2.0 ** -128) and subnormal[0, 0] > 0

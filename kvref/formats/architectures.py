@@ -44,11 +44,12 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import GGUFError
 from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
+from ..spec import ops as spec_ops
 from ..spec.ggml import QuantizedTensor
 from ..weights import LayerWeights, Weights
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen3moe", "deepseek2")
-HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")  # Q/K rows in rotate_half order in the file
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen3moe", "deepseek2", "gpt-oss")
+HALF_SPLIT_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "gpt-oss")  # Q/K rows in rotate_half order in the file
 GEMMAS = ("gemma2", "gemma3")
 # llama.cpp's sliding-window patterns: layer i is global if (i + 1) % n == 0
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
@@ -57,7 +58,9 @@ GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30
 GEMMA2_27B_BLOCKS = 46  # llama.cpp's sign of Gemma 2 27B, whose query_pre_attn_scalar is d_model / n_heads
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's SmolLM3: layer i is NoPE if (i + 1) % 4 == 0
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
-MOE_ARCHITECTURES = ("llama", "qwen3moe")  # where <arch>.expert_count makes a mixture of experts
+MOE_ARCHITECTURES = ("llama", "qwen3moe", "gpt-oss")  # where <arch>.expert_count makes a mixture of experts
+GPT_OSS_WINDOW_EVERY = 2  # llama.cpp's sliding-window pattern for gpt-oss: layer i is windowed if i % 2 == 0
+FFN_NORM = {"gpt-oss": "post_attention_norm"}  # the pre-MLP norm's name where it is not ffn_norm
 # router keys llama.cpp may write, which kvref does not read from GGUF yet -> the values that change nothing
 UNREAD_EXPERT_KEYS = {"expert_shared_count": (0,), "leading_dense_block_count": (0,), "expert_group_count": (0, 1),
                       "expert_gating_func": (0, 1), "expert_weights_scale": (0, 1)}  # gating func 1: softmax
@@ -73,6 +76,12 @@ SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "p
 DENSE_MLP_TENSORS = ("w_gate", "w_up", "w_down")  # a MoE layer has these instead:
 EXPERT_TENSORS = {"router": "ffn_gate_inp", "experts_gate": "ffn_gate_exps", "experts_up": "ffn_up_exps",
                   "experts_down": "ffn_down_exps"}
+# gpt-oss's tensors beside those: LayerWeights field -> name within block i, when the config asks
+SINK_TENSORS = {"sinks": "attn_sinks.weight"}  # config.attention_sinks
+OUT_BIAS_TENSORS = {"bo": "attn_output.bias"}  # config.attention_out_bias
+ROUTER_BIAS_TENSORS = {"router_bias": "ffn_gate_inp.bias"}  # config.router_bias
+EXPERT_BIAS_TENSORS = {"experts_gate_bias": "ffn_gate_exps.bias", "experts_up_bias": "ffn_up_exps.bias",
+                       "experts_down_bias": "ffn_down_exps.bias"}  # config.expert_bias
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
 FUSED = ("phi3",)  # attn_qkv rows [Q | K | V], ffn_up rows [gate | up]
 
@@ -126,6 +135,10 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         windows = tuple(None if (i + 1) % GEMMA_GLOBAL_EVERY[arch] == 0 else window for i in range(n_layers))
         if arch == "gemma2" and n_layers == GEMMA2_27B_BLOCKS:
             attention_scale = (d_model / n_heads) ** -0.5
+    gpt_oss = arch == "gpt-oss"
+    if gpt_oss:
+        window = integer("attention.sliding_window", "max_seq_len")
+        windows = tuple(window if i % GPT_OSS_WINDOW_EVERY == 0 else None for i in range(n_layers))
     if arch == "phi3" and metadata.get("phi3.attention.sliding_window", 0):  # 0: Phi-4, no window
         windows = (integer("attention.sliding_window", "max_seq_len"),) * n_layers
     softcaps = dict.fromkeys(GEMMA2_SOFTCAPS)  # None: no cap
@@ -145,11 +158,11 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         rope_theta=number("rope.freq_base", 10000.0),
         norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensor_names,
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch in ("qwen2", "gpt-oss"),
         qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
-        activation="gelu_tanh" if gemma else "silu",
+        activation="gelu_tanh" if gemma else "swiglu_oai" if gpt_oss else "silu",
         attention_scale=attention_scale,
         layer_windows=windows,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
@@ -157,6 +170,8 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         attn_softcap=softcaps["attn_logit_softcapping"],
         final_softcap=softcaps["final_logit_softcapping"],
         nope_layers=tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NOPE_EVERY == 0) if arch == "smollm3" else (),
+        attention_sinks=gpt_oss,
+        attention_out_bias=gpt_oss,
         **_experts(metadata, arch, integer),
         **latent,
     )
@@ -174,9 +189,10 @@ def _experts(metadata, arch, integer):
               if not _one_of(metadata.get(f"{arch}.{name}", plain[0]), plain)]
     if unread:
         raise GGUFError(f"this file's router sets {', '.join(unread)}, which kvref does not read from GGUF yet")
+    biases = {"router_bias": True, "expert_bias": True} if arch == "gpt-oss" else {}
     return {"n_experts": n_experts, "n_experts_used": integer("expert_used_count", "n_experts"),
             "expert_d_ff": integer("expert_feed_forward_length", "d_ff", metadata.get(f"{arch}.feed_forward_length")),
-            "norm_topk_prob": True}
+            "norm_topk_prob": True, **biases}
 
 
 def _one_of(value, numbers):
@@ -227,8 +243,36 @@ def _rope_scaling(metadata, arch, tensor_names, rope_factors, head_dim):
     if kind == "linear":
         factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
         return ("linear", bounded_float(factor, f"{arch}.rope.scaling.factor", GGUFError))
-    raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear' "
-                    "and Llama 3.1's rope_freqs.weight")
+    if kind == "yarn":
+        return _yarn(metadata, arch)
+    raise GGUFError(f"RoPE scaling {arch}.rope.scaling.type={kind!r} is not supported; kvref reads 'linear', "
+                    "'yarn' and Llama 3.1's rope_freqs.weight")
+
+
+# YaRN keys whose meaning kvref does not compute (DeepSeek's log multiplier, llama.cpp's own factor knobs)
+YARN_REFUSED_KEYS = ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor",
+                     "rope.scaling.yarn_attn_factor")
+
+
+def _yarn(metadata, arch):
+    # llama.cpp's YaRN (ggml's rope_yarn): factor and original_context_length from the file, beta_fast and
+    # beta_slow defaulting to 32 and 1, the correction range always truncated to whole pairs (floor, ceil:
+    # ggml_rope_yarn_corr_dims; transformers' truncate flag has no key), attention factor 1 + 0.1 ln(factor)
+    refused = [f"{arch}.{k}" for k in YARN_REFUSED_KEYS if f"{arch}.{k}" in metadata]
+    if refused:
+        raise GGUFError(f"YaRN RoPE with {', '.join(refused)} is not supported")
+
+    def number(name, default=None):
+        value = metadata.get(f"{arch}.rope.scaling.{name}", default)
+        if value is None:
+            raise GGUFError(f"metadata key {arch}.rope.scaling.{name} is missing (YaRN RoPE needs it)")
+        return bounded_float(value, f"{arch}.rope.scaling.{name}", GGUFError)
+
+    factor = number("factor")
+    original = bounded_int(metadata.get(f"{arch}.rope.scaling.original_context_length"),
+                           f"{arch}.rope.scaling.original_context_length", 1, CONFIG_CEILINGS["max_seq_len"], GGUFError)
+    return ("yarn", factor, number("yarn_beta_fast", 32.0), number("yarn_beta_slow", 1.0), original,
+            spec_ops.yarn_attention_factor(factor), True)
 
 
 def _longrope(arch, tensor_names, factors, head_dim, other_scaling, original):
@@ -255,7 +299,8 @@ def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
     X, Fx = config.n_experts, config.experts_d_ff
     per_layer = {
         "attn_norm.weight": (E,), "attn_q.weight": (config.q_dim, E), "attn_k.weight": (config.kv_dim, E),
-        "attn_v.weight": (config.kv_dim, E), "attn_output.weight": (E, config.q_dim), "ffn_norm.weight": (E,),
+        "attn_v.weight": (config.kv_dim, E), "attn_output.weight": (E, config.q_dim),
+        f"{FFN_NORM.get(architecture, 'ffn_norm')}.weight": (E,),
     }
     dense = {"ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)}
     if architecture in FUSED:  # Phi-3: Q, K, V in one tensor, gate and up in another
@@ -275,6 +320,14 @@ def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
         per_layer.update({"attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,)})
     if config.sandwich_norms:
         per_layer.update({"post_attention_norm.weight": (E,), "post_ffw_norm.weight": (E,)})
+    if config.attention_sinks:
+        per_layer["attn_sinks.weight"] = (config.n_heads,)
+    if config.attention_out_bias:
+        per_layer["attn_output.bias"] = (E,)
+    if config.router_bias:
+        experts["ffn_gate_inp.bias"] = (X,)
+    if config.expert_bias:
+        experts.update({"ffn_gate_exps.bias": (X, Fx), "ffn_up_exps.bias": (X, Fx), "ffn_down_exps.bias": (X, E)})
     shapes = {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
     if not config.tie_embeddings:
         shapes["output.weight"] = (V, E)
@@ -334,9 +387,14 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
     for i in range(config.n_layers):
         names = {field: f"blk.{i}.{name}.weight" for field, name in LAYER_TENSORS.items()
                  if not (fused and field in ("wq", "wk", "wv", "w_gate", "w_up"))}
+        names["ffn_norm"] = f"blk.{i}.{FFN_NORM.get(architecture, 'ffn_norm')}.weight"
         if config.moe_layer(i):
             names = {field: name for field, name in names.items() if field not in DENSE_MLP_TENSORS}
             names.update({field: f"blk.{i}.{name}.weight" for field, name in EXPERT_TENSORS.items()})
+            for present, tensors in ((config.router_bias, ROUTER_BIAS_TENSORS), (config.expert_bias, EXPERT_BIAS_TENSORS)):
+                names.update({field: f"blk.{i}.{name}" for field, name in tensors.items() if present})
+        for present, tensors in ((config.attention_sinks, SINK_TENSORS), (config.attention_out_bias, OUT_BIAS_TENSORS)):
+            names.update({field: f"blk.{i}.{name}" for field, name in tensors.items() if present})
         latent = latent_layer(config, tensor, i) if config.latent else {}
         for field in latent:
             names.pop(field, None)  # MLA's attention tensors come from latent_layer

@@ -4,7 +4,7 @@
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
 Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, the
-mixtures of experts qwen3_moe and mixtral, and deepseek_v2 and deepseek_v3 whose layers are all dense
+mixtures of experts qwen3_moe, mixtral and gpt_oss, and deepseek_v2 and deepseek_v3 whose layers are all dense
 (multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores
 differently from what the decoder reads is converted here, once, so the decoder never needs to know
 where a model came from:
@@ -24,6 +24,8 @@ where a model came from:
     llama.cpp chooses by its context size; transformers instead picks per call, by the highest
     position of that call, so below original_max_position_embeddings it rotates with the short set
     even when max_position_embeddings is larger (kvref then uses the long one; see docs/architectures.md).
+  - gpt-oss's experts multiply from the left with gate and up interleaved (gpt_oss_experts): split
+    and transposed to out x in stacks.
   - Experts. A checkpoint stores one matrix per expert (`mlp.experts.{j}.gate_proj.weight`; Mixtral's
     `block_sparse_moe.experts.{j}.w1.weight`); they are stacked into the [X, Fx, E] tensors of
     LayerWeights, the layout GGUF files store.
@@ -31,8 +33,8 @@ where a model came from:
     checkpoint with rope_interleave false rotates half-split pairs, and the rotated rows of each query
     head and of the shared key are reordered as above.
 
-Anything this module does not compute exactly (RoPE types other than default, linear, llama3 and
-longrope; partial rotary; scaling that differs between layer types; biases on the output or MLP
+Anything this module does not compute exactly (RoPE types other than default, linear, llama3,
+longrope and yarn; partial rotary; scaling that differs between layer types; biases on the output or MLP
 projections, logit soft-capping outside Gemma, sliding windows on some Qwen and SmolLM3 layers) is
 refused with a ConfigError naming the field, never ignored.
 """
@@ -46,11 +48,12 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, ShapeError
 from ..limits import CONFIG_CEILINGS, bounded_float, bounded_int, check_layer_count
+from ..spec import ops as spec_ops
 from ..weights import LayerWeights, Weights
 from .architectures import half_split_to_adjacent
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral",
-            "deepseek_v2", "deepseek_v3")
+            "deepseek_v2", "deepseek_v3", "gpt_oss")
 GEMMAS = ("gemma2", "gemma3_text")
 # the sliding-window pattern of Gemma config.json files without layer_types: every n-th layer global
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
@@ -87,6 +90,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         head_dim = latent.pop("head_dim")
     gemma = family in GEMMAS
     thetas, scaling, rope_attention_factor = _rope(hf, family, head_dim)
+    gpt_oss = family == "gpt_oss"
     windows = _layer_windows(hf, family, n_layers)
     attention_scale = _float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None
     if rope_attention_factor != 1.0:  # LongRoPE's m on q and k: m**2 on every score
@@ -101,7 +105,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(d_model ** 0.5)) if gemma else 1.0,
-        activation="gelu_tanh" if gemma else "silu",
+        activation="gelu_tanh" if gemma else "swiglu_oai" if gpt_oss else "silu",
         attention_scale=attention_scale,
         layer_windows=windows,
         rope_local_theta=thetas["sliding_attention"] if windows is not None and family == "gemma3_text" else None,
@@ -109,6 +113,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         attn_softcap=_softcap(hf, "attn_logit_softcapping") if gemma else None,
         final_softcap=_softcap(hf, "final_logit_softcapping") if gemma else None,
         nope_layers=_nope_layers(hf, n_layers) if family == "smollm3" else (),
+        attention_sinks=gpt_oss,
+        attention_out_bias=gpt_oss and _bool(hf, "attention_bias", False),
         **_experts(hf, family),
         **latent,
     )
@@ -116,12 +122,15 @@ def _config_from_hf(hf: dict) -> ModelConfig:
 
 def _experts(hf, family):
     # the ModelConfig fields of a mixture of experts ({} for a dense family)
-    if family not in EXPERT_TENSORS:
+    if family not in EXPERT_TENSORS and family != "gpt_oss":
         return {}
     name = "num_experts" if "num_experts" in hf else "num_local_experts"  # older Qwen3-MoE configs: num_experts
     fields = {"n_experts": _int(hf, name, "n_experts"), "n_experts_used": _int(hf, "num_experts_per_tok", "n_experts")}
     if family == "mixtral":  # every layer: experts intermediate_size wide, the chosen scores renormalised
         return {**fields, "expert_d_ff": _int(hf, "intermediate_size", "d_ff"), "norm_topk_prob": True}
+    if family == "gpt_oss":  # softmax over the k best logits: the renormalised top-k of the softmax; biases
+        return {**fields, "expert_d_ff": _int(hf, "intermediate_size", "d_ff"), "norm_topk_prob": True,
+                "router_bias": True, "expert_bias": True}
     if hf.get("mlp_only_layers", []) != [] or hf.get("decoder_sparse_step", 1) != 1:
         raise ConfigError(f"this qwen3_moe checkpoint has dense layers (mlp_only_layers={hf.get('mlp_only_layers')!r}, "
                           f"decoder_sparse_step={hf.get('decoder_sparse_step')!r}), which kvref does not compute yet; "
@@ -231,7 +240,9 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
             ffn_norm=norm(p + "pre_feedforward_layernorm.weight", E) if gemma else post_attention,
             w_gate=None, w_up=None, w_down=None,
         )
-        if c.moe_layer(i):
+        if c.moe_layer(i) and hf["model_type"] == "gpt_oss":
+            gpt_oss_experts(lw, get, p + "mlp.", c)
+        elif c.moe_layer(i):
             module, (gate, up, down) = EXPERT_TENSORS[hf["model_type"]]
             lw.router = get(f"{p}{module}.gate.weight", (c.n_experts, E))
             lw.experts_gate = experts(f"{p}{module}.experts.{{}}.{gate}.weight", (Fx, E))
@@ -254,10 +265,31 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         if c.sandwich_norms:
             lw.post_attn_norm = post_attention
             lw.post_ffn_norm = norm(p + "post_feedforward_layernorm.weight", E)
+        if c.attention_sinks:
+            lw.sinks = get(attn + "sinks", (c.n_heads,))  # one per query head: no RoPE pair order to change
+        if c.attention_out_bias:
+            lw.bo = get(attn + "o_proj.bias", (E,))
         layers.append(lw)
     embeddings = get("model.embed_tokens.weight", (c.vocab_size, E))
     output = embeddings if c.tie_embeddings else get("lm_head.weight", (c.vocab_size, E))
     return config, Weights(embeddings, layers, norm("model.norm.weight", E), output)
+
+
+def gpt_oss_experts(lw, get, mlp, c):
+    # gpt-oss's MoE tensors -> the decoder's: its router (mlp.router, with a bias), and its experts as two
+    # stacks that multiply from the left (x @ W): gate_up_proj [X, E, 2 Fx], gate in the even columns and up
+    # in the odd ones, and down_proj [X, Fx, E], each with a bias. Split and transposed once, here, to the
+    # [X, Fx, E] and [X, E, Fx] stacks (out x in) every other family's experts are.
+    X, E, Fx = c.n_experts, c.d_model, c.experts_d_ff
+    lw.router, lw.router_bias = get(mlp + "router.weight", (X, E)), get(mlp + "router.bias", (X,))
+    gate_up = get(mlp + "experts.gate_up_proj", (X, E, 2 * Fx))
+    gate_up_bias = get(mlp + "experts.gate_up_proj_bias", (X, 2 * Fx))
+    lw.experts_gate = np.ascontiguousarray(gate_up[:, :, 0::2].transpose(0, 2, 1))  # [X, Fx, E]
+    lw.experts_up = np.ascontiguousarray(gate_up[:, :, 1::2].transpose(0, 2, 1))  # [X, Fx, E]
+    lw.experts_gate_bias = np.ascontiguousarray(gate_up_bias[:, 0::2])  # [X, Fx]
+    lw.experts_up_bias = np.ascontiguousarray(gate_up_bias[:, 1::2])  # [X, Fx]
+    lw.experts_down = np.ascontiguousarray(get(mlp + "experts.down_proj", (X, Fx, E)).transpose(0, 2, 1))  # [X, E, Fx]
+    lw.experts_down_bias = get(mlp + "experts.down_proj_bias", (X, E))
 
 
 def _int(hf, name, field, default=None):
@@ -284,12 +316,18 @@ def _refuse(hf, family):
         "attention_bias (on the output projection too)": family in ("llama", "smollm3", "gemma2")
         and hf.get("attention_bias", False),
         "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
+        # DeepSeek's attention also scales its scores by mscale_all_dim's factor squared, beyond YaRN's own
+        "RoPE type 'yarn' (DeepSeek's, with its extra score scale)": family in LATENT_FAMILIES
+        and (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_type") == "yarn",
         "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
         "use_sliding_window (Qwen, SmolLM3)": family in ("qwen2", "qwen3", "qwen3_moe", "smollm3")
         and hf.get("use_sliding_window", False),
     }
+    if family == "gpt_oss":  # its experts' clamped SwiGLU has these constants built into swiglu_oai
+        for name, value in (("swiglu_alpha", spec_ops.SWIGLU_OAI_ALPHA), ("swiglu_limit", spec_ops.SWIGLU_OAI_LIMIT)):
+            unsupported[f"{name}={hf.get(name)!r} (expected {value})"] = hf.get(name, value) != value
     act = hf.get("hidden_activation" if gemma else "hidden_act")
     expected = "gelu_pytorch_tanh" if gemma else "silu"
     unsupported[f"activation {act!r} (expected {expected!r})"] = act not in (None, expected)
@@ -383,8 +421,32 @@ def _plain_rope_scaling(p, kind, kind_of):
     if kind_of == "llama3":
         return ("llama3", number("factor"), number("low_freq_factor"), number("high_freq_factor"),
                 _int(p, "original_max_position_embeddings", "max_seq_len"))
+    if kind_of == "yarn":
+        return _yarn(p, number)
     raise ConfigError(f"RoPE type {kind_of!r} ({kind}) is not computed by kvref yet; it computes the default "
-                      "RoPE and the linear, llama3 and longrope scalings")
+                      "RoPE and the linear, llama3, longrope and yarn scalings")
+
+
+def _yarn(p, number):
+    # transformers' reading of YaRN parameters (_compute_yarn_parameters): beta_fast and beta_slow default
+    # to 32 and 1 (also when 0 or null), truncate to true; an absent attention_factor follows from factor,
+    # and from mscale and mscale_all_dim when both are given (DeepSeek)
+    factor = number("factor")
+
+    def optional(name, default):
+        return number(name) if p.get(name) else default
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = spec_ops.yarn_attention_factor(factor, optional("mscale", None),
+                                                          optional("mscale_all_dim", None))
+    else:
+        attention_factor = number("attention_factor")
+    truncate = p.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"config.json RoPE truncate={truncate!r} must be true or false")
+    return ("yarn", factor, optional("beta_fast", 32.0), optional("beta_slow", 1.0),
+            _int(p, "original_max_position_embeddings", "max_seq_len"), attention_factor, truncate)
 
 
 def _float_field(p, kind, name):
@@ -398,12 +460,12 @@ def _layer_windows(hf, family, n_layers):
     window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", "max_seq_len")
     if family in ("mistral", "mixtral", "phi3"):  # transformers windows every layer of these (llama.cpp runs Phi-3 without)
         return None if window is None else (window,) * n_layers
-    if family not in GEMMAS:
+    if family not in (*GEMMAS, "gpt_oss"):
         return None
     kinds = hf.get("layer_types")
-    if kinds is None:  # older config.json files: every pattern-th layer is global
+    if kinds is None:  # older config.json files: every pattern-th layer is global (gpt-oss: every other)
         name = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
-        pattern = _int(hf, name, "n_layers", GEMMA_GLOBAL_EVERY[family])
+        pattern = _int(hf, name, "n_layers", {**GEMMA_GLOBAL_EVERY, "gpt_oss": 2}[family])
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
     if (not isinstance(kinds, list) or len(kinds) != n_layers
             or any(k not in ("full_attention", "sliding_attention") for k in kinds)):

@@ -20,12 +20,14 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     then attend), so no query reads a slot a later position overwrote.
 
 Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU or GeGLU, the score scale, the score and final-logit soft
+sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
+included), sink logits, the score and final-logit soft
 caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
 the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
 passes), or none on a NoPE layer.
 
-Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
+An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model runs the shared
+decoder over the native kernels. Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
 computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
 window cache stages its writes, float64 K/V, ...).
 
@@ -89,8 +91,8 @@ ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
-GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH}
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks")
+GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
 def config_problem(config) -> str | None:
@@ -98,6 +100,8 @@ def config_problem(config) -> str | None:
     native kernels."""
     if config.n_experts:
         return "the fused C forward does not run mixtures of experts (their experts run on the native kernels)"
+    if config.attention_out_bias:
+        return "the fused C forward has no attention output bias (attention_out_bias)"
     return None
 
 
@@ -150,7 +154,8 @@ class FusedForward:
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
-                        ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms)]
+                        ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms),
+                        ("sinks", c.n_heads, c.attention_sinks)]
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
@@ -162,7 +167,7 @@ class FusedForward:
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
         desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
-        desc.attention_scale = native_ops.attention_scale(c.attention_scale, D)
+        desc.attention_scale = native_ops.attention_scale(c.score_scale, D)
         desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
         desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]

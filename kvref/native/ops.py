@@ -5,9 +5,10 @@
     rms_norm(x, weight, eps)                         [T, E], [E] -> [T, E]
     rope(x, positions, theta, scaling=None)          [T, nh, D], [T] -> [T, nh, D]
     attention(q, k, v, q_positions, k_positions,     [T, H, D], [S, Hkv, D] x2, [T], [S] -> [T, H, D]
-              scale=None, window=None, softcap=None)
+              scale=None, window=None, softcap=None, sinks=None)  (sinks: [H] sink logits, gpt-oss)
     swiglu(gate, up)                                 [T, F], [T, F] -> [T, F]
     geglu(gate, up)                                  [T, F], [T, F] -> [T, F]
+    swiglu_oai(gate, up)                             [T, F], [T, F] -> [T, F]  (gpt-oss's clamped SwiGLU)
     soft_cap(x, cap)                                 [...] -> [...]   (Gemma 2's final logits)
     matmul_experts(x, w, experts)                    [R, K], [X, N, K], [R] -> [R, N]  (row r through
         expert experts[r]'s matrix; each expert named read once, the others never)
@@ -16,7 +17,7 @@
 
 Activations are float32 (the kernels take and return float32 only). A weight is a float32 (or
 float16) ndarray in file layout, or a kvref.spec.ggml.QuantizedTensor of type F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K, multiplied straight from its blocks; an embedding table may be
+Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K or MXFP4, multiplied straight from its blocks; an embedding table may be
 quantized too (only the rows asked for are decoded). K/V for attention are float32 or float16
 arrays; `Kernels.cache_attention` reads a cache's K/V in place instead (any layout whose
 `cache.storage()` describes them: contiguous, paged, and per-layer rings), stored as float32,
@@ -72,7 +73,7 @@ from .descriptors import (KV_TYPES, KVDescriptor, cache_descriptor, in_place_pro
 
 #: GGML types the native matmul/embed read directly
 WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-                GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K)
+                GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.MXFP4)
 
 ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.KVREF_ISA_AVX2,
         "avx512": lib.KVREF_ISA_AVX512}
@@ -192,6 +193,15 @@ def attention_window(window) -> int:
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
         raise ConfigError(f"window={window!r} must be None or a positive integer")
     return int(window)
+
+
+def attention_sinks(sinks, n_heads):
+    """Sink logits as C takes them: a C-contiguous float32 [n_heads] array (a copy if needed; float16/64
+    values are rounded to float32 as the spec's float32 softmax rounds them). ShapeError otherwise."""
+    if not isinstance(sinks, np.ndarray) or sinks.dtype.kind != "f" or sinks.shape != (n_heads,):
+        shape = getattr(sinks, "shape", type(sinks).__name__)
+        raise ShapeError(f"sinks must be a float array of one logit per query head, shape ({n_heads},); got {shape}")
+    return np.ascontiguousarray(sinks, dtype=_F32)
 
 
 def _prefix_of(v, k) -> bool:
@@ -397,7 +407,7 @@ def reset_default():
 # ---- the kernel set -----------------------------------------------------------------------
 
 class Kernels:
-    """embed, matmul, rms_norm, rope, attention, swiglu, geglu on one pool of `threads` threads."""
+    """embed, matmul, rms_norm, rope, attention, swiglu, geglu, swiglu_oai on one pool of `threads` threads."""
 
     def __init__(self, threads=None, isa=None):
         self.threads = _threads(threads)
@@ -513,8 +523,8 @@ class Kernels:
         check_status(status, "rope")
         return out
 
-    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-        # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S] -> [T, H, Dv]
+    def attention(self, q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+        # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S], [H] or None -> [T, H, Dv]
         _array(k, "k", (_F32, _F16), 3)
         if _prefix_of(v, k):  # MLA's latent values: the first Dv elements of each key, read in place
             v, v_dim = k, v.shape[-1]
@@ -529,10 +539,10 @@ class Kernels:
         kv = KVDescriptor(k[None], v[None], None, None, kv_type, kv_type, None,  # one layer, key s in slot s
                           v_dim=v_dim)
         return self._attention(q, kv, k.shape[0], k.shape[1], q_positions, k_positions, scale=scale, window=window,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
 
-    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None, softcap=None):
-        # [T, H, D], [T], a cache of `length` positions -> [T, H, D]
+    def cache_attention(self, q, q_positions, cache, layer, scale=None, window=None, softcap=None, sinks=None):
+        # [T, H, D], [T], a cache of `length` positions [H] or None -> [T, H, D]
         """Attention of q over every stored position of `layer`, reading the cache in place (its
         cache.storage(): a slot store, with a block table for a paged cache, or per-layer rings),
         K/V in float32, float16, bfloat16 or int8. A ring layer's keys are its slots, holding the
@@ -548,12 +558,13 @@ class Kernels:
             stale = k_positions < (held[0] if len(held) else cache.next_position)
             k_positions[stale] = np.iinfo(np.int64).max
         return self._attention(q, kv, k_positions.shape[0], cache.n_kv_heads, q_positions, k_positions, layer,
-                               scale, window, softcap)
+                               scale, window, softcap, sinks)
 
-    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None, softcap=None):
+    def _attention(self, q, kv, S, Hkv, q_positions, k_positions, layer=0, scale=None, window=None, softcap=None, sinks=None):
         _array(q, "q", (_F32,), 3)
         T, H, D = q.shape
         c_scale, c_window, c_softcap = attention_scale(scale, D), attention_window(window), attention_softcap(softcap)
+        c_sinks = ffi.NULL if sinks is None else ffi.from_buffer("float[]", attention_sinks(sinks, H))
         if D != kv.ptr.head_dim:
             raise ShapeError(f"q has head_dim {D}, the keys have {kv.ptr.head_dim}")
         if H % Hkv:
@@ -563,7 +574,7 @@ class Kernels:
         out = np.empty((T, H, kv.ptr.v_dim or D), dtype=_F32)  # [T, H, Dv]
         status = lib.kvref_attention(self._pool.ptr, ffi.from_buffer("float[]", q), T, H, D, kv.ptr, layer, S,
                                      ffi.from_buffer("int64_t[]", qp), ffi.from_buffer("int64_t[]", kp),
-                                     c_window, c_softcap, c_scale, ffi.from_buffer("float[]", out))
+                                     c_window, c_softcap, c_scale, c_sinks, ffi.from_buffer("float[]", out))
         check_status(status, "attention")
         return out
 
@@ -574,6 +585,10 @@ class Kernels:
     def geglu(self, gate, up):
         # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
         return self._glu(lib.kvref_geglu, "geglu", gate, up)
+
+    def swiglu_oai(self, gate, up):
+        # [T, F], [T, F] -> [T, F]  (any shape, elementwise)
+        return self._glu(lib.kvref_swiglu_oai, "swiglu_oai", gate, up)
 
     def soft_cap(self, x, cap):
         # [...] -> [...]: cap * tanh(x / cap) elementwise, a non-finite x kept (kvref.spec.ops.soft_cap)
@@ -624,9 +639,9 @@ def rope(x, positions, theta, scaling=None, *, threads=None):
     return kernels(threads).rope(x, positions, theta, scaling)
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, *, threads=None):
-    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H, D]
-    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window, softcap)
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None, *, threads=None):
+    # [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], [H] or None -> [T, H, D]
+    return kernels(threads).attention(q, k, v, q_positions, k_positions, scale, window, softcap, sinks)
 
 
 def swiglu(gate, up, *, threads=None):
@@ -639,10 +654,16 @@ def geglu(gate, up, *, threads=None):
     return kernels(threads).geglu(gate, up)
 
 
+def swiglu_oai(gate, up, *, threads=None):
+    # [T, F], [T, F] -> [T, F]
+    return kernels(threads).swiglu_oai(gate, up)
+
+
 def soft_cap(x, cap, *, threads=None):
     # [...] -> [...]
     return kernels(threads).soft_cap(x, cap)
 
 
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
-           "matmul", "matmul_experts", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu"]
+           "matmul", "matmul_experts", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu",
+           "swiglu_oai"]

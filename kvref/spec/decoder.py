@@ -81,7 +81,8 @@ def attention_block(ops, config: ModelConfig, lw: LayerWeights, x, execution, la
     q, k, v = project_qkv(ops, config, lw, x, positions, layer)  # [T, H, D], [T, Hkv, D] x2
     k_all, v_all, k_positions = execution.update(layer, k, v)  # [S, Hkv, D] x2, [S]; Q is never stored
     out = ops.attention(q, k_all, v_all, positions, k_positions,  # [T, H, D]
-                        scale=config.attention_scale, window=config.window(layer), softcap=config.attn_softcap)
+                        scale=config.score_scale, window=config.window(layer), softcap=config.attn_softcap,
+                        sinks=lw.sinks)
     return attention_output(ops, config, lw, out)  # [T, E]
 
 
@@ -105,12 +106,12 @@ def project_qkv(ops, config: ModelConfig, lw: LayerWeights, x, positions, layer)
 def project(ops, x, w, bias):
     # [T, K], [N, K], [N] or None -> [T, N]
     y = ops.matmul(x, w)
-    return y if bias is None else y + bias  # Qwen 2's Q, K, V biases
+    return y if bias is None else y + bias  # Qwen 2's Q, K, V biases; gpt-oss's on every attention projection
 
 
 def attention_output(ops, config: ModelConfig, lw: LayerWeights, out):
     # [T, H, D] -> [T, E]
-    y = ops.matmul(out.reshape(out.shape[0], -1), lw.wo)  # [T, E]
+    y = project(ops, out.reshape(out.shape[0], -1), lw.wo, lw.bo)  # [T, E]
     if config.sandwich_norms:  # Gemma 3 normalises the block's output too, before the residual add
         y = ops.rms_norm(y, lw.post_attn_norm, config.norm_eps)
     return y
@@ -133,9 +134,12 @@ def gated_mlp(ops, config: ModelConfig, h, w_gate, w_up, w_down):
     return ops.matmul(gated(ops, config, ops.matmul(h, w_gate), ops.matmul(h, w_up)), w_down)
 
 
+GATES = {"silu": "swiglu", "gelu_tanh": "geglu", "swiglu_oai": "swiglu_oai"}  # ModelConfig.activation -> kernel
+
+
 def gated(ops, config: ModelConfig, gate, up):
     # [R, F], [R, F] -> [R, F]: the gate of config.activation, one dispatch for dense MLPs and experts alike
-    return ops.swiglu(gate, up) if config.activation == "silu" else ops.geglu(gate, up)
+    return getattr(ops, GATES[config.activation])(gate, up)
 
 
 def moe(ops, config: ModelConfig, lw: LayerWeights, h):
@@ -225,8 +229,8 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
         rows = slice(bounds[b], bounds[b + 1])  # this sequence's new positions
         k_all, v_all, k_positions = execution.update(layer, k[rows], v[rows])  # [S_b, Hkv, D] x2, [S_b]
         out[rows] = ops.attention(q[rows], k_all, v_all, positions[rows], k_positions,  # [T_b, H, D]
-                                  scale=config.attention_scale, window=config.window(layer),
-                                  softcap=config.attn_softcap)
+                                  scale=config.score_scale, window=config.window(layer),
+                                  softcap=config.attn_softcap, sinks=lw.sinks)
     return attention_output(ops, config, lw, out)  # [N, E]
 
 

@@ -38,6 +38,7 @@ class GGMLType(enum.IntEnum):
     I64 = 27
     F64 = 28
     BF16 = 30
+    MXFP4 = 39
 
 
 QK_K = 256  # values per super-block of the K-quants
@@ -64,6 +65,7 @@ BLOCK_LAYOUT = {
     GGMLType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     GGMLType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
     GGMLType.Q8_K: (QK_K, 4 + QK_K + QK_K // 16 * 2),
+    GGMLType.MXFP4: (32, 1 + 16),
 }
 
 

@@ -52,6 +52,8 @@ def rope_frequencies(head_dim, theta, scaling=None):
     #       wavelengths longer than original / low_freq_factor are divided by factor, those shorter
     #       than original / high_freq_factor kept, and the band between blended linearly (Llama 3.1+)
     #   ("factors", (f_0, ...))                  frequency i / f_i (the llama3 blend, as GGUF files store it)
+    #   ("yarn", factor, beta_fast, beta_slow, original_max_positions, attention_factor, truncate)
+    #       see yarn_frequencies; the attention factor is not a frequency (ModelConfig.score_scale)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq
@@ -59,10 +61,41 @@ def rope_frequencies(head_dim, theta, scaling=None):
         return inv_freq / scaling[1]
     if scaling[0] == "factors":
         return inv_freq / np.asarray(scaling[1], dtype=np.float64)
+    if scaling[0] == "yarn":
+        return yarn_frequencies(inv_freq, theta, *scaling[1:5], truncate=scaling[6])
     _, factor, low, high, original = scaling
     wavelen = 2 * np.pi / inv_freq
     smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def yarn_frequencies(inv_freq, theta, factor, beta_fast, beta_slow, original, truncate):
+    # [D/2] -> [D/2] (YaRN, arXiv 2309.00071, as transformers computes it): pair i keeps its frequency
+    # when it turns more than beta_fast times over the original context, is divided by factor when it
+    # turns fewer than beta_slow times, and is blended linearly in pair index between the two.
+    D = 2 * inv_freq.shape[0]
+
+    def pair_of(turns):  # the (fractional) pair index whose wave turns `turns` times over `original`
+        return D * np.log(original / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = pair_of(beta_fast), pair_of(beta_slow)
+    if truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against dividing by zero
+    ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # 0: kept, 1: divided
+    return ramp * inv_freq / factor + (1 - ramp) * inv_freq
+
+
+def yarn_attention_factor(factor, mscale=None, mscale_all_dim=None):
+    # YaRN's default attention factor when a config gives none (transformers' rule): 0.1 ln(factor) + 1
+    # (1 for factor <= 1), or with DeepSeek's mscale and mscale_all_dim the ratio of that rule's values
+    # with each as the coefficient of ln(factor)
+    def m(coefficient):
+        return 1.0 if factor <= 1 else 0.1 * coefficient * np.log(factor) + 1.0
+
+    return float(m(mscale) / m(mscale_all_dim)) if mscale and mscale_all_dim else float(m(1.0))
 
 
 def rope_angles(positions, head_dim, theta, dtype, scaling=None):
@@ -120,8 +153,8 @@ def soft_cap(x, cap):
         return np.where(np.isfinite(x), c * np.tanh(x / c), x)
 
 
-def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-    # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S] -> [T, H, Dv]; Dv == D but in MLA (decoder.latent_attention_block)
+def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+    # [T, H, D], [S, Hkv, D], [S, Hkv, Dv], [T], [S], sinks [H] or None -> [T, H, Dv]; Dv == D but in MLA (decoder.latent_attention_block)
     # Causal by position, not by index: query at position p sees every stored key at a position
     # <= p, and with a layer window W only those > p - W (its last W positions, itself included),
     # whatever the cache holds and however the input was split into executions. The cache decides
@@ -129,6 +162,9 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softca
     # GQA without copying K/V: query head h reads kv head h // G, expressed as a group axis.
     # scale: what scores are multiplied by; None: 1/sqrt(D). softcap: scaled scores -> soft_cap(scores,
     # softcap) before the mask and softmax (Gemma 2); None: as they are.
+    # sinks (gpt-oss): one learned logit per query head that joins every softmax of that head as a
+    # score with no value: it takes probability mass away from the keys, so a head may attend to
+    # "nothing". Not the sink *positions* a window cache keeps (docs/cache-layouts.md).
     #
     # Non-finite values are never hidden, and a key a query does not see never reaches it:
     #   - a query head whose scores over the keys it sees include a non-finite one (NaN, +inf or
@@ -136,7 +172,8 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softca
     #   - otherwise its probabilities are finite, and output element i is NaN exactly when the
     #     value element i of a key it sees is not finite (the weighted sum is NaN, never +-inf);
     #   - a key it does not see contributes nothing, whatever its K and V hold (0 x NaN is never
-    #     formed), and a query that sees no key outputs zeros.
+    #     formed), and a query that sees no key outputs zeros;
+    #   - a sink logit is one more score the head sees: a non-finite one makes the head NaN.
     # Finite values whose weighted sums overflow float32 are outside the rule (and any model).
     T, H, D = q.shape
     S, Hkv, _ = k.shape
@@ -150,12 +187,12 @@ def attention(q, k, v, q_positions, k_positions, scale=None, window=None, softca
             scores = (qg @ kh[:, None]) * np.asarray(scale, dtype=q.dtype)  # [Hkv, G, T, S]
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, v.shape[-1])
+    return attend(scores, v, q_positions, k_positions, window, sinks).reshape(T, H, v.shape[-1])
 
 
-def attend(scores, v, q_positions, k_positions, window=None):
-    # [Hkv, G, T, S] scores, [S, Hkv, Dv], [T], [S] -> [T, Hkv, G, Dv]: attention's masking, softmax and
-    # weighted sum of values, with its rule for non-finite values (see `attention`)
+def attend(scores, v, q_positions, k_positions, window=None, sinks=None):
+    # [Hkv, G, T, S] scores, [S, Hkv, Dv], [T], [S], [H] or None -> [T, Hkv, G, Dv]: attention's masking,
+    # softmax (with the sink logits in its denominator) and weighted sum of values, with its rule for non-finite values (see `attention`)
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     k_pos, q_pos = np.asarray(k_positions)[None, :], np.asarray(q_positions)[:, None]
     visible = k_pos <= q_pos  # [T, S]
@@ -164,7 +201,13 @@ def attend(scores, v, q_positions, k_positions, window=None):
     scores = np.where(np.isfinite(scores), scores, np.nan)  # a seen -inf must not look masked
     scores = np.where(visible, scores, -np.inf)
     bad_v = ~np.isfinite(vh)  # [Hkv, S, D]
-    p = softmax(scores)  # [Hkv, G, T, S], 0 at every key not seen
+    if sinks is None:
+        p = softmax(scores)  # [Hkv, G, T, S], 0 at every key not seen
+    else:  # the sink is a last column of scores, seen by every query; its probability multiplies no value
+        Hkv, G, T, _ = scores.shape
+        sink = np.asarray(sinks, dtype=scores.dtype).reshape(Hkv, G, 1, 1)
+        sink = np.broadcast_to(np.where(np.isfinite(sink), sink, np.nan), (Hkv, G, T, 1))
+        p = softmax(np.concatenate([scores, sink], axis=-1))[..., :-1]  # [Hkv, G, T, S]
     out = p @ np.where(bad_v, 0, vh)[:, None]  # [Hkv, G, T, D]: 0 x V only ever with V finite
     if bad_v.any():  # NaN where a seen key's value element is not finite
         seen_bad = visible.astype(np.float32) @ bad_v.astype(np.float32) > 0  # [Hkv, T, D]
@@ -211,15 +254,15 @@ def int8_key_scores(q, k8, k_scales, scale=None):
     return scores
 
 
-def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None, softcap=None):
-    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, Dv] float, [T], [S] -> [T, H, Dv]
+def attention_int8_keys(q, k8, k_scales, v, q_positions, k_positions, scale=None, window=None, softcap=None, sinks=None):
+    # [T, H, D], [S, Hkv, D] int8, [S, Hkv, D/g] float32, [S, Hkv, Dv] float, [T], [S], [H] -> [T, H, Dv]
     # The attention the native kernels compute over an int8 K: `attention` with the scores of
     # int8_key_scores (the query rounded to 8 bits per group) in place of q . k over the decoded K.
     T, H, D = q.shape
     scores = int8_key_scores(q, k8, k_scales, scale)  # [Hkv, G, T, S]
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    return attend(scores, v, q_positions, k_positions, window).reshape(T, H, v.shape[-1])
+    return attend(scores, v, q_positions, k_positions, window, sinks).reshape(T, H, v.shape[-1])
 
 
 def sigmoid(x):
@@ -246,3 +289,16 @@ def gelu_tanh(x):
 def geglu(gate, up):
     # [T, F], [T, F] -> [T, F]: Gemma's gated MLP, GELU (tanh form) in place of SiLU
     return gelu_tanh(gate) * up
+
+
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss: the gain inside its sigmoid (x sigmoid(1.702 x) is GELU's sigmoid form)
+SWIGLU_OAI_LIMIT = 7.0  # gpt-oss: gate clamped above at it, up to [-it, it]
+
+
+def swiglu_oai(gate, up):
+    # [T, F], [T, F] -> [T, F]: gpt-oss's clamped SwiGLU, min(gate, L) sigmoid(alpha min(gate, L))
+    # (clip(up, -L, L) + 1). The clamps keep a NaN a NaN (np.minimum and np.clip propagate it).
+    alpha, limit = (np.asarray(c, dtype=gate.dtype) for c in (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+    g = np.minimum(gate, limit)
+    u = np.clip(up, -limit, limit)
+    return g * (0.5 * (1.0 + np.tanh(0.5 * (alpha * g)))) * (u + np.asarray(1.0, dtype=up.dtype))

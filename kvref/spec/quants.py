@@ -105,6 +105,25 @@ def dequantize_q5_1(blocks):
     return d * q.astype(np.float32) + m
 
 
+# MXFP4 (OCP microscaling FP4, gpt-oss's experts): each 4-bit code is an E2M1 float (sign, 2-bit exponent,
+# 1-bit mantissa) and the block shares one E8M0 scale, a power of two. ggml stores each value doubled, so
+# that it is an integer, and halves the scale to match: value = 2**(e - 128) * MXFP4_VALUES[code].
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def e8m0_half(e):
+    # uint8 [...] -> float32 [...]: 2**(e - 128), exact (e = 0 and 1 give float32 subnormals)
+    return np.ldexp(np.float32(1), e.astype(np.int32) - 128).astype(np.float32)
+
+
+def dequantize_mxfp4(blocks):
+    # [n, 17] -> [n, 32]
+    n = blocks.shape[0]
+    d = e8m0_half(blocks[:, 0:1])                 # [n, 1] the block's power-of-two scale
+    q = _unpack(blocks[:, 1:17], 4).reshape(n, 32)  # [n, 32] E2M1 codes, nibble order
+    return d * MXFP4_VALUES[q]                    # a power of two times a small integer: exact
+
+
 # ---- K-quants: 256-value super-blocks ----
 
 def dequantize_q2_k(blocks):
@@ -208,6 +227,7 @@ DEQUANTIZERS = {
     GGMLType.Q4_K: dequantize_q4_k,
     GGMLType.Q5_K: dequantize_q5_k,
     GGMLType.Q6_K: dequantize_q6_k,
+    GGMLType.MXFP4: dequantize_mxfp4,
 }
 
 

@@ -143,6 +143,11 @@ def _rope_scaling(scaling):
         _, factor, low, high, original = scaling
         return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                 "original_max_position_embeddings": original}
+    if scaling[0] == "yarn":
+        _, factor, beta_fast, beta_slow, original, attention_factor, truncate = scaling
+        return {"rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": beta_slow,
+                "original_max_position_embeddings": original, "attention_factor": attention_factor,
+                "truncate": truncate}
     raise ConfigError(f"RoPE scaling {scaling[0]!r} (a rope_freqs.weight tensor of divisors) has no Hugging Face "
                       "config field; this model cannot be exported")
 
