@@ -16,13 +16,16 @@
                                          attention as MQA (head_count_kv 1, key_length R + Dr,
                                          value_length R) and splits kv_b into attn_k_b [H, R, Dn]
                                          (W_UK transposed) and attn_v_b [H, Dv, R] (W_UV), which are
-                                         joined back into wkv_b here; only all-dense files are read
+                                         joined back into wkv_b here; blocks from
+                                         leading_dense_block_count on are mixtures
 
-A mixture of experts (`<arch>.expert_count`, in llama and qwen3moe files) stores each MoE layer's
-experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
+A mixture of experts (`<arch>.expert_count`, in llama, qwen3moe and deepseek2 files) stores each MoE
+layer's experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
 [X, E, Fx]) and its router as ffn_gate_inp [X, E]; llama.cpp renormalises the chosen experts' softmax
-scores for both architectures, and so does kvref. Keys of routers it does not read yet (shared
-experts, leading dense layers, sigmoid gating, expert groups, a weights scale) are refused by name.
+scores for llama and qwen3moe, and so does kvref. deepseek2 files say their router: leading dense
+blocks, a shared expert (ffn_*_shexp), softmax or sigmoid gating, expert groups scored by their two
+best (sigmoid only), a selection bias (exp_probs_b.bias), renormalisation and a weights scale. In
+llama and qwen3moe files those keys are refused by name.
 
 Gemma 2 and 3 files store their norm gains as 1 + w already. What they do not carry, llama.cpp assumes
 and so does kvref: a global layer after every windowed one (Gemma 2) or every 5 (Gemma 3), RoPE base

@@ -4,8 +4,8 @@
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
 Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, the
-mixtures of experts qwen3_moe and mixtral, and deepseek_v2 and deepseek_v3 whose layers are all dense
-(multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores
+mixtures of experts qwen3_moe and mixtral, and deepseek_v2 and deepseek_v3 (multi-head latent
+attention; mixtures from first_k_dense_replace on; docs/architectures.md has the tables of fields). What a checkpoint stores
 differently from what the decoder reads is converted here, once, so the decoder never needs to know
 where a model came from:
 
