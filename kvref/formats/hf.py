@@ -5,9 +5,9 @@
 
 Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, the
 mixtures of experts qwen3_moe and mixtral, and deepseek_v2 and deepseek_v3 (multi-head latent
-attention; mixtures from first_k_dense_replace on; docs/architectures.md has the tables of fields). What a checkpoint stores
-differently from what the decoder reads is converted here, once, so the decoder never needs to know
-where a model came from:
+attention, mixtures from first_k_dense_replace on; docs/architectures.md has the tables of fields).
+What a checkpoint stores differently from what the decoder reads is converted here, once, so the
+decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
     decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
@@ -59,8 +59,8 @@ EXPERT_TENSORS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                   "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                   "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                   "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
-# each DeepSeek family's router: config.json's scoring_func and topk_method as its reference code reads them
-#   -> the ModelConfig router fields; the groups' used count and the expert groups come from n_group/topk_group
+# (family, scoring_func, topk_method) -> the ModelConfig router fields, as DeepSeek's reference code routes;
+# a grouped router (expert_group_score) takes n_group and topk_group as its groups. The first of a family: its default
 DEEPSEEK_ROUTERS = {
     ("deepseek_v2", "softmax", "greedy"): {},
     ("deepseek_v2", "softmax", "group_limited_greedy"): {"expert_group_score": "max"},
@@ -149,11 +149,12 @@ def _deepseek_experts(hf, family, n_layers):
                         CONFIG_CEILINGS["n_layers"])
     if hf.get("n_routed_experts") in (None, 0) or dense >= n_layers:
         return {}
-    if hf.get("moe_layer_freq", 1) != 1:
+    freq = hf.get("moe_layer_freq", 1)
+    if freq != 1 or isinstance(freq, bool):
         raise ConfigError(f"this {family} checkpoint has moe_layer_freq={hf['moe_layer_freq']!r}, which kvref does "
                           "not compute; it reads a mixture in every layer from first_k_dense_replace on (1)")
     scoring, method = hf.get("scoring_func"), hf.get("topk_method")
-    default = next(key for key in DEEPSEEK_ROUTERS if key[0] == family)  # when config.json names neither
+    default = next(key for key in DEEPSEEK_ROUTERS if key[0] == family)  # for what config.json does not name
     router = (family, default[1] if scoring is None else scoring, default[2] if method is None else method)
     if router not in DEEPSEEK_ROUTERS:
         raise ConfigError(f"{family}: scoring_func={scoring!r} with topk_method={method!r} is not a router kvref "

@@ -148,9 +148,9 @@ def _deepseek_router(c) -> dict:
     method = "noaux_tc" if sigmoid else "group_limited_greedy" if c.n_expert_groups > 1 else "greedy"
     return {"first_k_dense_replace": c.first_dense_layers, "n_routed_experts": c.n_experts,
             "num_experts_per_tok": c.n_experts_used, "moe_intermediate_size": c.experts_d_ff,
-            "n_shared_experts": c.shared_expert_d_ff // c.experts_d_ff, "routed_scaling_factor": c.routed_scaling_factor,
-            "norm_topk_prob": c.norm_topk_prob, "scoring_func": "sigmoid" if sigmoid else "softmax",
-            "topk_method": method, "n_group": c.n_expert_groups, "topk_group": c.n_expert_groups_used}
+            "n_shared_experts": c.shared_expert_d_ff // c.experts_d_ff,
+            "routed_scaling_factor": c.routed_scaling_factor, "norm_topk_prob": c.norm_topk_prob,
+            "scoring_func": "sigmoid" if sigmoid else "softmax", "topk_method": method, "n_group": c.n_expert_groups, "topk_group": c.n_expert_groups_used}
 
 
 def _rope_scaling(scaling):
