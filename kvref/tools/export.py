@@ -150,7 +150,8 @@ def _deepseek_router(c) -> dict:
             "num_experts_per_tok": c.n_experts_used, "moe_intermediate_size": c.experts_d_ff,
             "n_shared_experts": c.shared_expert_d_ff // c.experts_d_ff,
             "routed_scaling_factor": c.routed_scaling_factor, "norm_topk_prob": c.norm_topk_prob,
-            "scoring_func": "sigmoid" if sigmoid else "softmax", "topk_method": method, "n_group": c.n_expert_groups, "topk_group": c.n_expert_groups_used}
+            "scoring_func": "sigmoid" if sigmoid else "softmax", "topk_method": method,
+            "n_group": c.n_expert_groups, "topk_group": c.n_expert_groups_used}
 
 
 def _rope_scaling(scaling):
