@@ -27,8 +27,10 @@ torch = require("torch")
 transformers = require("transformers")
 
 NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults past the tiny vocabulary
+# DeepSeek: layer 0 dense, layers 1 and 2 mixtures of 2 of 4 experts (2 groups of 2) beside one shared expert
 MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
-           first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+           first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+           n_shared_experts=1, n_group=2)
 # a tiny model of each family; windows (Mistral's on every layer, Gemma 3's on its local layers)
 # shorter than the prompts below, so the window changes what later positions see
 FAMILIES = {
@@ -78,10 +80,13 @@ FAMILIES = {
                                          moe_intermediate_size=20, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, head_dim=12, num_local_experts=5, num_experts_per_tok=2,
                                       sliding_window=5)),
-    # multi-head latent attention; every layer dense (first_k_dense_replace = num_hidden_layers) until MoE
-    # is computed. V2-Lite's one query projection; V3's low-rank query, half-split RoPE rows
-    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
-    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False)),
+    # multi-head latent attention and DeepSeek's mixtures. V2-Lite's one query projection and softmax router
+    # (its best group, as group_limited_greedy scores groups by their best expert; scaled, not renormalised);
+    # V3's low-rank query, half-split RoPE rows, sigmoid router with a selection bias (groups by their two best)
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None, topk_method="group_limited_greedy", topk_group=1,
+                                             routed_scaling_factor=1.5)),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=12, rope_interleave=False, topk_group=1,
+                                             norm_topk_prob=True)),
     # gpt-oss: sink logits, biases on every attention projection, the router and the experts, the clamped
     # SwiGLU, windows of 4 on alternate layers (its default layer_types), YaRN blending pairs 0..4 of 6
     "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
@@ -113,6 +118,9 @@ def hf_model(family, seed=0, **overrides):
                 p.mul_(4.0)
             if name.endswith("gate_up_proj"):  # gpt-oss: some gates and ups past its clamp limit of 7
                 p.mul_(40.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias: a buffer, zeros until set
+                b.copy_(0.3 * torch.randn_like(b))
     return model.eval()
 
 
@@ -204,8 +212,10 @@ def test_unsupported_checkpoints_are_refused_by_name():
     with pytest.raises(ConfigError, match="no_rope_layers"):
         config_from_hf({**config_json("smollm3"), "no_rope_layers": [1, 0, 1]})
     deepseek = config_json("deepseek_v3")
-    with pytest.raises(ConfigError, match="mixture-of-experts layers"):
-        config_from_hf({**deepseek, "first_k_dense_replace": 1})
+    with pytest.raises(ConfigError, match="moe_layer_freq=2"):
+        config_from_hf({**deepseek, "moe_layer_freq": 2})
+    with pytest.raises(ConfigError, match="scoring_func='softmax' with topk_method='noaux_tc'"):
+        config_from_hf({**deepseek, "scoring_func": "softmax", "topk_method": "noaux_tc"})
     with pytest.raises(ConfigError, match="RoPE type 'yarn'"):  # DeepSeek-V3's YaRN with mscale
         config_from_hf({**deepseek, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
                                                         "mscale": 1.0, "mscale_all_dim": 1.0}})
@@ -226,7 +236,7 @@ def test_every_family_on_the_native_backend_gives_transformers_logits_in_one_c_c
     assert model.backend == "c"
     if config.n_experts or config.latent:  # the shared decoder over the native kernels, which say why
         fallback = model.executor(model.new_cache()).fallback
-        assert "mixtures of experts" in fallback if config.n_experts else "latent attention" in fallback
+        assert "latent attention" in fallback if config.latent else "mixtures of experts" in fallback
     else:
         assert model.executor(model.new_cache()).fallback is None
         model.fused.reset_timings()
@@ -314,7 +324,9 @@ GGUF_EXPRESSIBLE = {"mistral": dict(sliding_window=None), "mixtral": dict(slidin
                     "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention"] * 5 + ["full_attention"]),
                     # deepseek2 files rotate adjacent pairs: the converter does not reorder rope_interleave=false
-                    "deepseek_v3": dict(rope_interleave=True)}
+                    "deepseek_v3": dict(rope_interleave=True),
+                    # nor V2's group_limited_greedy (llama.cpp scores a group by its two best): greedy
+                    "deepseek_v2": dict(topk_method="greedy")}
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
@@ -323,7 +335,8 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
               "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
               "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
-              "self_attn.kv_a_layernorm": "attn_kv_a_norm"}
+              "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+              "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 # a checkpoint's expert j matrices -> the one 3-D tensor of the layer's experts llama.cpp's converter stacks them into
 EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
@@ -346,7 +359,7 @@ def write_gguf(hf, family, path, expert_type=None):
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     if arch == "deepseek2":  # the latent attention as MQA over R + Dr wide keys, as the converter writes it
-        write_latent_metadata(writer, c)
+        write_latent_metadata(writer, c, gguf)
     else:
         writer.add_head_count_kv(c.num_key_value_heads)
         writer.add_key_length(head_dim)
@@ -414,7 +427,7 @@ def write_gguf(hf, family, path, expert_type=None):
     writer.close()
 
 
-def write_latent_metadata(writer, c):
+def write_latent_metadata(writer, c, gguf):
     # deepseek2's keys for a DeepSeek-V2/V3 config (llama.cpp's conversion/deepseek.py)
     writer.add_head_count_kv(1)
     writer.add_kv_lora_rank(c.kv_lora_rank)
@@ -425,6 +438,16 @@ def write_latent_metadata(writer, c):
     writer.add_rope_dimension_count(c.qk_rope_head_dim)
     writer.add_leading_dense_block_count(c.first_k_dense_replace)
     writer.add_expert_count(c.n_routed_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_count(c.n_shared_experts)
+    writer.add_expert_weights_scale(c.routed_scaling_factor)
+    writer.add_expert_weights_norm(c.norm_topk_prob)
+    sigmoid = c.model_type == "deepseek_v3"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if sigmoid:  # V2's groups (scored by their best expert) have no GGUF form (GGUF_EXPRESSIBLE)
+        writer.add_expert_group_count(c.n_group)
+        writer.add_expert_group_used_count(c.topk_group)
     writer.add_vocab_size(c.vocab_size)
     if c.q_lora_rank is not None:
         writer.add_q_lora_rank(c.q_lora_rank)
@@ -439,6 +462,8 @@ def gguf_name(name, gemma):
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
+    if kind == "e_score_correction_bias":
+        return f"blk.{layer}.exp_probs_b.bias"
     names = dict(GGUF_NAMES, **{"self_attn.kv_b_proj": "attn_kv_b"},
                  post_attention_layernorm="post_attention_norm" if gemma else "ffn_norm",
                  pre_feedforward_layernorm="ffn_norm")
@@ -536,7 +561,7 @@ def test_a_gguf_router_kvref_does_not_read_is_refused_by_name(tmp_path):
             kvref.formats.architectures.config_from_metadata({**metadata, f"qwen3moe.{key}": value}, names)
 
 
-def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_name():
+def test_a_deepseek2_gguf_router_kvref_does_not_compute_or_another_mqa_view_is_refused_by_name():
     from kvref.errors import GGUFError
     from kvref.formats.architectures import config_from_metadata
 
@@ -552,8 +577,13 @@ def test_a_deepseek2_gguf_with_expert_layers_or_another_mqa_view_is_refused_by_n
 
     config = config_from_metadata(metadata(), names)
     assert (config.kv_lora_rank, config.head_dim, config.n_kv_heads, config.q_lora_rank) == (16, 14, 4, None)
-    with pytest.raises(GGUFError, match="mixture-of-experts"):
-        config_from_metadata(metadata(leading_dense_block_count=1), names)
+    assert config.n_experts == 0  # 3 leading dense blocks of 3
+    moe = dict(leading_dense_block_count=1, expert_used_count=2, expert_feed_forward_length=8)
+    assert config_from_metadata(metadata(**moe), names).first_dense_layers == 1
+    with pytest.raises(GGUFError, match="expert_gating_func=3"):
+        config_from_metadata(metadata(**moe, expert_gating_func=3), names)
+    with pytest.raises(GGUFError, match="expert_group_count=2 with softmax gating"):  # V2's group_limited_greedy
+        config_from_metadata(metadata(**moe, expert_group_count=2, expert_group_used_count=1), names)
     with pytest.raises(GGUFError, match="MQA view"):
         config_from_metadata(metadata(**{"attention.value_length": 10}), names)
 

@@ -16,13 +16,16 @@
                                          attention as MQA (head_count_kv 1, key_length R + Dr,
                                          value_length R) and splits kv_b into attn_k_b [H, R, Dn]
                                          (W_UK transposed) and attn_v_b [H, Dv, R] (W_UV), which are
-                                         joined back into wkv_b here; only all-dense files are read
+                                         joined back into wkv_b here; blocks from
+                                         leading_dense_block_count on are mixtures
 
-A mixture of experts (`<arch>.expert_count`, in llama and qwen3moe files) stores each MoE layer's
-experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
+A mixture of experts (`<arch>.expert_count`, in llama, qwen3moe and deepseek2 files) stores each MoE
+layer's experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps [X, Fx, E]; ffn_down_exps
 [X, E, Fx]) and its router as ffn_gate_inp [X, E]; llama.cpp renormalises the chosen experts' softmax
-scores for both architectures, and so does kvref. Keys of routers it does not read yet (shared
-experts, leading dense layers, sigmoid gating, expert groups, a weights scale) are refused by name.
+scores for llama and qwen3moe, and so does kvref. deepseek2 files say their router: leading dense
+blocks, a shared expert (ffn_*_shexp), softmax or sigmoid gating, expert groups scored by their two
+best (sigmoid only), a selection bias (exp_probs_b.bias), renormalisation and a weights scale. In
+llama and qwen3moe files those keys are refused by name.
 
 Gemma 2 and 3 files store their norm gains as 1 + w already. What they do not carry, llama.cpp assumes
 and so does kvref: a global layer after every windowed one (Gemma 2) or every 5 (Gemma 3), RoPE base
@@ -58,12 +61,14 @@ GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30
 GEMMA2_27B_BLOCKS = 46  # llama.cpp's sign of Gemma 2 27B, whose query_pre_attn_scalar is d_model / n_heads
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's SmolLM3: layer i is NoPE if (i + 1) % 4 == 0
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
-MOE_ARCHITECTURES = ("llama", "qwen3moe", "gpt-oss")  # where <arch>.expert_count makes a mixture of experts
+MOE_ARCHITECTURES = ("llama", "qwen3moe", "gpt-oss", "deepseek2")  # where <arch>.expert_count makes a mixture of experts
 GPT_OSS_WINDOW_EVERY = 2  # llama.cpp's sliding-window pattern for gpt-oss: layer i is windowed if i % 2 == 0
 FFN_NORM = {"gpt-oss": "post_attention_norm"}  # the pre-MLP norm's name where it is not ffn_norm
 # router keys llama.cpp may write, which kvref does not read from GGUF yet -> the values that change nothing
 UNREAD_EXPERT_KEYS = {"expert_shared_count": (0,), "leading_dense_block_count": (0,), "expert_group_count": (0, 1),
                       "expert_gating_func": (0, 1), "expert_weights_scale": (0, 1)}  # gating func 1: softmax
+# deepseek2's expert_gating_func -> router_score; 0 (absent, as in the first V2 files): softmax, as llama.cpp reads it
+DEEPSEEK2_GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}
 
 # LayerWeights field -> GGUF tensor name within block i (the optional ones when the config asks)
 LAYER_TENSORS = {
@@ -82,6 +87,8 @@ OUT_BIAS_TENSORS = {"bo": "attn_output.bias"}  # config.attention_out_bias
 ROUTER_BIAS_TENSORS = {"router_bias": "ffn_gate_inp.bias"}  # config.router_bias
 EXPERT_BIAS_TENSORS = {"experts_gate_bias": "ffn_gate_exps.bias", "experts_up_bias": "ffn_up_exps.bias",
                        "experts_down_bias": "ffn_down_exps.bias"}  # config.expert_bias
+SHARED_EXPERT_TENSORS = {"shared_gate": "ffn_gate_shexp", "shared_up": "ffn_up_shexp", "shared_down": "ffn_down_shexp"}
+SELECTION_BIAS_TENSOR = "exp_probs_b"  # .bias: DeepSeek-V3's e_score_correction_bias
 ROTATED = ("wq", "wk", "bq", "bk", "q_norm", "k_norm")  # what RoPE rotates: rows in pair order
 FUSED = ("phi3",)  # attn_qkv rows [Q | K | V], ffn_up rows [gate | up]
 
@@ -172,12 +179,12 @@ def config_from_metadata(metadata: dict, tensor_names, rope_factors=None, longro
         nope_layers=tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NOPE_EVERY == 0) if arch == "smollm3" else (),
         attention_sinks=gpt_oss,
         attention_out_bias=gpt_oss,
-        **_experts(metadata, arch, integer),
+        **_experts(metadata, arch, integer, number, tensor_names),
         **latent,
     )
 
 
-def _experts(metadata, arch, integer):
+def _experts(metadata, arch, integer, number, tensor_names):
     # the ModelConfig fields of a mixture of experts ({} for a dense file: no expert_count, or 0)
     what = f"{arch}.expert_count"
     if arch not in MOE_ARCHITECTURES or what not in metadata:
@@ -185,6 +192,8 @@ def _experts(metadata, arch, integer):
     n_experts = bounded_int(metadata[what], what, 0, CONFIG_CEILINGS["n_experts"], GGUFError)
     if n_experts == 0:
         return {}
+    if arch == "deepseek2":
+        return _deepseek2_experts(metadata, arch, integer, number, tensor_names, n_experts)
     unread = [f"{arch}.{name}={metadata[f'{arch}.{name}']!r}" for name, plain in UNREAD_EXPERT_KEYS.items()
               if not _one_of(metadata.get(f"{arch}.{name}", plain[0]), plain)]
     if unread:
@@ -195,6 +204,37 @@ def _experts(metadata, arch, integer):
             "norm_topk_prob": True, **biases}
 
 
+def _deepseek2_experts(metadata, arch, integer, number, tensor_names, n_experts):
+    # DeepSeek-V2/V3's router: blocks from leading_dense_block_count on are mixtures beside a shared MLP
+    # (expert_shared_count experts wide); {} when every block is dense
+    n_layers = integer("block_count", "n_layers")
+    what = f"{arch}.leading_dense_block_count"
+    dense = bounded_int(metadata.get(what, 0), what, 0, CONFIG_CEILINGS["n_layers"], GGUFError)
+    if dense >= n_layers:
+        return {}
+    what = f"{arch}.expert_gating_func"
+    gating = metadata.get(what, 0)
+    if not _one_of(gating, DEEPSEEK2_GATING):
+        raise GGUFError(f"{what}={gating!r} is not a gating kvref computes; expected 1 (softmax) or 2 (sigmoid)")
+    score = DEEPSEEK2_GATING[int(gating)]
+    groups = {"n_expert_groups": integer("expert_group_count", "n_experts", 1),
+              "n_expert_groups_used": integer("expert_group_used_count", "n_experts", 1)}
+    if groups["n_expert_groups"] > 1 and score == "softmax":  # DeepSeek-V2's group_limited_greedy
+        raise GGUFError(f"{arch}.expert_group_count={groups['n_expert_groups']} with softmax gating is not read: "
+                        "DeepSeek-V2 scores a group by its best expert, llama.cpp by its two best")
+    norm = metadata.get(f"{arch}.expert_weights_norm", False)
+    if not isinstance(norm, (bool, np.bool_)):
+        raise GGUFError(f"{arch}.expert_weights_norm={norm!r} must be true or false")
+    Fx = integer("expert_feed_forward_length", "d_ff")
+    shared = bounded_int(metadata.get(f"{arch}.expert_shared_count", 0), f"{arch}.expert_shared_count", 0,
+                         CONFIG_CEILINGS["n_experts"], GGUFError)
+    return {"n_experts": n_experts, "n_experts_used": integer("expert_used_count", "n_experts"), "expert_d_ff": Fx,
+            "first_dense_layers": dense, "router_score": score, "expert_group_score": "top2_sum", **groups,
+            "expert_selection_bias": f"blk.{dense}.{SELECTION_BIAS_TENSOR}.bias" in tensor_names,
+            "norm_topk_prob": bool(norm), "routed_scaling_factor": number("expert_weights_scale", 1.0),
+            "shared_expert_d_ff": shared * Fx}
+
+
 def _one_of(value, numbers):
     # a metadata value is one of `numbers` (a number of any type, never a bool, string or array)
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value in numbers
@@ -202,11 +242,6 @@ def _one_of(value, numbers):
 
 def _latent_metadata(metadata, arch, integer) -> dict:
     # deepseek2's keys -> the ModelConfig MLA fields (and head_dim, a query head's Dn + Dr)
-    n_layers = integer("block_count", "n_layers")
-    dense = metadata.get(f"{arch}.leading_dense_block_count", n_layers)
-    if metadata.get(f"{arch}.expert_count") and not (isinstance(dense, (int, np.integer)) and dense >= n_layers):
-        raise GGUFError(f"this {arch} file has mixture-of-experts layers ({arch}.leading_dense_block_count={dense!r} "
-                        f"of {n_layers} blocks are dense), which kvref does not compute yet")
     R, rope = integer("attention.kv_lora_rank", "head_dim"), integer("rope.dimension_count", "head_dim")
     mqa = (integer("attention.key_length", "head_dim"), integer("attention.value_length", "head_dim"))
     if mqa != (R + rope, R):
@@ -310,6 +345,12 @@ def expected_shapes(config: ModelConfig, architecture: str = "llama") -> dict:
         dense = {"ffn_up.weight": (2 * F, E), "ffn_down.weight": (E, F)}
     experts = {"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, Fx, E), "ffn_up_exps.weight": (X, Fx, E),
                "ffn_down_exps.weight": (X, E, Fx)}
+    if config.shared_expert_d_ff:
+        Fs = config.shared_expert_d_ff
+        experts.update({"ffn_gate_shexp.weight": (Fs, E), "ffn_up_shexp.weight": (Fs, E),
+                        "ffn_down_shexp.weight": (E, Fs)})
+    if config.expert_selection_bias:
+        experts[f"{SELECTION_BIAS_TENSOR}.bias"] = (X,)
     if config.latent:
         del per_layer["attn_q.weight"], per_layer["attn_k.weight"], per_layer["attn_v.weight"]
         per_layer.update(latent_shapes(config))
@@ -393,6 +434,10 @@ def build_weights(config: ModelConfig, tensor, architecture: str = "llama") -> W
             names.update({field: f"blk.{i}.{name}.weight" for field, name in EXPERT_TENSORS.items()})
             for present, tensors in ((config.router_bias, ROUTER_BIAS_TENSORS), (config.expert_bias, EXPERT_BIAS_TENSORS)):
                 names.update({field: f"blk.{i}.{name}" for field, name in tensors.items() if present})
+            if config.shared_expert_d_ff:
+                names.update({field: f"blk.{i}.{name}.weight" for field, name in SHARED_EXPERT_TENSORS.items()})
+            if config.expert_selection_bias:
+                names["expert_selection_bias"] = f"blk.{i}.{SELECTION_BIAS_TENSOR}.bias"
         for present, tensors in ((config.attention_sinks, SINK_TENSORS), (config.attention_out_bias, OUT_BIAS_TENSORS)):
             names.update({field: f"blk.{i}.{name}" for field, name in tensors.items() if present})
         latent = latent_layer(config, tensor, i) if config.latent else {}

@@ -4,10 +4,10 @@
     weights_from_hf(config_json, tensors, dtype)     {HF tensor name: array} -> (ModelConfig, Weights)
 
 Families read: `model_type` llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 and smollm3, the
-mixtures of experts qwen3_moe, mixtral and gpt_oss, and deepseek_v2 and deepseek_v3 whose layers are all dense
-(multi-head latent attention; docs/architectures.md has the table of fields). What a checkpoint stores
-differently from what the decoder reads is converted here, once, so the decoder never needs to know
-where a model came from:
+mixtures of experts qwen3_moe, mixtral and gpt_oss, and deepseek_v2 and deepseek_v3 (multi-head latent
+attention, mixtures from first_k_dense_replace on; docs/architectures.md has the tables of fields).
+What a checkpoint stores differently from what the decoder reads is converted here, once, so the
+decoder never needs to know where a model came from:
 
   - RoPE pairs. Every HF checkpoint rotates the pairs (x[i], x[i + D/2]) (`rotate_half`); the
     decoder, like Llama GGUF files, rotates adjacent pairs (x[2i], x[2i+1]). Each head's Q and K
@@ -59,7 +59,17 @@ GEMMAS = ("gemma2", "gemma3_text")
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
 # a mixture's tensors in each MoE layer: (its MLP module, and the names of expert j's gate, up and down projections)
 EXPERT_TENSORS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                  "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+                  "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                  "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                  "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+# (family, scoring_func, topk_method) -> the ModelConfig router fields, as DeepSeek's reference code routes;
+# a grouped router (expert_group_score) takes n_group and topk_group as its groups. The first of a family: its default
+DEEPSEEK_ROUTERS = {
+    ("deepseek_v2", "softmax", "greedy"): {},
+    ("deepseek_v2", "softmax", "group_limited_greedy"): {"expert_group_score": "max"},
+    ("deepseek_v3", "sigmoid", "noaux_tc"): {"router_score": "sigmoid", "expert_selection_bias": True,
+                                             "expert_group_score": "top2_sum"},
+}
 LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 
 
@@ -115,15 +125,17 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         nope_layers=_nope_layers(hf, n_layers) if family == "smollm3" else (),
         attention_sinks=gpt_oss,
         attention_out_bias=gpt_oss and _bool(hf, "attention_bias", False),
-        **_experts(hf, family),
+        **_experts(hf, family, n_layers),
         **latent,
     )
 
 
-def _experts(hf, family):
+def _experts(hf, family, n_layers):
     # the ModelConfig fields of a mixture of experts ({} for a dense family)
     if family not in EXPERT_TENSORS and family != "gpt_oss":
         return {}
+    if family in LATENT_FAMILIES:
+        return _deepseek_experts(hf, family, n_layers)
     name = "num_experts" if "num_experts" in hf else "num_local_experts"  # older Qwen3-MoE configs: num_experts
     fields = {"n_experts": _int(hf, name, "n_experts"), "n_experts_used": _int(hf, "num_experts_per_tok", "n_experts")}
     if family == "mixtral":  # every layer: experts intermediate_size wide, the chosen scores renormalised
@@ -139,16 +151,40 @@ def _experts(hf, family):
             "norm_topk_prob": _bool(hf, "norm_topk_prob", False)}
 
 
+def _deepseek_experts(hf, family, n_layers):
+    # DeepSeek-V2/V3: every layer from first_k_dense_replace on is a mixture beside one shared MLP
+    # (n_shared_experts experts wide); {} when no layer is (no routed experts, or every layer dense)
+    dense = bounded_int(hf.get("first_k_dense_replace", 0), "config.json first_k_dense_replace", 0,
+                        CONFIG_CEILINGS["n_layers"])
+    if hf.get("n_routed_experts") in (None, 0) or dense >= n_layers:
+        return {}
+    freq = hf.get("moe_layer_freq", 1)
+    if freq != 1 or isinstance(freq, bool):
+        raise ConfigError(f"this {family} checkpoint has moe_layer_freq={hf['moe_layer_freq']!r}, which kvref does "
+                          "not compute; it reads a mixture in every layer from first_k_dense_replace on (1)")
+    scoring, method = hf.get("scoring_func"), hf.get("topk_method")
+    default = next(key for key in DEEPSEEK_ROUTERS if key[0] == family)  # for what config.json does not name
+    router = (family, default[1] if scoring is None else scoring, default[2] if method is None else method)
+    if router not in DEEPSEEK_ROUTERS:
+        raise ConfigError(f"{family}: scoring_func={scoring!r} with topk_method={method!r} is not a router kvref "
+                          f"computes; expected one of {[key[1:] for key in DEEPSEEK_ROUTERS if key[0] == family]}")
+    fields = dict(DEEPSEEK_ROUTERS[router])
+    if "expert_group_score" in fields:
+        fields.update(n_expert_groups=_int(hf, "n_group", "n_experts"),
+                      n_expert_groups_used=_int(hf, "topk_group", "n_experts"))
+    Fx = _int(hf, "moe_intermediate_size", "d_ff")
+    shared = hf.get("n_shared_experts")  # None: no shared expert (DeepSeek's reference code)
+    return {**fields, "n_experts": _int(hf, "n_routed_experts", "n_experts"),
+            "n_experts_used": _int(hf, "num_experts_per_tok", "n_experts"), "expert_d_ff": Fx,
+            "first_dense_layers": dense, "norm_topk_prob": _bool(hf, "norm_topk_prob", False),
+            "routed_scaling_factor": _float(hf, "routed_scaling_factor", 1.0),
+            "shared_expert_d_ff": 0 if shared in (None, 0) else _int(hf, "n_shared_experts", "n_experts") * Fx}
+
+
 def _latent_fields(hf, family, n_layers, n_heads) -> dict:
     # DeepSeek-V2/V3 -> the ModelConfig MLA fields (and head_dim); {} for the other families
     if family not in LATENT_FAMILIES:
         return {}
-    dense = hf.get("first_k_dense_replace", 0)
-    experts = hf.get("n_routed_experts")
-    if experts not in (None, 0) and not (isinstance(dense, int) and dense >= n_layers):
-        raise ConfigError(f"this {family} checkpoint has mixture-of-experts layers (first_k_dense_replace={dense!r} < "
-                          f"num_hidden_layers={n_layers}, n_routed_experts={experts!r}), which kvref does not compute "
-                          "yet; it reads checkpoints whose layers are all dense")
     if _int(hf, "num_key_value_heads", "n_kv_heads", n_heads) != n_heads:
         raise ConfigError(f"{family}: num_key_value_heads must equal num_attention_heads ({n_heads}): every head "
                           "expands the latent to its own K and V")
@@ -226,7 +262,7 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
         return by_head.reshape(a.shape)
 
     half_split = c.latent and hf["model_type"] == "deepseek_v3" and not _bool(hf, "rope_interleave", True)
-    E, F, Fx = c.d_model, c.d_ff, c.experts_d_ff
+    E, F, Fx, Fs = c.d_model, c.d_ff, c.experts_d_ff, c.shared_expert_d_ff
     layers = []
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
@@ -248,6 +284,12 @@ def weights_from_hf(hf: dict, tensors, dtype="float32"):
             lw.experts_gate = experts(f"{p}{module}.experts.{{}}.{gate}.weight", (Fx, E))
             lw.experts_up = experts(f"{p}{module}.experts.{{}}.{up}.weight", (Fx, E))
             lw.experts_down = experts(f"{p}{module}.experts.{{}}.{down}.weight", (E, Fx))
+            if c.expert_selection_bias:
+                lw.expert_selection_bias = get(f"{p}{module}.gate.e_score_correction_bias", (c.n_experts,))
+            if c.shared_expert_d_ff:
+                lw.shared_gate, lw.shared_up, lw.shared_down = (
+                    get(f"{p}{module}.shared_experts.{x}_proj.weight", shape)
+                    for x, shape in (("gate", (Fs, E)), ("up", (Fs, E)), ("down", (E, Fs))))
         else:
             if fused:  # Phi-3: rows [gate | up] of gate_up_proj
                 w_gate, w_up = np.split(get(p + "mlp.gate_up_proj.weight", (2 * F, E)), 2)

@@ -1,7 +1,7 @@
 """`kvref export hf MODEL DIR`: a GGUF model as a Hugging Face checkpoint folder that transformers
 loads (and kvref.load reads back), so the conformance tool's transformers engine runs on the same model.
 
-    config.json              the family's fields (model_type llama, qwen2, qwen3, gemma3_text or deepseek_v2;
+    config.json              the family's fields (model_type llama, qwen2, qwen3, gemma3_text, deepseek_v2/v3;
                              for a mixture of experts qwen3_moe, or mixtral for a llama file with experts)
     model.safetensors        every weight dequantized, float32 (default) or bfloat16
     tokenizer.json           the GGUF tokenizer as HF's pipeline (kvref/text/hf.py reads the same)
@@ -13,8 +13,8 @@ What the export undoes of kvref.formats.hf's conversion, since the decoder's wei
   - RoPE pairs: the decoder rotates adjacent pairs (x[2i], x[2i+1]), HF rotates (x[i], x[i + D/2])
     (rotate_half); each head's Q and K rows (biases, QK-norm gains) go back to HF's order.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains g are written as g - 1.
-  - deepseek2 (MLA, all blocks dense): written as deepseek_v2, whose RoPE rotates adjacent pairs as the
-    decoder does, with every layer dense (first_k_dense_replace = num_hidden_layers).
+  - deepseek2 (MLA): written as deepseek_v2, or deepseek_v3 when its router is sigmoid, both with RoPE on
+    adjacent pairs as the decoder rotates them; all-dense files with first_k_dense_replace = num_hidden_layers.
 
 float32 is the default because it is the same model: a dequantized block value (d * q + m, with d and
 m float16) rarely fits in bfloat16's 8 significant bits, so a bfloat16 export rounds nearly every
@@ -52,6 +52,7 @@ FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2For
             "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
             "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM")}
 MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
+DEEPSEEK_V3 = ("deepseek_v3", "DeepseekV3ForCausalLM")  # a deepseek2 file whose router is V3's sigmoid one
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # --dtype -> safetensors code
 
 
@@ -97,7 +98,11 @@ def hf_config(config, arch: str, parts: dict) -> dict:
     """config.json for `config`, checked by reading it back with kvref.formats.hf."""
     if arch not in FAMILIES:
         raise ConfigError(f"architecture {arch!r} has no Hugging Face family here; export writes {sorted(FAMILIES)}")
-    model_type, architecture = MIXTRAL if arch == "llama" and config.n_experts else FAMILIES[arch]
+    model_type, architecture = FAMILIES[arch]
+    if arch == "llama" and config.n_experts:
+        model_type, architecture = MIXTRAL
+    if arch == "deepseek2" and config.router_score == "sigmoid":
+        model_type, architecture = DEEPSEEK_V3
     c = config
     out = {
         "architectures": [architecture], "model_type": model_type, "torch_dtype": "float32",
@@ -127,10 +132,26 @@ def hf_config(config, arch: str, parts: dict) -> dict:
     if c.latent:  # HF's head_dim names the rotated part; a query head's width is nope + rope
         out.update(head_dim=c.qk_rope_head_dim, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank,
                    qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                   first_k_dense_replace=c.n_layers, n_routed_experts=None)
+                   rope_interleave=True, **_deepseek_router(c))
     out = {k: v.item() if isinstance(v, np.generic) else v for k, v in out.items()}  # JSON numbers
     _check_round_trip(config, out)
     return out
+
+
+def _deepseek_router(c) -> dict:
+    # DeepSeek's config.json fields of a latent model's mixture; every layer dense when it has none. What
+    # they cannot say (a sigmoid router without its selection bias, a shared width not a whole number of
+    # experts) the round-trip check refuses by name.
+    if not c.n_experts:
+        return {"first_k_dense_replace": c.n_layers, "n_routed_experts": None}
+    sigmoid = c.router_score == "sigmoid"
+    method = "noaux_tc" if sigmoid else "group_limited_greedy" if c.n_expert_groups > 1 else "greedy"
+    return {"first_k_dense_replace": c.first_dense_layers, "n_routed_experts": c.n_experts,
+            "num_experts_per_tok": c.n_experts_used, "moe_intermediate_size": c.experts_d_ff,
+            "n_shared_experts": c.shared_expert_d_ff // c.experts_d_ff,
+            "routed_scaling_factor": c.routed_scaling_factor, "norm_topk_prob": c.norm_topk_prob,
+            "scoring_func": "sigmoid" if sigmoid else "softmax", "topk_method": method,
+            "n_group": c.n_expert_groups, "topk_group": c.n_expert_groups_used}
 
 
 def _rope_scaling(scaling):
@@ -212,6 +233,11 @@ def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llam
             for j in range(config.n_experts):
                 for name, stack in zip(projections, (lw.experts_gate, lw.experts_up, lw.experts_down)):
                     out[f"{p}{module}.experts.{j}.{name}.weight"] = tensor(stack[j])
+            if config.expert_selection_bias:
+                out[f"{p}{module}.gate.e_score_correction_bias"] = tensor(lw.expert_selection_bias)
+            if config.shared_expert_d_ff:
+                for name, w in zip(("gate", "up", "down"), (lw.shared_gate, lw.shared_up, lw.shared_down)):
+                    out[f"{p}{module}.shared_experts.{name}_proj.weight"] = tensor(w)
             continue
         out[p + "mlp.gate_proj.weight"] = tensor(lw.w_gate)
         out[p + "mlp.up_proj.weight"] = tensor(lw.w_up)
