@@ -64,6 +64,9 @@ FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2For
 MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
 DEEPSEEK_V3 = ("deepseek_v3", "DeepseekV3ForCausalLM")  # a deepseek2 file whose router is V3's sigmoid one
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # --dtype -> safetensors code
+# attention_scale read back from the number config.json states (a square root then a square, or a power of -2
+# then of -1/2): a few float64 roundings apart from the model's own
+ATTENTION_SCALE_RTOL = 1e-14
 
 
 def export_hf(model, directory, dtype: str = "float32") -> Path:
@@ -204,9 +207,9 @@ def _rope_scaling(config):
 def _check_round_trip(config, hf: dict) -> None:
     back = config_from_hf(hf)
     # attention_scale comes back from a number HF derives it from (Gemma's query_pre_attn_scalar, LongRoPE's
-    # attention factor), so within a rounding of float64; None means 1/sqrt(head_dim), which Gemma writes too
+    # attention factor); None means 1/sqrt(head_dim), which Gemma writes too
     scale = config.attention_scale or config.head_dim ** -0.5
-    if np.isclose(back.attention_scale or config.head_dim ** -0.5, scale, rtol=1e-14, atol=0):
+    if np.isclose(back.attention_scale or config.head_dim ** -0.5, scale, rtol=ATTENTION_SCALE_RTOL, atol=0):
         back = dataclasses.replace(back, attention_scale=config.attention_scale)
     differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(back, f.name)]
     if differ:
