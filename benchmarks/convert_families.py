@@ -33,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-# family -> changes to tests/test_families.py's model: a context long enough for the quick suite (64 + 8
-# positions), and what GGUF can express (GGUF_EXPRESSIBLE) so that the file is the checkpoint's model
-CONTEXT = 256
+CONTEXT = 256  # positions: the quick suite's prompts and greedy tokens (64 + 8) fit
+# every family of tests/test_families.py that a GGUF holds; gpt-oss-mxfp4 is made from gpt_oss's file, after it
 FAMILIES = ("gemma2", "phi3", "phi3-long", "smollm3", "gpt_oss", "gpt-oss-mxfp4", "qwen2", "qwen3", "qwen3_moe",
             "mixtral", "mistral", "deepseek_v2", "deepseek_v3", "gemma3", "llama")
 
@@ -49,6 +48,8 @@ def tokenizer_files():
 
 
 def model(family, vocab_size):
+    """tests/test_families.py's model of `family` with this vocabulary and context, and what GGUF can express
+    (GGUF_EXPRESSIBLE), so that the converted file is the checkpoint's model."""
     from tests.test_families import FAMILIES as MODELS
     from tests.test_families import GGUF_EXPRESSIBLE, hf_model, round_experts_to_mxfp4
 
@@ -69,7 +70,7 @@ def model(family, vocab_size):
 
 
 def convert(llama_cpp: Path, checkpoint: Path, out: Path):
-    """llama.cpp's convert_hf_to_gguf.py on checkpoint, in this process, with the two tokenizer changes above."""
+    """llama.cpp's convert_hf_to_gguf.py on checkpoint, in this process, with the tokenizer changes above."""
     if str(llama_cpp) not in sys.path:
         sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py")]
     import convert_hf_to_gguf
