@@ -9,11 +9,12 @@ LLAMA_CPP_DIR is vendor/llama.cpp of llama-cpp-python's source package (`pip dow
 this process, so this Python needs torch and transformers (kvref's test venv).
 
 Each model is saved with `save_pretrained` beside a small byte-level BPE tokenizer (tests/test_tokenizer_hf.py's
-Qwen-style one, so that the suite's texts encode), then converted to float32 GGUF (`--outtype f32`). Two
-things are changed in the converter, both about the tokenizer and not about what is compared: every family
+Qwen-style one, so that the suite's texts encode), then converted to float32 GGUF (`--outtype f32`). Three
+things are changed in the converter, all about the vocabulary and none about what is compared: every family
 takes its vocabulary from that tokenizer.json (`_set_vocab_gpt2`; Gemma 2 and Phi-3 would want a
-SentencePiece tokenizer.model), and the pre-tokenizer is named `qwen2` (the converter knows tokenizers by
-the hash of a test encoding, which a trained toy vocabulary has not). The weights, keys and tensor layout
+SentencePiece tokenizer.model), the pre-tokenizer is named `qwen2` (the converter knows tokenizers by the
+hash of a test encoding, which a trained toy vocabulary has not), and the model name is neutral (llama.cpp
+looks up Phi-3's `</s>` in any file whose general.name says "phi3"). The weights, keys and tensor layout
 are the converter's. Each file is checked against transformers on the same model (kvref's logits on the
 GGUF, float32) and the largest difference printed, so a file the converter wrote differently from the
 checkpoint shows before any engine is compared on it.
