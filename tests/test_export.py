@@ -4,8 +4,9 @@ tokenizer.json encodes as kvref's GGUF tokenizer does.
 The packaged models (SmolLM2: Llama family, byte-level BPE; Gemma 3 270M: Gemma norms and windows,
 SentencePiece with byte fallback) go through transformers in float32 against kvref's float32 spec on
 the same GGUF: two implementations summing in different orders (FLOAT32_REORDERED). Small random
-GGUFs of every family (tests/test_families.py's writer, as llama.cpp lays them out) check the
-exported tensors against the checkpoint they were written from.
+GGUFs of every family GGUF holds (tests/test_families.py's writers, as llama.cpp lays them out: fused
+Phi-3 tensors, NoPE, soft caps, gpt-oss's MXFP4 experts) check the exported tensors against the
+checkpoint they were written from, and transformers on the export against kvref on the GGUF (float32).
 """
 
 import dataclasses
@@ -87,25 +88,67 @@ def test_the_tokenizer_config_names_the_special_tokens_and_the_chat_template(exp
 
 # ---- every family, from a small random GGUF --------------------------------------------------------
 
-def test_every_family_exports_the_tensors_of_the_checkpoint_its_gguf_was_written_from(tmp_path):
-    torch = require("torch")
-    from tests.test_families import FAMILIES, GGUF_ARCHITECTURES, GGUF_EXPRESSIBLE, checkpoint, hf_model, write_gguf
+# the families of tests/test_families.py that a GGUF holds and export writes back (Llama 3.1's RoPE divisors
+# have no HF field: refused, below); test_every_exported_architecture_is_tested keeps the list whole
+EXPORTED_FAMILIES = ["deepseek_v2", "deepseek_v3", "gemma2", "gemma3", "gpt_oss", "llama", "mistral", "mixtral", "phi3",
+                     "phi3-long", "qwen2", "qwen3", "qwen3_moe", "smollm3"]
 
-    # the families whose architecture export writes (Gemma 2, Phi-3 and SmolLM3 have none yet: refused by name)
-    for family in sorted(f for f in set(FAMILIES) & set(GGUF_ARCHITECTURES) - {"llama3"}
-                         if GGUF_ARCHITECTURES[f][0] in export_module.FAMILIES):
+
+def family_gguf(family, path):
+    """A tiny random transformers model of `family` (tests/test_families.py) and its GGUF at `path`, laid out
+    as llama.cpp's converter lays it out; gpt-oss's experts as MXFP4 blocks, their values rounded to MXFP4
+    first so that the file holds the checkpoint exactly."""
+    from tests.test_families import (FAMILIES, GGUF_EXPRESSIBLE, hf_model, round_experts_to_mxfp4, write_gguf,
+                                     write_gpt_oss_gguf)
+
+    if family != "gpt_oss":
         hf = hf_model(family, seed=5, **GGUF_EXPRESSIBLE.get(family, {}))
-        write_gguf(hf, family, tmp_path / f"{family}.gguf")
-        directory = export_hf(tmp_path / f"{family}.gguf", tmp_path / family)
-        exported = SafetensorsFile(directory / "model.safetensors")
-        state = {n: t.detach().to(torch.float32).numpy() for n, t in checkpoint(hf).items()}
-        if hf.config.tie_word_embeddings:
-            del state["lm_head.weight"]
-        assert set(exported.tensors) == set(state), family
-        for name, want in state.items():
-            # Gemma's gains went through the file's 1 + w and back: a float32 rounding each way
-            np.testing.assert_allclose(exported.array(name), want, rtol=0, atol=1e-6 if "norm" in name else 0,
-                                       err_msg=f"{family} {name}")
+        write_gguf(hf, family, path)
+        return hf
+    rope = dict(FAMILIES["gpt_oss"][1]["rope_parameters"], truncate=True)  # ggml always truncates YaRN
+    hf = hf_model("gpt_oss", seed=5, hidden_size=64, intermediate_size=32, rope_parameters=rope)  # whole blocks
+    round_experts_to_mxfp4(hf)
+    write_gpt_oss_gguf(hf, path)
+    return hf
+
+
+def test_every_exported_architecture_is_tested():
+    from tests.test_families import GGUF_ARCHITECTURES
+
+    tested = {GGUF_ARCHITECTURES[f][0] if f in GGUF_ARCHITECTURES else "gpt-oss" for f in EXPORTED_FAMILIES}
+    assert tested == set(export_module.FAMILIES)
+    assert set(GGUF_ARCHITECTURES) - set(EXPORTED_FAMILIES) == {"llama3"}
+
+
+@pytest.mark.parametrize("family", EXPORTED_FAMILIES)
+def test_every_family_exports_the_tensors_of_the_checkpoint_its_gguf_was_written_from(family, tmp_path):
+    torch = require("torch")
+    from tests.test_families import checkpoint
+
+    hf = family_gguf(family, tmp_path / "m.gguf")
+    exported = SafetensorsFile(export_hf(tmp_path / "m.gguf", tmp_path / "hf") / "model.safetensors")
+    state = {n: t.detach().to(torch.float32).numpy() for n, t in checkpoint(hf).items()}
+    if hf.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    assert set(exported.tensors) == set(state)
+    for name, want in state.items():
+        # Gemma's gains went through the file's 1 + w and back: a float32 rounding each way
+        np.testing.assert_allclose(exported.array(name), want, rtol=0, atol=1e-6 if "norm" in name else 0,
+                                   err_msg=f"{family} {name}")
+
+
+@pytest.mark.parametrize("family", EXPORTED_FAMILIES)
+def test_transformers_on_the_export_of_every_family_gives_kvrefs_logits_on_its_gguf(family, tmp_path):
+    torch, transformers = require("torch"), require("transformers")
+    from tests.test_families import PROMPT
+
+    family_gguf(family, tmp_path / "m.gguf")
+    directory = export_hf(tmp_path / "m.gguf", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].numpy()
+    model = kvref.load(tmp_path / "m.gguf", backend="numpy")
+    assert_close(model.forward(PROMPT, all_logits=True), want, "float32", f"{family}: kvref GGUF vs transformers export")
 
 
 def test_rope_divisors_have_no_hf_field_and_are_refused_by_name(tmp_path):

@@ -216,9 +216,12 @@ def test_unsupported_checkpoints_are_refused_by_name():
         config_from_hf({**deepseek, "moe_layer_freq": 2})
     with pytest.raises(ConfigError, match="scoring_func='softmax' with topk_method='noaux_tc'"):
         config_from_hf({**deepseek, "scoring_func": "softmax", "topk_method": "noaux_tc"})
+    yarn = {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
     with pytest.raises(ConfigError, match="RoPE type 'yarn'"):  # DeepSeek-V3's YaRN with mscale
-        config_from_hf({**deepseek, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
-                                                        "mscale": 1.0, "mscale_all_dim": 1.0}})
+        config_from_hf({**deepseek, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, **yarn}})
+    with pytest.raises(ConfigError, match="RoPE type 'yarn'"):  # as the released config.json says it
+        config_from_hf({**{k: v for k, v in deepseek.items() if k != "rope_parameters"}, "rope_theta": 1e4,
+                        "rope_scaling": {"type": "yarn", **yarn}})
     hf = hf_model("qwen2")
     tensors = {k: v.numpy() for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
     with pytest.raises(ShapeError, match="k_proj.bias"):

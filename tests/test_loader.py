@@ -244,7 +244,7 @@ def fake_hf_cache(root, repo_id="org/tiny", revision="0123abcd", refs=True):
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True)
     model = kvref.Model.random(TINY, seed=7, backend="numpy")
-    write_file(repo / "blobs" / "b1", hf_tensors(TINY, model.weights, False, "float32"))
+    write_file(repo / "blobs" / "b1", hf_tensors(TINY, model.weights, "float32"))
     (repo / "blobs" / "b2").write_text(json.dumps(hf_config(TINY, "llama", {"bos_id": None, "eos_id": None})))
     (snapshot / "model.safetensors").symlink_to(repo / "blobs" / "b1")
     (snapshot / "config.json").symlink_to(repo / "blobs" / "b2")

@@ -65,18 +65,20 @@ class Spec:
         """[len(continuation), V]: the continuation's log-probabilities after ids ran and positions
         keep..keep+n-1 were dropped, the later keys rotated again to their positions - n (RoPE
         rotations compose). Written out here from the stored K/V, not with KVCache.shift, so an
-        engine's shift is never checked against itself; each layer uses its own RoPE base."""
+        engine's shift is never checked against itself; each layer uses its own RoPE base. A latent
+        key (MLA) turns only its k_rope part, after the kv_lora_rank values of c_kv, and has no V."""
         model, c = self.model, self.model.config
         run = model.new_cache(layout="contiguous", capacity=len(ids))
         model.forward(list(ids), run)
         kept = np.r_[0:keep, keep + n:len(ids)]  # [S] old positions that stay
         moved = kept >= keep + n
         k = np.stack([np.array(run.keys(layer))[kept] for layer in range(c.n_layers)])  # [L, S, Hkv, D]
-        v = np.stack([np.array(run.values(layer))[kept] for layer in range(c.n_layers)])
+        v = None if c.latent else np.stack([np.array(run.values(layer))[kept] for layer in range(c.n_layers)])
         back = np.full(int(moved.sum()), -n)
+        rotated = slice(c.kv_lora_rank if c.latent else 0, None)  # the part of a key RoPE turned
         for layer in range(c.n_layers):
             if c.layer_rope(layer) is not None:  # a NoPE layer's keys carry no position
-                k[layer, moved] = ops.rope(k[layer, moved], back, *c.layer_rope(layer))
+                k[layer, moved, :, rotated] = ops.rope(k[layer, moved, :, rotated], back, *c.layer_rope(layer))
         cache = model.new_cache(layout="contiguous", capacity=len(kept) + len(continuation))
         cache.append(k, v)
         return Rows.from_logits(model.forward(list(continuation), cache, all_logits=True)).full

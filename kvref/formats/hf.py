@@ -360,7 +360,7 @@ def _refuse(hf, family):
         "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
         # DeepSeek's attention also scales its scores by mscale_all_dim's factor squared, beyond YaRN's own
         "RoPE type 'yarn' (DeepSeek's, with its extra score scale)": family in LATENT_FAMILIES
-        and (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_type") == "yarn",
+        and _rope_type(hf.get("rope_parameters") or hf.get("rope_scaling") or {}) == "yarn",
         "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
@@ -424,10 +424,15 @@ def _rope(hf, family, head_dim):
 
 def _rope_scaling(hf, p, kind, head_dim):
     # a rope_parameters entry -> (ModelConfig.rope_scaling, LongRoPE's attention factor or 1.0)
-    kind_of = p.get("rope_type", p.get("type", "default"))
+    kind_of = _rope_type(p)
     if kind_of in ("longrope", "su"):  # "su": Phi-3's first name for it
         return _longrope(hf, p, kind, head_dim)
     return _plain_rope_scaling(p, kind, kind_of), 1.0
+
+
+def _rope_type(p):
+    # transformers' key, or "type", which released config.json files older than it say
+    return p.get("rope_type", p.get("type", "default"))
 
 
 def _longrope(hf, p, kind, head_dim):

@@ -1,9 +1,11 @@
 """`kvref export hf MODEL DIR`: a GGUF model as a Hugging Face checkpoint folder that transformers
 loads (and kvref.load reads back), so the conformance tool's transformers engine runs on the same model.
 
-    config.json              the family's fields (model_type llama, qwen2, qwen3, gemma3_text, deepseek_v2/v3;
-                             for a mixture of experts qwen3_moe, or mixtral for a llama file with experts)
-    model.safetensors        every weight dequantized, float32 (default) or bfloat16
+    config.json              the family's fields (model_type llama, qwen2, qwen3, gemma2, gemma3_text, phi3,
+                             smollm3, deepseek_v2/v3; for a mixture of experts qwen3_moe, gpt_oss, or
+                             mixtral for a llama file with experts)
+    model.safetensors        every weight dequantized (gpt-oss's MXFP4 experts too), float32 (default) or
+                             bfloat16
     tokenizer.json           the GGUF tokenizer as HF's pipeline (kvref/text/hf.py reads the same)
     tokenizer_config.json    BOS/EOS, whether they are added, the chat template
     generation_config.json   BOS and every end-of-generation id
@@ -13,6 +15,12 @@ What the export undoes of kvref.formats.hf's conversion, since the decoder's wei
   - RoPE pairs: the decoder rotates adjacent pairs (x[2i], x[2i+1]), HF rotates (x[i], x[i + D/2])
     (rotate_half); each head's Q and K rows (biases, QK-norm gains) go back to HF's order.
   - Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w: the gains g are written as g - 1.
+  - Phi-3 fuses Q, K and V into qkv_proj (rows [Q | K | V]) and gate and up into gate_up_proj (rows
+    [gate | up]); LongRoPE's two factor sets, original length and attention factor go in rope_scaling.
+  - SmolLM3's NoPE layers are written as no_rope_layers (0 on a NoPE layer).
+  - gpt-oss: its experts as its checkpoints hold them, two stacks multiplied from the left with gate and
+    up interleaved (gate_up_proj [X, E, 2 Fx], down_proj [X, Fx, E], each with a bias), beside the sinks,
+    the router and attention biases; YaRN as the GGUF computes it (truncated, llama.cpp's only way).
   - deepseek2 (MLA): written as deepseek_v2, or deepseek_v3 when its router is sigmoid, both with RoPE on
     adjacent pairs as the decoder rotates them; all-dense files with first_k_dense_replace = num_hidden_layers.
 
@@ -40,7 +48,7 @@ from ..cache.quant import to_bfloat16
 from ..errors import ConfigError, ModelNotFoundError, TokenizerError
 from ..formats.architectures import half_split_to_adjacent
 from ..formats.gguf import GGUFFile
-from ..formats.hf import EXPERT_TENSORS, config_from_hf
+from ..formats.hf import EXPERT_TENSORS, GEMMAS, config_from_hf
 from ..formats.safetensors import write_file
 from ..text.bytelevel import PRE_TOKENIZERS
 from ..text.gguf import merge_pair, tokenizer_parts
@@ -49,11 +57,16 @@ from ..text.vocab import CONTROL, UNKNOWN, USER_DEFINED
 
 # GGUF general.architecture -> (HF model_type, HF architectures class)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-            "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM")}
+            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+            "gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
+            "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            "gpt-oss": ("gpt_oss", "GptOssForCausalLM"), "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM")}
 MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama file with experts
 DEEPSEEK_V3 = ("deepseek_v3", "DeepseekV3ForCausalLM")  # a deepseek2 file whose router is V3's sigmoid one
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # --dtype -> safetensors code
+# attention_scale read back from the number config.json states (a square root then a square, or a power of -2
+# then of -1/2): a few float64 roundings apart from the model's own
+ATTENTION_SCALE_RTOL = 1e-14
 
 
 def export_hf(model, directory, dtype: str = "float32") -> Path:
@@ -84,7 +97,7 @@ def export_hf(model, directory, dtype: str = "float32") -> Path:
     try:
         for name, value in files.items():
             (partial / name).write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        tensors = hf_tensors(m.config, m.weights, arch == "gemma3", dtype, files["config.json"]["model_type"])
+        tensors = hf_tensors(m.config, m.weights, dtype, files["config.json"]["model_type"])
         write_file(partial / "model.safetensors", tensors, {"format": "pt"})
         os.replace(partial, directory)  # rename(2) replaces an empty folder
     finally:
@@ -109,26 +122,38 @@ def hf_config(config, arch: str, parts: dict) -> dict:
         "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
         "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta, "rope_scaling": _rope_scaling(c.rope_scaling),
+        "rope_theta": c.rope_theta, "rope_scaling": _rope_scaling(c),
         "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": parts["bos_id"], "eos_token_id": parts["eos_id"],
+        # a family's default pad id may lie past a small vocabulary; a pad id changes no logit
+        "bos_token_id": parts["bos_id"], "eos_token_id": parts["eos_id"], "pad_token_id": None,
     }
-    if model_type == "gemma3_text":
-        window = next((w for w in c.layer_windows or () if w is not None), None)
+    if model_type in ("gemma2", "gemma3_text"):
         # GGUF files leave the score scale at 1/sqrt(head_dim) (attention_scale None)
         scalar = c.head_dim if c.attention_scale is None else c.attention_scale ** -2
         out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
-                   sliding_window=window, rope_local_base_freq=c.rope_local_theta,
-                   layer_types=["full_attention" if w is None else "sliding_attention" for w in c.layer_windows],
-                   final_logit_softcapping=None, attn_logit_softcapping=None)
+                   final_logit_softcapping=c.final_softcap, attn_logit_softcapping=c.attn_softcap)
+        if model_type == "gemma3_text":
+            out.update(rope_local_base_freq=c.rope_local_theta)
     else:
         out.update(hidden_act="silu", attention_bias=c.qkv_bias and model_type != "qwen2")
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss"):  # windows on some layers
+        window = next((w for w in c.layer_windows or () if w is not None), None)
+        out.update(sliding_window=window, layer_types=["full_attention" if w is None else "sliding_attention"
+                                                       for w in c.layer_windows or (None,) * c.n_layers])
+    if model_type in ("phi3", "mixtral"):  # one window on every layer, or none (a llama file has none)
+        out.update(sliding_window=c.layer_windows[0] if c.layer_windows else None)
+    if model_type == "phi3":  # transformers picks LongRoPE's long factors past this length (and kvref by it)
+        out.update(original_max_position_embeddings=(out["rope_scaling"] or {}).get(
+            "original_max_position_embeddings", c.max_seq_len))
+    if model_type == "smollm3":
+        out.update(no_rope_layers=[int(i not in c.nope_layers) for i in range(c.n_layers)], use_sliding_window=False,
+                   sliding_window=None)
     if model_type == "qwen3_moe":
         out.update(num_experts=c.n_experts, num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.experts_d_ff,
                    norm_topk_prob=c.norm_topk_prob, mlp_only_layers=[], decoder_sparse_step=1)
-    if model_type == "mixtral":  # its experts are intermediate_size wide
+    if model_type in ("mixtral", "gpt_oss"):  # their experts are intermediate_size wide
         out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_used,
-                   intermediate_size=c.experts_d_ff, sliding_window=None)
+                   intermediate_size=c.experts_d_ff)
     if c.latent:  # HF's head_dim names the rotated part; a query head's width is nope + rope
         out.update(head_dim=c.qk_rope_head_dim, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank,
                    qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
@@ -154,8 +179,9 @@ def _deepseek_router(c) -> dict:
             "n_group": c.n_expert_groups, "topk_group": c.n_expert_groups_used}
 
 
-def _rope_scaling(scaling):
+def _rope_scaling(config):
     # ModelConfig.rope_scaling -> HF's rope_scaling; the divisors of a rope_freqs tensor have no HF field
+    scaling = config.rope_scaling
     if scaling is None:
         return None
     if scaling[0] == "linear":
@@ -164,6 +190,11 @@ def _rope_scaling(scaling):
         _, factor, low, high, original = scaling
         return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                 "original_max_position_embeddings": original}
+    if scaling[0] == "longrope":  # HF's attention factor m multiplies q and k; kvref's scores by m**2 / sqrt(D)
+        _, short, long, original = scaling
+        m = 1.0 if config.attention_scale is None else float(np.sqrt(config.attention_scale * config.head_dim ** 0.5))
+        return {"rope_type": "longrope", "short_factor": list(short), "long_factor": list(long),
+                "original_max_position_embeddings": original, "attention_factor": m}
     if scaling[0] == "yarn":
         _, factor, beta_fast, beta_slow, original, attention_factor, truncate = scaling
         return {"rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": beta_slow,
@@ -175,9 +206,11 @@ def _rope_scaling(scaling):
 
 def _check_round_trip(config, hf: dict) -> None:
     back = config_from_hf(hf)
-    if config.attention_scale is None:  # None means 1/sqrt(head_dim), which HF's Gemma writes as a number
-        back = dataclasses.replace(back, attention_scale=None) if back.attention_scale == config.head_dim ** -0.5 \
-            else back
+    # attention_scale comes back from a number HF derives it from (Gemma's query_pre_attn_scalar, LongRoPE's
+    # attention factor); None means 1/sqrt(head_dim), which Gemma writes too
+    scale = config.attention_scale or config.head_dim ** -0.5
+    if np.isclose(back.attention_scale or config.head_dim ** -0.5, scale, rtol=ATTENTION_SCALE_RTOL, atol=0):
+        back = dataclasses.replace(back, attention_scale=config.attention_scale)
     differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(back, f.name)]
     if differ:
         raise ConfigError(f"a Hugging Face {hf['model_type']} config cannot say this model's "
@@ -186,10 +219,11 @@ def _check_round_trip(config, hf: dict) -> None:
 
 # ---- model.safetensors ----------------------------------------------------------------------------
 
-def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llama") -> dict:
-    """{HF tensor name: (safetensors dtype, array)} from the decoder's float32 Weights (a mixture's experts
-    named as `model_type`'s checkpoints name them)."""
+def hf_tensors(config, weights, dtype: str, model_type: str = "llama") -> dict:
+    """{HF tensor name: (safetensors dtype, array)} from the decoder's float32 Weights, named and laid out
+    as `model_type`'s checkpoints store them."""
     code = DTYPES[dtype]
+    gemma = model_type in GEMMAS
 
     def tensor(a):
         a = np.asarray(a, dtype=np.float32)
@@ -209,14 +243,21 @@ def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llam
         if config.latent:
             out.update(latent_tensors(config, lw, attn, tensor))
         else:
-            out[attn + "q_proj.weight"] = tensor(pairs_half_split(lw.wq, config.n_heads))
-            out[attn + "k_proj.weight"] = tensor(pairs_half_split(lw.wk, config.n_kv_heads))
-            out[attn + "v_proj.weight"] = tensor(lw.wv)
+            q, k = pairs_half_split(lw.wq, config.n_heads), pairs_half_split(lw.wk, config.n_kv_heads)
+            if model_type == "phi3":  # rows [Q | K | V] of one projection
+                out[attn + "qkv_proj.weight"] = tensor(np.concatenate([q, k, lw.wv]))
+            else:
+                out.update({attn + "q_proj.weight": tensor(q), attn + "k_proj.weight": tensor(k),
+                            attn + "v_proj.weight": tensor(lw.wv)})
         out[attn + "o_proj.weight"] = tensor(lw.wo)
         if config.qkv_bias:
             out[attn + "q_proj.bias"] = tensor(pairs_half_split(lw.bq, config.n_heads))
             out[attn + "k_proj.bias"] = tensor(pairs_half_split(lw.bk, config.n_kv_heads))
             out[attn + "v_proj.bias"] = tensor(lw.bv)
+        if config.attention_out_bias:
+            out[attn + "o_proj.bias"] = tensor(lw.bo)
+        if config.attention_sinks:
+            out[attn + "sinks"] = tensor(lw.sinks)
         if config.qk_norm:
             out[attn + "q_norm.weight"] = norm(pairs_half_split(lw.q_norm, 1))
             out[attn + "k_norm.weight"] = norm(pairs_half_split(lw.k_norm, 1))
@@ -227,7 +268,9 @@ def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llam
             out[p + "post_feedforward_layernorm.weight"] = norm(lw.post_ffn_norm)
         else:
             out[p + "post_attention_layernorm.weight"] = norm(lw.ffn_norm)
-        if config.moe_layer(i):  # the router, and one matrix per expert
+        if config.moe_layer(i) and model_type == "gpt_oss":
+            out.update(gpt_oss_expert_tensors(lw, p + "mlp.", tensor))
+        elif config.moe_layer(i):  # the router, and one matrix per expert
             module, projections = EXPERT_TENSORS[model_type]
             out[f"{p}{module}.gate.weight"] = tensor(lw.router)
             for j in range(config.n_experts):
@@ -238,14 +281,31 @@ def hf_tensors(config, weights, gemma: bool, dtype: str, model_type: str = "llam
             if config.shared_expert_d_ff:
                 for name, w in zip(("gate", "up", "down"), (lw.shared_gate, lw.shared_up, lw.shared_down)):
                     out[f"{p}{module}.shared_experts.{name}_proj.weight"] = tensor(w)
-            continue
-        out[p + "mlp.gate_proj.weight"] = tensor(lw.w_gate)
-        out[p + "mlp.up_proj.weight"] = tensor(lw.w_up)
-        out[p + "mlp.down_proj.weight"] = tensor(lw.w_down)
+        elif model_type == "phi3":  # rows [gate | up] of one projection
+            out[p + "mlp.gate_up_proj.weight"] = tensor(np.concatenate([lw.w_gate, lw.w_up]))
+            out[p + "mlp.down_proj.weight"] = tensor(lw.w_down)
+        else:
+            out[p + "mlp.gate_proj.weight"] = tensor(lw.w_gate)
+            out[p + "mlp.up_proj.weight"] = tensor(lw.w_up)
+            out[p + "mlp.down_proj.weight"] = tensor(lw.w_down)
     out["model.norm.weight"] = norm(weights.output_norm)
     if not config.tie_embeddings:
         out["lm_head.weight"] = tensor(weights.output)
     return out
+
+
+def gpt_oss_expert_tensors(lw, mlp: str, tensor) -> dict:
+    """A gpt-oss MoE layer by its HF names: the inverse of kvref.formats.hf.gpt_oss_experts (stacks that
+    multiply from the left, gate in the even columns of gate_up_proj and up in the odd ones)."""
+    X, Fx, E = lw.experts_gate.shape
+    gate_up = np.empty((X, E, 2 * Fx), dtype=np.float32)
+    gate_up[:, :, 0::2], gate_up[:, :, 1::2] = lw.experts_gate.transpose(0, 2, 1), lw.experts_up.transpose(0, 2, 1)
+    gate_up_bias = np.empty((X, 2 * Fx), dtype=np.float32)
+    gate_up_bias[:, 0::2], gate_up_bias[:, 1::2] = lw.experts_gate_bias, lw.experts_up_bias
+    return {mlp + "router.weight": tensor(lw.router), mlp + "router.bias": tensor(lw.router_bias),
+            mlp + "experts.gate_up_proj": tensor(gate_up), mlp + "experts.gate_up_proj_bias": tensor(gate_up_bias),
+            mlp + "experts.down_proj": tensor(lw.experts_down.transpose(0, 2, 1)),  # [X, E, Fx] -> [X, Fx, E]
+            mlp + "experts.down_proj_bias": tensor(lw.experts_down_bias)}
 
 
 def latent_tensors(config, lw, attn: str, tensor) -> dict:
