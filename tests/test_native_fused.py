@@ -46,8 +46,8 @@ from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.tolerance import (FLOAT32, FLOAT32_REORDERED, INT8_ACTIVATION_ROUNDING, INT8_KEY_LOGIT_BOUND,
                              UNDERFLOW_SLACK, assert_close, compare, gamma)
 from kvref.weights import LayerWeights, Weights, random_weights
-from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, reads_like_float_kv,
-                            require)
+from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, moe_configs,
+                            reads_like_float_kv, require)
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -300,6 +300,45 @@ def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernel
     if kv_dtype[0] == "int8":
         decoded, _ = run(decoder.forward, ops, config, weights, tokens, chunks, kv_dtype, steps)
         assert_int8_key_logits_within_bound(config, got, decoded)
+
+
+@st.composite
+def moe_models(draw, quantized=False):
+    """(config, weights) of a random mixture of experts (conftest.moe_configs: every router, dense first
+    layers, shared and biased experts), with any family's fields (gpt-oss's clamped SwiGLU among them);
+    quantized: every matrix and expert stack in a random type its width takes (a stack in one type)."""
+    config = draw(moe_configs())
+    config = config.replace(**draw(family_fields(config.n_layers)))
+    weights = random_weights(config, draw(st.integers(0, 2**16)), "float32")
+    if not quantized:
+        return config, weights
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+
+    def q(W):  # [N, K] or a stack [X, N, K], in one random type its K takes
+        fits = [t for t in nops.WEIGHT_TYPES if W.shape[-1] % BLOCK_LAYOUT[t][0] == 0]
+        gtype = draw(st.sampled_from(fits))
+        flat = sane_quantized(gtype, np.ascontiguousarray(W, np.float32).reshape(-1, W.shape[-1]), rng)
+        return QuantizedTensor(flat.ggml_type, W.shape, flat.data.reshape(*W.shape[:-1], -1))
+
+    matrices = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router", "experts_gate", "experts_up",
+                "experts_down", "shared_gate", "shared_up", "shared_down")
+    layers = [LayerWeights(**{name: q(w) if name in matrices and w is not None else w for name, w in vars(lw).items()})
+              for lw in weights.layers]
+    return config, Weights(q(weights.tok_embeddings), layers, weights.output_norm,
+                           q(weights.output))
+
+
+@given(st.data(), ISAS, THREADS)
+def test_fused_mixture_of_experts_is_bit_identical_to_the_decoder_on_the_same_native_kernels(data, isa, threads):
+    config, weights = data.draw(moe_models(quantized=data.draw(st.booleans())))
+    tokens, chunks, steps, kv_dtype = data.draw(executions(config))
+    ops = nops.kernels(threads, isa)
+    assert fused.config_problem(config) is None
+    ff = fused.FusedForward(config, weights, "float32")
+    reference = decoder_forward(isa, new_cache(config, *kv_dtype))
+    got, got_cache = run(c_forward(ff), ops, config, weights, tokens, chunks, kv_dtype, steps)
+    want, want_cache = run(reference, ops, config, weights, tokens, chunks, kv_dtype, steps)
+    assert_same_execution(got, got_cache, want, want_cache)
 
 
 @pytest.mark.parametrize("isa", nops.supported_isas())

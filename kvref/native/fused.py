@@ -83,23 +83,25 @@ from ..errors import BackendError, DTypeError, ShapeError
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .descriptors import cache_descriptor, in_place_problem
-from .ops import check_status, check_weight, ffi, lib
+from ..spec import decoder
+from .ops import check_expert_stack, check_status, check_weight, ffi, lib, router_descriptor
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+DENSE_MLP = ("w_gate", "w_up", "w_down")  # absent on a mixture layer (config.moe_layer)
+MOE_TENSORS = ("router", "router_bias", "expert_selection_bias", "experts_gate", "experts_up", "experts_down",
+               "experts_gate_bias", "experts_up_bias", "experts_down_bias", "shared_gate", "shared_up", "shared_down")
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks")
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", *MOE_TENSORS)
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
 def config_problem(config) -> str | None:
     """Why the C forward cannot run `config` (None when it can); the shared decoder then runs it over the
     native kernels."""
-    if config.n_experts:
-        return "the fused C forward does not run mixtures of experts (their experts run on the native kernels)"
     if config.attention_out_bias:
         return "the fused C forward has no attention output bias (attention_out_bias)"
     return None
@@ -150,7 +152,10 @@ class FusedForward:
             d.attn_norm = self._vector(lw.attn_norm, E, f"layers[{i}].attn_norm")
             d.ffn_norm = self._vector(lw.ffn_norm, E, f"layers[{i}].ffn_norm")
             for name in PROJECTIONS:
-                self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
+                if not (c.moe_layer(i) and name in DENSE_MLP):
+                    self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
+            if c.moe_layer(i):
+                d.moe = self._moe_layer(lw, f"layers[{i}]")
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
@@ -171,6 +176,9 @@ class FusedForward:
         desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
         desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]
+        if c.n_experts:
+            desc.router = router_descriptor(decoder.router(c), c.n_experts)[0]
+            desc.expert_d_ff, desc.shared_d_ff = c.experts_d_ff, c.shared_expert_d_ff
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")
         desc.layers = layers
@@ -216,19 +224,56 @@ class FusedForward:
         if projection and self.activations == "int8" and lib.kvref_packed_nbytes(gtype, N, K) > 0:
             dst.packed = ffi.from_buffer(self._packed(gtype, data, N, K, name))
 
-    def _packed(self, gtype, data, N, K, name):
-        """data [N, row bytes] packed for the int8 mode's kernels (csrc/kvref.h, kvref_pack_int8), which
-        read the copy instead: PACK_CHUNK_ROWS rows at a time, each chunk's file pages released as soon as it
-        is packed (kvref.weights.release_pages), so they and the copy are not resident together."""
-        nbytes = lib.kvref_packed_nbytes(gtype, N, K)
-        buf = np.empty(nbytes + 64, np.uint8)
-        packed = buf[-buf.ctypes.data % 64:][:nbytes]  # 64-byte aligned, as is every chunk's start below
-        for n in range(0, N, PACK_CHUNK_ROWS):
-            rows = data[n:n + PACK_CHUNK_ROWS]
-            out = packed[lib.kvref_packed_nbytes(gtype, n, K):][:lib.kvref_packed_nbytes(gtype, len(rows), K)]
-            check_status(lib.kvref_pack_int8(ffi.from_buffer(rows), gtype, rows.nbytes, len(rows), K,
-                                             ffi.from_buffer(out), out.nbytes), name)
-            release_pages(rows)
+    def _moe_layer(self, lw, name):
+        """A mixture layer's kvref_moe_layer (kept alive here): its router (a projection), expert stacks
+        and biases where the decoder adds them, and the shared expert when the config has one."""
+        c = self.config
+        X, E, Fx = c.n_experts, c.d_model, c.experts_d_ff
+        m = ffi.new("kvref_moe_layer *")
+        self._keep.append(m)
+        self._tensor(m.router, lw.router, f"{name}.router", projection=True)
+        for field in ("gate", "up", "down"):
+            self._expert_stack(getattr(m, field), getattr(lw, f"experts_{field}"), f"{name}.experts_{field}")
+        vectors = [("router_bias", "router_bias", X), ("selection_bias", "expert_selection_bias", X),
+                   ("gate_bias", "experts_gate_bias", X * Fx), ("up_bias", "experts_up_bias", X * Fx),
+                   ("down_bias", "experts_down_bias", X * E)]
+        for field, attr, n in vectors:
+            if getattr(lw, attr) is not None:
+                setattr(m, field, self._vector(np.asarray(getattr(lw, attr)).reshape(-1), n, f"{name}.{attr}"))
+        if c.shared_expert_d_ff:
+            for field in ("shared_gate", "shared_up", "shared_down"):
+                self._tensor(getattr(m, field), getattr(lw, field), f"{name}.{field}", projection=True)
+        return m
+
+    def _expert_stack(self, dst, w, name):
+        # [X, N, K] -> a kvref_tensor of X * N rows; in the int8 mode each expert packed on its own
+        gtype, data, X, N, K = check_expert_stack(w, name)
+        data = self._pinned(data)
+        dst.data = ffi.from_buffer(data)
+        dst.nbytes = data.nbytes
+        dst.type = gtype
+        dst.rows, dst.cols = X * N, K
+        if self.activations == "int8" and lib.kvref_packed_nbytes(gtype, N, K) > 0:
+            dst.packed = ffi.from_buffer(self._packed(gtype, data, N, K, name, X))
+
+    def _packed(self, gtype, data, N, K, name, X=1):
+        """data [X * N, row bytes] (X matrices [N, K] one after the other: a projection, or an expert stack)
+        packed for the int8 mode's kernels (csrc/kvref.h, kvref_pack_int8), which read the copy instead:
+        each matrix at a 64-byte aligned offset (kvref_moe_layer), PACK_CHUNK_ROWS rows at a time, each
+        chunk's file pages released as soon as it is packed (kvref.weights.release_pages), so they and the
+        copy are not resident together."""
+        matrix = lib.kvref_packed_nbytes(gtype, N, K)
+        stride = -(-matrix // 64) * 64 if X > 1 else matrix  # each expert's copy 64-byte aligned
+        buf = np.empty(X * stride + 64, np.uint8)
+        packed = buf[-buf.ctypes.data % 64:][:X * stride]  # 64-byte aligned, as is every chunk's start below
+        rows_of = data.reshape(X * N, -1)  # [X * N, row bytes]
+        for e in range(X):
+            for n in range(0, N, PACK_CHUNK_ROWS):
+                rows = rows_of[e * N + n:e * N + min(n + PACK_CHUNK_ROWS, N)]
+                out = packed[e * stride + lib.kvref_packed_nbytes(gtype, n, K):][:lib.kvref_packed_nbytes(gtype, len(rows), K)]
+                check_status(lib.kvref_pack_int8(ffi.from_buffer(rows), gtype, rows.nbytes, len(rows), K,
+                                                 ffi.from_buffer(out), out.nbytes), name)
+                release_pages(rows)
         self._keep.append(packed)
         return packed
 

@@ -71,7 +71,8 @@ from .machine import (READ_TRIES, blas_threads, current_rss, expert_bytes, kv_ca
 FAMILIES = ("projections", "attention", "other")
 #: which family each kernel of the kernel set belongs to
 KERNEL_FAMILY = {"matmul": "projections", "matmul_experts": "projections", "attention": "attention",
-                 "embed": "other", "rms_norm": "other", "rope": "other", "swiglu": "other", "geglu": "other"}
+                 "embed": "other", "rms_norm": "other", "rope": "other", "swiglu": "other", "geglu": "other",
+                 "route": "other"}
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 
