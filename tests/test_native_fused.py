@@ -309,6 +309,10 @@ def moe_models(draw, quantized=False):
     quantized: every matrix and expert stack in a random type its width takes (a stack in one type)."""
     config = draw(moe_configs())
     config = config.replace(**draw(family_fields(config.n_layers)))
+    if quantized:  # widths of whole blocks, so the 8-bit and K-quant types occur
+        widths = st.sampled_from([32, 64, 256])
+        config = config.replace(d_model=draw(widths), d_ff=draw(widths), expert_d_ff=draw(widths),
+                                shared_expert_d_ff=draw(st.sampled_from([0, 32])))
     weights = random_weights(config, draw(st.integers(0, 2**16)), "float32")
     if not quantized:
         return config, weights
@@ -767,6 +771,14 @@ def test_top_ids_orders_by_value_then_id_and_skips_nan():
     assert top_ids(row, 9).tolist() == [2, 5, 6, 0, 3, 4]
 
 
+def expert(w, e):
+    """Expert e's matrix [N, K] of a stack [X, N, K] (an ndarray or a QuantizedTensor)."""
+    if not isinstance(w, QuantizedTensor):
+        return w[e]
+    X, N, _ = w.shape
+    return QuantizedTensor(w.ggml_type, w.shape[1:], np.ascontiguousarray(w.data.reshape(X, N, -1)[e]))
+
+
 class Int8Kernels:
     """A kernel set defining the int8 mode for the shared decoder (csrc/kvref.h, KVREF_ACT_INT8): matmul
     is kvref_matmul_int8, and on the LM head `head` (when it has 8-bit kernels) each row's
@@ -789,6 +801,14 @@ class Int8Kernels:
             y[t, ids] = self.ks.matmul(x[t:t + 1], QuantizedTensor(w.ggml_type, (len(ids), w.shape[1]), rows[ids]))[0]
         return y
 
+    def matmul_experts(self, x, w, experts):
+        # [R, K], [X, N, K], [R] -> [R, N]: each expert's rows together through kvref_matmul_int8
+        y = np.empty((len(x), w.shape[1]), np.float32)
+        for e in np.unique(experts):
+            rows = experts == e
+            y[rows] = self.ks.matmul_int8(np.ascontiguousarray(x[rows]), expert(w, e))
+        return y
+
 
 @given(st.data(), ISAS)
 def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projection(data, isa):
@@ -801,6 +821,37 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
     want, want_cache = run(reference, Int8Kernels(ks, weights.output), config, weights, tokens, chunks, kv_dtype,
                            steps)
     assert_same_execution(got, got_cache, want, want_cache)
+
+
+@given(st.data(), ISAS)
+def test_fused_int8_mixture_of_experts_is_bit_identical_to_the_decoder_with_the_int8_projection(data, isa):
+    config, weights = data.draw(moe_models(quantized=True))
+    tokens, chunks, steps, kv_dtype = data.draw(executions(config))
+    ks = nops.kernels(2, isa)
+    ff = fused.FusedForward(config, weights, "int8")
+    reference = decoder_forward(isa, new_cache(config, *kv_dtype))
+    got, got_cache = run(c_forward(ff), ks, config, weights, tokens, chunks, kv_dtype, steps)
+    want, want_cache = run(reference, Int8Kernels(ks, weights.output), config, weights, tokens, chunks, kv_dtype,
+                           steps)
+    assert_same_execution(got, got_cache, want, want_cache)
+
+
+@pytest.mark.parametrize("gtype", INT8_TYPES)
+def test_the_int8_modes_packed_experts_take_at_most_5_percent_more_than_the_files(gtype):
+    # each expert packed like a dense projection (16 rows interleaved), at a 64-byte aligned offset
+    config = kvref.ModelConfig(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=32,
+                               max_seq_len=8, n_experts=8, n_experts_used=2, expert_d_ff=96)
+    weights = random_weights(config, seed=3)
+    rng = np.random.default_rng(3)
+    lw = weights.layers[0]
+    stacks = {name: getattr(lw, name) for name in ("experts_gate", "experts_up", "experts_down")}
+    quantized = {name: QuantizedTensor(gtype, w.shape, sane_quantized(gtype, w.reshape(-1, w.shape[-1]), rng).data.reshape(
+        *w.shape[:-1], -1)) for name, w in stacks.items() if w.shape[-1] % BLOCK_LAYOUT[gtype][0] == 0}
+    assert quantized
+    weights = replace(weights, layers=[replace(lw, **quantized)])
+    ff = fused.FusedForward(config, weights, "int8")
+    for w in quantized.values():
+        assert w.data.nbytes <= ff.read_nbytes(w) <= 1.05 * w.data.nbytes
 
 
 # ---- SmolLM2 ---------------------------------------------------------------------------------

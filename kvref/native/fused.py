@@ -99,6 +99,13 @@ LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_u
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
+def packed_stride(gtype, N, K, X=1) -> int:
+    """Bytes from one packed matrix [N, K] of a stack of X to the next (kvref_moe_layer): its packed bytes,
+    rounded up to a multiple of 64 so each expert's copy is 64-byte aligned; 0 for a type never packed."""
+    matrix = lib.kvref_packed_nbytes(gtype, N, K)
+    return -(-matrix // 64) * 64 if X > 1 else matrix
+
+
 def config_problem(config) -> str | None:
     """Why the C forward cannot run `config` (None when it can); the shared decoder then runs it over the
     native kernels."""
@@ -262,8 +269,7 @@ class FusedForward:
         each matrix at a 64-byte aligned offset (kvref_moe_layer), PACK_CHUNK_ROWS rows at a time, each
         chunk's file pages released as soon as it is packed (kvref.weights.release_pages), so they and the
         copy are not resident together."""
-        matrix = lib.kvref_packed_nbytes(gtype, N, K)
-        stride = -(-matrix // 64) * 64 if X > 1 else matrix  # each expert's copy 64-byte aligned
+        stride = packed_stride(gtype, N, K, X)
         buf = np.empty(X * stride + 64, np.uint8)
         packed = buf[-buf.ctypes.data % 64:][:X * stride]  # 64-byte aligned, as is every chunk's start below
         rows_of = data.reshape(X * N, -1)  # [X * N, row bytes]
@@ -349,10 +355,14 @@ class FusedForward:
             check_status(lib.kvref_state_fail_at_layer(self._state, int(layer)), "fail_at_layer")
 
     def read_nbytes(self, tensor) -> int:
-        """Bytes of `tensor` (a projection or the LM head of these weights) an execution reads: its
-        packed copy's in the int8 mode (csrc/kvref.h, kvref_packed_nbytes), else the file's."""
-        gtype, data, N, K = check_weight(tensor, "tensor")
-        packed = lib.kvref_packed_nbytes(gtype, N, K) if self.activations == "int8" else 0
+        """Bytes of `tensor` (a projection, an expert stack or the LM head of these weights) an execution
+        reads, every expert of a stack counted: its packed copy's in the int8 mode (csrc/kvref.h,
+        kvref_packed_nbytes), else the file's."""
+        if len(tensor.shape) == 3:
+            gtype, data, X, N, K = check_expert_stack(tensor, "tensor")
+        else:
+            (gtype, data, N, K), X = check_weight(tensor, "tensor"), 1
+        packed = X * packed_stride(gtype, N, K, X) if self.activations == "int8" else 0
         return packed or data.nbytes
 
     # ---- timing -------------------------------------------------------------------------------
