@@ -14,6 +14,8 @@
  *   - K and V go straight into the cache slots of the new positions, encoded as the Python cache
  *     layouts encode them (kvcache.c), and attention reads them there, paged, in per-layer rings
  *     or contiguous.
+ * A mixture-of-experts layer's MLP is moe.c's (kvref_moe_run): its rows grouped by expert, so each
+ * routed expert's weights stream once per pass.
  * Its memory is bounded: long executions run in passes of at most KVREF_PASS_ROWS rows, so the row
  * buffers are a pass's, not the prompt's; and in the int8 mode the LM head's likeliest rows are
  * recomputed from the packed copy, so the head's file pages stay unread once it is packed.

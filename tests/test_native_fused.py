@@ -810,22 +810,13 @@ class Int8Kernels:
         return y
 
 
+@pytest.mark.parametrize("mixture", [False, True])
 @given(st.data(), ISAS)
-def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projection(data, isa):
-    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
-    tokens, chunks, steps, kv_dtype = data.draw(executions(config))
-    ks = nops.kernels(2, isa)
-    ff = fused.FusedForward(config, weights, "int8")
-    reference = decoder_forward(isa, new_cache(config, *kv_dtype))
-    got, got_cache = run(c_forward(ff), ks, config, weights, tokens, chunks, kv_dtype, steps)
-    want, want_cache = run(reference, Int8Kernels(ks, weights.output), config, weights, tokens, chunks, kv_dtype,
-                           steps)
-    assert_same_execution(got, got_cache, want, want_cache)
-
-
-@given(st.data(), ISAS)
-def test_fused_int8_mixture_of_experts_is_bit_identical_to_the_decoder_with_the_int8_projection(data, isa):
-    config, weights = data.draw(moe_models(quantized=True))
+def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projection(mixture, data, isa):
+    if mixture:  # each expert's rows through kvref_matmul_int8 (Int8Kernels.matmul_experts)
+        config, weights = data.draw(moe_models(quantized=True))
+    else:
+        config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ks = nops.kernels(2, isa)
     ff = fused.FusedForward(config, weights, "int8")

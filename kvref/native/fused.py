@@ -19,15 +19,26 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
     then attend), so no query reads a slot a later position overwrote.
 
-Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
+Every family field of the config but the attention output bias is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
 sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
 included), sink logits, the score and final-logit soft
 caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
 the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
 passes), or none on a NoPE layer.
 
-An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model runs the shared
-decoder over the native kernels. Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
+A mixture of experts (config.n_experts) runs in C too (csrc/moe.c), as kvref.spec.decoder.moe computes
+it: the router's projection and bias, kvref_route (the `route` kernel, the C function the decoder calls
+on the native backend: softmax or sigmoid scores, the selection bias, grouped top-k, renormalised and
+scaled weights), the experts' projections as kvref_matmul_experts computes them (a pass's rows grouped
+by expert, so each routed expert's weights stream once per pass, and an expert no row chose is never
+read), gpt-oss's expert biases, the gate, the weighted sum in routing order, the shared expert, and
+dense first layers. In the int8 mode each expert of a stack is packed like a dense projection, at a
+64-byte aligned offset (`packed_stride`: within 1.05x of the stack's bytes), and the router and shared
+expert like any projection; MXFP4 experts (gpt-oss GGUFs) have no packed form, so that mode multiplies
+them with exact float32 activations.
+
+An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model (gpt-oss) runs the
+shared decoder over the native kernels (`config_problem` says so). Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
 computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
 window cache stages its writes, float64 K/V, ...).
 
