@@ -75,6 +75,7 @@ struct kvref_state {
     int64_t part_slots;
     int64_t *parts;            /* [part_slots]: a pass's bounds [B + 1], then its parts' cache lengths [B] */
     int64_t ns[3], calls;      /* kvref_state_timings */
+    int64_t expert_bytes;      /* ... and the routed experts' bytes read */
     int64_t fail_layer;        /* kvref_state_fail_at_layer: the layer the next forward stops at, or -1 */
     kvref_moe_state *moe;      /* a mixture of experts' row buffers (moe.c), or NULL */
 };
@@ -312,7 +313,7 @@ static void gate_up_projections(fw *f) {
 /* x += [rms_norm](moe(xb)) (moe.c): a mixture of experts' MLP, its output in xb before the add */
 static void mixture_of_experts(fw *f) {
     int64_t t0 = now_ns();
-    kvref_moe_run(f->pool, f->c, f->lw->moe, f->int8, f->s->xb, f->T, f->s->moe);
+    f->s->expert_bytes += kvref_moe_run(f->pool, f->c, f->lw->moe, f->int8, f->s->xb, f->T, f->s->moe);
     f->s->ns[FAM_PROJ] += now_ns() - t0;
     t0 = now_ns();
     if (f->lw->post_ffn_norm != NULL) { /* the block's output normalised before the add */
@@ -703,12 +704,14 @@ void kvref_state_timings(const kvref_state *state, int64_t *out) {
     if (state == NULL || out == NULL) return;
     for (int i = 0; i < 3; i++) out[i] = state->ns[i];
     out[3] = state->calls;
+    out[4] = state->expert_bytes;
 }
 
 void kvref_state_reset_timings(kvref_state *state) {
     if (state == NULL) return;
     for (int i = 0; i < 3; i++) state->ns[i] = 0;
     state->calls = 0;
+    state->expert_bytes = 0;
 }
 
 int kvref_state_fail_at_layer(kvref_state *state, int64_t layer) {

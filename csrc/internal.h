@@ -724,9 +724,10 @@ int kvref_moe_reserve(kvref_moe_state **s, const kvref_model_desc *c, int64_t T)
 void kvref_moe_state_destroy(kvref_moe_state *s);
 /* xb [T, E]: the layer's normed MLP input in, its mixture's output (routed experts + shared) out;
  * with int8, the int8 mode's projections (packed copies read where they exist). Pool locked, its
- * scratch and shared buffer reserved for T rows of the model's widest input. */
-void kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_layer *m, int int8, float *xb,
-                   int64_t T, kvref_moe_state *s);
+ * scratch and shared buffer reserved for T rows of the model's widest input. Returns the bytes of
+ * routed experts' matrices read. */
+int64_t kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_layer *m, int int8, float *xb,
+                      int64_t T, kvref_moe_state *s);
 
 /* ---- the cache's storage (kvcache.c) ------------------------------------------------------- */
 

@@ -458,7 +458,8 @@ enum { KVREF_PASS_ROWS = 128 };
  *               (A ring layer's overwritten slots are the caller's to restore if it aborts.)
  *   logits:     float32 [T, V] with all_logits, else [V] for the last position
  * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
- * kvref_attention, kvref_rms_norm, kvref_rope, kvref_swiglu / kvref_geglu and kvref_soft_cap in the same order:
+ * kvref_attention, kvref_rms_norm, kvref_rope, kvref_swiglu / kvref_geglu / kvref_swiglu_oai,
+ * kvref_soft_cap and, in a mixture layer, kvref_route and kvref_matmul_experts in the same order:
  * with KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by
  * one on the same pool, pass by pass (KVREF_PASS_ROWS; a ring layer's keys are in slot order, so
  * its results are the decoder's over a contiguous cache to float32 rounding). The caller commits the cache length (length + T)
@@ -484,7 +485,9 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
 /* Time spent by kvref_forward on this state, in nanoseconds of the calling thread's wall clock,
  * by kernel family: out[0] projections (matmuls, their 8-bit input rounding, the fused SwiGLU and
  * residual adds), out[1] attention (scores, softmax, merge), out[2] everything else (embedding,
- * norms, RoPE, cache writes), out[3] the number of kvref_forward calls counted. */
+ * norms, RoPE, cache writes), out[3] the number of kvref_forward calls counted, out[4] the bytes of
+ * the routed experts' matrices its mixture layers read (each expert a pass chose once; its packed copy's
+ * bytes where that is read). */
 void kvref_state_timings(const kvref_state *state, int64_t *out);
 void kvref_state_reset_timings(kvref_state *state);
 

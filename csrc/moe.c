@@ -175,17 +175,21 @@ static int64_t expert_packed_nbytes(int32_t type, int64_t N, int64_t K) { return
 
 /* ys [R, N] = xs [R, K] through the stack w of X experts [N, K]: the slots of expert e (grouped by
  * kvref_group_by_expert into s->first) are one projection of its matrix, read once; an expert
- * no row chose is never read */
-static void project_experts(kvref_pool *pool, int int8, const kvref_moe_state *s, int64_t X, const float *xs,
+ * no row chose is never read. Returns the bytes of the experts' matrices read (their packed copies'
+ * where those are read). */
+static int64_t project_experts(kvref_pool *pool, int int8, const kvref_moe_state *s, int64_t X, const float *xs,
                             const kvref_tensor *w, float *ys) {
     const int64_t K = w->cols, N = w->rows / X, rb = kvref_row_nbytes(w->type, K);
     const int64_t pb = expert_packed_nbytes(w->type, N, K);
+    int64_t read = 0;
     for (int64_t e = 0; e < X; e++) {
         const int64_t n = s->first[e + 1] - s->first[e];
-        if (n > 0)
-            project(pool, int8, xs + s->first[e] * K, n, K, (const uint8_t *)w->data + e * N * rb,
-                    w->packed != NULL ? (const uint8_t *)w->packed + e * pb : NULL, w->type, N, ys + s->first[e] * N);
+        if (n == 0) continue;
+        project(pool, int8, xs + s->first[e] * K, n, K, (const uint8_t *)w->data + e * N * rb,
+                w->packed != NULL ? (const uint8_t *)w->packed + e * pb : NULL, w->type, N, ys + s->first[e] * N);
+        read += int8 && w->packed != NULL ? kvref_packed_nbytes(w->type, N, K) : N * rb;
     }
+    return read;
 }
 
 /* rows [R, N] by slot += bias [X, N] of each slot's expert (gpt-oss) */
@@ -213,8 +217,8 @@ static void shared_expert(kvref_pool *pool, const kvref_model_desc *c, const kvr
     project(pool, int8, s->gate, T, Fs, d->data, d->packed, d->type, E, s->xs);
 }
 
-void kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_layer *m, int int8, float *xb,
-                   int64_t T, kvref_moe_state *s) {
+int64_t kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_layer *m, int int8, float *xb,
+                      int64_t T, kvref_moe_state *s) {
     const kvref_router *r = &c->router;
     const int64_t X = r->n_experts, k = r->n_used, E = c->d_model, Fx = c->expert_d_ff, R = T * k;
     /* route: logits = xb @ router.T (+ bias), then each position's experts and weights */
@@ -232,14 +236,14 @@ void kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_
         memcpy(s->xs + slot * E, xb + s->order[slot] / k * E, (size_t)E * sizeof(float)); /* row t k + j is x[t] */
     }
     /* each row through its expert: down(act(gate x [+ b]) * (up x [+ b])) [+ b] */
-    project_experts(pool, int8, s, X, s->xs, &m->gate, s->gate);
-    project_experts(pool, int8, s, X, s->xs, &m->up, s->up);
+    int64_t read = project_experts(pool, int8, s, X, s->xs, &m->gate, s->gate);
+    read += project_experts(pool, int8, s, X, s->xs, &m->up, s->up);
     if (m->gate_bias != NULL) {
         add_expert_bias(s, R, m->gate_bias, Fx, s->gate);
         add_expert_bias(s, R, m->up_bias, Fx, s->up);
     }
     gated_rows(kvref_gate_fn(kvref_pool_kernels(pool), c->gate), R, Fx, s->gate, s->up);
-    project_experts(pool, int8, s, X, s->gate, &m->down, s->xs);
+    read += project_experts(pool, int8, s, X, s->gate, &m->down, s->xs);
     if (m->down_bias != NULL) add_expert_bias(s, R, m->down_bias, E, s->xs);
     /* y[t] = sum_j out[t k + j] * weight[t, j], added in routing order (best first), as the decoder adds */
     for (int64_t t = 0; t < T; t++) {
@@ -251,10 +255,11 @@ void kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_
     }
     if (m->shared_gate.data == NULL) {
         memcpy(xb, s->y, (size_t)(T * E) * sizeof(float));
-        return;
+        return read;
     }
     shared_expert(pool, c, m, int8, xb, T, s); /* -> s->xs [T, E] */
     for (int64_t i = 0; i < T * E; i++) xb[i] = s->y[i] + s->xs[i];
+    return read;
 }
 
 /* ---- checks and buffers ---------------------------------------------------------------------- */

@@ -1299,7 +1299,24 @@ def test_timings_count_every_c_forward_by_kernel_family(small):
     t = ff.timings()
     assert t["calls"] == 2 and t["projections"] > 0 and t["attention"] > 0 and t["other"] > 0
     ff.reset_timings()
-    assert ff.timings() == {"projections": 0.0, "attention": 0.0, "other": 0.0, "calls": 0}
+    assert ff.timings() == {"projections": 0.0, "attention": 0.0, "other": 0.0, "calls": 0, "expert_bytes": 0}
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_the_c_forward_counts_the_routed_experts_bytes_as_the_kernel_shims_count_them(activations):
+    # each expert a pass chose, once per stack: what kvref bench reports beside the active experts' bytes
+    from kvref.tools.bench import TimedOps
+    config = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=16,
+                               max_seq_len=16, n_experts=8, n_experts_used=2, expert_d_ff=32, first_dense_layers=1)
+    weights = random_weights(config, seed=4)
+    ff = fused.FusedForward(config, weights, activations)
+    ks = nops.kernels(1)
+    for tokens in ([1, 2, 3, 4, 5], [6]):
+        ff.reset_timings()
+        shims = TimedOps(ks)
+        run(c_forward(ff), ks, config, weights, tokens, [len(tokens)], "float32", 0)
+        run(decoder.forward, shims, config, weights, tokens, [len(tokens)], "float32", 0)
+        assert ff.timings()["expert_bytes"] == shims.expert_bytes > 0  # float32 stacks: no packed copies
 
 
 def test_the_descriptor_keeps_the_arrays_it_points_into_alive():

@@ -380,13 +380,14 @@ class FusedForward:
 
     def timings(self) -> dict:
         """Seconds spent in C forwards since creation or reset_timings(), by kernel family:
-        projections (matmuls and their fused SwiGLU/residual adds), attention, other (embedding,
-        norms, RoPE, cache writes); `calls` counts the C forwards. Wall time of the calling thread."""
-        out = ffi.new("int64_t[4]")
+        projections (matmuls and their fused SwiGLU/residual adds, a mixture's MLP), attention, other
+        (embedding, norms, RoPE, cache writes); `calls` counts the C forwards, `expert_bytes` the routed
+        experts' bytes they read. Wall time of the calling thread."""
+        out = ffi.new("int64_t[5]")
         with self._lock:
             lib.kvref_state_timings(self._state, out)
         return {"projections": out[0] * 1e-9, "attention": out[1] * 1e-9, "other": out[2] * 1e-9,
-                "calls": int(out[3])}
+                "calls": int(out[3]), "expert_bytes": int(out[4])}
 
     def reset_timings(self) -> None:
         with self._lock:
