@@ -259,23 +259,32 @@ static void qkv_projections(fw *f) {
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
-/* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
- * Wd after the MLP); with a sandwich norm gain, x += rms_norm(in @ W.T) * gain. The block's normed
- * input xb is dead by now (its projections read it), so the output goes there before the add. */
+/* xb[t] += bo: the attention output's bias (gpt-oss) */
+static void out_bias_row(const fw *f, int64_t t) {
+    const int64_t E = f->c->d_model;
+    float *y = f->s->xb + t * E;
+    for (int64_t i = 0; i < E; i++) y[i] = y[i] + f->lw->bo[i];
+}
+
+/* x += in @ W.T [+ bias]: a block's output projection added into the residual stream (Wo after
+ * attention, with its bias where there is one; Wd after the MLP); with a sandwich norm gain,
+ * x += rms_norm(in @ W.T [+ bias]) * gain. The block's normed input xb is dead by now (its
+ * projections read it), so the output goes there before the add. */
 static void residual_projection(fw *f, const float *in, int which, const float *post_norm) {
     int64_t t0 = now_ns();
     const kvref_tensor *w = projection(f->c, f->lw, which);
     kvref_state *s = f->s;
-    const int decode = decode_path(f, f->T, 1, &which);
+    const int decode = decode_path(f, f->T, 1, &which), bias = which == W_O && f->lw->bo != NULL;
+    const int direct = post_norm == NULL && !bias; /* straight into x: nothing happens between */
     if (decode) {
         const kvref_mv_part none = {0};
-        kvref_mv mv = matvec(f, in, f->T, w->cols, 1, part(f, which, post_norm != NULL ? s->xb : s->x, w->rows),
-                             none, none);
-        mv.accumulate = post_norm == NULL;
+        kvref_mv mv = matvec(f, in, f->T, w->cols, 1, part(f, which, direct ? s->x : s->xb, w->rows), none, none);
+        mv.accumulate = direct;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, in, f->T, w, s->xb);
     }
+    if (bias) for_each_row(f, out_bias_row); /* the decoder adds it before any norm */
     if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
         s->ns[FAM_PROJ] += now_ns() - t0;
         t0 = now_ns();
@@ -286,7 +295,7 @@ static void residual_projection(fw *f, const float *in, int which, const float *
         s->ns[FAM_OTHER] += now_ns() - t0;
         t0 = now_ns();
     }
-    if (post_norm != NULL || !decode) for_each_row(f, residual_row);
+    if (!direct || !decode) for_each_row(f, residual_row);
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 

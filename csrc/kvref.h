@@ -356,6 +356,7 @@ typedef struct kvref_layer_desc {
                                   NoPE layer (SmolLM3), whose q and k are not rotated */
     int64_t window;            /* the layer's attention window W (a query at p sees p-W+1 .. p), 0: none */
     const float *sinks;        /* float32 [H] the layer's sink logits (kvref_attention), or NULL */
+    const float *bo;           /* float32 [E] the attention output projection's bias (gpt-oss), or NULL */
     const struct kvref_moe_layer *moe; /* a mixture of experts in place of w_gate, w_up, w_down (whose data
                                   are then NULL), or NULL: a dense MLP */
 } kvref_layer_desc;

@@ -19,8 +19,8 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
     then attend), so no query reads a slot a later position overwrote.
 
-Every family field of the config but the attention output bias is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
+Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
+sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU and attention output bias, the score scale (YaRN's attention factor
 included), sink logits, the score and final-logit soft
 caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
 the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
@@ -37,10 +37,10 @@ dense first layers. In the int8 mode each expert of a stack is packed like a den
 expert like any projection; MXFP4 experts (gpt-oss GGUFs) have no packed form, so that mode multiplies
 them with exact float32 activations.
 
-An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model (gpt-oss) runs the
-shared decoder over the native kernels (`config_problem` says so). Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
-computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
-window cache stages its writes, float64 K/V, ...).
+Latent attention (config.kv_lora_rank) has no C side yet: such a model runs the shared decoder over the
+native kernels (kvref.backends says so). So does a cache this forward cannot use in place
+(kvref.executor.SpecExecutor), which computes the same thing kernel by kernel on the K/V the cache
+decodes; `cache_problem` says why (a window cache stages its writes, float64 K/V, ...).
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
@@ -106,7 +106,7 @@ MOE_TENSORS = ("router", "router_bias", "expert_selection_bias", "experts_gate",
                "experts_gate_bias", "experts_up_bias", "experts_down_bias", "shared_gate", "shared_up", "shared_down")
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", *MOE_TENSORS)
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", "bo", *MOE_TENSORS)
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
@@ -115,14 +115,6 @@ def packed_stride(gtype, N, K, X=1) -> int:
     rounded up to a multiple of 64 so each expert's copy is 64-byte aligned; 0 for a type never packed."""
     matrix = lib.kvref_packed_nbytes(gtype, N, K)
     return -(-matrix // 64) * 64 if X > 1 else matrix
-
-
-def config_problem(config) -> str | None:
-    """Why the C forward cannot run `config` (None when it can); the shared decoder then runs it over the
-    native kernels."""
-    if config.attention_out_bias:
-        return "the fused C forward has no attention output bias (attention_out_bias)"
-    return None
 
 
 def _tensors(weights):
@@ -178,7 +170,7 @@ class FusedForward:
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
                         ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms),
-                        ("sinks", c.n_heads, c.attention_sinks)]
+                        ("sinks", c.n_heads, c.attention_sinks), ("bo", E, c.attention_out_bias)]
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
