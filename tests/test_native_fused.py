@@ -1131,6 +1131,36 @@ def test_the_model_descriptor_is_validated_in_c():
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # only projections and the LM head
     desc.tok_embeddings.packed = ffi.NULL
     assert ff.timings()["calls"] == 0
+    # the layer as a mixture of 4 experts of width 16, 2 per position
+    moe = ffi.new("kvref_moe_layer *")
+    stacks = {name: np.zeros(shape, np.float32) for name, shape in (("router", (4, 32)), ("gate", (64, 32)),
+              ("up", (64, 32)), ("down", (128, 16)))}
+    for name, a in stacks.items():
+        t = getattr(moe, name)
+        t.data, t.nbytes, t.type, (t.rows, t.cols) = ffi.from_buffer(a), a.nbytes, lib.KVREF_TYPE_F32, a.shape
+    layers[0].moe = moe
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # a mixture layer, but no router
+    desc.router = {"n_experts": 4, "n_used": 2, "n_groups": 1, "n_groups_used": 1, "scaling": 1.0}
+    desc.expert_d_ff = 16
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # the dense MLP is still there too
+    for name in ("w_gate", "w_up", "w_down"):
+        getattr(layers[0], name).data = ffi.NULL
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_OK
+    lib.kvref_model_destroy(out[0])
+    for field, bad, status in (("n_used", 5, "VALUE"), ("n_groups", 3, "VALUE"), ("n_groups_used", 2, "VALUE"),
+                               ("score", 2, "VALUE"), ("scaling", float("inf"), "VALUE")):
+        good = getattr(desc.router, field)
+        setattr(desc.router, field, bad)
+        assert lib.kvref_model_create(desc, out) == getattr(lib, f"KVREF_ERR_{status}"), field
+        setattr(desc.router, field, good)
+    desc.expert_d_ff = 0
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_DIM
+    desc.expert_d_ff, moe.router.rows = 16, 3
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_SHAPE
+    moe.router.rows, moe.gate_bias = 4, ffi.cast("float *", ffi.from_buffer(gain))
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_NULL  # expert biases: all three or none
+    moe.gate_bias, moe.shared_up.data = ffi.NULL, ffi.from_buffer(w)
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # a shared expert of width 0
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
