@@ -281,28 +281,6 @@ def executions(draw, config):
 
 # ---- exact mode: bit for bit the decoder on the same kernels ------------------------------------
 
-@given(st.data(), ISAS, THREADS)
-def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernels(data, isa, threads):
-    families = data.draw(st.booleans())  # Llama, or random fields of every family
-    if data.draw(st.booleans()):
-        config = data.draw(family_configs() if families else configs(max_layers=4))
-        weights = random_weights(config, data.draw(st.integers(0, 2**16)), "float32")
-    else:
-        config, weights = data.draw(quantized_models(families=families))
-    tokens, chunks, steps, kv_dtype = data.draw(executions(config))
-    ops = nops.kernels(threads, isa)
-    ff = fused.FusedForward(config, weights, "float32")
-    reference = decoder_forward(isa, new_cache(config, *kv_dtype))
-    got, got_cache = run(c_forward(ff), ops, config, weights, tokens, chunks, kv_dtype, steps)
-    want, want_cache = run(reference, ops, config, weights, tokens, chunks, kv_dtype, steps)
-    assert got.dtype == np.float32 and got.shape == want.shape
-    assert got_cache.length == want_cache.length == len(tokens) + steps
-    assert_same_execution(got, got_cache, want, want_cache)
-    if kv_dtype[0] == "int8":
-        decoded, _ = run(decoder.forward, ops, config, weights, tokens, chunks, kv_dtype, steps)
-        assert_int8_key_logits_within_bound(config, got, decoded)
-
-
 @st.composite
 def moe_models(draw, quantized=False):
     """(config, weights) of a random mixture of experts (conftest.moe_configs: every router, dense first
@@ -333,16 +311,29 @@ def moe_models(draw, quantized=False):
                            q(weights.output))
 
 
+@pytest.mark.parametrize("mixture", [False, True])
 @given(st.data(), ISAS, THREADS)
-def test_fused_mixture_of_experts_is_bit_identical_to_the_decoder_on_the_same_native_kernels(data, isa, threads):
-    config, weights = data.draw(moe_models(quantized=data.draw(st.booleans())))
+def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernels(mixture, data, isa, threads):
+    families = data.draw(st.booleans())  # Llama, or random fields of every family
+    if mixture:  # a mixture of experts (moe_models: every router field), float32 or quantized
+        config, weights = data.draw(moe_models(quantized=data.draw(st.booleans())))
+    elif data.draw(st.booleans()):
+        config = data.draw(family_configs() if families else configs(max_layers=4))
+        weights = random_weights(config, data.draw(st.integers(0, 2**16)), "float32")
+    else:
+        config, weights = data.draw(quantized_models(families=families))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ops = nops.kernels(threads, isa)
     ff = fused.FusedForward(config, weights, "float32")
     reference = decoder_forward(isa, new_cache(config, *kv_dtype))
     got, got_cache = run(c_forward(ff), ops, config, weights, tokens, chunks, kv_dtype, steps)
     want, want_cache = run(reference, ops, config, weights, tokens, chunks, kv_dtype, steps)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert got_cache.length == want_cache.length == len(tokens) + steps
     assert_same_execution(got, got_cache, want, want_cache)
+    if kv_dtype[0] == "int8":
+        decoded, _ = run(decoder.forward, ops, config, weights, tokens, chunks, kv_dtype, steps)
+        assert_int8_key_logits_within_bound(config, got, decoded)
 
 
 @pytest.mark.parametrize("isa", nops.supported_isas())
