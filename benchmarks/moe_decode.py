@@ -1,6 +1,7 @@
 """Decode speed of a mixture of experts with Qwen3-30B-A3B's layer shapes, and the bytes its experts read.
 
-    PYTHONPATH=. python benchmarks/moe_decode.py [--layers 4] [--threads 2] [--type Q4_0|Q8_0] [--json FILE]
+    PYTHONPATH=. python benchmarks/moe_decode.py [--layers 4] [--threads 2] [--type Q4_0|Q8_0]
+        [--activations float32|int8] [--json FILE]
 
 builds, in memory, a random-weight model with the layer shapes of Qwen3-30B-A3B (d_model 2048, 32 query
 heads and 4 kv heads of 128 with QK-norm, 128 experts of width 768 of which 8 run per position, a
@@ -41,7 +42,7 @@ def random_blocks(rng, gtype, *shape):
     return QuantizedTensor(gtype, tuple(shape), blocks.reshape(*rows, row_nbytes(gtype, K)))
 
 
-def model(layers, gtype, threads, seed=0):
+def model(layers, gtype, threads, activations="float32", seed=0):
     rng = np.random.default_rng(seed)
     config = kvref.ModelConfig(n_layers=layers, d_model=E, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                d_ff=6144, vocab_size=VOCAB, max_seq_len=4096, rope_theta=1e6, norm_eps=1e-6,
@@ -63,7 +64,7 @@ def model(layers, gtype, threads, seed=0):
         lw.experts_down = matrix(EXPERTS, E, EXPERT_FF)
         blocks.append(lw)
     weights = Weights(matrix(VOCAB, E), blocks, gain, matrix(VOCAB, E))
-    return kvref.Model(config, weights, backend="c", threads=threads)
+    return kvref.Model(config, weights, backend="c", threads=threads, activations=activations)
 
 
 def main(argv=None):
@@ -71,9 +72,11 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--type", choices=("Q4_0", "Q8_0"), default="Q4_0")
+    parser.add_argument("--activations", choices=("float32", "int8"), default="float32",
+                        help="the fused C forward's activation mode (kvref.native.fused)")
     parser.add_argument("--json", help="also write bench.run's result here")
     args = parser.parse_args(argv)
-    m = model(args.layers, GGMLType[args.type], args.threads)
+    m = model(args.layers, GGMLType[args.type], args.threads, args.activations)
     result = bench.run(m, prompt_tokens=16, new_tokens=32, context=0, prefill_tokens=64, repeat=3)
     print(bench.report(result))
     if args.json:

@@ -14,6 +14,8 @@
  *   - K and V go straight into the cache slots of the new positions, encoded as the Python cache
  *     layouts encode them (kvcache.c), and attention reads them there, paged, in per-layer rings
  *     or contiguous.
+ * A mixture-of-experts layer's MLP is moe.c's (kvref_moe_run): its rows grouped by expert, so each
+ * routed expert's weights stream once per pass.
  * Its memory is bounded: long executions run in passes of at most KVREF_PASS_ROWS rows, so the row
  * buffers are a pass's, not the prompt's; and in the int8 mode the LM head's likeliest rows are
  * recomputed from the packed copy, so the head's file pages stay unread once it is packed.
@@ -73,7 +75,9 @@ struct kvref_state {
     int64_t part_slots;
     int64_t *parts;            /* [part_slots]: a pass's bounds [B + 1], then its parts' cache lengths [B] */
     int64_t ns[3], calls;      /* kvref_state_timings */
+    int64_t expert_bytes;      /* ... and the routed experts' bytes read */
     int64_t fail_layer;        /* kvref_state_fail_at_layer: the layer the next forward stops at, or -1 */
+    kvref_moe_state *moe;      /* a mixture of experts' row buffers (moe.c), or NULL */
 };
 
 /* one call's arguments, passed to every step */
@@ -255,23 +259,32 @@ static void qkv_projections(fw *f) {
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
-/* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
- * Wd after the MLP); with a sandwich norm gain, x += rms_norm(in @ W.T) * gain. The block's normed
- * input xb is dead by now (its projections read it), so the output goes there before the add. */
+/* xb[t] += bo: the attention output's bias (gpt-oss) */
+static void out_bias_row(const fw *f, int64_t t) {
+    const int64_t E = f->c->d_model;
+    float *y = f->s->xb + t * E;
+    for (int64_t i = 0; i < E; i++) y[i] = y[i] + f->lw->bo[i];
+}
+
+/* x += in @ W.T [+ bias]: a block's output projection added into the residual stream (Wo after
+ * attention, with its bias where there is one; Wd after the MLP); with a sandwich norm gain,
+ * x += rms_norm(in @ W.T [+ bias]) * gain. The block's normed input xb is dead by now (its
+ * projections read it), so the output goes there before the add. */
 static void residual_projection(fw *f, const float *in, int which, const float *post_norm) {
     int64_t t0 = now_ns();
     const kvref_tensor *w = projection(f->c, f->lw, which);
     kvref_state *s = f->s;
-    const int decode = decode_path(f, f->T, 1, &which);
+    const int decode = decode_path(f, f->T, 1, &which), bias = which == W_O && f->lw->bo != NULL;
+    const int direct = post_norm == NULL && !bias; /* straight into x: nothing happens between */
     if (decode) {
         const kvref_mv_part none = {0};
-        kvref_mv mv = matvec(f, in, f->T, w->cols, 1, part(f, which, post_norm != NULL ? s->xb : s->x, w->rows),
-                             none, none);
-        mv.accumulate = post_norm == NULL;
+        kvref_mv mv = matvec(f, in, f->T, w->cols, 1, part(f, which, direct ? s->x : s->xb, w->rows), none, none);
+        mv.accumulate = direct;
         kvref_mv_run(f->pool, &mv);
     } else {
         matmul(f, in, f->T, w, s->xb);
     }
+    if (bias) for_each_row(f, out_bias_row); /* the decoder adds it before any norm */
     if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
         s->ns[FAM_PROJ] += now_ns() - t0;
         t0 = now_ns();
@@ -282,7 +295,7 @@ static void residual_projection(fw *f, const float *in, int which, const float *
         s->ns[FAM_OTHER] += now_ns() - t0;
         t0 = now_ns();
     }
-    if (post_norm != NULL || !decode) for_each_row(f, residual_row);
+    if (!direct || !decode) for_each_row(f, residual_row);
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
@@ -304,6 +317,22 @@ static void gate_up_projections(fw *f) {
         for_each_row(f, glu_row);
     }
     s->ns[FAM_PROJ] += now_ns() - t0;
+}
+
+/* x += [rms_norm](moe(xb)) (moe.c): a mixture of experts' MLP, its output in xb before the add */
+static void mixture_of_experts(fw *f) {
+    int64_t t0 = now_ns();
+    f->s->expert_bytes += kvref_moe_run(f->pool, f->c, f->lw->moe, f->int8, f->s->xb, f->T, f->s->moe);
+    f->s->ns[FAM_PROJ] += now_ns() - t0;
+    t0 = now_ns();
+    if (f->lw->post_ffn_norm != NULL) { /* the block's output normalised before the add */
+        f->gain = f->lw->post_ffn_norm;
+        f->norm_rows = f->s->xb;
+        for_each_row(f, norm_row);
+        f->norm_rows = NULL;
+    }
+    for_each_row(f, residual_row);
+    f->s->ns[FAM_OTHER] += now_ns() - t0;
 }
 
 /* ---- the other steps ------------------------------------------------------------------------ */
@@ -409,20 +438,6 @@ static void store_and_attend(fw *f) {
     attend(f, s->jobs, s->n_jobs);
 }
 
-/* ids [k] of the k largest values of row [V], largest first, of equal values the lower id first
- * (NaN is never one); returns how many: k, or fewer where the row has fewer values that are not NaN */
-static int64_t top_ids(const float *row, int64_t V, int64_t k, int64_t *ids) {
-    int64_t n = 0;
-    for (int64_t v = 0; v < V; v++) {
-        const float x = row[v];
-        if (x != x || (n == k && !(x > row[ids[k - 1]]))) continue;
-        int64_t i = n < k ? n++ : k - 1;
-        for (; i > 0 && x > row[ids[i - 1]]; i--) ids[i] = ids[i - 1];
-        ids[i] = v;
-    }
-    return n;
-}
-
 /* logits row i's KVREF_HEAD_EXACT_K largest, recomputed from xb row i with float32 activations:
  * each the single-row dot product of the exact mode (kvref.h, KVREF_ACT_INT8), on the head's row
  * unpacked from the packed copy into the thread's scratch (reading the file's rows would page in
@@ -434,7 +449,7 @@ static void exact_top_row(const fw *f, int64_t i, int thread) {
     const float *x = f->s->xb + i * E;
     uint8_t *unpacked = kvref_pool_scratch(f->pool, thread); /* [kvref_row_nbytes(type, E)] */
     int64_t ids[KVREF_HEAD_EXACT_K];
-    const int64_t n = top_ids(row, V, KVREF_HEAD_EXACT_K, ids);
+    const int64_t n = kvref_top_ids(row, V, KVREF_HEAD_EXACT_K, ids);
     for (int64_t j = 0; j < n; j++) {
         kvref_unpack_row(w->type, E, (const uint8_t *)w->packed + ids[j] / KVREF_PACK_ROWS * gb, (int)(ids[j] % KVREF_PACK_ROWS), unpacked);
         row[ids[j]] = f->kk->vec_dot[w->type](E, unpacked, x);
@@ -476,7 +491,7 @@ static void final_logits(fw *f) {
 
 /* ---- model and state ------------------------------------------------------------------------ */
 
-static int check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
+int kvref_check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
     if (t->data == NULL) return KVREF_ERR_NULL;
     if (kvref_block_values(t->type) < 0) return KVREF_ERR_TYPE;
     if (t->rows != rows || t->cols != cols) return KVREF_ERR_SHAPE;
@@ -490,7 +505,7 @@ static int check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
 #define KVREF_MAX_DIM (INT64_C(1) << 24) /* every config number; keeps every product below 2**63 */
 
 /* a projection or LM head: packed, if at all, in the layout and bytes kvref_pack_int8 writes */
-static int check_packed(const kvref_tensor *t) {
+int kvref_check_packed(const kvref_tensor *t) {
     if (t->packed == NULL) return KVREF_OK;
     if (!kvref_packable(t->type)) return KVREF_ERR_TYPE;
     return (uintptr_t)t->packed % 64 == 0 ? KVREF_OK : KVREF_ERR_VALUE;
@@ -504,6 +519,7 @@ static int all_packed(const kvref_model_desc *c) {
             const kvref_tensor *w = projection(c, &c->layers[l], which);
             all &= !kvref_packable(w->type) || w->packed != NULL;
         }
+    for (int64_t l = 0; l < c->n_layers; l++) all &= c->layers[l].moe == NULL || kvref_moe_packed_all(&c->layers[l]);
     return all;
 }
 
@@ -522,9 +538,14 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
         || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH && c->gate != KVREF_GATE_SWIGLU_OAI))
         return KVREF_ERR_VALUE;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
-    int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
-    if (status == KVREF_OK) status = check_tensor(&c->output, c->vocab_size, E);
-    if (status == KVREF_OK) status = c->tok_embeddings.packed == NULL ? check_packed(&c->output) : KVREF_ERR_VALUE;
+    int status = kvref_check_tensor(&c->tok_embeddings, c->vocab_size, E);
+    if (status == KVREF_OK && c->router.n_experts > 0) { /* a mixture of experts: its router and widths */
+        status = kvref_router_check(&c->router);
+        if (c->expert_d_ff < 1 || c->expert_d_ff > KVREF_MAX_DIM || c->shared_d_ff < 0 || c->shared_d_ff > KVREF_MAX_DIM)
+            status = KVREF_ERR_DIM;
+    }
+    if (status == KVREF_OK) status = kvref_check_tensor(&c->output, c->vocab_size, E);
+    if (status == KVREF_OK) status = c->tok_embeddings.packed == NULL ? kvref_check_packed(&c->output) : KVREF_ERR_VALUE;
     for (int64_t l = 0; status == KVREF_OK && l < c->n_layers; l++) {
         const kvref_layer_desc *lw = &c->layers[l];
         if (lw->attn_norm == NULL || lw->ffn_norm == NULL) return KVREF_ERR_NULL;
@@ -538,10 +559,12 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
         const struct { const kvref_tensor *t; int64_t rows, cols; } expect[] = {
             {&lw->wq, QD, E}, {&lw->wk, KVD, E}, {&lw->wv, KVD, E}, {&lw->wo, E, QD},
             {&lw->w_gate, F, E}, {&lw->w_up, F, E}, {&lw->w_down, E, F}};
-        for (size_t i = 0; status == KVREF_OK && i < sizeof expect / sizeof expect[0]; i++) {
-            status = check_tensor(expect[i].t, expect[i].rows, expect[i].cols);
-            if (status == KVREF_OK) status = check_packed(expect[i].t);
+        const size_t n = lw->moe != NULL ? 4 : sizeof expect / sizeof expect[0]; /* a mixture: no dense MLP */
+        for (size_t i = 0; status == KVREF_OK && i < n; i++) {
+            status = kvref_check_tensor(expect[i].t, expect[i].rows, expect[i].cols);
+            if (status == KVREF_OK) status = kvref_check_packed(expect[i].t);
         }
+        if (status == KVREF_OK && lw->moe != NULL) status = kvref_moe_check(c, lw);
     }
     if (status != KVREF_OK) return status;
 
@@ -574,6 +597,8 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
     m->desc.layers = m->layers;
     m->max_k = E > QD ? E : QD;
     m->max_k = m->max_k > F ? m->max_k : F;
+    m->max_k = m->max_k > c->expert_d_ff ? m->max_k : c->expert_d_ff; /* a mixture's widths (0 without) */
+    m->max_k = m->max_k > c->shared_d_ff ? m->max_k : c->shared_d_ff;
     m->int8 = all_packed(c);
     *out = m;
     return KVREF_OK;
@@ -619,6 +644,7 @@ void kvref_state_destroy(kvref_state *state) {
     free(state->partial);
     free(state->jobs);
     free(state->parts);
+    kvref_moe_state_destroy(state->moe);
     free(state);
 }
 
@@ -677,7 +703,8 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const 
     }
     if (grow((void **)&s->slot_positions, &s->ring_keys, slots, sizeof(int64_t)) != KVREF_OK ||
         grow((void **)&s->partial, &s->partial_floats, partials, sizeof(float)) != KVREF_OK ||
-        grow((void **)&s->jobs, &s->max_jobs, B, sizeof(kvref_attn_job)) != KVREF_OK)
+        grow((void **)&s->jobs, &s->max_jobs, B, sizeof(kvref_attn_job)) != KVREF_OK ||
+        kvref_moe_reserve(&s->moe, c, T) != KVREF_OK)
         return KVREF_ERR_NOMEM;
     return KVREF_OK;
 }
@@ -686,12 +713,14 @@ void kvref_state_timings(const kvref_state *state, int64_t *out) {
     if (state == NULL || out == NULL) return;
     for (int i = 0; i < 3; i++) out[i] = state->ns[i];
     out[3] = state->calls;
+    out[4] = state->expert_bytes;
 }
 
 void kvref_state_reset_timings(kvref_state *state) {
     if (state == NULL) return;
     for (int i = 0; i < 3; i++) state->ns[i] = 0;
     state->calls = 0;
+    state->expert_bytes = 0;
 }
 
 int kvref_state_fail_at_layer(kvref_state *state, int64_t layer) {
@@ -786,6 +815,10 @@ static int forward_pass(fw *f, int64_t S) {
         residual_projection(f, state->att, W_O, f->lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
         /* MLP block: x += act(...) @ Wd.T, position by position */
         rms_norm(f, f->lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
+        if (f->lw->moe != NULL) {
+            mixture_of_experts(f);                        /* x += [norm](the routed experts' weighted sum [+ shared]) */
+            continue;
+        }
         gate_up_projections(f);                           /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
         residual_projection(f, state->gate, W_DOWN, f->lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
     }

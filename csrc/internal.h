@@ -692,6 +692,43 @@ typedef struct kvref_mv {
 
 void kvref_mv_run(kvref_pool *pool, const kvref_mv *mv);
 
+/* ---- top-k and the experts' grouping (moe.c, matmul.c, forward.c) ------------------------- */
+
+/* ids [k] of the k largest values of row [V], largest first, of equal values the lower id first
+ * (NaN is never one); returns how many: k, or fewer where the row has fewer values that are not NaN */
+int64_t kvref_top_ids(const float *row, int64_t V, int64_t k, int64_t *ids);
+
+/* Sorts the R rows of x by expert, stably, as a counting sort: expert e's rows go to the slots
+ * first[e] .. first[e + 1] in row order, order[slot] naming the row. first: [X + 1] zeros, placed: [X]
+ * zeros, order: [R]. Returns the most rows one expert takes. */
+int64_t kvref_group_by_expert(const int64_t *experts, int64_t R, int64_t X, int64_t *first, int64_t *placed,
+                              int64_t *order);
+
+/* ---- a mixture of experts in the fused forward (moe.c) ------------------------------------ */
+
+/* KVREF_OK if t is a [rows, cols] matrix of its type with a consistent byte count (forward.c) */
+int kvref_check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols);
+/* KVREF_OK if t's packed copy, if any, is of a packable type and 64-byte aligned (forward.c) */
+int kvref_check_packed(const kvref_tensor *t);
+
+typedef struct kvref_moe_state kvref_moe_state; /* its row buffers */
+
+/* KVREF_OK if `router` is a valid router (kvref_route's), else KVREF_ERR_VALUE */
+int kvref_router_check(const kvref_router *router);
+/* KVREF_OK if layer lw of model c has a well-formed mixture (shapes, packed copies), else its status */
+int kvref_moe_check(const kvref_model_desc *c, const kvref_layer_desc *lw);
+/* whether every tensor of lw's mixture that has a packed form has it (the int8 mode can run) */
+int kvref_moe_packed_all(const kvref_layer_desc *lw);
+/* *s (NULL at first) grown to the buffers of T rows of model c; KVREF_ERR_NOMEM with *s as it was */
+int kvref_moe_reserve(kvref_moe_state **s, const kvref_model_desc *c, int64_t T);
+void kvref_moe_state_destroy(kvref_moe_state *s);
+/* xb [T, E]: the layer's normed MLP input in, its mixture's output (routed experts + shared) out;
+ * with int8, the int8 mode's projections (packed copies read where they exist). Pool locked, its
+ * scratch and shared buffer reserved for T rows of the model's widest input. Returns the bytes of
+ * routed experts' matrices read. */
+int64_t kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_moe_layer *m, int int8, float *xb,
+                      int64_t T, kvref_moe_state *s);
+
 /* ---- the cache's storage (kvcache.c) ------------------------------------------------------- */
 
 /* KVREF_OK if `kv` is a well-formed cache of n_layers x Hkv x D whose layers without a ring hold

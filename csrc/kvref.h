@@ -204,6 +204,40 @@ int kvref_swiglu_oai(kvref_pool *pool,
                      const float *gate, const float *up, int64_t n,
                      float *out);
 
+/* A mixture of experts' router (kvref.spec.ops.route): how each position's router logits choose its
+ * k experts and weigh them. The fields of ModelConfig's mixture (router_score, n_expert_groups, ...). */
+enum kvref_router_score {
+    KVREF_ROUTER_SOFTMAX = 0,  /* scores = softmax(logits) over the X experts (Qwen3-MoE, Mixtral, gpt-oss) */
+    KVREF_ROUTER_SIGMOID = 1   /* scores = sigmoid(logits), each expert on its own (DeepSeek-V3) */
+};
+enum kvref_group_score {
+    KVREF_GROUP_TOP2_SUM = 0,  /* a group's score: its two best choice values summed (DeepSeek-V3) */
+    KVREF_GROUP_MAX = 1        /* ... its best (DeepSeek-V2) */
+};
+typedef struct kvref_router {
+    int64_t n_experts;         /* X >= 1 (0 in a model descriptor without mixture layers) */
+    int64_t n_used;            /* k, 1 <= k <= X: experts each position runs */
+    int32_t score;             /* a kvref_router_score */
+    int64_t n_groups;          /* G >= 1 dividing X: grouped top-k (DeepSeek) when > 1 */
+    int64_t n_groups_used;     /* 1 <= G_used <= G: the best groups a position chooses from */
+    int32_t group_score;       /* a kvref_group_score */
+    int32_t normalize;         /* 1: the k weights divided by their sum (norm_topk_prob) */
+    float scaling;             /* finite: the weights are multiplied by it (routed_scaling_factor) */
+} kvref_router;
+
+/* experts [T, k], weights [T, k] = the routing of logits [T, X], as kvref.spec.ops.route defines it:
+ * scores = softmax or sigmoid of each row (sigmoid(x) = 0.5 (1 + tanh(x / 2)); softmax subtracts the
+ * row max, and a row holding a NaN or +inf scores NaN everywhere); the experts are chosen by
+ * choice = scores + selection_bias (or scores, when it is NULL), restricted with groups to the
+ * G_used best groups (others -inf); the k largest choices, best first, of equal ones the lower id
+ * first, NaN after every number (in id order); their weights are their unbiased scores, divided by
+ * their sum (added best first) with normalize, then multiplied by scaling.
+ *   logits:         float32 [T, X]
+ *   selection_bias: float32 [X] or NULL
+ *   experts:        int64 [T, k];  weights: float32 [T, k] */
+int kvref_route(const float *logits, int64_t T, const float *selection_bias, const kvref_router *router,
+                int64_t *experts, float *weights);
+
 /* out = cap * tanh(x / cap) for finite x, x itself otherwise (kvref.spec.ops.soft_cap: Gemma 2's final
  * logits and, inside kvref_attention, its scores).
  *   x, out: float32 [n] (out may be x)
@@ -322,7 +356,27 @@ typedef struct kvref_layer_desc {
                                   NoPE layer (SmolLM3), whose q and k are not rotated */
     int64_t window;            /* the layer's attention window W (a query at p sees p-W+1 .. p), 0: none */
     const float *sinks;        /* float32 [H] the layer's sink logits (kvref_attention), or NULL */
+    const float *bo;           /* float32 [E] the attention output projection's bias (gpt-oss), or NULL */
+    const struct kvref_moe_layer *moe; /* a mixture of experts in place of w_gate, w_up, w_down (whose data
+                                  are then NULL), or NULL: a dense MLP */
 } kvref_layer_desc;
+
+/* A mixture-of-experts layer's MLP (kvref.spec.decoder.moe; Fx = the router's expert width, Fs the
+ * shared expert's): the router chooses k of X experts per position (kvref_route), each a gated MLP;
+ * their outputs, weighted, are summed, plus the shared expert's. An expert stack is the X matrices
+ * one after the other, as kvref_matmul_experts reads it; packed (the int8 mode), each expert's
+ * kvref_packed_nbytes(type, rows / X, cols) bytes rounded up to a multiple of 64, one after the other. */
+typedef struct kvref_moe_layer {
+    kvref_tensor router;       /* [X, E]        expert logits per position */
+    const float *router_bias;  /* float32 [X] added to the logits (gpt-oss), or NULL */
+    const float *selection_bias; /* float32 [X] added to the scores to choose experts (DeepSeek-V3), or NULL */
+    kvref_tensor gate, up;     /* [X * Fx, E]   each expert's gate and up projections */
+    kvref_tensor down;         /* [X * E, Fx]   each expert's down projection */
+    const float *gate_bias, *up_bias; /* float32 [X, Fx] expert biases (gpt-oss), or NULL (all three or none) */
+    const float *down_bias;    /* float32 [X, E] */
+    kvref_tensor shared_gate, shared_up; /* [Fs, E] the shared expert every position runs (DeepSeek), */
+    kvref_tensor shared_down;  /* [E, Fs]       or data NULL: none */
+} kvref_moe_layer;
 
 /* How the MLP gates: out = act(x @ Wg.T) * (x @ Wu.T). */
 enum kvref_gate {
@@ -352,6 +406,9 @@ typedef struct kvref_model_desc {
     const kvref_layer_desc *layers; /* [n_layers] */
     const float *output_norm;  /* float32 [E] */
     kvref_tensor output;       /* [V, E] the LM head (may alias tok_embeddings) */
+    kvref_router router;       /* the mixture layers' router (n_experts 0: none has one) */
+    int64_t expert_d_ff;       /* Fx: each routed expert's hidden width */
+    int64_t shared_d_ff;       /* Fs: the shared expert's, 0: none */
 } kvref_model_desc;
 
 /* A validated copy of a descriptor. */
@@ -402,7 +459,8 @@ enum { KVREF_PASS_ROWS = 128 };
  *               (A ring layer's overwritten slots are the caller's to restore if it aborts.)
  *   logits:     float32 [T, V] with all_logits, else [V] for the last position
  * Every layer does what kvref/spec/decoder.py does, with the kernels of kvref_matmul,
- * kvref_attention, kvref_rms_norm, kvref_rope, kvref_swiglu / kvref_geglu and kvref_soft_cap in the same order:
+ * kvref_attention, kvref_rms_norm, kvref_rope, kvref_swiglu / kvref_geglu / kvref_swiglu_oai,
+ * kvref_soft_cap and, in a mixture layer, kvref_route and kvref_matmul_experts in the same order:
  * with KVREF_ACT_F32 the logits and cache rows are bit-identical to calling those kernels one by
  * one on the same pool, pass by pass (KVREF_PASS_ROWS; a ring layer's keys are in slot order, so
  * its results are the decoder's over a contiguous cache to float32 rounding). The caller commits the cache length (length + T)
@@ -428,7 +486,9 @@ int kvref_forward_batch(kvref_pool *pool, const kvref_model *model, kvref_state 
 /* Time spent by kvref_forward on this state, in nanoseconds of the calling thread's wall clock,
  * by kernel family: out[0] projections (matmuls, their 8-bit input rounding, the fused SwiGLU and
  * residual adds), out[1] attention (scores, softmax, merge), out[2] everything else (embedding,
- * norms, RoPE, cache writes), out[3] the number of kvref_forward calls counted. */
+ * norms, RoPE, cache writes), out[3] the number of kvref_forward calls counted, out[4] the bytes of
+ * the routed experts' matrices its mixture layers read (each expert a pass chose once; its packed copy's
+ * bytes where that is read). */
 void kvref_state_timings(const kvref_state *state, int64_t *out);
 void kvref_state_reset_timings(kvref_state *state);
 

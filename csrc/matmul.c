@@ -123,11 +123,8 @@ int kvref_matmul(kvref_pool *pool, const float *x, int64_t T, int64_t K, const v
 
 /* ---- a mixture of experts' projection ------------------------------------------------------ */
 
-/* Sorts the rows of x by expert, stably, as a counting sort: expert e's rows go to the slots
- * first[e] .. first[e + 1] in row order, order[slot] naming the row. first: [X + 1] zeros, placed: [X]
- * zeros, order: [R]. Returns the most rows one expert takes. */
-static int64_t group_by_expert(const int64_t *experts, int64_t R, int64_t X, int64_t *first, int64_t *placed,
-                               int64_t *order) {
+int64_t kvref_group_by_expert(const int64_t *experts, int64_t R, int64_t X, int64_t *first, int64_t *placed,
+                              int64_t *order) {
     for (int64_t r = 0; r < R; r++) first[experts[r] + 1]++;
     int64_t most = 0;
     for (int64_t e = 0; e < X; e++) {
@@ -164,7 +161,7 @@ int kvref_matmul_experts(kvref_pool *pool, const float *x, int64_t R, int64_t K,
     float *ys = malloc((size_t)R * (size_t)N * sizeof(float)); /* [R, N]: their outputs, in the same order */
     int status = first && placed && order && xs && ys ? KVREF_OK : KVREF_ERR_NOMEM;
     if (status == KVREF_OK) {
-        const int64_t most = group_by_expert(experts, R, X, first, placed, order);
+        const int64_t most = kvref_group_by_expert(experts, R, X, first, placed, order);
         for (int64_t slot = 0; slot < R; slot++) memcpy(xs + slot * K, x + order[slot] * K, (size_t)K * sizeof(float));
         kvref_pool_lock(pool);
         status = kvref_pool_reserve(pool, kvref_matmul_scratch_bytes(most, K));

@@ -30,7 +30,7 @@ DEFAULT_ACTIVATIONS = "float32"  # the API's, unless KVREF_ACTIVATIONS or the ca
 PROGRAM_ACTIVATIONS = "auto"
 # the ModelConfig family fields the native kernels compute, named one by one: a field added for a new family
 # stays on the spec until its native side exists and it is listed here. The fused C forward computes them
-# all but a mixture of experts' (kvref.native.fused.config_problem), which the native kernels run
+# all but latent attention, which the native kernels run
 NATIVE_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "sandwich_norms", "embedding_scale", "activation", "attention_scale",
                         "layer_windows", "rope_local_theta", "rope_scaling", "attn_softcap", "final_softcap",
                         "nope_layers", "attention_sinks", "attention_out_bias", *MOE_FIELDS, "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
@@ -128,9 +128,6 @@ def fused_forward(backend: str, config, weights, activations: str | None = None)
         return None, ("multi-head latent attention (kv_lora_rank) runs the shared decoder over the native kernels: "
                       "the fused C forward has no latent attention yet")
     mode = activations or default_activations()
-    problem = fused.config_problem(config)
-    if problem is not None:
-        return None, problem
     try:
         return fused.FusedForward(config, weights, "int8" if mode == "auto" else mode), None
     except KVRefError as exc:

@@ -241,7 +241,8 @@ class Model:
 
     def timings(self) -> dict | None:
         """Seconds the C forward spent since the model was made or reset_timings(), by kernel family:
-        {"projections", "attention", "other": seconds, "calls": C forwards}. None when the forward keeps no
+        {"projections", "attention", "other": seconds, "calls": C forwards, "expert_bytes": the routed experts'
+        bytes read}. None when the forward keeps no
         counters (the shared decoder; kvref.tools.bench times it with shims around each kernel instead)."""
         return None if self.fused is None else self.fused.timings()
 

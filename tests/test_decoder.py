@@ -220,8 +220,11 @@ def router_config(**fields):
                              **{"n_experts": 4, "n_experts_used": 2, **fields})
 
 
+def route(config, logits, selection_bias):
+    return spec.route(logits, selection_bias, kvref.spec.decoder.router(config))
+
+
 def test_each_router_variant_chooses_and_weights_as_its_model_does():
-    route = kvref.spec.decoder.route
     logits = np.array([[0.0, 1.0, 2.0, 3.0]])
     softmax = np.exp(logits[0]) / np.exp(logits[0]).sum()
     experts, weights = route(router_config(), logits, None)  # Qwen3-MoE without renormalising, DeepSeek-V2
@@ -239,12 +242,13 @@ def test_each_router_variant_chooses_and_weights_as_its_model_does():
 def test_grouped_top_k_keeps_the_best_groups_by_their_two_best_or_their_best_score():
     choice = np.array([[0.9, 0.01, 0.5, 0.45]])  # groups {0, 1} and {2, 3}
     grouped = dict(n_expert_groups=2, n_expert_groups_used=1)
-    by_top2 = kvref.spec.decoder.best_groups_only(router_config(**grouped), choice)
+    by_top2 = spec.best_groups_only(kvref.spec.decoder.router(router_config(**grouped)), choice)
     assert by_top2.tolist() == [[-np.inf, -np.inf, 0.5, 0.45]]  # 0.95 > 0.91
-    by_max = kvref.spec.decoder.best_groups_only(router_config(**grouped, expert_group_score="max"), choice)
+    by_max = spec.best_groups_only(kvref.spec.decoder.router(router_config(**grouped, expert_group_score="max")),
+                                 choice)
     assert by_max.tolist() == [[0.9, 0.01, -np.inf, -np.inf]]  # 0.9 > 0.5
     sigmoid_logits = np.log(choice / (1 - choice))  # the router logits whose sigmoid scores are `choice`
-    experts, _ = kvref.spec.decoder.route(router_config(**grouped, router_score="sigmoid"), sigmoid_logits, None)
+    experts, _ = route(router_config(**grouped, router_score="sigmoid"), sigmoid_logits, None)
     assert sorted(experts[0].tolist()) == [2, 3]  # the best single expert (0) is in the group left out
 
 

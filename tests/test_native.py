@@ -214,7 +214,7 @@ def choice_margin(config, lw, h):
     scores = spec.softmax(logits) if config.router_score == "softmax" else spec.sigmoid(logits)
     choice = scores + (0 if lw.expert_selection_bias is None else lw.expert_selection_bias)
     if config.n_expert_groups > 1:
-        choice = decoder.best_groups_only(config, choice)
+        choice = spec.best_groups_only(decoder.router(config), choice)
     ranked = -np.sort(-choice, axis=-1)  # [T, X] best first
     k = config.n_experts_used
     return np.inf if k == config.n_experts else float(np.min(ranked[:, k - 1] - ranked[:, k]))
@@ -231,6 +231,36 @@ def test_a_mixture_on_the_native_kernels_equals_the_float64_spec_for_every_route
     got = decoder.moe(ks(threads, isa), config, lw32, h)
     assert got.dtype == np.float32
     assert_close(got, decoder.moe(spec, config, lw, h.astype(np.float64)), "float32", "native vs spec mixture")
+
+
+@given(moe_configs(max_layers=1), st.data())
+def test_route_chooses_the_specs_experts_in_its_order_and_weighs_them_within_float32_rounding(config, data):
+    # logits on a grid plus a per-expert offset: no two choices (nor two groups' scores) fall within
+    # rounding of each other unless equal, so both implementations see the same order
+    router, X = decoder.router(config), config.n_experts
+    T = data.draw(st.integers(1, 6))
+    grid = np.array(data.draw(st.lists(st.integers(-8, 8), min_size=T * X, max_size=T * X))).reshape(T, X)
+    logits = (0.37 * grid + 0.001 * np.arange(X)).astype(np.float32)  # [T, X]
+    bias = None if not config.expert_selection_bias else (0.25 * np.arange(X)[::-1]).astype(np.float32)
+    experts, weights = nops.route(logits, bias, router)
+    want_experts, want_weights = spec.route(logits, bias, router)
+    assert experts.dtype == np.int64 and weights.dtype == np.float32
+    np.testing.assert_array_equal(experts, want_experts)
+    np.testing.assert_allclose(weights, want_weights, rtol=8 * U * router.n_used, atol=0)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
+def test_route_breaks_ties_to_the_lower_id_and_puts_nan_last_as_the_spec(score, group_score):
+    logits = np.array([[1.0, 2.0, 2.0, 1.0, 2.0, 0.0],  # three-way tie for the best
+                       [0.0, np.nan, 1.0, 1.0, -np.inf, 0.0],  # softmax: every score NaN; sigmoid: one NaN
+                       [-np.inf, -np.inf, 0.0, 0.0, -np.inf, -np.inf]], np.float32)
+    for k, groups in ((2, (1, 1)), (5, (1, 1)), (6, (1, 1)), (2, (3, 2)), (3, (2, 1))):
+        router = spec.Router(k, score, *groups, group_score, normalize=False)
+        experts, weights = nops.route(logits, None, router)
+        want_experts, want_weights = spec.route(logits, None, router)
+        np.testing.assert_array_equal(experts, want_experts)
+        np.testing.assert_allclose(weights, want_weights, rtol=4 * U)  # NaN where the spec's is NaN
 
 
 @given(weight_shapes(), ISAS, THREADS, SEEDS)
@@ -1006,6 +1036,12 @@ STACK = random_expert_stack(GGMLType.Q4_1, 3, 4, 64, np.random.default_rng(0))  
     (lambda: nops.geglu(np.ones(5, np.float32), np.ones(5, np.float64)), DTypeError),
     (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 1e4, ("yarn", 2.0)), ConfigError),
     (lambda: nops.rope(np.ones((2, 3, 8), np.float32), [0, 1], 1e4, ("linear",)), ConfigError),
+    (lambda: nops.route(X, None, spec.Router(65)), ShapeError),  # more experts than X's 64 columns
+    (lambda: nops.route(X, None, spec.Router(2, n_groups=3)), ShapeError),  # 3 groups of 64 experts
+    (lambda: nops.route(X, None, spec.Router(2, "relu")), ShapeError),
+    (lambda: nops.route(X, np.ones(63, np.float32), spec.Router(2)), ShapeError),
+    (lambda: nops.route(X.astype(np.float64), None, spec.Router(2)), DTypeError),
+    (lambda: nops.route(X, None, spec.Router(2, scaling=float("inf"))), ShapeError),
     (lambda: nops.matmul_experts(X, STACK, [0, 3]), ShapeError),  # no expert 3
     (lambda: nops.matmul_experts(X, STACK, [0, -1]), ShapeError),
     (lambda: nops.matmul_experts(X, STACK, [0]), ShapeError),  # one id per row

@@ -46,8 +46,8 @@ from kvref.spec.ggml import BLOCK_LAYOUT, GGMLType, QuantizedTensor, row_nbytes
 from kvref.tolerance import (FLOAT32, FLOAT32_REORDERED, INT8_ACTIVATION_ROUNDING, INT8_KEY_LOGIT_BOUND,
                              UNDERFLOW_SLACK, assert_close, compare, gamma)
 from kvref.weights import LayerWeights, Weights, random_weights
-from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, reads_like_float_kv,
-                            require)
+from tests.conftest import (NATIVE_KV_DTYPES, chunkings, configs, guarded_copy, misaligned, moe_configs,
+                            reads_like_float_kv, require)
 
 if not native.available():
     if os.environ.get("KVREF_REQUIRE_NATIVE", "") not in ("", "0"):
@@ -98,7 +98,7 @@ def family_fields(draw, n_layers):
     """The fields of the other families (ModelConfig.FAMILY_FIELDS), each at its Llama default or drawn:
     Qwen 2's biases, QK-norm, Gemma's sandwich norms, embedding scale, GeGLU and score scale, per-layer
     windows (shorter than the executions below) and local RoPE bases, Llama 3, linear and YaRN RoPE scaling,
-    Gemma 2's soft caps, SmolLM3's NoPE layers, gpt-oss's sink logits and clamped SwiGLU."""
+    Gemma 2's soft caps, SmolLM3's NoPE layers, gpt-oss's sink logits, clamped SwiGLU and attention output bias."""
     windows = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n_layers,
                                                  max_size=n_layers).map(tuple)))
     nope = draw(st.lists(st.booleans(), min_size=n_layers, max_size=n_layers))
@@ -106,6 +106,7 @@ def family_fields(draw, n_layers):
         qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()), sandwich_norms=draw(st.booleans()),
         embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])),
         activation=draw(st.sampled_from(["silu", "gelu_tanh", "swiglu_oai"])), attention_sinks=draw(st.booleans()),
+        attention_out_bias=draw(st.booleans()),
         attention_scale=draw(st.sampled_from([None, 0.0625, 0.4])), layer_windows=windows,
         rope_local_theta=draw(st.sampled_from([None, 100.0])),
         rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16),
@@ -280,10 +281,43 @@ def executions(draw, config):
 
 # ---- exact mode: bit for bit the decoder on the same kernels ------------------------------------
 
+@st.composite
+def moe_models(draw, quantized=False):
+    """(config, weights) of a random mixture of experts (conftest.moe_configs: every router, dense first
+    layers, shared and biased experts), with any family's fields (gpt-oss's clamped SwiGLU among them);
+    quantized: every matrix and expert stack in a random type its width takes (a stack in one type)."""
+    config = draw(moe_configs())
+    config = config.replace(**draw(family_fields(config.n_layers)))
+    if quantized:  # widths of whole blocks, so the 8-bit and K-quant types occur
+        widths = st.sampled_from([32, 64, 256])
+        config = config.replace(d_model=draw(widths), d_ff=draw(widths), expert_d_ff=draw(widths),
+                                shared_expert_d_ff=draw(st.sampled_from([0, 32])))
+    weights = random_weights(config, draw(st.integers(0, 2**16)), "float32")
+    if not quantized:
+        return config, weights
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+
+    def q(W):  # [N, K] or a stack [X, N, K], in one random type its K takes
+        fits = [t for t in nops.WEIGHT_TYPES if W.shape[-1] % BLOCK_LAYOUT[t][0] == 0]
+        gtype = draw(st.sampled_from(fits))
+        flat = sane_quantized(gtype, np.ascontiguousarray(W, np.float32).reshape(-1, W.shape[-1]), rng)
+        return QuantizedTensor(flat.ggml_type, W.shape, flat.data.reshape(*W.shape[:-1], -1))
+
+    matrices = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router", "experts_gate", "experts_up",
+                "experts_down", "shared_gate", "shared_up", "shared_down")
+    layers = [LayerWeights(**{name: q(w) if name in matrices and w is not None else w for name, w in vars(lw).items()})
+              for lw in weights.layers]
+    return config, Weights(q(weights.tok_embeddings), layers, weights.output_norm,
+                           q(weights.output))
+
+
+@pytest.mark.parametrize("mixture", [False, True])
 @given(st.data(), ISAS, THREADS)
-def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernels(data, isa, threads):
+def test_fused_forward_is_bit_identical_to_the_decoder_on_the_same_native_kernels(mixture, data, isa, threads):
     families = data.draw(st.booleans())  # Llama, or random fields of every family
-    if data.draw(st.booleans()):
+    if mixture:  # a mixture of experts (moe_models: every router field), float32 or quantized
+        config, weights = data.draw(moe_models(quantized=data.draw(st.booleans())))
+    elif data.draw(st.booleans()):
         config = data.draw(family_configs() if families else configs(max_layers=4))
         weights = random_weights(config, data.draw(st.integers(0, 2**16)), "float32")
     else:
@@ -728,6 +762,14 @@ def test_top_ids_orders_by_value_then_id_and_skips_nan():
     assert top_ids(row, 9).tolist() == [2, 5, 6, 0, 3, 4]
 
 
+def expert(w, e):
+    """Expert e's matrix [N, K] of a stack [X, N, K] (an ndarray or a QuantizedTensor)."""
+    if not isinstance(w, QuantizedTensor):
+        return w[e]
+    X, N, _ = w.shape
+    return QuantizedTensor(w.ggml_type, w.shape[1:], np.ascontiguousarray(w.data.reshape(X, N, -1)[e]))
+
+
 class Int8Kernels:
     """A kernel set defining the int8 mode for the shared decoder (csrc/kvref.h, KVREF_ACT_INT8): matmul
     is kvref_matmul_int8, and on the LM head `head` (when it has 8-bit kernels) each row's
@@ -750,10 +792,22 @@ class Int8Kernels:
             y[t, ids] = self.ks.matmul(x[t:t + 1], QuantizedTensor(w.ggml_type, (len(ids), w.shape[1]), rows[ids]))[0]
         return y
 
+    def matmul_experts(self, x, w, experts):
+        # [R, K], [X, N, K], [R] -> [R, N]: each expert's rows together through kvref_matmul_int8
+        y = np.empty((len(x), w.shape[1]), np.float32)
+        for e in np.unique(experts):
+            rows = experts == e
+            y[rows] = self.ks.matmul_int8(np.ascontiguousarray(x[rows]), expert(w, e))
+        return y
 
+
+@pytest.mark.parametrize("mixture", [False, True])
 @given(st.data(), ISAS)
-def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projection(data, isa):
-    config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
+def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projection(mixture, data, isa):
+    if mixture:  # each expert's rows through kvref_matmul_int8 (Int8Kernels.matmul_experts)
+        config, weights = data.draw(moe_models(quantized=True))
+    else:
+        config, weights = data.draw(quantized_models(families=data.draw(st.booleans())))
     tokens, chunks, steps, kv_dtype = data.draw(executions(config))
     ks = nops.kernels(2, isa)
     ff = fused.FusedForward(config, weights, "int8")
@@ -762,6 +816,24 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
     want, want_cache = run(reference, Int8Kernels(ks, weights.output), config, weights, tokens, chunks, kv_dtype,
                            steps)
     assert_same_execution(got, got_cache, want, want_cache)
+
+
+@pytest.mark.parametrize("gtype", INT8_TYPES)
+def test_the_int8_modes_packed_experts_take_at_most_5_percent_more_than_the_files(gtype):
+    # each expert packed like a dense projection (16 rows interleaved), at a 64-byte aligned offset
+    config = kvref.ModelConfig(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=32,
+                               max_seq_len=8, n_experts=8, n_experts_used=2, expert_d_ff=96)
+    weights = random_weights(config, seed=3)
+    rng = np.random.default_rng(3)
+    lw = weights.layers[0]
+    stacks = {name: getattr(lw, name) for name in ("experts_gate", "experts_up", "experts_down")}
+    quantized = {name: QuantizedTensor(gtype, w.shape, sane_quantized(gtype, w.reshape(-1, w.shape[-1]), rng).data.reshape(
+        *w.shape[:-1], -1)) for name, w in stacks.items() if w.shape[-1] % BLOCK_LAYOUT[gtype][0] == 0}
+    assert quantized
+    weights = replace(weights, layers=[replace(lw, **quantized)])
+    ff = fused.FusedForward(config, weights, "int8")
+    for w in quantized.values():
+        assert w.data.nbytes <= ff.read_nbytes(w) <= 1.05 * w.data.nbytes
 
 
 # ---- SmolLM2 ---------------------------------------------------------------------------------
@@ -1050,6 +1122,36 @@ def test_the_model_descriptor_is_validated_in_c():
     assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # only projections and the LM head
     desc.tok_embeddings.packed = ffi.NULL
     assert ff.timings()["calls"] == 0
+    # the layer as a mixture of 4 experts of width 16, 2 per position
+    moe = ffi.new("kvref_moe_layer *")
+    stacks = {name: np.zeros(shape, np.float32) for name, shape in (("router", (4, 32)), ("gate", (64, 32)),
+              ("up", (64, 32)), ("down", (128, 16)))}
+    for name, a in stacks.items():
+        t = getattr(moe, name)
+        t.data, t.nbytes, t.type, (t.rows, t.cols) = ffi.from_buffer(a), a.nbytes, lib.KVREF_TYPE_F32, a.shape
+    layers[0].moe = moe
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # a mixture layer, but no router
+    desc.router = {"n_experts": 4, "n_used": 2, "n_groups": 1, "n_groups_used": 1, "scaling": 1.0}
+    desc.expert_d_ff = 16
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # the dense MLP is still there too
+    for name in ("w_gate", "w_up", "w_down"):
+        getattr(layers[0], name).data = ffi.NULL
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_OK
+    lib.kvref_model_destroy(out[0])
+    for field, bad, status in (("n_used", 5, "VALUE"), ("n_groups", 3, "VALUE"), ("n_groups_used", 2, "VALUE"),
+                               ("score", 2, "VALUE"), ("scaling", float("inf"), "VALUE")):
+        good = getattr(desc.router, field)
+        setattr(desc.router, field, bad)
+        assert lib.kvref_model_create(desc, out) == getattr(lib, f"KVREF_ERR_{status}"), field
+        setattr(desc.router, field, good)
+    desc.expert_d_ff = 0
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_DIM
+    desc.expert_d_ff, moe.router.rows = 16, 3
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_SHAPE
+    moe.router.rows, moe.gate_bias = 4, ffi.cast("float *", ffi.from_buffer(gain))
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_NULL  # expert biases: all three or none
+    moe.gate_bias, moe.shared_up.data = ffi.NULL, ffi.from_buffer(w)
+    assert lib.kvref_model_create(desc, out) == lib.KVREF_ERR_VALUE  # a shared expert of width 0
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
@@ -1218,7 +1320,24 @@ def test_timings_count_every_c_forward_by_kernel_family(small):
     t = ff.timings()
     assert t["calls"] == 2 and t["projections"] > 0 and t["attention"] > 0 and t["other"] > 0
     ff.reset_timings()
-    assert ff.timings() == {"projections": 0.0, "attention": 0.0, "other": 0.0, "calls": 0}
+    assert ff.timings() == {"projections": 0.0, "attention": 0.0, "other": 0.0, "calls": 0, "expert_bytes": 0}
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_the_c_forward_counts_the_routed_experts_bytes_as_the_kernel_shims_count_them(activations):
+    # each expert a pass chose, once per stack: what kvref bench reports beside the active experts' bytes
+    from kvref.tools.bench import TimedOps
+    config = kvref.ModelConfig(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=16,
+                               max_seq_len=16, n_experts=8, n_experts_used=2, expert_d_ff=32, first_dense_layers=1)
+    weights = random_weights(config, seed=4)
+    ff = fused.FusedForward(config, weights, activations)
+    ks = nops.kernels(1)
+    for tokens in ([1, 2, 3, 4, 5], [6]):
+        ff.reset_timings()
+        shims = TimedOps(ks)
+        run(c_forward(ff), ks, config, weights, tokens, [len(tokens)], "float32", 0)
+        run(decoder.forward, shims, config, weights, tokens, [len(tokens)], "float32", 0)
+        assert ff.timings()["expert_bytes"] == shims.expert_bytes > 0  # float32 stacks: no packed copies
 
 
 def test_the_descriptor_keeps_the_arrays_it_points_into_alive():

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CSRC = ROOT / "csrc"
 SOURCES = ["pool.c", "scalar.c", "kernels_avx2.c", "kernels_avx512.c", "matmul.c", "attention.c",
-           "elementwise.c", "kvcache.c", "forward.c"]
+           "elementwise.c", "kvcache.c", "forward.c", "moe.c"]
 MODULE = "kvref.native._kvref"
 
 

@@ -20,16 +20,27 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     then attend), so no query reads a slot a later position overwrote.
 
 Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
+sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU and attention output bias, the score scale (YaRN's attention factor
 included), sink logits, the score and final-logit soft
 caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
 the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
 passes), or none on a NoPE layer.
 
-An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model runs the shared
-decoder over the native kernels. Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
-computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
-window cache stages its writes, float64 K/V, ...).
+A mixture of experts (config.n_experts) runs in C too (csrc/moe.c), as kvref.spec.decoder.moe computes
+it: the router's projection and bias, kvref_route (the `route` kernel, the C function the decoder calls
+on the native backend: softmax or sigmoid scores, the selection bias, grouped top-k, renormalised and
+scaled weights), the experts' projections as kvref_matmul_experts computes them (a pass's rows grouped
+by expert, so each routed expert's weights stream once per pass, and an expert no row chose is never
+read), gpt-oss's expert biases, the gate, the weighted sum in routing order, the shared expert, and
+dense first layers. In the int8 mode each expert of a stack is packed like a dense projection, at a
+64-byte aligned offset (`packed_stride`: within 1.05x of the stack's bytes), and the router and shared
+expert like any projection; MXFP4 experts (gpt-oss GGUFs) have no packed form, so that mode multiplies
+them with exact float32 activations.
+
+Latent attention (config.kv_lora_rank) has no C side yet: such a model runs the shared decoder over the
+native kernels (kvref.backends says so). So does a cache this forward cannot use in place
+(kvref.executor.SpecExecutor), which computes the same thing kernel by kernel on the K/V the cache
+decodes; `cache_problem` says why (a window cache stages its writes, float64 K/V, ...).
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
@@ -83,26 +94,27 @@ from ..errors import BackendError, DTypeError, ShapeError
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .descriptors import cache_descriptor, in_place_problem
-from .ops import check_status, check_weight, ffi, lib
+from ..spec import decoder
+from .ops import check_expert_stack, check_status, check_weight, ffi, lib, router_descriptor
 
 ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+DENSE_MLP = ("w_gate", "w_up", "w_down")  # absent on a mixture layer (config.moe_layer)
+MOE_TENSORS = ("router", "router_bias", "expert_selection_bias", "experts_gate", "experts_up", "experts_down",
+               "experts_gate_bias", "experts_up_bias", "experts_down_bias", "shared_gate", "shared_up", "shared_down")
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks")
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", "bo", *MOE_TENSORS)
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
-def config_problem(config) -> str | None:
-    """Why the C forward cannot run `config` (None when it can); the shared decoder then runs it over the
-    native kernels."""
-    if config.n_experts:
-        return "the fused C forward does not run mixtures of experts (their experts run on the native kernels)"
-    if config.attention_out_bias:
-        return "the fused C forward has no attention output bias (attention_out_bias)"
-    return None
+def packed_stride(gtype, N, K, X=1) -> int:
+    """Bytes from one packed matrix [N, K] of a stack of X to the next (kvref_moe_layer): its packed bytes,
+    rounded up to a multiple of 64 so each expert's copy is 64-byte aligned; 0 for a type never packed."""
+    matrix = lib.kvref_packed_nbytes(gtype, N, K)
+    return -(-matrix // 64) * 64 if X > 1 else matrix
 
 
 def _tensors(weights):
@@ -150,12 +162,15 @@ class FusedForward:
             d.attn_norm = self._vector(lw.attn_norm, E, f"layers[{i}].attn_norm")
             d.ffn_norm = self._vector(lw.ffn_norm, E, f"layers[{i}].ffn_norm")
             for name in PROJECTIONS:
-                self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
+                if not (c.moe_layer(i) and name in DENSE_MLP):
+                    self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
+            if c.moe_layer(i):
+                d.moe = self._moe_layer(lw, f"layers[{i}]")
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
                         ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms),
-                        ("sinks", c.n_heads, c.attention_sinks)]
+                        ("sinks", c.n_heads, c.attention_sinks), ("bo", E, c.attention_out_bias)]
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
@@ -171,6 +186,9 @@ class FusedForward:
         desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
         desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]
+        if c.n_experts:
+            desc.router = router_descriptor(decoder.router(c), c.n_experts)[0]
+            desc.expert_d_ff, desc.shared_d_ff = c.experts_d_ff, c.shared_expert_d_ff
         self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")
         desc.layers = layers
@@ -216,19 +234,55 @@ class FusedForward:
         if projection and self.activations == "int8" and lib.kvref_packed_nbytes(gtype, N, K) > 0:
             dst.packed = ffi.from_buffer(self._packed(gtype, data, N, K, name))
 
-    def _packed(self, gtype, data, N, K, name):
-        """data [N, row bytes] packed for the int8 mode's kernels (csrc/kvref.h, kvref_pack_int8), which
-        read the copy instead: PACK_CHUNK_ROWS rows at a time, each chunk's file pages released as soon as it
-        is packed (kvref.weights.release_pages), so they and the copy are not resident together."""
-        nbytes = lib.kvref_packed_nbytes(gtype, N, K)
-        buf = np.empty(nbytes + 64, np.uint8)
-        packed = buf[-buf.ctypes.data % 64:][:nbytes]  # 64-byte aligned, as is every chunk's start below
-        for n in range(0, N, PACK_CHUNK_ROWS):
-            rows = data[n:n + PACK_CHUNK_ROWS]
-            out = packed[lib.kvref_packed_nbytes(gtype, n, K):][:lib.kvref_packed_nbytes(gtype, len(rows), K)]
-            check_status(lib.kvref_pack_int8(ffi.from_buffer(rows), gtype, rows.nbytes, len(rows), K,
-                                             ffi.from_buffer(out), out.nbytes), name)
-            release_pages(rows)
+    def _moe_layer(self, lw, name):
+        """A mixture layer's kvref_moe_layer (kept alive here): its router (a projection), expert stacks
+        and biases where the decoder adds them, and the shared expert when the config has one."""
+        c = self.config
+        X, E, Fx = c.n_experts, c.d_model, c.experts_d_ff
+        m = ffi.new("kvref_moe_layer *")
+        self._keep.append(m)
+        self._tensor(m.router, lw.router, f"{name}.router", projection=True)
+        for field in ("gate", "up", "down"):
+            self._expert_stack(getattr(m, field), getattr(lw, f"experts_{field}"), f"{name}.experts_{field}")
+        vectors = [("router_bias", "router_bias", X), ("selection_bias", "expert_selection_bias", X),
+                   ("gate_bias", "experts_gate_bias", X * Fx), ("up_bias", "experts_up_bias", X * Fx),
+                   ("down_bias", "experts_down_bias", X * E)]
+        for field, attr, n in vectors:
+            if getattr(lw, attr) is not None:
+                setattr(m, field, self._vector(np.asarray(getattr(lw, attr)).reshape(-1), n, f"{name}.{attr}"))
+        if c.shared_expert_d_ff:
+            for field in ("shared_gate", "shared_up", "shared_down"):
+                self._tensor(getattr(m, field), getattr(lw, field), f"{name}.{field}", projection=True)
+        return m
+
+    def _expert_stack(self, dst, w, name):
+        # [X, N, K] -> a kvref_tensor of X * N rows; in the int8 mode each expert packed on its own
+        gtype, data, X, N, K = check_expert_stack(w, name)
+        data = self._pinned(data)
+        dst.data = ffi.from_buffer(data)
+        dst.nbytes = data.nbytes
+        dst.type = gtype
+        dst.rows, dst.cols = X * N, K
+        if self.activations == "int8" and lib.kvref_packed_nbytes(gtype, N, K) > 0:
+            dst.packed = ffi.from_buffer(self._packed(gtype, data, N, K, name, X))
+
+    def _packed(self, gtype, data, N, K, name, X=1):
+        """data [X * N, row bytes] (X matrices [N, K] one after the other: a projection, or an expert stack)
+        packed for the int8 mode's kernels (csrc/kvref.h, kvref_pack_int8), which read the copy instead:
+        each matrix at a 64-byte aligned offset (kvref_moe_layer), PACK_CHUNK_ROWS rows at a time, each
+        chunk's file pages released as soon as it is packed (kvref.weights.release_pages), so they and the
+        copy are not resident together."""
+        stride = packed_stride(gtype, N, K, X)
+        buf = np.empty(X * stride + 64, np.uint8)
+        packed = buf[-buf.ctypes.data % 64:][:X * stride]  # 64-byte aligned, as is every chunk's start below
+        rows_of = data.reshape(X * N, -1)  # [X * N, row bytes]
+        for e in range(X):
+            for n in range(0, N, PACK_CHUNK_ROWS):
+                rows = rows_of[e * N + n:e * N + min(n + PACK_CHUNK_ROWS, N)]
+                out = packed[e * stride + lib.kvref_packed_nbytes(gtype, n, K):][:lib.kvref_packed_nbytes(gtype, len(rows), K)]
+                check_status(lib.kvref_pack_int8(ffi.from_buffer(rows), gtype, rows.nbytes, len(rows), K,
+                                                 ffi.from_buffer(out), out.nbytes), name)
+                release_pages(rows)
         self._keep.append(packed)
         return packed
 
@@ -304,23 +358,28 @@ class FusedForward:
             check_status(lib.kvref_state_fail_at_layer(self._state, int(layer)), "fail_at_layer")
 
     def read_nbytes(self, tensor) -> int:
-        """Bytes of `tensor` (a projection or the LM head of these weights) an execution reads: its
-        packed copy's in the int8 mode (csrc/kvref.h, kvref_packed_nbytes), else the file's."""
-        gtype, data, N, K = check_weight(tensor, "tensor")
-        packed = lib.kvref_packed_nbytes(gtype, N, K) if self.activations == "int8" else 0
+        """Bytes of `tensor` (a projection, an expert stack or the LM head of these weights) an execution
+        reads, every expert of a stack counted: its packed copy's in the int8 mode (csrc/kvref.h,
+        kvref_packed_nbytes), else the file's."""
+        if len(tensor.shape) == 3:
+            gtype, data, X, N, K = check_expert_stack(tensor, "tensor")
+        else:
+            (gtype, data, N, K), X = check_weight(tensor, "tensor"), 1
+        packed = X * packed_stride(gtype, N, K, X) if self.activations == "int8" else 0
         return packed or data.nbytes
 
     # ---- timing -------------------------------------------------------------------------------
 
     def timings(self) -> dict:
         """Seconds spent in C forwards since creation or reset_timings(), by kernel family:
-        projections (matmuls and their fused SwiGLU/residual adds), attention, other (embedding,
-        norms, RoPE, cache writes); `calls` counts the C forwards. Wall time of the calling thread."""
-        out = ffi.new("int64_t[4]")
+        projections (matmuls and their fused SwiGLU/residual adds, a mixture's MLP), attention, other
+        (embedding, norms, RoPE, cache writes); `calls` counts the C forwards, `expert_bytes` the routed
+        experts' bytes they read. Wall time of the calling thread."""
+        out = ffi.new("int64_t[5]")
         with self._lock:
             lib.kvref_state_timings(self._state, out)
         return {"projections": out[0] * 1e-9, "attention": out[1] * 1e-9, "other": out[2] * 1e-9,
-                "calls": int(out[3])}
+                "calls": int(out[3]), "expert_bytes": int(out[4])}
 
     def reset_timings(self) -> None:
         with self._lock:

@@ -238,6 +238,36 @@ def check_weight(w, name):
     return gtype, data, N, K
 
 
+ROUTER_SCORES = {"softmax": lib.KVREF_ROUTER_SOFTMAX, "sigmoid": lib.KVREF_ROUTER_SIGMOID}
+GROUP_SCORES = {"top2_sum": lib.KVREF_GROUP_TOP2_SUM, "max": lib.KVREF_GROUP_MAX}
+
+
+def router_descriptor(router, X):
+    """A kvref.spec.ops.Router over X experts as C's kvref_router (cffi, owned by the caller);
+    ShapeError naming the field when C would refuse it."""
+    k, G, G_used = router.n_used, router.n_groups, router.n_groups_used
+    if router.score not in ROUTER_SCORES or router.group_score not in GROUP_SCORES:
+        raise ShapeError(f"router score {router.score!r} / group score {router.group_score!r}: expected one of "
+                         f"{tuple(ROUTER_SCORES)} / {tuple(GROUP_SCORES)}")
+    if not (1 <= k <= X and 1 <= G_used <= G and X % G == 0 and G_used * (X // G) >= k):
+        raise ShapeError(f"a router of {k} experts from the best {G_used} of {G} groups cannot choose among {X} "
+                         f"experts (1 <= k <= X, G divides X, G_used groups hold >= k experts)")
+    if not np.isfinite(np.float32(router.scaling)):
+        raise ShapeError(f"router scaling {router.scaling!r} must be finite in float32")
+    r = ffi.new("kvref_router *")
+    r.n_experts, r.n_used, r.score = X, k, ROUTER_SCORES[router.score]
+    r.n_groups, r.n_groups_used, r.group_score = G, G_used, GROUP_SCORES[router.group_score]
+    r.normalize, r.scaling = int(bool(router.normalize)), float(np.float32(router.scaling))
+    return r
+
+
+def selection_vector(bias, X):
+    """A router's selection bias as the float32 [X] C adds (a float16 or float64 one converted)."""
+    if not isinstance(bias, np.ndarray) or bias.shape != (X,) or bias.dtype.kind != "f":
+        raise ShapeError(f"selection_bias must be a float array of {X} values (one per expert)")
+    return np.ascontiguousarray(bias, dtype=_F32)
+
+
 def check_expert_stack(w, name):
     """(type id, uint8/float buffer, X, N, K) for a mixture's stack of X matrices [N, K] (LayerWeights.experts_*):
     a float ndarray or a QuantizedTensor [X, N, K], checked like check_weight."""
@@ -600,6 +630,22 @@ class Kernels:
         check_status(status, "soft_cap")
         return out
 
+    def route(self, logits, selection_bias, router):
+        # [T, X] router logits, [X] or None, kvref.spec.ops.Router -> experts [T, k] int64 (best first), weights [T, k]
+        _array(logits, "logits", (_F32,), 2)
+        T, X = logits.shape
+        router_desc = router_descriptor(router, X)
+        bias = ffi.NULL
+        if selection_bias is not None:
+            selection_bias = selection_vector(selection_bias, X)
+            bias = ffi.from_buffer("float[]", selection_bias)
+        experts = np.empty((T, router.n_used), dtype=_I64)
+        weights = np.empty((T, router.n_used), dtype=_F32)
+        status = lib.kvref_route(ffi.from_buffer("float[]", logits), T, bias, router_desc,
+                                 ffi.from_buffer("int64_t[]", experts), ffi.from_buffer("float[]", weights))
+        check_status(status, "route")
+        return experts, weights
+
     def _glu(self, c_function, name, gate, up):
         _array(gate, "gate", (_F32,), None)
         _array(up, "up", (_F32,), None)
@@ -654,6 +700,11 @@ def geglu(gate, up, *, threads=None):
     return kernels(threads).geglu(gate, up)
 
 
+def route(logits, selection_bias, router, *, threads=None):
+    # [T, X], [X] or None, Router -> [T, k] int64, [T, k]
+    return kernels(threads).route(logits, selection_bias, router)
+
+
 def swiglu_oai(gate, up, *, threads=None):
     # [T, F], [T, F] -> [T, F]
     return kernels(threads).swiglu_oai(gate, up)
@@ -665,5 +716,5 @@ def soft_cap(x, cap, *, threads=None):
 
 
 __all__ = ["Kernels", "KVRefError", "WEIGHT_TYPES", "attention", "best_isa", "embed", "geglu", "kernels",
-           "matmul", "matmul_experts", "reset_default", "rms_norm", "rope", "soft_cap", "supported_isas", "swiglu",
+           "matmul", "matmul_experts", "reset_default", "rms_norm", "rope", "route", "soft_cap", "supported_isas", "swiglu",
            "swiglu_oai"]

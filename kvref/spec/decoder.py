@@ -16,7 +16,7 @@ anywhere inside (a bad kernel argument, Ctrl-C) aborts instead, leaving the cach
 A mixture of experts changes only the MLP of its layers (`moe`): a router scores the experts for each
 position, the k best run, and their outputs are summed with the router's weights. Every router the
 config can describe (softmax or sigmoid scores, a selection bias, grouped top-k, renormalised or
-scaled weights) is the one function `route`; the experts' projections are one kernel,
+scaled weights) is the one kernel `route` (kvref.spec.ops.Router holds its fields); the experts' projections are one kernel,
 `matmul_experts`, which takes the rows of each expert together, so a batch reads each routed
 expert's weights once.
 
@@ -146,14 +146,17 @@ def moe(ops, config: ModelConfig, lw: LayerWeights, h):
     # [T, E] -> [T, E]: each position through its k routed experts, their outputs weighted and summed,
     # plus the shared expert when there is one
     logits = project(ops, h, lw.router, lw.router_bias)  # [T, X]
-    experts, weights = route(config, logits, lw.expert_selection_bias)  # [T, k] ids, [T, k]
+    experts, weights = ops.route(logits, lw.expert_selection_bias, router(config))  # [T, k] ids, [T, k]
     T, k = experts.shape
     ids = experts.reshape(-1)  # [T*k]: row t*k + j is position t through its j-th expert
     hk = np.repeat(h, k, axis=0)  # [T*k, E]
     gate = project_experts(ops, hk, lw.experts_gate, lw.experts_gate_bias, ids)  # [T*k, Fx]
     up = project_experts(ops, hk, lw.experts_up, lw.experts_up_bias, ids)  # [T*k, Fx]
     out = project_experts(ops, gated(ops, config, gate, up), lw.experts_down, lw.experts_down_bias, ids)  # [T*k, E]
-    y = np.sum(out.reshape(T, k, -1) * weights[:, :, None].astype(out.dtype), axis=1)  # [T, E]
+    out = out.reshape(T, k, -1) * weights[:, :, None].astype(out.dtype)  # [T, k, E]
+    y = out[:, 0]  # [T, E]
+    for j in range(1, k):  # added best first, in a fixed order (the C forward adds them so)
+        y = y + out[:, j]
     if config.shared_expert_d_ff:
         y = y + gated_mlp(ops, config, h, lw.shared_gate, lw.shared_up, lw.shared_down)  # [T, E]
     return y
@@ -165,35 +168,11 @@ def project_experts(ops, x, w, bias, experts):
     return y if bias is None else y + bias[experts]  # gpt-oss's expert biases
 
 
-def route(config: ModelConfig, logits, selection_bias):
-    # [T, X] router logits, [X] or None -> experts [T, k] int64 (best first), weights [T, k]
-    # The same NumPy on every backend: a [T, X] array, small beside the experts it chooses.
-    scores = spec_ops.softmax(logits) if config.router_score == "softmax" else spec_ops.sigmoid(logits)  # [T, X]
-    choice = scores if selection_bias is None else scores + selection_bias  # [T, X]: chooses, never weights
-    if config.n_expert_groups > 1:
-        choice = best_groups_only(config, choice)
-    # best first; ties go to the lower id, and a NaN score (from a NaN activation) sorts last
-    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :config.n_experts_used]  # [T, k]
-    weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]: the unbiased scores of the chosen
-    if config.norm_topk_prob:
-        weights = weights / np.sum(weights, axis=-1, keepdims=True)
-    return experts, weights * np.asarray(config.routed_scaling_factor, dtype=weights.dtype)
-
-
-def best_groups_only(config: ModelConfig, choice):
-    # [T, X] -> [T, X]: grouped top-k (DeepSeek): the X experts form n_expert_groups equal groups, each scored
-    # by the sum of its two best scores or by its best; experts outside a position's n_expert_groups_used
-    # best groups become -inf, so they are never chosen
-    T, X = choice.shape
-    groups = choice.reshape(T, config.n_expert_groups, X // config.n_expert_groups)  # [T, G, X/G]
-    if config.expert_group_score == "top2_sum":
-        group_scores = np.sum(np.sort(groups, axis=-1)[..., -2:], axis=-1)  # [T, G]
-    else:
-        group_scores = np.max(groups, axis=-1)  # [T, G]
-    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :config.n_expert_groups_used]  # [T, G_used]
-    keep = np.zeros(group_scores.shape, dtype=bool)  # [T, G]
-    np.put_along_axis(keep, best, True, axis=-1)
-    return np.where(keep[:, :, None], groups, -np.inf).reshape(T, X)
+def router(config: ModelConfig) -> spec_ops.Router:
+    # the config's router fields as the `route` kernel takes them
+    return spec_ops.Router(config.n_experts_used, config.router_score, config.n_expert_groups,
+                           config.n_expert_groups_used, config.expert_group_score, config.norm_topk_prob,
+                           config.routed_scaling_factor)
 
 
 def forward_batch(ops, config: ModelConfig, weights: Weights, executions, all_logits=False):

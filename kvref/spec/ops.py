@@ -13,6 +13,8 @@ Weights stay in file layout: a projection matrix is [N, K] (out, in), so y = x @
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
@@ -35,6 +37,47 @@ def matmul_experts(x, w, experts):
         rows = experts == e
         y[rows] = matmul(x[rows], w[e])
     return y
+
+
+class Router(NamedTuple):
+    """How a mixture's router chooses and weighs each position's experts (ModelConfig's router fields)."""
+    n_used: int  # k experts per position
+    score: str = "softmax"  # "softmax" over the X experts, or an independent "sigmoid" per expert
+    n_groups: int = 1  # grouped top-k (DeepSeek): the X experts form this many equal groups, and ...
+    n_groups_used: int = 1  # ... each position chooses from its best this-many groups
+    group_score: str = "top2_sum"  # a group's score: its two best choices summed, or its "max"
+    normalize: bool = False  # the k weights divided by their sum (norm_topk_prob)
+    scaling: float = 1.0  # the weights multiplied by it (routed_scaling_factor)
+
+
+def route(logits, selection_bias, router: Router):
+    # [T, X] router logits, [X] or None -> experts [T, k] int64 (best first), weights [T, k]
+    scores = softmax(logits) if router.score == "softmax" else sigmoid(logits)  # [T, X]
+    choice = scores if selection_bias is None else scores + selection_bias  # [T, X]: chooses, never weights
+    if router.n_groups > 1:
+        choice = best_groups_only(router, choice)
+    # best first; ties go to the lower id, and a NaN score (from a NaN activation) sorts last
+    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :router.n_used]  # [T, k]
+    weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]: the unbiased scores of the chosen
+    if router.normalize:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return experts, weights * np.asarray(router.scaling, dtype=weights.dtype)
+
+
+def best_groups_only(router: Router, choice):
+    # [T, X] -> [T, X]: grouped top-k (DeepSeek): the X experts form n_groups equal groups, each scored by
+    # the sum of its two best choices or by its best; experts outside a position's n_groups_used best
+    # groups become -inf, so they are never chosen
+    T, X = choice.shape
+    groups = choice.reshape(T, router.n_groups, X // router.n_groups)  # [T, G, X/G]
+    if router.group_score == "top2_sum":
+        group_scores = np.sum(np.sort(groups, axis=-1)[..., -2:], axis=-1)  # [T, G]
+    else:
+        group_scores = np.max(groups, axis=-1)  # [T, G]
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :router.n_groups_used]  # [T, G_used]
+    keep = np.zeros(group_scores.shape, dtype=bool)  # [T, G]
+    np.put_along_axis(keep, best, True, axis=-1)
+    return np.where(keep[:, :, None], groups, -np.inf).reshape(T, X)
 
 
 def rms_norm(x, weight, eps):

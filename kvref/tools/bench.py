@@ -71,7 +71,8 @@ from .machine import (READ_TRIES, blas_threads, current_rss, expert_bytes, kv_ca
 FAMILIES = ("projections", "attention", "other")
 #: which family each kernel of the kernel set belongs to
 KERNEL_FAMILY = {"matmul": "projections", "matmul_experts": "projections", "attention": "attention",
-                 "embed": "other", "rms_norm": "other", "rope": "other", "swiglu": "other", "geglu": "other"}
+                 "embed": "other", "rms_norm": "other", "rope": "other", "swiglu": "other", "geglu": "other",
+                 "route": "other"}
 FILL_CHUNK = 512  # positions per prefill when filling the cache for --context (bounds attention scratch)
 WARMUP_PROMPT, WARMUP_STEPS = 8, 4
 
@@ -158,6 +159,10 @@ class ShimClock:
     def read(self) -> dict:
         return dict(self.ops.seconds)
 
+    @property
+    def expert_bytes(self) -> int:
+        return self.ops.expert_bytes
+
 
 class CounterClock:
     """KernelClock over the counters the model's forward keeps itself (Model.timings())."""
@@ -167,6 +172,7 @@ class CounterClock:
     def __init__(self, model):
         self.model = model
         self.calls = 0
+        self.expert_bytes = 0  # the routed experts' bytes the C forward read, as of the last read()
 
     def reset(self):
         self.model.reset_timings()
@@ -174,6 +180,7 @@ class CounterClock:
     def read(self) -> dict:
         t = self.model.timings()
         self.calls = int(t["calls"])
+        self.expert_bytes = int(t["expert_bytes"])
         return {f: float(t[f]) for f in FAMILIES}
 
 
@@ -249,8 +256,8 @@ def profile(clock, prompt, steps, kv_dtype=None, cache=None, progress=None, labe
     total = 1e3 * wall / n
     ms["python"] = max(total - sum(ms.values()), 0.0)
     result = {"source": clock.source, "tokens": n, "ms_per_token": ms, "total_ms_per_token": total}
-    if runner.config.n_experts:  # a mixture: the bytes of the experts its routers chose, counted (ShimClock)
-        result["expert_bytes_per_token"] = clock.ops.expert_bytes / n
+    if runner.config.n_experts:  # a mixture: the bytes of the experts its routers chose, counted
+        result["expert_bytes_per_token"] = clock.expert_bytes / n
     return result
 
 
