@@ -79,7 +79,9 @@ import weakref
 
 import numpy as np
 
+from ..config import LATENT_NORM_EPS
 from ..errors import BackendError, DTypeError, ShapeError
+from ..spec import decoder
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .descriptors import cache_descriptor, in_place_problem
@@ -89,9 +91,11 @@ ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LATENT_PROJECTIONS = ("wq", "wo", "w_gate", "w_up", "w_down")  # MLA's others: FusedForward._latent_layer
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks")
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", "bo", "wq_a", "q_a_norm", "wkv_a",
+                 "kv_a_norm", "wkv_b")
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
@@ -100,8 +104,6 @@ def config_problem(config) -> str | None:
     native kernels."""
     if config.n_experts:
         return "the fused C forward does not run mixtures of experts (their experts run on the native kernels)"
-    if config.attention_out_bias:
-        return "the fused C forward has no attention output bias (attention_out_bias)"
     return None
 
 
@@ -149,25 +151,30 @@ class FusedForward:
             d = layers[i]
             d.attn_norm = self._vector(lw.attn_norm, E, f"layers[{i}].attn_norm")
             d.ffn_norm = self._vector(lw.ffn_norm, E, f"layers[{i}].ffn_norm")
-            for name in PROJECTIONS:
+            for name in LATENT_PROJECTIONS if c.latent else PROJECTIONS:
                 self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
+            if c.latent:
+                self._latent_layer(d, lw, i)
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
             optional = [("bq", c.q_dim, lw.bq is not None), ("bk", c.kv_dim, lw.bq is not None),
                         ("bv", c.kv_dim, lw.bq is not None), ("q_norm", D, c.qk_norm), ("k_norm", D, c.qk_norm),
                         ("post_attn_norm", E, c.sandwich_norms), ("post_ffn_norm", E, c.sandwich_norms),
-                        ("sinks", c.n_heads, c.attention_sinks)]
+                        ("sinks", c.n_heads, c.attention_sinks), ("bo", E, lw.bo is not None)]
             for name, n, present in optional:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
             rope = c.layer_rope(i)  # None: a NoPE layer, no table (C leaves its q and k as projected)
-            if rope is not None:
-                d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, *rope), "double *")
+            if rope is not None:  # MLA rotates the last qk_rope_head_dim values of each head
+                width = c.qk_rope_head_dim if c.latent else D
+                d.rope_freqs = self._keep_buffer(native_ops.rope_table(width, *rope), "double *")
             d.window = native_ops.attention_window(c.window(i))
         desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
         desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
         desc.attention_scale = native_ops.attention_scale(c.score_scale, D)
+        if c.latent:
+            self._latent_model(desc)
         desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
         desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]
@@ -180,6 +187,31 @@ class FusedForward:
         state = ffi.new("kvref_state **")
         check_status(lib.kvref_state_create(self._model, state), "run state")
         self._state = ffi.gc(state[0], lib.kvref_state_destroy)
+
+    def _latent_model(self, desc):
+        # MLA's fields of the model descriptor (csrc/kvref.h, kvref_model_desc)
+        c = self.config
+        desc.kv_lora_rank, desc.q_lora_rank = c.kv_lora_rank, c.q_lora_rank or 0
+        desc.qk_rope_head_dim, desc.v_head_dim = c.qk_rope_head_dim, c.v_head_dim
+        desc.latent_norm_eps = LATENT_NORM_EPS
+        desc.q_rope_scale = float(np.float32(decoder.latent_rope_scale(c)))  # as the decoder multiplies by it
+        desc.attention_scale = native_ops.attention_scale(decoder.latent_scale(c), c.kv_lora_rank + c.qk_rope_head_dim)
+
+    def _latent_layer(self, d, lw, i):
+        """Layer i's MLA fields of its descriptor: the query's low-rank path, the latent's down-projection
+        and norm, and float32 copies of W_UK transposed and W_UV, which C multiplies head by head as the
+        decoder does (decoder.latent_up_projections, per_head_matmul)."""
+        c = self.config
+        if c.q_lora_rank:
+            self._tensor(d.wq_a, lw.wq_a, f"layers[{i}].wq_a", projection=True)
+            d.q_a_norm = self._vector(lw.q_a_norm, c.q_lora_rank, f"layers[{i}].q_a_norm")
+        self._tensor(d.wkv_a, lw.wkv_a, f"layers[{i}].wkv_a", projection=True)
+        d.kv_a_norm = self._vector(lw.kv_a_norm, c.kv_lora_rank, f"layers[{i}].kv_a_norm")
+        if not isinstance(lw.wkv_b, np.ndarray) or lw.wkv_b.dtype.kind != "f":
+            raise DTypeError(f"layers[{i}].wkv_b must be a float array (the decoder reads its heads as one)")
+        w_uk_t, w_uv = decoder.latent_up_projections(c, lw, np.float32)  # [H, R, Dn], [H, Dv, R]
+        self._tensor(d.w_uk, w_uk_t.reshape(-1, c.qk_nope_head_dim), f"layers[{i}].wkv_b (W_UK)")
+        self._tensor(d.w_uv, np.ascontiguousarray(w_uv).reshape(-1, c.kv_lora_rank), f"layers[{i}].wkv_b (W_UV)")
 
     def _keep_buffer(self, a, ctype):
         self._keep.append(a)
