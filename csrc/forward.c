@@ -492,19 +492,23 @@ static void latent_rope_row(const fw *f, int64_t t) {
 }
 
 /* out[t, h, :N] = in[t, h, :K] @ W_h.T for every head h, W_h rows h*N .. of w [H*N, K], in [T, H,
- * in_stride / H], out [T, H, out_stride / H]: each head's rows gathered, then multiplied as kvref_matmul
- * multiplies them (the decoder's per-head ops.matmul) */
+ * in_stride / H], out [T, H, out_stride / H]; sequence by sequence, as the decoder's absorbed form runs
+ * per sequence: each head's rows of the sequence gathered, then multiplied as kvref_matmul multiplies
+ * them (the decoder's per-head ops.matmul) */
 static void latent_per_head(fw *f, const float *in, int64_t in_stride, const kvref_tensor *w, float *out,
                             int64_t out_stride) {
     kvref_state *s = f->s;
-    const int64_t T = f->T, H = f->c->n_heads, N = w->rows / H, K = w->cols;
-    for (int64_t h = 0; h < H; h++) {
-        for (int64_t t = 0; t < T; t++)
-            memcpy(s->lx + t * K, in + t * in_stride + h * (in_stride / H), (size_t)K * sizeof(float));
-        kvref_matmul_run(f->pool, s->lx, T, K, (const uint8_t *)w->data + h * N * K * (int64_t)sizeof(float),
-                         KVREF_TYPE_F32, N, s->ly);
-        for (int64_t t = 0; t < T; t++)
-            memcpy(out + t * out_stride + h * (out_stride / H), s->ly + t * N, (size_t)N * sizeof(float));
+    const int64_t H = f->c->n_heads, N = w->rows / H, K = w->cols;
+    for (int64_t b = 0; b < f->B; b++) {
+        const int64_t r0 = f->bounds[b], n = f->bounds[b + 1] - r0;
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t t = 0; t < n; t++)
+                memcpy(s->lx + t * K, in + (r0 + t) * in_stride + h * (in_stride / H), (size_t)K * sizeof(float));
+            kvref_matmul_run(f->pool, s->lx, n, K, (const uint8_t *)w->data + h * N * K * (int64_t)sizeof(float),
+                             KVREF_TYPE_F32, N, s->ly);
+            for (int64_t t = 0; t < n; t++)
+                memcpy(out + (r0 + t) * out_stride + h * (out_stride / H), s->ly + t * N, (size_t)N * sizeof(float));
+        }
     }
 }
 

@@ -98,7 +98,7 @@ def family_fields(draw, n_layers):
     """The fields of the other families (ModelConfig.FAMILY_FIELDS), each at its Llama default or drawn:
     Qwen 2's biases, QK-norm, Gemma's sandwich norms, embedding scale, GeGLU and score scale, per-layer
     windows (shorter than the executions below) and local RoPE bases, Llama 3, linear and YaRN RoPE scaling,
-    Gemma 2's soft caps, SmolLM3's NoPE layers, gpt-oss's sink logits and clamped SwiGLU."""
+    Gemma 2's soft caps, SmolLM3's NoPE layers, gpt-oss's sink logits, output bias and clamped SwiGLU."""
     windows = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n_layers,
                                                  max_size=n_layers).map(tuple)))
     nope = draw(st.lists(st.booleans(), min_size=n_layers, max_size=n_layers))
@@ -106,6 +106,7 @@ def family_fields(draw, n_layers):
         qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()), sandwich_norms=draw(st.booleans()),
         embedding_scale=draw(st.sampled_from([1.0, 0.5, 25.3])),
         activation=draw(st.sampled_from(["silu", "gelu_tanh", "swiglu_oai"])), attention_sinks=draw(st.booleans()),
+        attention_out_bias=draw(st.booleans()),
         attention_scale=draw(st.sampled_from([None, 0.0625, 0.4])), layer_windows=windows,
         rope_local_theta=draw(st.sampled_from([None, 100.0])),
         rope_scaling=draw(st.sampled_from([None, ("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 16),
@@ -762,6 +763,109 @@ def test_fused_int8_forward_is_bit_identical_to_the_decoder_with_the_int8_projec
     want, want_cache = run(reference, Int8Kernels(ks, weights.output), config, weights, tokens, chunks, kv_dtype,
                            steps)
     assert_same_execution(got, got_cache, want, want_cache)
+
+
+# ---- multi-head latent attention (DeepSeek-V2/V3) -----------------------------------------------
+
+@st.composite
+def latent_models(draw):
+    """(config, weights) of an MLA model: with or without the low-rank query, plain RoPE or YaRN (whose
+    attention factor multiplies the rotated part of the scores), its projections in random formats where
+    their widths allow (wkv_b stays float32: the decoder reads its heads from it)."""
+    H, R, Dr, Dn = (draw(st.integers(1, 4)), draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from([2, 8, 16])),
+                    draw(st.sampled_from([4, 8, 32])))
+    config = kvref.ModelConfig(
+        n_layers=draw(st.integers(1, 3)), d_model=draw(st.sampled_from([32, 64])), n_heads=H, n_kv_heads=H,
+        head_dim=Dn + Dr, d_ff=draw(st.sampled_from([32, 96])), vocab_size=draw(st.integers(8, 60)), max_seq_len=64,
+        kv_lora_rank=R, q_lora_rank=draw(st.sampled_from([None, 32, 48])), qk_rope_head_dim=Dr,
+        v_head_dim=draw(st.sampled_from([8, 16, 24])), attention_scale=draw(st.sampled_from([None, 0.2])),
+        rope_scaling=draw(st.sampled_from([None, ("yarn", 8.0, 32.0, 1.0, 16, 1.2, False)])),
+        tie_embeddings=draw(st.booleans()))
+    seed = draw(st.integers(0, 2**16))
+    rng, base = np.random.default_rng(seed), random_weights(config, seed, "float32")
+    if not draw(st.booleans()):
+        return config, base
+    types = list(nops.WEIGHT_TYPES)
+
+    def q(W):
+        fits = [t for t in types if W.shape[1] % BLOCK_LAYOUT[t][0] == 0]
+        return sane_quantized(draw(st.sampled_from(fits)), np.ascontiguousarray(W, np.float32), rng)
+
+    matrices = ("wq_a", "wq", "wkv_a", "wo", "w_gate", "w_up", "w_down")
+    layers = [LayerWeights(**{name: q(w) if name in matrices and w is not None else w for name, w in vars(lw).items()})
+              for lw in base.layers]
+    emb = q(base.tok_embeddings)
+    return config, Weights(emb, layers, base.output_norm, emb if config.tie_embeddings else q(base.output))
+
+
+def run_latent(forward, ops, model_weights, tokens, chunks, steps, cache):
+    """run() on a given cache (a latent one, from Model.new_cache): every logit row."""
+    config, weights = model_weights
+    out, start = [], 0
+    for n in chunks:
+        out.append(forward(ops, config, weights, np.array(tokens[start:start + n]), cache, True))
+        start += n
+    for _ in range(steps):
+        out.append(forward(ops, config, weights, np.array([int(np.argmax(out[-1][-1]))]), cache, False))
+    return np.concatenate(out)
+
+
+def latent_cache(config, weights, kv_dtype, layout):
+    paged = {"block_size": 5} if layout == "paged" else {}
+    return kvref.Model(config, weights, backend="c").new_cache(kv_dtype=kv_dtype, layout=layout, **paged)
+
+
+@given(st.data(), ISAS, THREADS, st.sampled_from(["float32", "int8"]))
+def test_fused_latent_attention_is_bit_identical_to_the_decoders_absorbed_form_on_the_same_native_kernels(
+        data, isa, threads, activations):
+    # logits and latent cache bytes, any chunking, paged or contiguous, every K type a latent cache takes; the
+    # int8 mode against the decoder whose matmul is the int8 one
+    config, weights = data.draw(latent_models())
+    tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=30))
+    chunks, steps = data.draw(chunkings(len(tokens))), data.draw(st.integers(0, 4))
+    kv_dtype, layout = data.draw(st.sampled_from(NATIVE_KV_DTYPES)), data.draw(st.sampled_from(["contiguous", "paged"]))
+    ops = nops.kernels(threads, isa)
+    ff = fused.FusedForward(config, weights, activations)
+    got_cache, want_cache = (latent_cache(config, weights, kv_dtype, layout) for _ in range(2))
+    reference = Int8Kernels(ops, weights.output) if activations == "int8" else ops
+    got = run_latent(c_forward(ff), ops, (config, weights), tokens, chunks, steps, got_cache)
+    want = run_latent(decoder_forward(isa, want_cache), reference, (config, weights), tokens, chunks, steps, want_cache)
+    assert ff.timings()["calls"] == len(chunks) + steps  # every execution ran in C
+    assert got_cache.length == want_cache.length == len(tokens) + steps
+    assert_same_execution(got, got_cache, want, want_cache)
+
+
+@settings(max_examples=30)
+@given(st.data(), ISAS)
+def test_fused_latent_attention_in_any_chunking_and_layout_equals_full_recomputation(data, isa):
+    config, weights = data.draw(latent_models())
+    tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=30))
+    ops, ff = nops.kernels(1, isa), fused.FusedForward(config, weights)
+    full = run_latent(c_forward(ff), ops, (config, weights), tokens, [len(tokens)], 0,
+                      latent_cache(config, weights, "float32", "contiguous"))
+    chunks = data.draw(chunkings(len(tokens)))
+    contiguous, paged = (run_latent(c_forward(ff), ops, (config, weights), tokens, chunks, 0,
+                                    latent_cache(config, weights, "float32", layout)) for layout in ("contiguous", "paged"))
+    np.testing.assert_array_equal(paged, contiguous)  # the same keys in the same order, through a block table
+    assert_close(contiguous, full, "float32", f"chunks {chunks} vs one execution")
+
+
+@given(st.data(), ISAS)
+def test_a_fused_latent_batch_is_bit_identical_to_the_decoder_batch(data, isa):
+    config, weights = data.draw(latent_models())
+    n = data.draw(st.integers(1, 4))
+    prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=12)) for _ in range(n)]
+    kv_dtype = data.draw(st.sampled_from(NATIVE_KV_DTYPES))
+    got_caches, want_caches = ([latent_cache(config, weights, kv_dtype, "contiguous") for _ in range(n)]
+                               for _ in range(2))
+    ops, ff = nops.kernels(2, isa), fused.FusedForward(config, weights)
+    got = run_batch(c_forward_batch(ff), ops, config, weights, prompts, 2, got_caches)
+    want = run_batch(decoder_forward(isa, want_caches[0], batch=True), ops, config, weights, prompts, 2, want_caches)
+    np.testing.assert_array_equal(got, want)
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        for a, b in zip(stored(got_cache), stored(want_cache)):
+            np.testing.assert_array_equal(a, b)
+
 
 
 # ---- SmolLM2 ---------------------------------------------------------------------------------
