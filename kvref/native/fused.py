@@ -19,15 +19,20 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
     then attend), so no query reads a slot a later position overwrote.
 
-Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
+Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, the attention
+output bias (gpt-oss), QK-norm,
 sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
 included), sink logits, the score and final-logit soft
 caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
 the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
-passes), or none on a NoPE layer.
+passes), or none on a NoPE layer. Multi-head latent attention (config.kv_lora_rank: DeepSeek-V2/V3) runs
+the decoder's absorbed form (kvref.spec.decoder.latent_attention_block): the latent key [c_kv ; k_rope] is
+written to the cache as its one stored vector per layer and position, and attention of the queries with
+W_UK folded in reads it in place (V: its first kv_lora_rank values), W_UV after; W_UK transposed and W_UV
+are float32 copies made here, multiplied head by head as the decoder's ops.matmul calls do. A mixture of
+experts (config.n_experts) has no C side yet (config_problem).
 
-An attention output bias (gpt-oss's attention_out_bias) has no C side: such a model runs the shared
-decoder over the native kernels. Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
+Any other cache runs the shared decoder over the native kernels (kvref.executor.SpecExecutor), which
 computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
 window cache stages its writes, float64 K/V, ...).
 
