@@ -868,6 +868,53 @@ def test_a_fused_latent_batch_is_bit_identical_to_the_decoder_batch(data, isa):
 
 
 
+def test_a_latent_model_descriptor_is_validated_in_c(monkeypatch):
+    # each field of MLA's descriptor made wrong in turn, while FusedForward builds it (its arrays alive)
+    checked = []
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def kvref_model_create(self, desc, out):
+            layer = desc.layers[0]
+            cases = [(desc, "kv_lora_rank", -1, lib.KVREF_ERR_DIM), (desc, "qk_rope_head_dim", 7, lib.KVREF_ERR_SHAPE),
+                     (desc, "qk_rope_head_dim", 14, lib.KVREF_ERR_SHAPE), (desc, "n_kv_heads", 1, lib.KVREF_ERR_SHAPE),
+                     (desc, "q_rope_scale", 0.0, lib.KVREF_ERR_VALUE),
+                     (desc, "latent_norm_eps", float("nan"), lib.KVREF_ERR_VALUE),
+                     (layer, "kv_a_norm", ffi.NULL, lib.KVREF_ERR_NULL), (layer, "q_a_norm", ffi.NULL, lib.KVREF_ERR_NULL),
+                     (layer.w_uk, "type", lib.KVREF_TYPE_F16, lib.KVREF_ERR_TYPE),
+                     (layer.w_uv, "rows", layer.w_uv.rows - 1, lib.KVREF_ERR_SHAPE),
+                     (layer.wkv_a, "nbytes", layer.wkv_a.nbytes - 4, lib.KVREF_ERR_SIZE),
+                     (layer.wq, "cols", desc.d_model, lib.KVREF_ERR_SHAPE)]  # wq reads the low-rank query
+            for obj, field, bad, status in cases:
+                good = getattr(obj, field)
+                setattr(obj, field, bad)
+                checked.append((field, lib.kvref_model_create(desc, out), status))
+                setattr(obj, field, good)
+            return lib.kvref_model_create(desc, out)
+
+    from tests.test_latent_attention import mla_config
+
+    config = mla_config()  # head_dim 14, Dr 6, q_lora_rank 12
+    monkeypatch.setattr(fused, "lib", Lib())
+    fused.FusedForward(config, random_weights(config, seed=1))
+    assert len(checked) == 12
+    assert [(field, got) for field, got, _ in checked] == [(field, want) for field, _, want in checked]
+
+
+def test_a_latent_model_refuses_a_cache_that_is_not_latent_and_leaves_it_unchanged():
+    from tests.test_latent_attention import mla_config
+
+    config = mla_config()
+    weights = random_weights(config, seed=2)
+    ff, ops = fused.FusedForward(config, weights), nops.kernels(1)
+    cache = new_cache(config, "float32")  # per-head K/V of n_kv_heads x head_dim: not what C writes
+    with pytest.raises(ShapeError):
+        c_forward(ff)(ops, config, weights, np.array([1, 2, 3]), cache)
+    assert cache.length == 0 and not any(a.any() for a in stored(cache))
+
+
 # ---- SmolLM2 ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
