@@ -7,7 +7,8 @@ and with --decode, a whole decode step, the fused C forward against the shared d
 One layer of DeepSeek-V2-Lite's shape (H 16, kv_lora_rank R 512, qk_rope_head_dim Dr 64, qk_nope_head_dim
 Dn 128, v_head_dim Dv 128), S cached positions in a float32 latent cache, one new query:
 
-  absorbed   kvref.spec.decoder.absorbed_latent_attention: W_UK folded into the query, the native attention
+  absorbed   kvref.spec.decoder's absorbed form (absorbed_queries, attention, absorbed_values, as
+             latent_attention_block runs them): W_UK folded into the query, the native attention
              kernel over the S cached latent keys (R + Dr = 576 values each, one kv head), W_UV after;
   naive      kvref.spec.decoder.naive_latent_attention: every cached latent expanded to 16 heads' K
              (Dn + Dr = 192) and V (128) (S x 16 x 320 values), then the native attention over those.
@@ -39,6 +40,13 @@ from kvref.spec import decoder
 
 SHAPE = dict(n_layers=1, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=64, vocab_size=64, max_seq_len=8192,
              head_dim=192, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128)  # DeepSeek-V2-Lite's attention
+
+
+def absorbed(kernels, config, lw, q_nope, q_rope, latent, c, q_positions, k_positions):
+    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]: one sequence's absorbed form
+    q = decoder.absorbed_queries(kernels, config, lw, q_nope, q_rope)  # [T, H, R + Dr]
+    out = kernels.attention(q, latent, c, q_positions, k_positions, scale=decoder.latent_scale(config))  # [T, H, R]
+    return decoder.absorbed_values(kernels, config, lw, out)
 
 
 def time_step(form, kernels, config, lw, q_nope, q_rope, latent, positions, repeat):
@@ -115,7 +123,7 @@ def main():
         positions = np.arange(S)
         read = trace.latent_read_bytes(config, S, 4)
         row = {"positions": S, "threads": args.threads, "isa": kernels.isa}
-        for name, form in (("absorbed", decoder.absorbed_latent_attention), ("naive", decoder.naive_latent_attention)):
+        for name, form in (("absorbed", absorbed), ("naive", decoder.naive_latent_attention)):
             seconds = time_step(form, kernels, config, lw, q_nope, q_rope, latent, positions, args.repeat)
             row[f"{name}_ms"] = 1e3 * seconds
             row[f"{name}_kv_bytes"] = read[name]

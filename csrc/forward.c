@@ -432,7 +432,7 @@ static void store_and_attend(fw *f) {
 }
 
 /* ---- multi-head latent attention (MLA: DeepSeek-V2/V3) -------------------------------------------
- * kvref/spec/decoder.py's project_latent and absorbed_latent_attention, kernel for kernel. Legend: R
+ * kvref/spec/decoder.py's project_latent and latent_attention_block (absorbed), kernel for kernel. Legend: R
  * kv_lora_rank, Q q_lora_rank, Dr qk_rope_head_dim, Dn = D - Dr the part RoPE leaves alone, Dv
  * v_head_dim. Each new position's latent key [c_kv ; k_rope] goes in k, and store_and_attend writes and
  * reads it as any key: one kv head of R + Dr values whose first R are its value. The queries it reads
@@ -492,28 +492,25 @@ static void latent_rope_row(const fw *f, int64_t t) {
 }
 
 /* out[t, h, :N] = in[t, h, :K] @ W_h.T for every head h, W_h rows h*N .. of w [H*N, K], in [T, H,
- * in_stride / H], out [T, H, out_stride / H]; sequence by sequence, as the decoder's absorbed form runs
- * per sequence: each head's rows of the sequence gathered, then multiplied as kvref_matmul multiplies
- * them (the decoder's per-head ops.matmul) */
+ * in_stride / H], out [T, H, out_stride / H], every row of the pass at once (each sequence's weights read
+ * once a step): each head's rows gathered, then multiplied as kvref_matmul multiplies them (the decoder's
+ * per_head_matmul) */
 static void latent_per_head(fw *f, const float *in, int64_t in_stride, const kvref_tensor *w, float *out,
                             int64_t out_stride) {
     kvref_state *s = f->s;
-    const int64_t H = f->c->n_heads, N = w->rows / H, K = w->cols;
-    for (int64_t b = 0; b < f->B; b++) {
-        const int64_t r0 = f->bounds[b], n = f->bounds[b + 1] - r0;
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t t = 0; t < n; t++)
-                memcpy(s->lx + t * K, in + (r0 + t) * in_stride + h * (in_stride / H), (size_t)K * sizeof(float));
-            kvref_matmul_run(f->pool, s->lx, n, K, (const uint8_t *)w->data + h * N * K * (int64_t)sizeof(float),
-                             KVREF_TYPE_F32, N, s->ly);
-            for (int64_t t = 0; t < n; t++)
-                memcpy(out + (r0 + t) * out_stride + h * (out_stride / H), s->ly + t * N, (size_t)N * sizeof(float));
-        }
+    const int64_t T = f->T, H = f->c->n_heads, N = w->rows / H, K = w->cols;
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t t = 0; t < T; t++)
+            memcpy(s->lx + t * K, in + t * in_stride + h * (in_stride / H), (size_t)K * sizeof(float));
+        kvref_matmul_run(f->pool, s->lx, T, K, (const uint8_t *)w->data + h * N * K * (int64_t)sizeof(float),
+                         KVREF_TYPE_F32, N, s->ly);
+        for (int64_t t = 0; t < T; t++)
+            memcpy(out + t * out_stride + h * (out_stride / H), s->ly + t * N, (size_t)N * sizeof(float));
     }
 }
 
 /* q (absorbed: [T, H, R + Dr]) and k (latent keys: [T, R + Dr]) from xb, as project_latent and
- * absorbed_latent_attention make them */
+ * absorbed_queries make them */
 static void latent_queries_and_keys(fw *f) {
     int64_t t0 = now_ns();
     const kvref_model_desc *c = f->c;

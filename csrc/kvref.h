@@ -366,7 +366,7 @@ typedef struct kvref_model_desc {
     /* Multi-head latent attention (DeepSeek-V2/V3), all 0 for K/V heads: the cache holds per layer and
      * position one latent key [c_kv ; k_rope] of R + Dr values (kvref_kv: 1 kv head, head_dim R + Dr,
      * v_dim R, V its K), and attention runs over it in the absorbed form (kvref/spec/decoder.py,
-     * absorbed_latent_attention): each query head's first Dn values folded into the latent by W_UK,
+     * latent_attention_block): each query head's first Dn values folded into the latent by W_UK,
      * attention of [H, R + Dr] queries over the latent keys with values their first R, then W_UV. */
     int64_t kv_lora_rank;      /* R > 0: MLA; n_kv_heads == n_heads, head_dim = Dn + Dr */
     int64_t q_lora_rank;       /* Q: the query's low-rank bottleneck (wq_a, q_a_norm), 0: one wq */

@@ -214,7 +214,8 @@ class FusedForward:
         d.kv_a_norm = self._vector(lw.kv_a_norm, c.kv_lora_rank, f"layers[{i}].kv_a_norm")
         if not isinstance(lw.wkv_b, np.ndarray) or lw.wkv_b.dtype.kind != "f":
             raise DTypeError(f"layers[{i}].wkv_b must be a float array (the decoder reads its heads as one)")
-        w_uk_t, w_uv = decoder.latent_up_projections(c, lw, np.float32)  # [H, R, Dn], [H, Dv, R]
+        w_uk, w_uv = decoder.latent_up_projections(c, lw, np.float32)  # [H, Dn, R], [H, Dv, R]
+        w_uk_t = np.ascontiguousarray(w_uk.transpose(0, 2, 1))  # [H, R, Dn], as decoder.absorbed_queries makes it
         self._tensor(d.w_uk, w_uk_t.reshape(-1, c.qk_nope_head_dim), f"layers[{i}].wkv_b (W_UK)")
         self._tensor(d.w_uv, np.ascontiguousarray(w_uv).reshape(-1, c.kv_lora_rank), f"layers[{i}].wkv_b (W_UV)")
 

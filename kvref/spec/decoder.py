@@ -242,15 +242,27 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
 
 def latent_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
     # [N, E] rows of B sequences (bounds as forward_batch's) -> [N, E]
+    # The absorbed form: q_nope . (W_UK c) = (W_UK^T q_nope) . c, so W_UK is folded into every row's query
+    # (position-wise, like the projections: once for all rows), and the scores are MQA over the cached latent
+    # keys (width R + Dr) with values their first R elements (c). W_UV is linear, so it moves after the
+    # weighted sum: W_UV (sum_s p_s c_s). Per step this reads S x (R + Dr) cached values instead of the
+    # S x H x (D + Dv) the naive form expands them to.
     q_nope, q_rope, latent_key = project_latent(ops, config, lw, x, positions, layer)  # [N,H,Dn], [N,H,Dr], [N,1,R+Dr]
-    out = np.empty((len(x), config.n_heads, config.v_head_dim), dtype=x.dtype)  # [N, H, Dv]
+    absorbed = config.mla_form == "absorbed"
+    q = absorbed_queries(ops, config, lw, q_nope, q_rope) if absorbed else None  # [N, H, R + Dr]
+    out = np.empty((len(x), config.n_heads, config.kv_lora_rank if absorbed else config.v_head_dim), dtype=x.dtype)
     for b, execution in enumerate(executions):
         rows = slice(bounds[b], bounds[b + 1])
         # the cache stores the latent key only; its V is the key's first R values (c_kv), never stored
         latent_all, c_all, k_positions = execution.update(layer, latent_key[rows], None)  # [S, 1, R+Dr], [S, 1, R], [S]
-        attend_latent = naive_latent_attention if config.mla_form == "naive" else absorbed_latent_attention
-        out[rows] = attend_latent(ops, config, lw, q_nope[rows], q_rope[rows], latent_all, c_all,
-                                  positions[rows], k_positions)  # [T_b, H, Dv]
+        if absorbed:
+            out[rows] = ops.attention(q[rows], latent_all, c_all, positions[rows], k_positions,  # [T_b, H, R]
+                                      scale=latent_scale(config))
+        else:
+            out[rows] = naive_latent_attention(ops, config, lw, q_nope[rows], q_rope[rows], latent_all, c_all,
+                                               positions[rows], k_positions)  # [T_b, H, Dv]
+    if absorbed:
+        out = absorbed_values(ops, config, lw, out)  # [N, H, Dv]
     return attention_output(ops, config, lw, out)  # [N, E]
 
 
@@ -276,11 +288,10 @@ def project_latent(ops, config: ModelConfig, lw: LayerWeights, x, positions, lay
 
 
 def latent_up_projections(config: ModelConfig, lw: LayerWeights, dtype):
-    # wkv_b [H*(Dn+Dv), R] -> W_UK transposed [H, R, Dn] (a copy), W_UV [H, Dv, R] (a view), in `dtype`:
-    # each head's matrix in the [N, K] form ops.matmul multiplies by (y = x @ W.T)
+    # wkv_b [H*(Dn+Dv), R] -> W_UK [H, Dn, R], W_UV [H, Dv, R] (views, file layout, in `dtype`)
     w = np.asarray(lw.wkv_b, dtype=dtype).reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim,
                                                   config.kv_lora_rank)
-    return np.ascontiguousarray(w[:, :config.qk_nope_head_dim].transpose(0, 2, 1)), w[:, config.qk_nope_head_dim:]
+    return w[:, :config.qk_nope_head_dim], w[:, config.qk_nope_head_dim:]
 
 
 def per_head_matmul(ops, x, w):
@@ -317,15 +328,15 @@ def naive_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_
     return ops.attention(q, k, v, q_positions, k_positions, scale=latent_scale(config))  # [T, H, Dv]
 
 
-def absorbed_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions,
-                              k_positions):
-    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
-    # q_nope . (W_UK c) = (W_UK^T q_nope) . c: fold W_UK into the query once per new position, and the
-    # scores are MQA over the cached latent keys (width R + Dr) with values their first R elements (c).
-    # The value up-projection is linear, so it moves after the weighted sum: W_UV (sum_s p_s c_s).
-    # Per step this reads S x (R + Dr) cached values instead of S x H x (D + Dv) expanded ones.
-    w_uk_t, w_uv = latent_up_projections(config, lw, q_nope.dtype)  # [H, R, Dn], [H, Dv, R]
-    q_latent = per_head_matmul(ops, q_nope, w_uk_t)  # [T, H, R]: W_UK[h]^T q_nope[h]
-    q = np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, R + Dr]
-    out_latent = ops.attention(q, latent_all, c_all, q_positions, k_positions, scale=latent_scale(config))  # [T, H, R]
-    return per_head_matmul(ops, out_latent, w_uv)  # [T, H, Dv]: W_UV[h] times each head's latent output
+def absorbed_queries(ops, config: ModelConfig, lw, q_nope, q_rope):
+    # [N, H, Dn], [N, H, Dr] -> [N, H, R + Dr]: per head [W_UK[h]^T q_nope[h] ; q_rope[h]], what attends to
+    # the cached latent keys
+    w_uk, _ = latent_up_projections(config, lw, q_nope.dtype)  # [H, Dn, R]
+    w_uk_t = np.ascontiguousarray(w_uk.transpose(0, 2, 1))  # [H, R, Dn]: the form ops.matmul multiplies by
+    return np.concatenate([per_head_matmul(ops, q_nope, w_uk_t), q_rope], axis=-1)
+
+
+def absorbed_values(ops, config: ModelConfig, lw, out_latent):
+    # [N, H, R] -> [N, H, Dv]: W_UV[h] times each head's attention output over the latent
+    _, w_uv = latent_up_projections(config, lw, out_latent.dtype)  # [H, Dv, R]
+    return per_head_matmul(ops, out_latent, w_uv)
