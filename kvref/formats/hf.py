@@ -105,8 +105,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     attention_scale = _float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None
     if rope_attention_factor != 1.0:  # LongRoPE's m on q and k: m**2 on every score
         attention_scale = rope_attention_factor ** 2 / head_dim ** 0.5
-    if latent and scaling is not None and scaling[0] == "yarn":
-        attention_scale = _latent_yarn_scale(hf, scaling, head_dim)
+    if latent:
+        attention_scale = _latent_score_scale(hf, head_dim)
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads,
         n_kv_heads=_int(hf, "num_key_value_heads", "n_kv_heads", n_heads), d_ff=_int(hf, "intermediate_size", "d_ff"),
@@ -490,15 +490,16 @@ def _yarn(p, number):
             _int(p, "original_max_position_embeddings", "max_seq_len"), attention_factor, truncate)
 
 
-def _latent_yarn_scale(hf, scaling, head_dim):
-    # DeepSeek's score scale under YaRN (transformers' yarn_apply_mscale): 1/sqrt(D) times the rule's factor
-    # with mscale_all_dim as its coefficient, squared, when the config gives mscale_all_dim (else None:
-    # 1/sqrt(D)). YaRN's own attention factor (scaling[5]) is another matter: it multiplies only the rotated
-    # parts of q and k (kvref.spec.decoder.latent_rope_scale).
+def _latent_score_scale(hf, head_dim):
+    # DeepSeek's score scale (transformers' yarn_apply_mscale): with a RoPE scaling and mscale_all_dim,
+    # 1/sqrt(D) times YaRN's rule for the scaling's factor with mscale_all_dim as its coefficient, squared;
+    # else None (1/sqrt(D)). YaRN's own attention factor (rope_scaling[5]) is another matter: it multiplies
+    # only the rotated parts of q and k (kvref.spec.decoder.latent_rope_scale).
     p = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not p.get("mscale_all_dim"):
+    if p.get("rope_type", p.get("type", "default")) == "default" or not p.get("mscale_all_dim"):
         return None
-    m = spec_ops.yarn_mscale(scaling[1], bounded_float(p["mscale_all_dim"], "config.json RoPE mscale_all_dim"))
+    m = spec_ops.yarn_mscale(bounded_float(p.get("factor"), "config.json RoPE factor (with mscale_all_dim)"),
+                             bounded_float(p["mscale_all_dim"], "config.json RoPE mscale_all_dim"))
     return m * m / head_dim ** 0.5
 
 
