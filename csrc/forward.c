@@ -492,9 +492,9 @@ static void latent_rope_row(const fw *f, int64_t t) {
 }
 
 /* out[t, h, :N] = in[t, h, :K] @ W_h.T for every head h, W_h rows h*N .. of w [H*N, K], in [T, H,
- * in_stride / H], out [T, H, out_stride / H], every row of the pass at once (each sequence's weights read
- * once a step): each head's rows gathered, then multiplied as kvref_matmul multiplies them (the decoder's
- * per_head_matmul) */
+ * in_stride / H], out [T, H, out_stride / H], every row of the pass at once (a batch reads each head's
+ * matrix once a step): each head's rows gathered, then multiplied as kvref_matmul multiplies them (the
+ * decoder's per_head_matmul) */
 static void latent_per_head(fw *f, const float *in, int64_t in_stride, const kvref_tensor *w, float *out,
                             int64_t out_stride) {
     kvref_state *s = f->s;
