@@ -35,15 +35,18 @@
 #define ROWS_PARALLEL_MIN 16   /* from this many new positions on, row-wise steps use the pool */
 #define ROWS_PER_UNIT 4
 
-/* the projections: a layer's, then the LM head */
-enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, W_HEAD };
+/* the projections: a layer's (MLA's low-rank query and latent down-projection last), then the LM head */
+enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, W_Q_A, W_KV_A, W_HEAD };
 
 struct kvref_model {
     kvref_model_desc desc;     /* config and pointers; desc.layers points at `layers` */
     kvref_layer_desc *layers;  /* [n_layers] */
     int int8;                  /* every projection and LM head of a type with a packed form (internal.h)
                                   packed: KVREF_ACT_INT8 executions can run */
-    int64_t max_k;             /* widest matmul input: max(E, H*D, F) */
+    int64_t max_k;             /* widest matmul input: max(E, H*D, F), and MLA's Q, R, H*Dv */
+    int64_t cache_heads;       /* what the cache holds per position and attention reads: Hkv kv heads, */
+    int64_t key_dim, value_dim; /* of key_dim and value_dim values (D, D); MLA: one latent key of R + Dr, values R */
+    int64_t rope_dim;          /* the width RoPE rotates per head: D, or MLA's Dr */
     int64_t n_tables;          /* distinct RoPE frequency tables among the layers' */
     int64_t *table_of;         /* [n_layers] the index of each layer's table among those */
 };
@@ -56,9 +59,14 @@ struct kvref_state {
     float *x;                  /* [rows, E]     residual stream */
     float *xb;                 /* [rows, E]     a block's normed input; once its projections have read it,
                                 *                the block's output before the residual add */
-    float *q;                  /* [rows, H*D]   queries (rotated in place) */
-    float *k, *v;              /* [rows, Hkv*D] new keys (rotated in place) and values */
-    float *att;                /* [rows, H*D]   attention output */
+    float *q;                  /* [rows, H*D]   queries (rotated in place); MLA: [rows, H, R + Dr] absorbed */
+    float *k, *v;              /* [rows, Hkv*D] new keys (rotated in place) and values; MLA: [rows, R + Dr]
+                                *                latent keys, v unused */
+    float *att;                /* [rows, H*D]   attention output; MLA: [rows, H, R] */
+    float *lq, *lh, *lo;       /* MLA: [rows, H*D] projected queries, [rows, Q] low-rank queries, [rows, H*Dv]
+                                *      values (W_UV after attention) */
+    float *lx, *ly;            /* MLA: [rows, max(Dn, R)], [rows, max(R, Dv)] one head's rows in and out of its
+                                *      up-projection */
     float *gate, *up;          /* [rows, F]     MLP hidden; gate becomes silu(gate) * up */
     double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
     int64_t *q_positions;      /* [rows] each new position's own position */
@@ -98,6 +106,7 @@ typedef struct {
     int64_t layer;             /* the layer being computed */
     const kvref_layer_desc *lw;
     const float *gain;         /* the RMSNorm gain of the current norm step */
+    const float *bias;         /* the bias the current bias step adds to xb */
     float *norm_rows;          /* ... and the rows it normalises in place (NULL: x into xb) */
     kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu, geglu or swiglu_oai) */
     const kvref_model *model;
@@ -174,11 +183,19 @@ static void qk_row(const fw *f, int64_t t) {
     kvref_rope_row(k, Hkv, D, cs, k);
 }
 
-/* k[t] and v[t] -> the slot of row t's position in its sequence's cache */
+/* k[t] and v[t] -> the slot of row t's position in its sequence's cache (MLA: the latent key k[t], its own V) */
 static void store_row(const fw *f, int64_t t) {
-    const int64_t kvd = f->c->n_kv_heads * f->c->head_dim;
-    kvref_kv_store(&f->caches[f->s->row_seq[t]], f->kk, f->layer, f->s->q_positions[t], f->s->k + t * kvd,
-                   f->s->v + t * kvd);
+    const int64_t kvd = f->model->cache_heads * f->model->key_dim;
+    const float *k = f->s->k + t * kvd;
+    kvref_kv_store(&f->caches[f->s->row_seq[t]], f->kk, f->layer, f->s->q_positions[t], k,
+                   f->c->kv_lora_rank > 0 ? k : f->s->v + t * kvd);
+}
+
+/* xb[t] += bias */
+static void bias_row(const fw *f, int64_t t) {
+    const int64_t E = f->c->d_model;
+    float *y = f->s->xb + t * E;
+    for (int64_t i = 0; i < E; i++) y[i] = y[i] + f->bias[i];
 }
 
 /* x[t] += xb[t] */
@@ -200,7 +217,7 @@ static void glu_row(const fw *f, int64_t t) {
 /* projection `which` of layer lw, or the LM head */
 static const kvref_tensor *projection(const kvref_model_desc *c, const kvref_layer_desc *lw, int which) {
     const kvref_tensor *w[W_HEAD + 1] = {&lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->w_gate, &lw->w_up, &lw->w_down,
-                                         &c->output};
+                                         &lw->wq_a, &lw->wkv_a, &c->output};
     return w[which];
 }
 
@@ -259,23 +276,15 @@ static void qkv_projections(fw *f) {
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
-/* xb[t] += bo: the attention output's bias (gpt-oss) */
-static void out_bias_row(const fw *f, int64_t t) {
-    const int64_t E = f->c->d_model;
-    float *y = f->s->xb + t * E;
-    for (int64_t i = 0; i < E; i++) y[i] = y[i] + f->lw->bo[i];
-}
-
-/* x += in @ W.T [+ bias]: a block's output projection added into the residual stream (Wo after
- * attention, with its bias where there is one; Wd after the MLP); with a sandwich norm gain,
- * x += rms_norm(in @ W.T [+ bias]) * gain. The block's normed input xb is dead by now (its
- * projections read it), so the output goes there before the add. */
-static void residual_projection(fw *f, const float *in, int which, const float *post_norm) {
+/* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
+ * Wd after the MLP); with a bias, x += in @ W.T + bias (gpt-oss's Wo); with a sandwich norm gain,
+ * x += rms_norm(in @ W.T) * gain. The block's normed input xb is dead by now (its projections read
+ * it), so the output goes there before the add unless it can be added as produced. */
+static void residual_projection(fw *f, const float *in, int which, const float *bias, const float *post_norm) {
     int64_t t0 = now_ns();
     const kvref_tensor *w = projection(f->c, f->lw, which);
     kvref_state *s = f->s;
-    const int decode = decode_path(f, f->T, 1, &which), bias = which == W_O && f->lw->bo != NULL;
-    const int direct = post_norm == NULL && !bias; /* straight into x: nothing happens between */
+    const int decode = decode_path(f, f->T, 1, &which), direct = decode && bias == NULL && post_norm == NULL;
     if (decode) {
         const kvref_mv_part none = {0};
         kvref_mv mv = matvec(f, in, f->T, w->cols, 1, part(f, which, direct ? s->x : s->xb, w->rows), none, none);
@@ -284,7 +293,10 @@ static void residual_projection(fw *f, const float *in, int which, const float *
     } else {
         matmul(f, in, f->T, w, s->xb);
     }
-    if (bias) for_each_row(f, out_bias_row); /* the decoder adds it before any norm */
+    if (bias != NULL) { /* added before any norm, as the decoder's project() adds it */
+        f->bias = bias;
+        for_each_row(f, bias_row);
+    }
     if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
         s->ns[FAM_PROJ] += now_ns() - t0;
         t0 = now_ns();
@@ -295,7 +307,7 @@ static void residual_projection(fw *f, const float *in, int which, const float *
         s->ns[FAM_OTHER] += now_ns() - t0;
         t0 = now_ns();
     }
-    if (!direct || !decode) for_each_row(f, residual_row);
+    if (!direct) for_each_row(f, residual_row);
     s->ns[FAM_PROJ] += now_ns() - t0;
 }
 
@@ -365,12 +377,13 @@ static void prepare_qk(fw *f) {
 static kvref_attn_job attention_job(const fw *f, const kvref_kv *kv, int64_t t0, int64_t n, int64_t S,
                                     const int64_t *k_positions, float *partial) {
     const kvref_model_desc *c = f->c;
-    const int64_t HD = c->n_heads * c->head_dim;
-    kvref_attn_job job = {.a = {.q = f->s->q + t0 * HD, .q_positions = f->s->q_positions + t0, .k_positions = k_positions,
-                                .T = n, .H = c->n_heads, .S = S, .G = c->n_heads / c->n_kv_heads,
+    const kvref_model *m = f->model;
+    const int64_t H = c->n_heads;
+    kvref_attn_job job = {.a = {.q = f->s->q + t0 * H * m->key_dim, .q_positions = f->s->q_positions + t0,
+                                .k_positions = k_positions, .T = n, .H = H, .S = S, .G = H / m->cache_heads,
                                 .window = f->lw->window, .scale = c->attention_scale,
                                 .softcap = c->attn_softcap, .sinks = f->lw->sinks},
-                          .partial = partial, .out = f->s->att + t0 * HD};
+                          .partial = partial, .out = f->s->att + t0 * H * m->value_dim};
     kvref_kv_layer(kv, f->layer, &job.a);
     return job;
 }
@@ -419,8 +432,8 @@ static void store_and_attend_sequence(fw *f, int64_t b, float *partial, int64_t 
 }
 
 /* floats of attention partials for a sequence of T new positions attending to S */
-static int64_t sequence_partials(const kvref_model_desc *c, int64_t T, int64_t S) {
-    return kvref_attention_partial_floats(T, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim, S);
+static int64_t sequence_partials(const kvref_model *m, int64_t T, int64_t S) {
+    return kvref_attention_partial_floats(T, m->cache_heads, m->desc.n_heads / m->cache_heads, m->value_dim, S);
 }
 
 /* every sequence's new K/V into its cache, then the attentions of all sequences in one dispatch */
@@ -432,10 +445,120 @@ static void store_and_attend(fw *f) {
     for (int64_t b = 0; b < f->B; b++) {
         const int64_t T = f->bounds[b + 1] - f->bounds[b], S = f->lengths[b] + T;
         store_and_attend_sequence(f, b, partial, slots);
-        partial += sequence_partials(f->c, T, S);
+        partial += sequence_partials(f->model, T, S);
         slots += S;
     }
     attend(f, s->jobs, s->n_jobs);
+}
+
+/* ---- multi-head latent attention (MLA: DeepSeek-V2/V3) -------------------------------------------
+ * kvref/spec/decoder.py's project_latent and latent_attention_block (absorbed), kernel for kernel. Legend: R
+ * kv_lora_rank, Q q_lora_rank, Dr qk_rope_head_dim, Dn = D - Dr the part RoPE leaves alone, Dv
+ * v_head_dim. Each new position's latent key [c_kv ; k_rope] goes in k, and store_and_attend writes and
+ * reads it as any key: one kv head of R + Dr values whose first R are its value. The queries it reads
+ * are the absorbed ones, [H, R + Dr] per position in q: W_UK[h]^T q_nope[h], then q_rope[h]. */
+
+/* y = x @ W.T for T rows of x into one weight, on the decode path or the GEMM as the dense projections */
+static void latent_projection(fw *f, const float *x, int which, float *y) {
+    const kvref_tensor *w = projection(f->c, f->lw, which);
+    if (decode_path(f, f->T, 1, &which)) {
+        const kvref_mv_part none = {0};
+        const kvref_mv mv = matvec(f, x, f->T, w->cols, 1, part(f, which, y, w->rows), none, none);
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        matmul(f, x, f->T, w, y);
+    }
+}
+
+/* the two projections of xb: the query's first (lh = xb @ Wq_a.T, or lq = xb @ Wq.T without Q) and the
+ * latent's (k = xb @ Wkv_a.T: [c_kv | k_rope] unnormalised, unrotated), one dispatch on the decode path */
+static void latent_down_projections(fw *f) {
+    kvref_state *s = f->s;
+    const int which[2] = {f->c->q_lora_rank > 0 ? W_Q_A : W_Q, W_KV_A};
+    float *y = f->c->q_lora_rank > 0 ? s->lh : s->lq;
+    if (decode_path(f, f->T, 2, which)) {
+        const kvref_mv_part none = {0};
+        const kvref_tensor *wq = projection(f->c, f->lw, which[0]);
+        const kvref_mv mv = matvec(f, s->xb, f->T, f->c->d_model, 2, part(f, which[0], y, wq->rows),
+                                   part(f, W_KV_A, s->k, f->lw->wkv_a.rows), none);
+        kvref_mv_run(f->pool, &mv);
+    } else {
+        matmul(f, s->xb, f->T, projection(f->c, f->lw, which[0]), y);
+        matmul(f, s->xb, f->T, &f->lw->wkv_a, s->k);
+    }
+}
+
+/* lh[t] = rms_norm(lh[t]) * q_a_norm */
+static void latent_query_norm_row(const fw *f, int64_t t) {
+    float *h = f->s->lh + t * f->c->q_lora_rank;
+    kvref_rms_norm_row(h, f->c->q_lora_rank, f->lw->q_a_norm, f->c->latent_norm_eps, h);
+}
+
+/* row t's latent key normed and rotated in k (c_kv = rms_norm(c_kv) * kv_a_norm, k_rope turned for its
+ * position), and its query heads' rotated parts (times q_rope_scale) into their absorbed queries' tails */
+static void latent_rope_row(const fw *f, int64_t t) {
+    const kvref_model_desc *c = f->c;
+    const int64_t H = c->n_heads, D = c->head_dim, R = c->kv_lora_rank, Dr = c->qk_rope_head_dim, Dn = D - Dr;
+    const double *cs = f->s->cs + (f->model->table_of[f->layer] * f->s->rows + t) * D;
+    float *k = f->s->k + t * (R + Dr), *lq = f->s->lq + t * H * D, *q = f->s->q + t * H * (R + Dr);
+    kvref_rms_norm_row(k, R, f->lw->kv_a_norm, c->latent_norm_eps, k);
+    kvref_rope_row(k + R, 1, Dr, cs, k + R); /* one key for every head */
+    for (int64_t h = 0; h < H; h++) {
+        float *q_rope = q + h * (R + Dr) + R;
+        kvref_rope_row(lq + h * D + Dn, 1, Dr, cs, q_rope);
+        if (c->q_rope_scale != 1.0f)
+            for (int64_t i = 0; i < Dr; i++) q_rope[i] = q_rope[i] * c->q_rope_scale;
+    }
+}
+
+/* out[t, h, :N] = in[t, h, :K] @ W_h.T for every head h, W_h rows h*N .. of w [H*N, K], in [T, H,
+ * in_stride / H], out [T, H, out_stride / H], every row of the pass at once (a batch reads each head's
+ * matrix once a step): each head's rows gathered, then multiplied as kvref_matmul multiplies them (the
+ * decoder's per_head_matmul) */
+static void latent_per_head(fw *f, const float *in, int64_t in_stride, const kvref_tensor *w, float *out,
+                            int64_t out_stride) {
+    kvref_state *s = f->s;
+    const int64_t T = f->T, H = f->c->n_heads, N = w->rows / H, K = w->cols;
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t t = 0; t < T; t++)
+            memcpy(s->lx + t * K, in + t * in_stride + h * (in_stride / H), (size_t)K * sizeof(float));
+        kvref_matmul_run(f->pool, s->lx, T, K, (const uint8_t *)w->data + h * N * K * (int64_t)sizeof(float),
+                         KVREF_TYPE_F32, N, s->ly);
+        for (int64_t t = 0; t < T; t++)
+            memcpy(out + t * out_stride + h * (out_stride / H), s->ly + t * N, (size_t)N * sizeof(float));
+    }
+}
+
+/* q (absorbed: [T, H, R + Dr]) and k (latent keys: [T, R + Dr]) from xb, as project_latent and
+ * absorbed_queries make them */
+static void latent_queries_and_keys(fw *f) {
+    int64_t t0 = now_ns();
+    const kvref_model_desc *c = f->c;
+    kvref_state *s = f->s;
+    const int64_t H = c->n_heads, R = c->kv_lora_rank, Dr = c->qk_rope_head_dim;
+    latent_down_projections(f);
+    if (c->q_lora_rank > 0) { /* the query through its low-rank bottleneck: lq = rms_norm(lh) @ Wq.T */
+        s->ns[FAM_PROJ] += now_ns() - t0;
+        t0 = now_ns();
+        for_each_row(f, latent_query_norm_row);
+        s->ns[FAM_OTHER] += now_ns() - t0;
+        t0 = now_ns();
+        latent_projection(f, s->lh, W_Q, s->lq);
+    }
+    latent_per_head(f, s->lq, H * c->head_dim, &f->lw->w_uk, s->q, H * (R + Dr)); /* q_nope -> W_UK^T q_nope */
+    s->ns[FAM_PROJ] += now_ns() - t0;
+    t0 = now_ns();
+    for_each_row(f, latent_rope_row);
+    s->ns[FAM_OTHER] += now_ns() - t0;
+}
+
+/* lo = each head's latent attention output through W_UV: [T, H, R] -> [T, H*Dv], the input of Wo */
+static const float *latent_values(fw *f) {
+    const int64_t t0 = now_ns();
+    const int64_t H = f->c->n_heads;
+    latent_per_head(f, f->s->att, H * f->c->kv_lora_rank, &f->lw->w_uv, f->s->lo, H * f->c->v_head_dim);
+    f->s->ns[FAM_PROJ] += now_ns() - t0;
+    return f->s->lo;
 }
 
 /* logits row i's KVREF_HEAD_EXACT_K largest, recomputed from xb row i with float32 activations:
@@ -491,7 +614,7 @@ static void final_logits(fw *f) {
 
 /* ---- model and state ------------------------------------------------------------------------ */
 
-int kvref_check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
+static int check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
     if (t->data == NULL) return KVREF_ERR_NULL;
     if (kvref_block_values(t->type) < 0) return KVREF_ERR_TYPE;
     if (t->rows != rows || t->cols != cols) return KVREF_ERR_SHAPE;
@@ -505,10 +628,37 @@ int kvref_check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
 #define KVREF_MAX_DIM (INT64_C(1) << 24) /* every config number; keeps every product below 2**63 */
 
 /* a projection or LM head: packed, if at all, in the layout and bytes kvref_pack_int8 writes */
-int kvref_check_packed(const kvref_tensor *t) {
+static int check_packed(const kvref_tensor *t) {
     if (t->packed == NULL) return KVREF_OK;
     if (!kvref_packable(t->type)) return KVREF_ERR_TYPE;
     return (uintptr_t)t->packed % 64 == 0 ? KVREF_OK : KVREF_ERR_VALUE;
+}
+
+/* a projection's shape, bytes and packed copy */
+int kvref_check_projection(const kvref_tensor *t, int64_t rows, int64_t cols) {
+    const int status = check_tensor(t, rows, cols);
+    return status == KVREF_OK ? check_packed(t) : status;
+}
+
+/* KVREF_OK when MLA's dimensions (kv_lora_rank > 0) and layer lw's latent tensors are as kvref.h says */
+static int check_latent_layer(const kvref_model_desc *c, const kvref_layer_desc *lw) {
+    const int64_t E = c->d_model, H = c->n_heads, D = c->head_dim, R = c->kv_lora_rank, Q = c->q_lora_rank;
+    const int64_t Dr = c->qk_rope_head_dim, Dv = c->v_head_dim;
+    if (R > KVREF_MAX_DIM || Q < 0 || Q > KVREF_MAX_DIM || Dr < 2 || Dr > KVREF_MAX_DIM || Dv < 1 || Dv > KVREF_MAX_DIM)
+        return KVREF_ERR_DIM;
+    if (Dr % 2 != 0 || Dr >= D || c->n_kv_heads != H) return KVREF_ERR_SHAPE;
+    if (!(c->latent_norm_eps >= 0.0) || isinf(c->latent_norm_eps) || !(c->q_rope_scale > 0.0f) || isinf(c->q_rope_scale))
+        return KVREF_ERR_VALUE;
+    if (lw->kv_a_norm == NULL || (Q > 0 && lw->q_a_norm == NULL) || lw->rope_freqs == NULL) return KVREF_ERR_NULL;
+    /* the up-projections are read as float32 rows by kvref_matmul, never packed */
+    if (lw->w_uk.type != KVREF_TYPE_F32 || lw->w_uv.type != KVREF_TYPE_F32 || lw->w_uk.packed != NULL ||
+        lw->w_uv.packed != NULL)
+        return KVREF_ERR_TYPE;
+    int status = kvref_check_projection(&lw->wkv_a, R + Dr, E);
+    if (status == KVREF_OK) status = kvref_check_projection(&lw->w_uk, H * R, D - Dr);
+    if (status == KVREF_OK) status = kvref_check_projection(&lw->w_uv, H * Dv, R);
+    if (status == KVREF_OK && Q > 0) status = kvref_check_projection(&lw->wq_a, Q, E);
+    return status;
 }
 
 /* whether every tensor that has a packed form has it: the model can run int8 executions */
@@ -538,14 +688,18 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
         || (c->gate != KVREF_GATE_SILU && c->gate != KVREF_GATE_GELU_TANH && c->gate != KVREF_GATE_SWIGLU_OAI))
         return KVREF_ERR_VALUE;
     const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim, F = c->d_ff;
-    int status = kvref_check_tensor(&c->tok_embeddings, c->vocab_size, E);
+    const int latent = c->kv_lora_rank > 0; /* MLA (negative: refused below) */
+    const int64_t rope_dim = latent ? c->qk_rope_head_dim : c->head_dim;
+    const int64_t WO = latent ? c->n_heads * c->v_head_dim : QD; /* Wo's input width */
+    if (c->kv_lora_rank < 0) return KVREF_ERR_DIM;
+    int status = check_tensor(&c->tok_embeddings, c->vocab_size, E);
     if (status == KVREF_OK && c->router.n_experts > 0) { /* a mixture of experts: its router and widths */
         status = kvref_router_check(&c->router);
         if (c->expert_d_ff < 1 || c->expert_d_ff > KVREF_MAX_DIM || c->shared_d_ff < 0 || c->shared_d_ff > KVREF_MAX_DIM)
             status = KVREF_ERR_DIM;
     }
-    if (status == KVREF_OK) status = kvref_check_tensor(&c->output, c->vocab_size, E);
-    if (status == KVREF_OK) status = c->tok_embeddings.packed == NULL ? kvref_check_packed(&c->output) : KVREF_ERR_VALUE;
+    if (status == KVREF_OK) status = check_tensor(&c->output, c->vocab_size, E);
+    if (status == KVREF_OK) status = c->tok_embeddings.packed == NULL ? check_packed(&c->output) : KVREF_ERR_VALUE;
     for (int64_t l = 0; status == KVREF_OK && l < c->n_layers; l++) {
         const kvref_layer_desc *lw = &c->layers[l];
         if (lw->attn_norm == NULL || lw->ffn_norm == NULL) return KVREF_ERR_NULL;
@@ -554,16 +708,17 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
             || (lw->q_norm == NULL) != (lw->k_norm == NULL) || (lw->post_attn_norm == NULL) != (lw->post_ffn_norm == NULL))
             return KVREF_ERR_NULL;
         if (lw->window < 0) return KVREF_ERR_VALUE;
-        for (int64_t i = 0; lw->rope_freqs != NULL && i < c->head_dim / 2; i++)
+        status = latent ? check_latent_layer(c, lw) : kvref_check_projection(&lw->wk, KVD, E);
+        if (status == KVREF_OK && !latent) status = kvref_check_projection(&lw->wv, KVD, E);
+        if (status != KVREF_OK) return status;
+        for (int64_t i = 0; lw->rope_freqs != NULL && i < rope_dim / 2; i++)
             if (!isfinite(lw->rope_freqs[i])) return KVREF_ERR_VALUE;
         const struct { const kvref_tensor *t; int64_t rows, cols; } expect[] = {
-            {&lw->wq, QD, E}, {&lw->wk, KVD, E}, {&lw->wv, KVD, E}, {&lw->wo, E, QD},
+            {&lw->wq, QD, latent && c->q_lora_rank > 0 ? c->q_lora_rank : E}, {&lw->wo, E, WO},
             {&lw->w_gate, F, E}, {&lw->w_up, F, E}, {&lw->w_down, E, F}};
-        const size_t n = lw->moe != NULL ? 4 : sizeof expect / sizeof expect[0]; /* a mixture: no dense MLP */
-        for (size_t i = 0; status == KVREF_OK && i < n; i++) {
-            status = kvref_check_tensor(expect[i].t, expect[i].rows, expect[i].cols);
-            if (status == KVREF_OK) status = kvref_check_packed(expect[i].t);
-        }
+        const size_t n = lw->moe != NULL ? 2 : sizeof expect / sizeof expect[0]; /* a mixture: no dense MLP */
+        for (size_t i = 0; status == KVREF_OK && i < n; i++)
+            status = kvref_check_projection(expect[i].t, expect[i].rows, expect[i].cols);
         if (status == KVREF_OK && lw->moe != NULL) status = kvref_moe_check(c, lw);
     }
     if (status != KVREF_OK) return status;
@@ -589,16 +744,18 @@ int kvref_model_create(const kvref_model_desc *desc, kvref_model **out) {
         }
         while (first < l && (c->layers[first].rope_freqs == NULL ||
                              memcmp(c->layers[first].rope_freqs, c->layers[l].rope_freqs,
-                                    (size_t)(c->head_dim / 2) * sizeof(double)) != 0))
+                                    (size_t)(rope_dim / 2) * sizeof(double)) != 0))
             first++;
         m->table_of[l] = first < l ? m->table_of[first] : m->n_tables++;
     }
     m->desc = *c;
     m->desc.layers = m->layers;
-    m->max_k = E > QD ? E : QD;
-    m->max_k = m->max_k > F ? m->max_k : F;
-    m->max_k = m->max_k > c->expert_d_ff ? m->max_k : c->expert_d_ff; /* a mixture's widths (0 without) */
-    m->max_k = m->max_k > c->shared_d_ff ? m->max_k : c->shared_d_ff;
+    const int64_t widths[] = {E, QD, F, c->q_lora_rank, c->kv_lora_rank, WO, c->expert_d_ff, c->shared_d_ff};
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) m->max_k = widths[i] > m->max_k ? widths[i] : m->max_k;
+    m->cache_heads = latent ? 1 : c->n_kv_heads;
+    m->key_dim = latent ? c->kv_lora_rank + c->qk_rope_head_dim : c->head_dim;
+    m->value_dim = latent ? c->kv_lora_rank : c->head_dim;
+    m->rope_dim = rope_dim;
     m->int8 = all_packed(c);
     *out = m;
     return KVREF_OK;
@@ -616,9 +773,10 @@ static void *alloc_aligned(int64_t n, size_t size) { return aligned_alloc(64, ((
 static void *alloc_floats(int64_t n) { return alloc_aligned(n, sizeof(float)); }
 
 static void free_rows(kvref_state *s) {
-    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->cs, s->q_positions, s->row_seq};
+    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->lq, s->lh, s->lo, s->lx, s->ly, s->cs,
+                    s->q_positions, s->row_seq};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
-    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = NULL;
+    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->lq = s->lh = s->lo = s->lx = s->ly = NULL;
     s->cs = NULL;
     s->q_positions = s->row_seq = NULL;
     s->rows = 0;
@@ -666,24 +824,32 @@ static int grow(void **p, int64_t *have, int64_t need, size_t size) {
  * attending to at most S positions each (never shrinks them). */
 static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const int64_t *bounds,
                          const int64_t *lengths) {
-    const kvref_model_desc *c = &s->model->desc;
-    const int64_t E = c->d_model, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
+    const kvref_model *m = s->model;
+    const kvref_model_desc *c = &m->desc;
+    const int64_t E = c->d_model, H = c->n_heads, QD = H * c->head_dim, KVD = m->cache_heads * m->key_dim;
+    const int latent = c->kv_lora_rank > 0; /* MLA's buffers (kvref_state), one float each otherwise */
+    const int64_t R = c->kv_lora_rank, Dn = c->head_dim - c->qk_rope_head_dim, Dv = c->v_head_dim;
     if (T > s->rows) {
         const int64_t rows = T > 2 * s->rows ? T : 2 * s->rows;
         free_rows(s);
         s->x = alloc_floats(rows * E);
         s->xb = alloc_floats(rows * E);
-        s->q = alloc_floats(rows * QD);
+        s->q = alloc_floats(rows * H * m->key_dim);
         s->k = alloc_floats(rows * KVD);
-        s->v = alloc_floats(rows * KVD);
-        s->att = alloc_floats(rows * QD);
+        s->v = alloc_floats(latent ? 1 : rows * KVD);
+        s->att = alloc_floats(rows * H * m->value_dim);
         s->gate = alloc_floats(rows * c->d_ff);
         s->up = alloc_floats(rows * c->d_ff);
+        s->lq = alloc_floats(latent ? rows * QD : 1);
+        s->lh = alloc_floats(latent && c->q_lora_rank > 0 ? rows * c->q_lora_rank : 1);
+        s->lo = alloc_floats(latent ? rows * H * Dv : 1);
+        s->lx = alloc_floats(latent ? rows * (Dn > R ? Dn : R) : 1);
+        s->ly = alloc_floats(latent ? rows * (Dv > R ? Dv : R) : 1);
         s->cs = malloc((size_t)((s->model->n_tables > 0 ? s->model->n_tables : 1) * rows * c->head_dim) * sizeof(double));
         s->q_positions = malloc((size_t)rows * sizeof(int64_t));
         s->row_seq = malloc((size_t)rows * sizeof(int64_t));
-        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->cs ||
-            !s->q_positions || !s->row_seq) {
+        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->lq || !s->lh ||
+            !s->lo || !s->lx || !s->ly || !s->cs || !s->q_positions || !s->row_seq) {
             free_rows(s);
             return KVREF_ERR_NOMEM;
         }
@@ -699,7 +865,7 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const 
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = bounds[b + 1] - bounds[b];
         slots += lengths[b] + n;
-        partials += sequence_partials(c, n, lengths[b] + n);
+        partials += sequence_partials(s->model, n, lengths[b] + n);
     }
     if (grow((void **)&s->slot_positions, &s->ring_keys, slots, sizeof(int64_t)) != KVREF_OK ||
         grow((void **)&s->partial, &s->partial_floats, partials, sizeof(float)) != KVREF_OK ||
@@ -753,8 +919,11 @@ static int check_batch(const kvref_model *model, const int64_t *bounds, int64_t 
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = bounds[b + 1] - bounds[b], length = lengths[b];
         if (n < 1 || bounds[b + 1] > KVREF_MAX_DIM || length < 0 || length > KVREF_MAX_DIM) return KVREF_ERR_DIM;
-        int status = kvref_kv_check(&caches[b], c->n_layers, c->n_kv_heads, c->head_dim, length + n); /* room */
+        int status = kvref_kv_check(&caches[b], c->n_layers, model->cache_heads, model->key_dim, length + n); /* room */
         if (status != KVREF_OK) return status;
+        if (c->kv_lora_rank > 0 && (caches[b].v != caches[b].k || caches[b].v_type != caches[b].k_type ||
+                                    caches[b].v_scales != caches[b].k_scales || caches[b].v_dim != c->kv_lora_rank))
+            return KVREF_ERR_SHAPE; /* a latent cache's V is its K's first R values */
         for (int64_t l = 0; l < c->n_layers; l++) { /* a ring keeps a window's positions, or it loses keys */
             const int64_t ring = kvref_kv_ring(&caches[b], l), window = c->layers[l].window;
             if (ring > 0 && (window == 0 || window > ring)) return KVREF_ERR_VALUE;
@@ -776,7 +945,8 @@ static int forward_pass(fw *f, int64_t S) {
     if (status == KVREF_OK) { /* tiles of the prefill GEMM */
         const size_t scratch = f->int8 ? kvref_matmul_int8_scratch_bytes(T, f->model->max_k)
                                        : kvref_matmul_scratch_bytes(T, f->model->max_k);
-        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / c->n_kv_heads, c->head_dim);
+        const kvref_model *m = f->model;
+        const size_t attn = kvref_attention_scratch_bytes(c->n_heads, c->n_heads / m->cache_heads, m->key_dim);
         const size_t head_row = (size_t)kvref_row_nbytes(c->output.type, c->d_model); /* exact_top_row's */
         const size_t most = scratch > attn ? scratch : attn;
         status = kvref_pool_reserve(f->pool, most > head_row ? most : head_row);
@@ -795,11 +965,12 @@ static int forward_pass(fw *f, int64_t S) {
         if (table < seen) continue; /* tables are numbered as layers first use them (NoPE layers: -1) */
         seen++;
         for (int64_t t = 0; t < T; t++)
-            kvref_rope_cos_sin(c->head_dim, c->layers[l].rope_freqs, state->q_positions[t],
+            kvref_rope_cos_sin(f->model->rope_dim, c->layers[l].rope_freqs, state->q_positions[t],
                                state->cs + (table * state->rows + t) * c->head_dim);
     }
     state->ns[FAM_OTHER] += now_ns() - t_start;
 
+    const int latent = c->kv_lora_rank > 0;
     embed_tokens(f);                                      /* x = tok_embeddings[token_ids] */
     for (f->layer = 0; f->layer < c->n_layers; f->layer++) {
         if (f->layer == state->fail_layer) { /* the test hook: layers < f->layer are written, no more */
@@ -809,10 +980,15 @@ static int forward_pass(fw *f, int64_t S) {
         f->lw = &c->layers[f->layer];
         /* attention block: x += attention(new queries, cached + new K/V) @ Wo.T */
         rms_norm(f, f->lw->attn_norm);                    /* xb = rms_norm(x) * attn_norm */
-        qkv_projections(f);                               /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
-        prepare_qk(f);                                    /* + biases; q, k: QK-norm, rotated for their positions */
+        if (latent) {
+            latent_queries_and_keys(f);                   /* MLA: absorbed queries q, latent keys k */
+        } else {
+            qkv_projections(f);                           /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
+            prepare_qk(f);                                /* + biases; q, k: QK-norm, rotated for their positions */
+        }
         store_and_attend(f);                              /* k, v -> cache; att = softmax(q . K * scale) V, by position */
-        residual_projection(f, state->att, W_O, f->lw->post_attn_norm); /* x += [norm](att @ Wo.T) */
+        /* x += [norm](att @ Wo.T + bo); MLA: att through each head's W_UV first */
+        residual_projection(f, latent ? latent_values(f) : state->att, W_O, f->lw->bo, f->lw->post_attn_norm);
         /* MLP block: x += act(...) @ Wd.T, position by position */
         rms_norm(f, f->lw->ffn_norm);                     /* xb = rms_norm(x) * ffn_norm */
         if (f->lw->moe != NULL) {
@@ -820,7 +996,7 @@ static int forward_pass(fw *f, int64_t S) {
             continue;
         }
         gate_up_projections(f);                           /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
-        residual_projection(f, state->gate, W_DOWN, f->lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
+        residual_projection(f, state->gate, W_DOWN, NULL, f->lw->post_ffn_norm); /* x += [norm](gate @ Wd.T) */
     }
     final_logits(f);                                      /* logits = rms_norm(x) @ output.T */
     return KVREF_OK;

@@ -706,10 +706,9 @@ int64_t kvref_group_by_expert(const int64_t *experts, int64_t R, int64_t X, int6
 
 /* ---- a mixture of experts in the fused forward (moe.c) ------------------------------------ */
 
-/* KVREF_OK if t is a [rows, cols] matrix of its type with a consistent byte count (forward.c) */
-int kvref_check_tensor(const kvref_tensor *t, int64_t rows, int64_t cols);
-/* KVREF_OK if t's packed copy, if any, is of a packable type and 64-byte aligned (forward.c) */
-int kvref_check_packed(const kvref_tensor *t);
+/* KVREF_OK if t is a [rows, cols] matrix of its type with a consistent byte count and its packed copy,
+ * if any, of a packable type and 64-byte aligned (forward.c) */
+int kvref_check_projection(const kvref_tensor *t, int64_t rows, int64_t cols);
 
 typedef struct kvref_moe_state kvref_moe_state; /* its row buffers */
 

@@ -163,6 +163,7 @@ void kvref_kv_store(const kvref_kv *kv, const kvref_kernels *kk, int64_t layer, 
     if (kv->k_type != KVREF_TYPE_KIVI4) /* KIVI4 K goes in position order: kvref_kv_store_kivi_k */
         encode(kv->k_type, n, kv->group_size, k, kk, (uint8_t *)a.k + row * kvref_kv_element_bytes(kv->k_type),
                a.k_scales != NULL ? (float *)a.k_scales + srow : NULL);
+    if (kv->v == kv->k) return; /* a latent (MLA) cache: V is K's first v_dim values, just written */
     const int64_t vrow = kv->v_type == KVREF_TYPE_KIVI4 ? row / 2 : row * kvref_kv_element_bytes(kv->v_type);
     encode(kv->v_type, n, kv->group_size, v, kk, (uint8_t *)a.v + vrow,
            a.v_scales != NULL ? (float *)a.v_scales + srow * (kv->v_type == KVREF_TYPE_KIVI4 ? 2 : 1) : NULL);

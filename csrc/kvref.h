@@ -359,6 +359,16 @@ typedef struct kvref_layer_desc {
     const float *bo;           /* float32 [E] the attention output projection's bias (gpt-oss), or NULL */
     const struct kvref_moe_layer *moe; /* a mixture of experts in place of w_gate, w_up, w_down (whose data
                                   are then NULL), or NULL: a dense MLP */
+    /* Multi-head latent attention (kvref_model_desc.kv_lora_rank > 0; R, Q, Dr, Dv there, Dn = D - Dr):
+     * wk and wv are unused (data NULL), wq is [H*D, Q] after wq_a (or [H*D, E] without it), wo [E, H*Dv],
+     * and rope_freqs has Dr/2 frequencies (the rotated part of each query head and the shared key). */
+    kvref_tensor wq_a;         /* [Q, E]        the query's down-projection, data NULL when Q is 0 */
+    const float *q_a_norm;     /* float32 [Q]   its RMSNorm gain (eps latent_norm_eps) */
+    kvref_tensor wkv_a;        /* [R + Dr, E]   down-projection to [c_kv | k_rope] */
+    const float *kv_a_norm;    /* float32 [R]   RMSNorm gain of c_kv (eps latent_norm_eps) */
+    kvref_tensor w_uk;         /* F32 [H*R, Dn] W_UK transposed per head: rows h*R .. fold head h's query
+                                  into the latent (W_UK[h] [Dn, R] is wkv_b's rows h*(Dn+Dv) .. +Dn) */
+    kvref_tensor w_uv;         /* F32 [H*Dv, R] W_UV: rows h*Dv .. turn head h's latent output into its value */
 } kvref_layer_desc;
 
 /* A mixture-of-experts layer's MLP (kvref.spec.decoder.moe; Fx = the router's expert width, Fs the
@@ -409,6 +419,19 @@ typedef struct kvref_model_desc {
     kvref_router router;       /* the mixture layers' router (n_experts 0: none has one) */
     int64_t expert_d_ff;       /* Fx: each routed expert's hidden width */
     int64_t shared_d_ff;       /* Fs: the shared expert's, 0: none */
+    /* Multi-head latent attention (DeepSeek-V2/V3), all 0 for K/V heads: the cache holds per layer and
+     * position one latent key [c_kv ; k_rope] of R + Dr values (kvref_kv: 1 kv head, head_dim R + Dr,
+     * v_dim R, V its K), and attention runs over it in the absorbed form (kvref/spec/decoder.py,
+     * latent_attention_block): each query head's first Dn values folded into the latent by W_UK,
+     * attention of [H, R + Dr] queries over the latent keys with values their first R, then W_UV. */
+    int64_t kv_lora_rank;      /* R > 0: MLA; n_kv_heads == n_heads, head_dim = Dn + Dr */
+    int64_t q_lora_rank;       /* Q: the query's low-rank bottleneck (wq_a, q_a_norm), 0: one wq */
+    int64_t qk_rope_head_dim;  /* Dr, even, < head_dim */
+    int64_t v_head_dim;        /* Dv */
+    double latent_norm_eps;    /* >= 0: eps of q_a_norm and kv_a_norm */
+    float q_rope_scale;        /* > 0, finite: each query head's rotated part is multiplied by it after RoPE
+                                  (YaRN's attention factor squared, which DeepSeek puts on q_rope and k_rope
+                                  only); 1: none */
 } kvref_model_desc;
 
 /* A validated copy of a descriptor. */

@@ -264,11 +264,6 @@ int64_t kvref_moe_run(kvref_pool *pool, const kvref_model_desc *c, const kvref_m
 
 /* ---- checks and buffers ---------------------------------------------------------------------- */
 
-static int check_moe_tensor(const kvref_tensor *t, int64_t rows, int64_t cols) {
-    const int status = kvref_check_tensor(t, rows, cols);
-    return status == KVREF_OK ? kvref_check_packed(t) : status;
-}
-
 int kvref_moe_check(const kvref_model_desc *c, const kvref_layer_desc *lw) {
     const kvref_moe_layer *m = lw->moe;
     const int64_t X = c->router.n_experts, E = c->d_model, Fx = c->expert_d_ff, Fs = c->shared_d_ff;
@@ -284,7 +279,7 @@ int kvref_moe_check(const kvref_model_desc *c, const kvref_layer_desc *lw) {
         return KVREF_ERR_VALUE;
     int status = KVREF_OK;
     for (size_t i = 0; status == KVREF_OK && i < n; i++)
-        status = check_moe_tensor(expect[i].t, expect[i].rows, expect[i].cols);
+        status = kvref_check_projection(expect[i].t, expect[i].rows, expect[i].cols);
     return status;
 }
 

@@ -124,9 +124,6 @@ def fused_forward(backend: str, config, weights, activations: str | None = None)
         return None, "this model runs the NumPy spec"
     from .native import fused
 
-    if config.latent:
-        return None, ("multi-head latent attention (kv_lora_rank) runs the shared decoder over the native kernels: "
-                      "the fused C forward has no latent attention yet")
     mode = activations or default_activations()
     try:
         return fused.FusedForward(config, weights, "int8" if mode == "auto" else mode), None

@@ -190,11 +190,15 @@ def test_native_attention_with_values_of_another_width_equals_the_spec(S, T, wid
 
 
 @needs_native
-def test_an_mla_model_runs_the_shared_decoder_over_the_native_kernels_and_says_why():
+@pytest.mark.parametrize("options", [{"layout": "paged", "block_size": 4}, {"kv_dtype": "bfloat16"}], ids=str)
+def test_an_mla_model_runs_the_fused_c_forward_and_equals_the_spec(options):
     model = kvref.Model.random(mla_config(), seed=5, dtype="float32", backend="c")
     spec = kvref.Model(model.config, model.weights, dtype="float32", backend="numpy")
-    cache = model.new_cache(layout="paged", block_size=4)
-    assert "latent attention" in model.executor(cache).fallback
+    cache = model.new_cache(**options)
+    assert model.executor(cache).fallback is None  # the latent cache is read and written in place by C
+    model.fused.reset_timings()
     ids = [4, 8, 15, 16, 23, 42 % 50]
-    assert_close(model.forward(ids, cache, all_logits=True), spec.forward(ids, all_logits=True), "float32",
-                 "native kernels vs spec")
+    got = np.concatenate([model.forward(ids[:4], cache, all_logits=True), model.forward(ids[4:], cache, all_logits=True)])
+    assert model.fused.timings()["calls"] == 2
+    want = spec.forward(ids, spec.new_cache(**options), all_logits=True)
+    assert_close(got, want, "float32", f"fused C vs spec, {options}")

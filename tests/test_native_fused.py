@@ -836,6 +836,156 @@ def test_the_int8_modes_packed_experts_take_at_most_5_percent_more_than_the_file
         assert w.data.nbytes <= ff.read_nbytes(w) <= 1.05 * w.data.nbytes
 
 
+# ---- multi-head latent attention (DeepSeek-V2/V3) -----------------------------------------------
+
+@st.composite
+def latent_models(draw):
+    """(config, weights) of an MLA model: with or without the low-rank query, plain RoPE or YaRN (whose
+    attention factor multiplies the rotated part of the scores), its projections in random formats where
+    their widths allow (wkv_b stays float32: the decoder reads its heads from it)."""
+    H, R, Dr, Dn = (draw(st.integers(1, 4)), draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from([2, 8, 16])),
+                    draw(st.sampled_from([4, 8, 32])))
+    config = kvref.ModelConfig(
+        n_layers=draw(st.integers(1, 3)), d_model=draw(st.sampled_from([32, 64])), n_heads=H, n_kv_heads=H,
+        head_dim=Dn + Dr, d_ff=draw(st.sampled_from([32, 96])), vocab_size=draw(st.integers(8, 60)), max_seq_len=64,
+        kv_lora_rank=R, q_lora_rank=draw(st.sampled_from([None, 32, 48])), qk_rope_head_dim=Dr,
+        v_head_dim=draw(st.sampled_from([8, 16, 24])), attention_scale=draw(st.sampled_from([None, 0.2])),
+        rope_scaling=draw(st.sampled_from([None, ("yarn", 8.0, 32.0, 1.0, 16, 1.2, False)])),
+        tie_embeddings=draw(st.booleans()))
+    seed = draw(st.integers(0, 2**16))
+    rng, base = np.random.default_rng(seed), random_weights(config, seed, "float32")
+    if not draw(st.booleans()):
+        return config, base
+    types = list(nops.WEIGHT_TYPES)
+
+    def q(W):
+        fits = [t for t in types if W.shape[1] % BLOCK_LAYOUT[t][0] == 0]
+        return sane_quantized(draw(st.sampled_from(fits)), np.ascontiguousarray(W, np.float32), rng)
+
+    matrices = ("wq_a", "wq", "wkv_a", "wo", "w_gate", "w_up", "w_down")
+    layers = [LayerWeights(**{name: q(w) if name in matrices and w is not None else w for name, w in vars(lw).items()})
+              for lw in base.layers]
+    emb = q(base.tok_embeddings)
+    return config, Weights(emb, layers, base.output_norm, emb if config.tie_embeddings else q(base.output))
+
+
+def run_latent(forward, ops, model_weights, tokens, chunks, steps, cache):
+    """run() on a given cache (a latent one, from Model.new_cache): every logit row."""
+    config, weights = model_weights
+    out, start = [], 0
+    for n in chunks:
+        out.append(forward(ops, config, weights, np.array(tokens[start:start + n]), cache, True))
+        start += n
+    for _ in range(steps):
+        out.append(forward(ops, config, weights, np.array([int(np.argmax(out[-1][-1]))]), cache, False))
+    return np.concatenate(out)
+
+
+def latent_cache(config, weights, kv_dtype, layout):
+    paged = {"block_size": 5} if layout == "paged" else {}
+    return kvref.Model(config, weights, backend="c").new_cache(kv_dtype=kv_dtype, layout=layout, **paged)
+
+
+@given(st.data(), ISAS, THREADS, st.sampled_from(["float32", "int8"]))
+def test_fused_latent_attention_is_bit_identical_to_the_decoders_absorbed_form_on_the_same_native_kernels(
+        data, isa, threads, activations):
+    # logits and latent cache bytes, any chunking, paged or contiguous, every K type a latent cache takes; the
+    # int8 mode against the decoder whose matmul is the int8 one
+    config, weights = data.draw(latent_models())
+    tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=30))
+    chunks, steps = data.draw(chunkings(len(tokens))), data.draw(st.integers(0, 4))
+    kv_dtype, layout = data.draw(st.sampled_from(NATIVE_KV_DTYPES)), data.draw(st.sampled_from(["contiguous", "paged"]))
+    ops = nops.kernels(threads, isa)
+    ff = fused.FusedForward(config, weights, activations)
+    got_cache, want_cache = (latent_cache(config, weights, kv_dtype, layout) for _ in range(2))
+    reference = Int8Kernels(ops, weights.output) if activations == "int8" else ops
+    got = run_latent(c_forward(ff), ops, (config, weights), tokens, chunks, steps, got_cache)
+    want = run_latent(decoder_forward(isa, want_cache), reference, (config, weights), tokens, chunks, steps, want_cache)
+    assert ff.timings()["calls"] == len(chunks) + steps  # every execution ran in C
+    assert got_cache.length == want_cache.length == len(tokens) + steps
+    assert_same_execution(got, got_cache, want, want_cache)
+
+
+@settings(max_examples=30)
+@given(st.data(), ISAS)
+def test_fused_latent_attention_in_any_chunking_and_layout_equals_full_recomputation(data, isa):
+    config, weights = data.draw(latent_models())
+    tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=30))
+    ops, ff = nops.kernels(1, isa), fused.FusedForward(config, weights)
+    full = run_latent(c_forward(ff), ops, (config, weights), tokens, [len(tokens)], 0,
+                      latent_cache(config, weights, "float32", "contiguous"))
+    chunks = data.draw(chunkings(len(tokens)))
+    contiguous, paged = (run_latent(c_forward(ff), ops, (config, weights), tokens, chunks, 0,
+                                    latent_cache(config, weights, "float32", layout)) for layout in ("contiguous", "paged"))
+    np.testing.assert_array_equal(paged, contiguous)  # the same keys in the same order, through a block table
+    assert_close(contiguous, full, "float32", f"chunks {chunks} vs one execution")
+
+
+@given(st.data(), ISAS)
+def test_a_fused_latent_batch_is_bit_identical_to_the_decoder_batch(data, isa):
+    config, weights = data.draw(latent_models())
+    n = data.draw(st.integers(1, 4))
+    prompts = [data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=12)) for _ in range(n)]
+    kv_dtype = data.draw(st.sampled_from(NATIVE_KV_DTYPES))
+    got_caches, want_caches = ([latent_cache(config, weights, kv_dtype, "contiguous") for _ in range(n)]
+                               for _ in range(2))
+    ops, ff = nops.kernels(2, isa), fused.FusedForward(config, weights)
+    got = run_batch(c_forward_batch(ff), ops, config, weights, prompts, 2, got_caches)
+    want = run_batch(decoder_forward(isa, want_caches[0], batch=True), ops, config, weights, prompts, 2, want_caches)
+    np.testing.assert_array_equal(got, want)
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        for a, b in zip(stored(got_cache), stored(want_cache)):
+            np.testing.assert_array_equal(a, b)
+
+
+
+def test_a_latent_model_descriptor_is_validated_in_c(monkeypatch):
+    # each field of MLA's descriptor made wrong in turn, while FusedForward builds it (its arrays alive)
+    checked = []
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def kvref_model_create(self, desc, out):
+            layer = desc.layers[0]
+            cases = [(desc, "kv_lora_rank", -1, lib.KVREF_ERR_DIM), (desc, "qk_rope_head_dim", 7, lib.KVREF_ERR_SHAPE),
+                     (desc, "qk_rope_head_dim", 14, lib.KVREF_ERR_SHAPE), (desc, "n_kv_heads", 1, lib.KVREF_ERR_SHAPE),
+                     (desc, "q_rope_scale", 0.0, lib.KVREF_ERR_VALUE),
+                     (desc, "latent_norm_eps", float("nan"), lib.KVREF_ERR_VALUE),
+                     (layer, "kv_a_norm", ffi.NULL, lib.KVREF_ERR_NULL), (layer, "q_a_norm", ffi.NULL, lib.KVREF_ERR_NULL),
+                     (layer.w_uk, "type", lib.KVREF_TYPE_F16, lib.KVREF_ERR_TYPE),
+                     (layer.w_uv, "rows", layer.w_uv.rows - 1, lib.KVREF_ERR_SHAPE),
+                     (layer.wkv_a, "nbytes", layer.wkv_a.nbytes - 4, lib.KVREF_ERR_SIZE),
+                     (layer.wq, "cols", desc.d_model, lib.KVREF_ERR_SHAPE)]  # wq reads the low-rank query
+            for obj, field, bad, status in cases:
+                good = getattr(obj, field)
+                setattr(obj, field, bad)
+                checked.append((field, lib.kvref_model_create(desc, out), status))
+                setattr(obj, field, good)
+            return lib.kvref_model_create(desc, out)
+
+    from tests.test_latent_attention import mla_config
+
+    config = mla_config()  # head_dim 14, Dr 6, q_lora_rank 12
+    monkeypatch.setattr(fused, "lib", Lib())
+    fused.FusedForward(config, random_weights(config, seed=1))
+    assert len(checked) == 12
+    assert [(field, got) for field, got, _ in checked] == [(field, want) for field, _, want in checked]
+
+
+def test_a_latent_model_refuses_a_cache_that_is_not_latent_and_leaves_it_unchanged():
+    from tests.test_latent_attention import mla_config
+
+    config = mla_config()
+    weights = random_weights(config, seed=2)
+    ff, ops = fused.FusedForward(config, weights), nops.kernels(1)
+    cache = new_cache(config, "float32")  # per-head K/V of n_kv_heads x head_dim: not what C writes
+    with pytest.raises(ShapeError):
+        c_forward(ff)(ops, config, weights, np.array([1, 2, 3]), cache)
+    assert cache.length == 0 and not any(a.any() for a in stored(cache))
+
+
 # ---- SmolLM2 ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

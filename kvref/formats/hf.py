@@ -105,6 +105,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     attention_scale = _float(hf, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None
     if rope_attention_factor != 1.0:  # LongRoPE's m on q and k: m**2 on every score
         attention_scale = rope_attention_factor ** 2 / head_dim ** 0.5
+    if latent:
+        attention_scale = _latent_score_scale(hf, head_dim)
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads,
         n_kv_heads=_int(hf, "num_key_value_heads", "n_kv_heads", n_heads), d_ff=_int(hf, "intermediate_size", "d_ff"),
@@ -358,9 +360,6 @@ def _refuse(hf, family):
         "attention_bias (on the output projection too)": family in ("llama", "smollm3", "gemma2")
         and hf.get("attention_bias", False),
         "attention_bias (on the latent projections)": family in LATENT_FAMILIES and hf.get("attention_bias", False),
-        # DeepSeek's attention also scales its scores by mscale_all_dim's factor squared, beyond YaRN's own
-        "RoPE type 'yarn' (DeepSeek's, with its extra score scale)": family in LATENT_FAMILIES
-        and _rope_type(hf.get("rope_parameters") or hf.get("rope_scaling") or {}) == "yarn",
         "final_logit_softcapping": not gemma and hf.get("final_logit_softcapping"),
         "attn_logit_softcapping": not gemma and hf.get("attn_logit_softcapping"),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
@@ -494,6 +493,19 @@ def _yarn(p, number):
         raise ConfigError(f"config.json RoPE truncate={truncate!r} must be true or false")
     return ("yarn", factor, optional("beta_fast", 32.0), optional("beta_slow", 1.0),
             _int(p, "original_max_position_embeddings", "max_seq_len"), attention_factor, truncate)
+
+
+def _latent_score_scale(hf, head_dim):
+    # DeepSeek's score scale (transformers' yarn_apply_mscale): with a RoPE scaling and mscale_all_dim,
+    # 1/sqrt(D) times YaRN's rule for the scaling's factor with mscale_all_dim as its coefficient, squared;
+    # else None (1/sqrt(D)). YaRN's own attention factor (rope_scaling[5]) is another matter: it multiplies
+    # only the rotated parts of q and k (kvref.spec.decoder.latent_rope_scale).
+    p = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if _rope_type(p) == "default" or not p.get("mscale_all_dim"):
+        return None
+    m = spec_ops.yarn_mscale(bounded_float(p.get("factor"), "config.json RoPE factor (with mscale_all_dim)"),
+                             bounded_float(p["mscale_all_dim"], "config.json RoPE mscale_all_dim"))
+    return m * m / head_dim ** 0.5
 
 
 def _float_field(p, kind, name):

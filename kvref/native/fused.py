@@ -19,12 +19,17 @@ model runs it through kvref.executor.NativeExecutor, chosen for a cache only whe
     slots needs a layer window W <= R; C runs its new positions in sub-chunks of R - W + 1 (write,
     then attend), so no query reads a slot a later position overwrote.
 
-Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, QK-norm,
-sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU and attention output bias, the score scale (YaRN's attention factor
+Every family field of the config is computed in C, as the decoder reads it: Q/K/V biases, the attention
+output bias (gpt-oss), QK-norm,
+sandwich norms, the embedding scale, SwiGLU, GeGLU or gpt-oss's clamped SwiGLU, the score scale (YaRN's attention factor
 included), sink logits, the score and final-logit soft
 caps, per-layer windows, and each layer's RoPE frequency table (kvref.spec.ops.rope_frequencies for
 the base and scaling of ModelConfig.layer_rope, computed once here, the same table kvref.native.ops.rope
-passes), or none on a NoPE layer.
+passes), or none on a NoPE layer. Multi-head latent attention (config.kv_lora_rank: DeepSeek-V2/V3) runs
+the decoder's absorbed form (kvref.spec.decoder.latent_attention_block): the latent key [c_kv ; k_rope] is
+written to the cache as its one stored vector per layer and position, and attention of the queries with
+W_UK folded in reads it in place (V: its first kv_lora_rank values), W_UV after; W_UK transposed and W_UV
+are float32 copies made here, multiplied head by head as the decoder's ops.matmul calls do.
 
 A mixture of experts (config.n_experts) runs in C too (csrc/moe.c), as kvref.spec.decoder.moe computes
 it: the router's projection and bias, kvref_route (the `route` kernel, the C function the decoder calls
@@ -37,10 +42,10 @@ dense first layers. In the int8 mode each expert of a stack is packed like a den
 expert like any projection; MXFP4 experts (gpt-oss GGUFs) have no packed form, so that mode multiplies
 them with exact float32 activations.
 
-Latent attention (config.kv_lora_rank) has no C side yet: such a model runs the shared decoder over the
-native kernels (kvref.backends says so). So does a cache this forward cannot use in place
-(kvref.executor.SpecExecutor), which computes the same thing kernel by kernel on the K/V the cache
-decodes; `cache_problem` says why (a window cache stages its writes, float64 K/V, ...).
+A cache this forward cannot use in place runs the shared decoder over the native kernels
+(kvref.executor.SpecExecutor), which
+computes the same thing kernel by kernel on the K/V the cache decodes; `cache_problem` says why (a
+window cache stages its writes, float64 K/V, ...).
 
 Numerics. With activations="float32" (exact) the C forward calls the kernels of kvref.native.ops in
 the decoder's order, so its logits and cache rows are bit-identical to the decoder's on the same
@@ -90,7 +95,9 @@ import weakref
 
 import numpy as np
 
+from ..config import LATENT_NORM_EPS
 from ..errors import BackendError, DTypeError, ShapeError
+from ..spec import decoder
 from ..weights import last_rebind, pin, release_pages
 from . import ops as native_ops
 from .descriptors import cache_descriptor, in_place_problem
@@ -102,11 +109,13 @@ ACTIVATIONS = {"float32": lib.KVREF_ACT_F32, "int8": lib.KVREF_ACT_INT8}
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 DENSE_MLP = ("w_gate", "w_up", "w_down")  # absent on a mixture layer (config.moe_layer)
+LATENT_PROJECTIONS = ("wq", "wo", "w_gate", "w_up", "w_down")  # MLA's others: FusedForward._latent_layer
 MOE_TENSORS = ("router", "router_bias", "expert_selection_bias", "experts_gate", "experts_up", "experts_down",
                "experts_gate_bias", "experts_up_bias", "experts_down_bias", "shared_gate", "shared_up", "shared_down")
 PACK_CHUNK_ROWS = 4096  # rows packed per call: a multiple of 256, so each chunk's copy starts 64-byte aligned
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", "bo", *MOE_TENSORS)
+                 "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "sinks", "bo", "wq_a", "q_a_norm", "wkv_a",
+                 "kv_a_norm", "wkv_b", *MOE_TENSORS)
 GATES = {"silu": lib.KVREF_GATE_SILU, "gelu_tanh": lib.KVREF_GATE_GELU_TANH, "swiglu_oai": lib.KVREF_GATE_SWIGLU_OAI}
 
 
@@ -161,9 +170,11 @@ class FusedForward:
             d = layers[i]
             d.attn_norm = self._vector(lw.attn_norm, E, f"layers[{i}].attn_norm")
             d.ffn_norm = self._vector(lw.ffn_norm, E, f"layers[{i}].ffn_norm")
-            for name in PROJECTIONS:
+            for name in LATENT_PROJECTIONS if c.latent else PROJECTIONS:
                 if not (c.moe_layer(i) and name in DENSE_MLP):
                     self._tensor(getattr(d, name), getattr(lw, name), f"layers[{i}].{name}", projection=True)
+            if c.latent:
+                self._latent_layer(d, lw, i)
             if c.moe_layer(i):
                 d.moe = self._moe_layer(lw, f"layers[{i}]")
             # the optional fields where the decoder reads them: biases whenever present, the norms by config
@@ -175,14 +186,17 @@ class FusedForward:
                 if present:
                     setattr(d, name, self._vector(getattr(lw, name), n, f"layers[{i}].{name}"))
             rope = c.layer_rope(i)  # None: a NoPE layer, no table (C leaves its q and k as projected)
-            if rope is not None:
-                d.rope_freqs = self._keep_buffer(native_ops.rope_table(D, *rope), "double *")
+            if rope is not None:  # MLA rotates the last qk_rope_head_dim values of each head
+                width = c.qk_rope_head_dim if c.latent else D
+                d.rope_freqs = self._keep_buffer(native_ops.rope_table(width, *rope), "double *")
             d.window = native_ops.attention_window(c.window(i))
         desc.n_layers, desc.d_model, desc.n_heads = c.n_layers, c.d_model, c.n_heads
         desc.n_kv_heads, desc.head_dim, desc.d_ff, desc.vocab_size = c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
         desc.norm_eps = float(c.norm_eps)
         desc.embedding_scale = float(np.float32(c.embedding_scale))  # rounded as the decoder rounds it
         desc.attention_scale = native_ops.attention_scale(c.score_scale, D)
+        if c.latent:
+            self._latent_model(desc)
         desc.attn_softcap = native_ops.attention_softcap(c.attn_softcap)
         desc.final_softcap = native_ops.attention_softcap(c.final_softcap)
         desc.gate = GATES[c.activation]
@@ -198,6 +212,32 @@ class FusedForward:
         state = ffi.new("kvref_state **")
         check_status(lib.kvref_state_create(self._model, state), "run state")
         self._state = ffi.gc(state[0], lib.kvref_state_destroy)
+
+    def _latent_model(self, desc):
+        # MLA's fields of the model descriptor (csrc/kvref.h, kvref_model_desc)
+        c = self.config
+        desc.kv_lora_rank, desc.q_lora_rank = c.kv_lora_rank, c.q_lora_rank or 0
+        desc.qk_rope_head_dim, desc.v_head_dim = c.qk_rope_head_dim, c.v_head_dim
+        desc.latent_norm_eps = LATENT_NORM_EPS
+        desc.q_rope_scale = float(np.float32(decoder.latent_rope_scale(c)))  # as the decoder multiplies by it
+        desc.attention_scale = native_ops.attention_scale(decoder.latent_scale(c), c.kv_lora_rank + c.qk_rope_head_dim)
+
+    def _latent_layer(self, d, lw, i):
+        """Layer i's MLA fields of its descriptor: the query's low-rank path, the latent's down-projection
+        and norm, and float32 copies of W_UK transposed and W_UV, which C multiplies head by head as the
+        decoder does (decoder.latent_up_projections, per_head_matmul)."""
+        c = self.config
+        if c.q_lora_rank:
+            self._tensor(d.wq_a, lw.wq_a, f"layers[{i}].wq_a", projection=True)
+            d.q_a_norm = self._vector(lw.q_a_norm, c.q_lora_rank, f"layers[{i}].q_a_norm")
+        self._tensor(d.wkv_a, lw.wkv_a, f"layers[{i}].wkv_a", projection=True)
+        d.kv_a_norm = self._vector(lw.kv_a_norm, c.kv_lora_rank, f"layers[{i}].kv_a_norm")
+        if not isinstance(lw.wkv_b, np.ndarray) or lw.wkv_b.dtype.kind != "f":
+            raise DTypeError(f"layers[{i}].wkv_b must be a float array (the decoder reads its heads as one)")
+        w_uk, w_uv = decoder.latent_up_projections(c, lw, np.float32)  # [H, Dn, R], [H, Dv, R]
+        w_uk_t = np.ascontiguousarray(w_uk.transpose(0, 2, 1))  # [H, R, Dn], as decoder.absorbed_queries makes it
+        self._tensor(d.w_uk, w_uk_t.reshape(-1, c.qk_nope_head_dim), f"layers[{i}].wkv_b (W_UK)")
+        self._tensor(d.w_uv, np.ascontiguousarray(w_uv).reshape(-1, c.kv_lora_rank), f"layers[{i}].wkv_b (W_UV)")
 
     def _keep_buffer(self, a, ctype):
         self._keep.append(a)

@@ -221,15 +221,27 @@ def batch_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positio
 
 def latent_attention_block(ops, config: ModelConfig, lw: LayerWeights, x, positions, bounds, executions, layer):
     # [N, E] rows of B sequences (bounds as forward_batch's) -> [N, E]
+    # The absorbed form: q_nope . (W_UK c) = (W_UK^T q_nope) . c, so W_UK is folded into every row's query
+    # (position-wise, like the projections: once for all rows), and the scores are MQA over the cached latent
+    # keys (width R + Dr) with values their first R elements (c). W_UV is linear, so it moves after the
+    # weighted sum: W_UV (sum_s p_s c_s). Per step this reads S x (R + Dr) cached values instead of the
+    # S x H x (D + Dv) the naive form expands them to.
     q_nope, q_rope, latent_key = project_latent(ops, config, lw, x, positions, layer)  # [N,H,Dn], [N,H,Dr], [N,1,R+Dr]
-    out = np.empty((len(x), config.n_heads, config.v_head_dim), dtype=x.dtype)  # [N, H, Dv]
+    absorbed = config.mla_form == "absorbed"
+    q = absorbed_queries(ops, config, lw, q_nope, q_rope) if absorbed else None  # [N, H, R + Dr]
+    out = np.empty((len(x), config.n_heads, config.kv_lora_rank if absorbed else config.v_head_dim), dtype=x.dtype)
     for b, execution in enumerate(executions):
         rows = slice(bounds[b], bounds[b + 1])
         # the cache stores the latent key only; its V is the key's first R values (c_kv), never stored
         latent_all, c_all, k_positions = execution.update(layer, latent_key[rows], None)  # [S, 1, R+Dr], [S, 1, R], [S]
-        attend_latent = naive_latent_attention if config.mla_form == "naive" else absorbed_latent_attention
-        out[rows] = attend_latent(ops, config, lw, q_nope[rows], q_rope[rows], latent_all, c_all,
-                                  positions[rows], k_positions)  # [T_b, H, Dv]
+        if absorbed:
+            out[rows] = ops.attention(q[rows], latent_all, c_all, positions[rows], k_positions,  # [T_b, H, R]
+                                      scale=latent_scale(config))
+        else:
+            out[rows] = naive_latent_attention(ops, config, lw, q_nope[rows], q_rope[rows], latent_all, c_all,
+                                               positions[rows], k_positions)  # [T_b, H, Dv]
+    if absorbed:
+        out = absorbed_values(ops, config, lw, out)  # [N, H, Dv]
     return attention_output(ops, config, lw, out)  # [N, E]
 
 
@@ -244,6 +256,9 @@ def project_latent(ops, config: ModelConfig, lw: LayerWeights, x, positions, lay
         h_q = h
     q = ops.matmul(h_q, lw.wq).reshape(N, H, D)  # [N, H, D]: per head [nope | rope]
     q_rope = ops.rope(np.ascontiguousarray(q[..., Dn:]), positions, theta, scaling)  # [N, H, Dr]
+    rope_scale = latent_rope_scale(config)
+    if rope_scale != 1.0:  # YaRN's attention factor on the rotated parts of the scores
+        q_rope = q_rope * np.asarray(rope_scale, dtype=q_rope.dtype)
     kv = ops.matmul(h, lw.wkv_a)  # [N, R + Dr]: [c_kv | k_rope]
     c_kv = ops.rms_norm(np.ascontiguousarray(kv[:, :R]), lw.kv_a_norm, LATENT_NORM_EPS)  # [N, R]
     k_rope = ops.rope(np.ascontiguousarray(kv[:, None, R:]), positions, theta, scaling)  # [N, 1, Dr]: one for all heads
@@ -251,15 +266,31 @@ def project_latent(ops, config: ModelConfig, lw: LayerWeights, x, positions, lay
     return np.ascontiguousarray(q[..., :Dn]), q_rope, latent_key
 
 
-def latent_up_projections(config: ModelConfig, lw: LayerWeights):
-    # wkv_b [H*(Dn+Dv), R] -> W_UK [H, Dn, R], W_UV [H, Dv, R] (views, file layout)
-    w = np.asarray(lw.wkv_b).reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim, config.kv_lora_rank)
+def latent_up_projections(config: ModelConfig, lw: LayerWeights, dtype):
+    # wkv_b [H*(Dn+Dv), R] -> W_UK [H, Dn, R], W_UV [H, Dv, R] (views, file layout, in `dtype`)
+    w = np.asarray(lw.wkv_b, dtype=dtype).reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim,
+                                                  config.kv_lora_rank)
     return w[:, :config.qk_nope_head_dim], w[:, config.qk_nope_head_dim:]
 
 
+def per_head_matmul(ops, x, w):
+    # [T, H, K], [H, N, K] -> [T, H, N]: head h's rows through its own matrix (ops.matmul, y = x @ W.T)
+    return np.stack([ops.matmul(np.ascontiguousarray(x[:, h]), w[h]) for h in range(x.shape[1])], axis=1)
+
+
 def latent_scale(config: ModelConfig) -> float:
-    # the softmax scale of a query head of D = Dn + Dr values, whichever form computes the scores
+    # the softmax scale of a query head of D = Dn + Dr values, whichever form computes the scores; DeepSeek's
+    # YaRN factor of mscale_all_dim, squared, is in attention_scale (kvref.formats.hf)
     return config.head_dim ** -0.5 if config.attention_scale is None else config.attention_scale
+
+
+def latent_rope_scale(config: ModelConfig) -> float:
+    # YaRN's attention factor m (config.rope_scaling[5]) multiplies the cos and sin transformers rotates with,
+    # and DeepSeek rotates only q_rope and k_rope: their part of each score carries m**2. The query takes it
+    # alone, so the cached k_rope stays as rotation made it. 1 for DeepSeek's own configs (mscale ==
+    # mscale_all_dim makes m 1).
+    scaling = config.rope_scaling
+    return 1.0 if scaling is None or scaling[0] != "yarn" else scaling[5] ** 2
 
 
 def naive_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions, k_positions):
@@ -276,15 +307,15 @@ def naive_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_
     return ops.attention(q, k, v, q_positions, k_positions, scale=latent_scale(config))  # [T, H, Dv]
 
 
-def absorbed_latent_attention(ops, config: ModelConfig, lw, q_nope, q_rope, latent_all, c_all, q_positions,
-                              k_positions):
-    # [T, H, Dn], [T, H, Dr], [S, 1, R + Dr], [S, 1, R], [T], [S] -> [T, H, Dv]
-    # q_nope . (W_UK c) = (W_UK^T q_nope) . c: fold W_UK into the query once per new position, and the
-    # scores are MQA over the cached latent keys (width R + Dr) with values their first R elements (c).
-    # The value up-projection is linear, so it moves after the weighted sum: W_UV (sum_s p_s c_s).
-    # Per step this reads S x (R + Dr) cached values instead of S x H x (D + Dv) expanded ones.
-    w_uk, w_uv = latent_up_projections(config, lw)  # [H, Dn, R], [H, Dv, R]
-    q_latent = (q_nope.transpose(1, 0, 2) @ w_uk).transpose(1, 0, 2)  # per head [T, Dn] @ [Dn, R] -> [T, H, R]
-    q = np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, R + Dr]
-    out_latent = ops.attention(q, latent_all, c_all, q_positions, k_positions, scale=latent_scale(config))  # [T, H, R]
-    return (out_latent.transpose(1, 0, 2) @ w_uv.transpose(0, 2, 1)).transpose(1, 0, 2)  # per head @ W_UV^T: [T, H, Dv]
+def absorbed_queries(ops, config: ModelConfig, lw, q_nope, q_rope):
+    # [N, H, Dn], [N, H, Dr] -> [N, H, R + Dr]: per head [W_UK[h]^T q_nope[h] ; q_rope[h]], what attends to
+    # the cached latent keys
+    w_uk, _ = latent_up_projections(config, lw, q_nope.dtype)  # [H, Dn, R]
+    w_uk_t = np.ascontiguousarray(w_uk.transpose(0, 2, 1))  # [H, R, Dn]: the form ops.matmul multiplies by
+    return np.concatenate([per_head_matmul(ops, q_nope, w_uk_t), q_rope], axis=-1)
+
+
+def absorbed_values(ops, config: ModelConfig, lw, out_latent):
+    # [N, H, R] -> [N, H, Dv]: W_UV[h] times each head's attention output over the latent
+    _, w_uv = latent_up_projections(config, lw, out_latent.dtype)  # [H, Dv, R]
+    return per_head_matmul(ops, out_latent, w_uv)

@@ -131,14 +131,17 @@ def yarn_frequencies(inv_freq, theta, factor, beta_fast, beta_slow, original, tr
     return ramp * inv_freq / factor + (1 - ramp) * inv_freq
 
 
-def yarn_attention_factor(factor, mscale=None, mscale_all_dim=None):
-    # YaRN's default attention factor when a config gives none (transformers' rule): 0.1 ln(factor) + 1
-    # (1 for factor <= 1), or with DeepSeek's mscale and mscale_all_dim the ratio of that rule's values
-    # with each as the coefficient of ln(factor)
-    def m(coefficient):
-        return 1.0 if factor <= 1 else 0.1 * coefficient * np.log(factor) + 1.0
+def yarn_mscale(factor, coefficient=1.0):
+    # YaRN's attention factor rule (transformers' get_mscale): 0.1 coefficient ln(factor) + 1, 1 for factor <= 1
+    return 1.0 if factor <= 1 else float(0.1 * coefficient * np.log(factor) + 1.0)
 
-    return float(m(mscale) / m(mscale_all_dim)) if mscale and mscale_all_dim else float(m(1.0))
+
+def yarn_attention_factor(factor, mscale=None, mscale_all_dim=None):
+    # YaRN's default attention factor when a config gives none (transformers' rule): yarn_mscale(factor), or
+    # with DeepSeek's mscale and mscale_all_dim the ratio of the rule's values with each as the coefficient
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def rope_angles(positions, head_dim, theta, dtype, scaling=None):
