@@ -20,6 +20,21 @@
 #define KVREF_X86 0
 #endif
 
+/* aarch64: Advanced SIMD is part of the base architecture. sdot and smmla are used through target
+ * attributes, which GCC's arm_neon.h honours and clang's from version 16 on (before, it declares
+ * them only when the whole file is compiled for those features). */
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVREF_NEON 1
+#if defined(__clang__) && __clang_major__ < 16
+#define KVREF_NEON_DOT 0
+#else
+#define KVREF_NEON_DOT 1
+#endif
+#else
+#define KVREF_NEON 0
+#define KVREF_NEON_DOT 0
+#endif
+
 /* ---- block layouts (GGML, as stored in GGUF files) ------------------------------------------ */
 
 #define QK4_0 32
@@ -448,6 +463,14 @@ void kvref_avx2_packed_dot(int32_t type, int64_t K, const uint8_t *group, const 
                            const int32_t *xsum, int64_t T, float *out);
 /* the AVX2 score kernel of an I8 K (maddubs), which AVX-512 CPUs without VNNI use too */
 void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
+#endif
+
+#if KVREF_NEON
+extern const kvref_kernels kvref_kernels_neon;
+#if KVREF_NEON_DOT
+extern const kvref_kernels kvref_kernels_neon_dotprod; /* neon plus sdot */
+extern const kvref_kernels kvref_kernels_neon_i8mm;    /* neon plus sdot and smmla */
+#endif
 #endif
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */

@@ -50,7 +50,10 @@ enum kvref_isa {
     KVREF_ISA_AUTO = -1,       /* the best this CPU supports */
     KVREF_ISA_SCALAR = 0,      /* portable C (the reference loops) */
     KVREF_ISA_AVX2 = 1,        /* x86-64 AVX2 + FMA + F16C */
-    KVREF_ISA_AVX512 = 2       /* x86-64 AVX-512 F/BW/VL/DQ (+ AVX2 + FMA + F16C) */
+    KVREF_ISA_AVX512 = 2,      /* x86-64 AVX-512 F/BW/VL/DQ (+ AVX2 + FMA + F16C) */
+    KVREF_ISA_NEON = 3,        /* aarch64 Advanced SIMD (every ARMv8-A CPU) */
+    KVREF_ISA_NEON_DOTPROD = 4, /* aarch64 NEON + the 8-bit dot product (sdot, FEAT_DotProd) */
+    KVREF_ISA_NEON_I8MM = 5    /* aarch64 NEON + sdot + the 8-bit matrix multiply (smmla, FEAT_I8MM) */
 };
 
 /* Tensor types, numbered as GGML/GGUF number them (kvref.formats.ggml.GGMLType). */

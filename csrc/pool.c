@@ -14,6 +14,7 @@
  * until every claimed unit is done.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DARWIN_C_SOURCE /* macOS: sysctlbyname beside the POSIX names */
 
 #include <pthread.h>
 #include <sched.h>
@@ -26,6 +27,12 @@
 
 #if KVREF_X86
 #include <cpuid.h>
+#endif
+#if KVREF_NEON_DOT && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#if KVREF_NEON_DOT && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 /* How long an idle worker spins before sleeping: longer than the Python gap between two kernel
@@ -213,6 +220,28 @@ static int x86_has_avx512vnni(void) {
 }
 #endif
 
+#if KVREF_NEON_DOT
+/* The kernel's hardware capability bits (Linux), or the sysctl feature flags (macOS); elsewhere
+ * (other kernels, where neither is asked) only plain NEON is used. */
+#if defined(__linux__)
+#define ARM_HWCAP_ASIMDDP (1UL << 20)  /* <asm/hwcap.h>'s HWCAP_ASIMDDP, HWCAP2_I8MM */
+#define ARM_HWCAP2_I8MM (1UL << 13)
+static int arm_has_dotprod(void) { return (getauxval(AT_HWCAP) & ARM_HWCAP_ASIMDDP) != 0; }
+static int arm_has_i8mm(void) { return arm_has_dotprod() && (getauxval(AT_HWCAP2) & ARM_HWCAP2_I8MM) != 0; }
+#elif defined(__APPLE__)
+static int arm_sysctl_flag(const char *name) {
+    int value = 0;
+    size_t size = sizeof value;
+    return sysctlbyname(name, &value, &size, NULL, 0) == 0 && value != 0;
+}
+static int arm_has_dotprod(void) { return arm_sysctl_flag("hw.optional.arm.FEAT_DotProd"); }
+static int arm_has_i8mm(void) { return arm_has_dotprod() && arm_sysctl_flag("hw.optional.arm.FEAT_I8MM"); }
+#else
+static int arm_has_dotprod(void) { return 0; }
+static int arm_has_i8mm(void) { return 0; }
+#endif
+#endif
+
 int32_t kvref_isa_supported(int32_t isa) {
     switch (isa) {
     case KVREF_ISA_AUTO:
@@ -224,14 +253,26 @@ int32_t kvref_isa_supported(int32_t isa) {
     case KVREF_ISA_AVX512:
         return x86_has_avx512();
 #endif
+#if KVREF_NEON
+    case KVREF_ISA_NEON:
+        return 1; /* part of every AArch64 CPU */
+#endif
+#if KVREF_NEON_DOT
+    case KVREF_ISA_NEON_DOTPROD:
+        return arm_has_dotprod();
+    case KVREF_ISA_NEON_I8MM:
+        return arm_has_i8mm();
+#endif
     default:
         return 0;
     }
 }
 
 int32_t kvref_isa_best(void) {
-    if (kvref_isa_supported(KVREF_ISA_AVX512)) return KVREF_ISA_AVX512;
-    if (kvref_isa_supported(KVREF_ISA_AVX2)) return KVREF_ISA_AVX2;
+    static const int32_t best_first[] = {KVREF_ISA_AVX512, KVREF_ISA_AVX2, KVREF_ISA_NEON_I8MM, KVREF_ISA_NEON_DOTPROD,
+                                         KVREF_ISA_NEON};
+    for (size_t i = 0; i < sizeof best_first / sizeof best_first[0]; i++)
+        if (kvref_isa_supported(best_first[i])) return best_first[i];
     return KVREF_ISA_SCALAR;
 }
 
@@ -240,6 +281,13 @@ static const kvref_kernels *kernels_for(int32_t isa) {
 #if KVREF_X86
     case KVREF_ISA_AVX512: return x86_has_avx512vnni() ? &kvref_kernels_avx512_vnni : &kvref_kernels_avx512;
     case KVREF_ISA_AVX2: return &kvref_kernels_avx2;
+#endif
+#if KVREF_NEON
+    case KVREF_ISA_NEON: return &kvref_kernels_neon;
+#endif
+#if KVREF_NEON_DOT
+    case KVREF_ISA_NEON_DOTPROD: return &kvref_kernels_neon_dotprod;
+    case KVREF_ISA_NEON_I8MM: return &kvref_kernels_neon_i8mm;
 #endif
     default: return &kvref_kernels_scalar;
     }
@@ -274,7 +322,7 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
     if (out == NULL) return KVREF_ERR_NULL;
     *out = NULL;
     if (n_threads < 1 || n_threads > KVREF_MAX_THREADS) return KVREF_ERR_DIM;
-    if (isa < KVREF_ISA_AUTO || isa > KVREF_ISA_AVX512) return KVREF_ERR_VALUE;
+    if (isa < KVREF_ISA_AUTO || isa > KVREF_ISA_NEON_I8MM) return KVREF_ERR_VALUE;
     if (!kvref_isa_supported(isa)) return KVREF_ERR_ISA;
     if (isa == KVREF_ISA_AUTO) isa = kvref_isa_best();
 

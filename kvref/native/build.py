@@ -38,7 +38,7 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CSRC = ROOT / "csrc"
-SOURCES = ["pool.c", "scalar.c", "kernels_avx2.c", "kernels_avx512.c", "matmul.c", "attention.c",
+SOURCES = ["pool.c", "scalar.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_neon.c", "matmul.c", "attention.c",
            "elementwise.c", "kvcache.c", "forward.c"]
 MODULE = "kvref.native._kvref"
 
