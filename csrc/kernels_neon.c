@@ -15,7 +15,7 @@
  * smmla carry target attributes, and pool.c selects their tables only after the CPU reports the
  * feature, so one build runs on a plain ARMv8.0-A core (Cortex-A53) too. The kernels are written once
  * with the integer step a constant function argument, which the compiler inlines into each table's
- * copy. KIVI4 attention is not specialised (kivi_lanes 0: the scalar kernels run).
+ * copy.
  */
 #include "internal.h"
 
@@ -570,6 +570,87 @@ static ALWAYS_INLINE void pv_typed(const kvref_attn_args *a, const kvref_attn_ch
         }
 }
 
+/* ---- KIVI4 (kvref/cache/quant.py; the skeleton hands them over when 16 divides head_dim and the
+ * group size, the tables' kivi_lanes: 8 nibble bytes are 16 elements of one V group) ------------
+ * Each key's K or V vector is decoded once into float32 (level * scale + zero, one fused
+ * multiply-add a value), then used by every head of the group. */
+
+#define KIVI_MAX_D 512 /* a decoded vector on the stack; wider heads run the scalar kernels */
+
+/* the levels of nibble bytes b[0..8): elements 0-15 in order (element e in the low nibble of byte e / 2
+ * when e is even) */
+static ALWAYS_INLINE void kivi_levels16(const uint8_t *b, float32x4_t l[4]) {
+    const uint8x8_t bytes = vld1_u8(b);
+    const uint8x8x2_t e = vzip_u8(vand_u8(bytes, vdup_n_u8(15)), vshr_n_u8(bytes, 4));
+    u8_to_f32(vcombine_u8(e.val[0], e.val[1]), l);
+}
+
+/* Scores of a chunk's KIVI4 keys: a quantized key decoded with its group's per-channel scales and
+ * zeros (params [2, D]), a key past the last full group read from its float16 residual row. Every
+ * key is scored (the skeleton hides the masked ones). */
+static void score_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size, HD = a->Hkv * D;
+    const int64_t c0 = c->kp - a->k_positions, nq = a->S - a->S % gs; /* keys below nq are quantized */
+    if (D > KIVI_MAX_D) {
+        kvref_attn_score_kivi_ref(a, c, p);
+        return;
+    }
+    float k[KIVI_MAX_D];
+    for (int64_t s = 0; s < c->n; s++) {
+        if (s % 8 == 0) /* the keys a chunk ahead */
+            for (int64_t r = s + KVREF_ATTN_PREFETCH_KEYS; r < s + KVREF_ATTN_PREFETCH_KEYS + 8 && r < c->nrows; r++)
+                __builtin_prefetch(c->k + c->row[r] / 2, 0, 2);
+        const int64_t key = c0 + s;
+        if (key < nq) {
+            const float *params = c->k_scales + (c->row[s] / HD / gs) * a->Hkv * 2 * D;
+            for (int64_t i = 0; i < D; i += 16) {
+                float32x4_t l[4];
+                kivi_levels16(c->k + c->row[s] / 2 + i / 2, l);
+                for (int j = 0; j < 4; j++)
+                    vst1q_f32(k + i + 4 * j, vfmaq_f32(vld1q_f32(params + D + i + 4 * j), l[j], vld1q_f32(params + i + 4 * j)));
+            }
+        } else {
+            const uint16_t *res = c->k_residual + (key % gs) * HD;
+            for (int64_t i = 0; i < D; i += 4) vst1q_f32(k + i, f16x4((const uint8_t *)(res + i)));
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float32x4_t d[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+            for (int64_t i = 0; i < D; i += 16)
+                for (int j = 0; j < 4; j++) d[j] = vfmaq_f32(d[j], vld1q_f32(c->q + g * D + i + 4 * j), vld1q_f32(k + i + 4 * j));
+            p[g * C + s] = kvref_attn_score_value(sum4(d) * a->scale);
+        }
+    }
+}
+
+/* acc += p V over a chunk's KIVI4 values: each visible key's V decoded with its groups' (scale, zero)
+ * pairs, then added into the G heads' sums */
+static void values_kivi(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
+    const int64_t G = a->G, D = a->D, C = KVREF_ATTN_CHUNK, gs = a->group_size;
+    if (D > KIVI_MAX_D) {
+        kvref_attn_values_kivi_ref(a, c, p, acc);
+        return;
+    }
+    float v[KIVI_MAX_D];
+    for (int64_t s = 0; s < c->n; s++) {
+        if (s % 8 == 0)
+            for (int64_t r = s + KVREF_ATTN_PREFETCH_KEYS; r < s + KVREF_ATTN_PREFETCH_KEYS + 8 && r < c->nrows; r++)
+                __builtin_prefetch(c->v + c->row[r] / 2, 0, 2);
+        if (!c->all && kvref_attn_hidden(c, s)) continue;
+        const float *pairs = c->v_scales + 2 * c->srow[s]; /* [D / gs, 2] */
+        for (int64_t i = 0; i < D; i += 16) {
+            float32x4_t l[4];
+            kivi_levels16(c->v + c->row[s] / 2 + i / 2, l);
+            const float sc = pairs[2 * (i / gs)], zr = pairs[2 * (i / gs) + 1];
+            for (int j = 0; j < 4; j++) vst1q_f32(v + i + 4 * j, vfmaq_n_f32(vdupq_n_f32(zr), l[j], sc));
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *ag = acc + g * D;
+            const float pg = p[g * C + s];
+            for (int64_t i = 0; i < D; i += 4) vst1q_f32(ag + i, vfmaq_n_f32(vld1q_f32(ag + i), vld1q_f32(v + i), pg));
+        }
+    }
+}
+
 /* The integer dot of n bytes (n a multiple of 8) of q and k, exact: one table's instructions */
 typedef int32_t (*i8_dot_fn)(const int8_t *q, const int8_t *k, int64_t n);
 
@@ -602,6 +683,7 @@ static ALWAYS_INLINE void score_i8(const kvref_attn_args *a, const kvref_attn_ch
 
 static ALWAYS_INLINE void attn_score_with(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p, const i8_dot_fn dot) {
     switch (a->k_type) {
+    case KVREF_TYPE_KIVI4: score_kivi(a, c, p); break;
     case KVREF_TYPE_I8: score_i8(a, c, p, dot); break;
     case KVREF_TYPE_F16: score_typed(a, c, p, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: score_typed(a, c, p, KVREF_TYPE_BF16); break;
@@ -615,6 +697,7 @@ static void attn_score(const kvref_attn_args *a, const kvref_attn_chunk *c, floa
 
 static void attn_values(const kvref_attn_args *a, const kvref_attn_chunk *c, const float *p, float *acc) {
     switch (a->v_type) {
+    case KVREF_TYPE_KIVI4: values_kivi(a, c, p, acc); break;
     case KVREF_TYPE_I8: pv_typed(a, c, p, acc, KVREF_TYPE_I8); break;
     case KVREF_TYPE_F16: pv_typed(a, c, p, acc, KVREF_TYPE_F16); break;
     case KVREF_TYPE_BF16: pv_typed(a, c, p, acc, KVREF_TYPE_BF16); break;
@@ -943,7 +1026,7 @@ TARGET_I8MM static void packed_dot_i8mm(int32_t type, int64_t K, const uint8_t *
 const kvref_kernels kvref_kernels_neon = {
     .isa = KVREF_ISA_NEON,
     NEON_TABLE_COMMON,
-    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 0},
+    .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot,
 };
 
@@ -951,14 +1034,14 @@ const kvref_kernels kvref_kernels_neon = {
 const kvref_kernels kvref_kernels_neon_dotprod = {
     .isa = KVREF_ISA_NEON_DOTPROD,
     NEON_TABLE_COMMON,
-    .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 0},
+    .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot_dotprod,
 };
 
 const kvref_kernels kvref_kernels_neon_i8mm = {
     .isa = KVREF_ISA_NEON_I8MM,
     NEON_TABLE_COMMON,
-    .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 0},
+    .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot_i8mm,
 };
 #endif
