@@ -5,13 +5,15 @@
  * quantized values are widened lane by lane (integer -> float, then the block's multiply or fused
  * multiply-add, one rounding as the NumPy dequantizer's), so every weight value is bit-identical to
  * the spec's and only the summation order of a dot product differs from scalar.c's. The entries
- * that scalar.c defines bit for bit (dequant, packed_dot, quantize_q8, an I8 K's scores,
+ * that scalar.c defines bit for bit (dequant, packed_dot, quantize_q8, gemm_q8, an I8 K's scores,
  * tile_columns, read_sum, to_fp16) give its bits here too; the float dot products, gemm_f32, the
  * attention kernels of float K/V and the exp-based activations are bounded, as on x86.
  *
  * The three tables differ only in the integer dot products of the int8 mode and of an I8 K: plain
  * widening multiplies (smull, pairwise adds), sdot (four byte products a lane), or smmla (a 2 x 8 by
- * 8 x 2 byte matrix product: two rows of x against two weight rows). The functions that use sdot or
+ * 8 x 2 byte matrix product: two rows of x against two weight rows). The plain table has no 8-bit
+ * GEMM (gemm_q8 NULL: many rows of x go through packed weights, as on AVX2); the other two have one
+ * on the portable decoder's tiles (q8_tile NULL). The functions that use sdot or
  * smmla carry target attributes, and pool.c selects their tables only after the CPU reports the
  * feature, so one build runs on a plain ARMv8.0-A core (Cortex-A53) too. The kernels are written once
  * with the integer step a constant function argument, which the compiler inlines into each table's
@@ -976,6 +978,119 @@ TARGET_I8MM static inline void packed_isums_smmla(const int8x16_t u[8][2], const
     }
 }
 
+/* ---- the 8-bit GEMM on tiles (internal.h, kvref_gemm_q8_fn) ---------------------------------
+ * Both kernels take x back to signed bytes (xu - 128: sdot and smmla multiply signed by signed), so
+ * each block's integer is sum x q directly, the same exact I_b as the definition's zero + sum xu q;
+ * then the definition's fused multiply-adds per column. 16 columns (4 vectors) of the tile at a time. */
+
+#define Q8_GEMM_ROWS 3 /* sdot: rows of x per block, 8 registers each */
+
+/* acc[j] += fl(dx d_w) I (and m_w sx with affine) for the 4 column vectors of record rec at column c0 */
+static ALWAYS_INLINE void gemm_q8_update(float32x4_t acc[4], const int32x4_t isum[4], const uint8_t *rec, int64_t bv,
+                                         int64_t c0, float dx, float sx, int affine) {
+    for (int j = 0; j < 4; j++) {
+        const float32x4_t d = load_f32x4(rec + KVREF_Q8_TILE_D(bv) + 4 * (c0 + 4 * j));
+        acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum[j]), vmulq_n_f32(d, dx));
+        if (affine) acc[j] = vfmaq_n_f32(acc[j], load_f32x4(rec + KVREF_Q8_TILE_M(bv) + 4 * (c0 + 4 * j)), sx);
+    }
+}
+
+static ALWAYS_INLINE void store_cols(const float32x4_t acc[4], int64_t ncols, float *y) {
+    float row[16];
+    for (int j = 0; j < 4; j++) vst1q_f32(row + 4 * j, acc[j]);
+    memcpy(y, row, (size_t)(ncols < 16 ? ncols : 16) * sizeof(float));
+}
+
+/* R rows of x (xu, xds at their first row) against tile columns c0 .. c0+15 */
+TARGET_DOT static ALWAYS_INLINE void gemm_q8_sdot_block(int64_t K, const uint8_t *xu, const float *xds, const int R,
+                                                       const uint8_t *tile, int64_t bv, int64_t c0, int64_t nw,
+                                                       int affine, float *y, int64_t ldy) {
+    float32x4_t acc[Q8_GEMM_ROWS][4];
+    for (int t = 0; t < R; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < K / bv; b++) {
+        const uint8_t *rec = tile + b * KVREF_Q8_TILE_RECORD(bv);
+        int32x4_t isum[Q8_GEMM_ROWS][4];
+        for (int t = 0; t < R; t++)
+            for (int j = 0; j < 4; j++) isum[t][j] = vdupq_n_s32(0);
+        for (int64_t s = 0; s < bv / 4; s++) {
+            int8x16_t w[4];
+            for (int j = 0; j < 4; j++) w[j] = vld1q_s8((const int8_t *)rec + s * 4 * KVREF_TILE_N + 4 * (c0 + 4 * j));
+            for (int t = 0; t < R; t++) {
+                uint32_t x4;
+                memcpy(&x4, xu + t * K + b * bv + 4 * s, 4);
+                const int8x16_t xv = vreinterpretq_s8_u32(vdupq_n_u32(x4 ^ 0x80808080u));
+                for (int j = 0; j < 4; j++) isum[t][j] = vdotq_s32(isum[t][j], w[j], xv);
+            }
+        }
+        for (int t = 0; t < R; t++) {
+            const float *xd = xds + (t * (K / 32) + b * bv / 32) * 2;
+            gemm_q8_update(acc[t], isum[t], rec, bv, c0, xd[0], xd[1], affine);
+        }
+    }
+    for (int t = 0; t < R; t++) store_cols(acc[t], nw - c0, y + t * ldy + c0);
+}
+
+TARGET_DOT static void gemm_q8_dotprod(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
+                                       int64_t bv, int64_t nw, int affine, float *y, int64_t ldy) {
+    const int64_t nd = K / 16; /* xds per row of x */
+    for (int64_t c0 = 0; c0 < nw; c0 += 16) {
+        int64_t t = 0;
+        for (; t + Q8_GEMM_ROWS <= T; t += Q8_GEMM_ROWS)
+            gemm_q8_sdot_block(K, xu + t * K, xds + t * nd, Q8_GEMM_ROWS, tile, bv, c0, nw, affine, y + t * ldy, ldy);
+        for (; t < T; t++) gemm_q8_sdot_block(K, xu + t * K, xds + t * nd, 1, tile, bv, c0, nw, affine, y + t * ldy, ldy);
+    }
+}
+
+/* Two rows of x (the second is the first again, and not stored, when `two` is 0) against tile
+ * columns c0 .. c0+15: per 8 values of a block, smmla multiplies the rows' bytes by those of a pair of
+ * columns, the interleave of the tile's 4-byte groups s and s + 1 (as packed_isums_smmla) */
+TARGET_I8MM static ALWAYS_INLINE void gemm_q8_smmla_pair(int64_t K, const uint8_t *xu, const float *xds, const int two,
+                                                        const uint8_t *tile, int64_t bv, int64_t c0, int64_t nw,
+                                                        int affine, float *y, int64_t ldy) {
+    const int64_t nd = K / 16;
+    const uint8_t *xu1 = two ? xu + K : xu;
+    float32x4_t acc[2][4];
+    for (int t = 0; t < 2; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < K / bv; b++) {
+        const uint8_t *rec = tile + b * KVREF_Q8_TILE_RECORD(bv);
+        int32x4_t mm[4][2];
+        for (int j = 0; j < 4; j++) mm[j][0] = mm[j][1] = vdupq_n_s32(0);
+        for (int64_t c = 0; c < bv / 8; c++) {
+            const uint8x16_t xb = vcombine_u8(vld1_u8(xu + b * bv + 8 * c), vld1_u8(xu1 + b * bv + 8 * c));
+            const int8x16_t xv = vreinterpretq_s8_u8(veorq_u8(xb, vdupq_n_u8(0x80)));
+            for (int j = 0; j < 4; j++) {
+                const int8_t *g = (const int8_t *)rec + 2 * c * 4 * KVREF_TILE_N + 4 * (c0 + 4 * j);
+                const int32x4_t lo = vreinterpretq_s32_s8(vld1q_s8(g)), hi = vreinterpretq_s32_s8(vld1q_s8(g + 4 * KVREF_TILE_N));
+                mm[j][0] = vmmlaq_s32(mm[j][0], xv, vreinterpretq_s8_s32(vzip1q_s32(lo, hi)));
+                mm[j][1] = vmmlaq_s32(mm[j][1], xv, vreinterpretq_s8_s32(vzip2q_s32(lo, hi)));
+            }
+        }
+        int32x4_t isum[2][4];
+        for (int j = 0; j < 4; j++) {
+            const int64x2_t m0 = vreinterpretq_s64_s32(mm[j][0]), m1 = vreinterpretq_s64_s32(mm[j][1]);
+            isum[0][j] = vreinterpretq_s32_s64(vzip1q_s64(m0, m1));
+            isum[1][j] = vreinterpretq_s32_s64(vzip2q_s64(m0, m1));
+        }
+        for (int t = 0; t < 1 + two; t++) {
+            const float *xd = xds + t * nd + b * bv / 32 * 2;
+            gemm_q8_update(acc[t], isum[t], rec, bv, c0, xd[0], xd[1], affine);
+        }
+    }
+    for (int t = 0; t < 1 + two; t++) store_cols(acc[t], nw - c0, y + t * ldy + c0);
+}
+
+TARGET_I8MM static void gemm_q8_i8mm(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
+                                     int64_t bv, int64_t nw, int affine, float *y, int64_t ldy) {
+    const int64_t nd = K / 16;
+    for (int64_t c0 = 0; c0 < nw; c0 += 16)
+        for (int64_t t = 0; t < T; t += 2) {
+            if (t + 1 < T) gemm_q8_smmla_pair(K, xu + t * K, xds + t * nd, 1, tile, bv, c0, nw, affine, y + t * ldy, ldy);
+            else gemm_q8_smmla_pair(K, xu + t * K, xds + t * nd, 0, tile, bv, c0, nw, affine, y + t * ldy, ldy);
+        }
+}
+
 TARGET_DOT static void attn_score_dotprod(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p) {
     attn_score_with(a, c, p, i8_dot_sdot);
 }
@@ -1036,6 +1151,7 @@ const kvref_kernels kvref_kernels_neon_dotprod = {
     NEON_TABLE_COMMON,
     .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot_dotprod,
+    .gemm_q8 = gemm_q8_dotprod,
 };
 
 const kvref_kernels kvref_kernels_neon_i8mm = {
@@ -1043,6 +1159,7 @@ const kvref_kernels kvref_kernels_neon_i8mm = {
     NEON_TABLE_COMMON,
     .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot_i8mm,
+    .gemm_q8 = gemm_q8_i8mm,
 };
 #endif
 

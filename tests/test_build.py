@@ -53,7 +53,7 @@ def test_the_c_sources_build_for_aarch64_with_the_neon_tables_and_no_x86_kernels
     # one build for every ARMv8-A core: sdot and smmla only in the functions the dotprod and i8mm tables hold
     # (their target attributes), never in the plain NEON table's, which a Cortex-A53 runs
     assert instructions_by_function(objects["kernels_neon.c"], ("sdot", "smmla")) == {
-        "sdot": {"attn_score_dotprod", "packed_dot_dotprod"}, "smmla": {"packed_dot_i8mm"}}
+        "sdot": {"attn_score_dotprod", "packed_dot_dotprod", "gemm_q8_dotprod"}, "smmla": {"packed_dot_i8mm", "gemm_q8_i8mm"}}
     api = set().union(*(defined_symbols(obj) for obj in objects.values()))
     assert {"kvref_pool_create", "kvref_forward", "kvref_attention", "kvref_matmul"} <= api
     assert library.stat().st_size > 0
