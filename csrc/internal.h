@@ -407,6 +407,9 @@ typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float 
  * 32 values) -> an 8-bit tile as above, rows nw .. KVREF_TILE_N-1 zero; `tile` has room for
  * KVREF_Q8_TILE_SCRATCH(K) bytes, and a decoder may stage rows past the tile's records */
 typedef void (*kvref_q8_tile_fn)(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
+/* the portable 8-bit tile decoder (matmul.c), for every type kvref_q8_tile_type takes: what a table's
+ * q8_tile must equal byte for byte, and what runs where it is NULL or the blocks are 16 values */
+void kvref_q8_tile_ref(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
 typedef void (*kvref_gemm_q8_fn)(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
                                  int64_t bv, int64_t nw, int affine, float *y, int64_t ldy);
 /* tile[k * KVREF_TILE_N + i] = rows[i * K + k] for i < 16, k < K: sixteen dequantized weight rows

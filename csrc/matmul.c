@@ -200,7 +200,7 @@ typedef struct {
 } q8_ctx;
 
 /* nw <= KVREF_TILE_N rows of w (rb bytes each) -> an 8-bit tile (internal.h), rows nw.. zero */
-static void q8_tile(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
+void kvref_q8_tile_ref(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
     const int64_t bv = kvref_q8_tile_values(type);
     for (int64_t n = 0; n < KVREF_TILE_N; n++)
         for (int64_t b = 0; b < K / bv; b++) {
@@ -224,7 +224,7 @@ static void mm_q8_tile_unit(void *vctx, int64_t unit, int thread) {
     const int64_t nw = n0 + KVREF_TILE_N < c->N ? KVREF_TILE_N : c->N - n0;
     uint8_t *tile = kvref_pool_scratch(c->pool, thread); /* KVREF_Q8_TILE_SCRATCH: less than a float tile */
     if (c->kk->q8_tile != NULL && kvref_q8_tile_values(c->type) == 32) c->kk->q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
-    else q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    else kvref_q8_tile_ref(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
     const int affine = c->type == KVREF_TYPE_Q4_1 || c->type == KVREF_TYPE_Q4_K;
     c->kk->gemm_q8(c->K, c->xu, c->xds, c->T, tile, kvref_q8_tile_values(c->type), nw, affine, c->y + n0, c->N);
 }
