@@ -23,7 +23,7 @@
 
 #include "internal.h"
 
-static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"}; /* by kvref_isa id */
+static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512", "neon", "neon_dotprod", "neon_i8mm"}; /* by kvref_isa id */
 #define ISA_NAME_COUNT ((int)(sizeof ISA_NAMES / sizeof ISA_NAMES[0]))
 
 /* ---- bounds (kvref/tolerance.py) ------------------------------------------------------------- */
