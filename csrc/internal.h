@@ -382,6 +382,22 @@ typedef void (*kvref_vec_dot_rows_fn)(int64_t K, const uint8_t *w_row, const flo
         for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
     }
 
+/* The entries a SIMD table fills with its file's functions of these names: vec_dot_<type>,
+ * vec_dot_rows_<type> (KVREF_DOT_KERNELS) and dequant_<type> for every weight type, and the
+ * one-per-table kernels; the table adds .isa, .attn and its 8-bit kernels. */
+#define KVREF_WEIGHT_TYPE_ENTRIES(prefix)                                                                \
+    {                                                                                                    \
+        [KVREF_TYPE_F32] = prefix##f32, [KVREF_TYPE_F16] = prefix##f16, [KVREF_TYPE_BF16] = prefix##bf16, \
+        [KVREF_TYPE_Q4_0] = prefix##q4_0, [KVREF_TYPE_Q4_1] = prefix##q4_1, [KVREF_TYPE_Q5_0] = prefix##q5_0, \
+        [KVREF_TYPE_Q8_0] = prefix##q8_0, [KVREF_TYPE_Q4_K] = prefix##q4_k, [KVREF_TYPE_Q6_K] = prefix##q6_k, \
+        [KVREF_TYPE_MXFP4] = prefix##mxfp4,                                                              \
+    }
+#define KVREF_SIMD_TABLE_COMMON                                                                          \
+    .vec_dot = KVREF_WEIGHT_TYPE_ENTRIES(vec_dot_), .vec_dot_rows = KVREF_WEIGHT_TYPE_ENTRIES(vec_dot_rows_), \
+    .dequant = KVREF_WEIGHT_TYPE_ENTRIES(dequant_), .gemm_f32 = gemm_f32, .tile_columns = tile_columns,   \
+    .swiglu = swiglu, .geglu = geglu, .swiglu_oai = swiglu_oai, .quantize_q8 = quantize_q8,             \
+    .read_sum = read_sum, .to_fp16 = to_fp16
+
 /* out[t * 16 + r] = row r of a packed group (K values; the layout is below) dotted with row t of x
  * in 8-bit blocks, for t < T <= 8, r < 16: the 8-bit GEMM's sum (kvref_gemm_q8_fn) over blocks b
  * (Q6_K: its 16-value sub-blocks) in order from 0 of fl(d_x d_w) I_b, then (Q4_1, Q4_K) m_w s_x,

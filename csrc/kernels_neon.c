@@ -44,20 +44,13 @@ static ALWAYS_INLINE float32x4_t bf16x4(const uint8_t *p) {
 static ALWAYS_INLINE float fp16_load(const uint8_t *p) {
     return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(kvref_load_u16(p)))), 0);
 }
-/* 16 signed or unsigned bytes -> 4 x 4 float32 (exact) */
+/* 16 signed bytes -> 4 x 4 float32 (exact) */
 static ALWAYS_INLINE void s8_to_f32(int8x16_t q, float32x4_t f[4]) {
     const int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_high_s8(q);
     f[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
     f[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
     f[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
     f[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
-}
-static ALWAYS_INLINE void u8_to_f32(uint8x16_t q, float32x4_t f[4]) {
-    const uint16x8_t lo = vmovl_u8(vget_low_u8(q)), hi = vmovl_high_u8(q);
-    f[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
-    f[1] = vcvtq_f32_u32(vmovl_high_u16(lo));
-    f[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
-    f[3] = vcvtq_f32_u32(vmovl_high_u16(hi));
 }
 /* 4 bytes at p as float32 lanes: unsigned (Q4_K's scales and mins) or signed (Q6_K's scales) */
 static ALWAYS_INLINE float32x4_t bytes4(const uint8_t *p, const int is_signed) {
@@ -141,91 +134,80 @@ static ALWAYS_INLINE void dot_bf16(int64_t K, const uint8_t *w, const float *x, 
     dot_float(K, w, x, R, out, ldo, KVREF_TYPE_BF16);
 }
 
-/* ---- 32-value blocks: 16 bytes of nibbles, low then high ---------------------------------- */
+/* ---- 32-value blocks: 16 bytes of nibbles (values 0-15 low, 16-31 high), or Q8_0's 32 bytes ---- */
 
-/* the 32 values of signed integers lo (values 0-15) and hi (16-31) times d */
+/* signed integers lo (values 0-15) and hi (16-31) times d */
 static ALWAYS_INLINE void scaled32(int8x16_t lo, int8x16_t hi, float d, float32x4_t v[8]) {
     s8_to_f32(lo, v);
     s8_to_f32(hi, v + 4);
     for (int j = 0; j < 8; j++) v[j] = vmulq_n_f32(v[j], d);
 }
 
-static ALWAYS_INLINE void dot_q4_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
-    float32x4_t a[ROWS_MAX][4];
-    zero_rows(a, R);
-    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q4_0, x += 32) {
-        const uint8x16_t q = vld1q_u8(w + 2);
-        const int8x16_t eight = vdupq_n_s8(8);
-        float32x4_t v[8];
-        scaled32(vsubq_s8(vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0xF))), eight),
-                 vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(q, 4)), eight), fp16_load(w), v);
-        fma_rows(a, v, 8, x, K, R);
-    }
-    store_rows(a, R, out, ldo);
-}
-
-/* Q5_0: the Q4_0 nibbles, each with its fifth bit from qh */
-static ALWAYS_INLINE void dot_q5_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
-    float32x4_t a[ROWS_MAX][4];
-    zero_rows(a, R);
-    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q5_0, x += 32) {
-        const uint32_t qh = kvref_q5_high_bits(w);
-        const uint8x16_t q = vld1q_u8(w + 6);
-        const uint8x16_t lo = vorrq_u8(vandq_u8(q, vdupq_n_u8(0xF)), high_bits16(qh & 0xFFFF));
-        const uint8x16_t hi = vorrq_u8(vshrq_n_u8(q, 4), high_bits16(qh >> 16));
-        const int8x16_t sixteen = vdupq_n_s8(16);
-        float32x4_t v[8];
-        scaled32(vsubq_s8(vreinterpretq_s8_u8(lo), sixteen), vsubq_s8(vreinterpretq_s8_u8(hi), sixteen), fp16_load(w), v);
-        fma_rows(a, v, 8, x, K, R);
-    }
-    store_rows(a, R, out, ldo);
-}
-
-static ALWAYS_INLINE void dot_q8_0(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
-    float32x4_t a[ROWS_MAX][4];
-    zero_rows(a, R);
-    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q8_0, x += 32) {
-        float32x4_t v[8];
-        scaled32(vld1q_s8((const int8_t *)(w + 2)), vld1q_s8((const int8_t *)(w + 18)), fp16_load(w), v);
-        fma_rows(a, v, 8, x, K, R);
-    }
-    store_rows(a, R, out, ldo);
-}
-
-/* MXFP4: each nibble looks its (doubled) E2M1 value up in a 16-byte table, widened to float and
- * scaled by the block's 2**(e - 128): exact, as the spec's values */
-static ALWAYS_INLINE void dot_mxfp4(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
-    const int8x16_t table = vld1q_s8(kvref_mxfp4_values);
-    float32x4_t a[ROWS_MAX][4];
-    zero_rows(a, R);
-    for (int64_t b = 0; b < K / 32; b++, w += BYTES_MXFP4, x += 32) {
-        const uint8x16_t q = vld1q_u8(w + 1);
-        float32x4_t v[8];
-        scaled32(vqtbl1q_s8(table, vandq_u8(q, vdupq_n_u8(0xF))), vqtbl1q_s8(table, vshrq_n_u8(q, 4)),
-                 kvref_e8m0_half(w[0]), v);
-        fma_rows(a, v, 8, x, K, R);
-    }
-    store_rows(a, R, out, ldo);
-}
-
-/* 32 unsigned values q times d plus m, each one fused multiply-add (d q is exact: one rounding) */
+/* nibbles (below 128: read as signed bytes) times d plus m, each one fused multiply-add (d q is exact:
+ * one rounding) */
 static ALWAYS_INLINE void affine32(uint8x16_t lo, uint8x16_t hi, float d, float m, float32x4_t v[8]) {
-    u8_to_f32(lo, v);
-    u8_to_f32(hi, v + 4);
+    s8_to_f32(vreinterpretq_s8_u8(lo), v);
+    s8_to_f32(vreinterpretq_s8_u8(hi), v + 4);
     for (int j = 0; j < 8; j++) v[j] = vfmaq_n_f32(vdupq_n_f32(m), v[j], d);
 }
 
-static ALWAYS_INLINE void dot_q4_1(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+/* The 32 values of block w of a 32-value type, each rounded as the NumPy dequantizer rounds it:
+ * Q4_0 d (q - 8); Q5_0 d (q - 16), q's fifth bit from qh; Q8_0 d q; Q4_1 d q + m; MXFP4 the doubled
+ * E2M1 value of each nibble (a 16-byte table lookup) times 2**(e - 128), exact */
+static ALWAYS_INLINE void block32(const uint8_t *w, const int32_t type, float32x4_t v[8]) {
+    const uint8x16_t low4 = vdupq_n_u8(0xF);
+    switch (type) {
+    case KVREF_TYPE_Q8_0: scaled32(vld1q_s8((const int8_t *)(w + 2)), vld1q_s8((const int8_t *)(w + 18)), fp16_load(w), v); return;
+    case KVREF_TYPE_Q4_1: {
+        const uint8x16_t q = vld1q_u8(w + 4);
+        affine32(vandq_u8(q, low4), vshrq_n_u8(q, 4), fp16_load(w), fp16_load(w + 2), v);
+        return;
+    }
+    case KVREF_TYPE_MXFP4: {
+        const int8x16_t table = vld1q_s8(kvref_mxfp4_values);
+        const uint8x16_t q = vld1q_u8(w + 1);
+        scaled32(vqtbl1q_s8(table, vandq_u8(q, low4)), vqtbl1q_s8(table, vshrq_n_u8(q, 4)), kvref_e8m0_half(w[0]), v);
+        return;
+    }
+    case KVREF_TYPE_Q5_0: {
+        const uint32_t qh = kvref_q5_high_bits(w);
+        const uint8x16_t q = vld1q_u8(w + 6), off = vdupq_n_u8(16);
+        const uint8x16_t lo = vorrq_u8(vandq_u8(q, low4), high_bits16(qh & 0xFFFF));
+        const uint8x16_t hi = vorrq_u8(vshrq_n_u8(q, 4), high_bits16(qh >> 16));
+        scaled32(vreinterpretq_s8_u8(vsubq_u8(lo, off)), vreinterpretq_s8_u8(vsubq_u8(hi, off)), fp16_load(w), v);
+        return;
+    }
+    default: { /* KVREF_TYPE_Q4_0 */
+        const uint8x16_t q = vld1q_u8(w + 2), off = vdupq_n_u8(8);
+        scaled32(vreinterpretq_s8_u8(vsubq_u8(vandq_u8(q, low4), off)), vreinterpretq_s8_u8(vsubq_u8(vshrq_n_u8(q, 4), off)),
+                 fp16_load(w), v);
+    }
+    }
+}
+
+static ALWAYS_INLINE void dot_blocks32(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo,
+                                       const int32_t type) {
+    const int64_t bytes = type == KVREF_TYPE_MXFP4 ? BYTES_MXFP4 : kvref_q8_block_bytes(type);
     float32x4_t a[ROWS_MAX][4];
     zero_rows(a, R);
-    for (int64_t b = 0; b < K / 32; b++, w += BYTES_Q4_1, x += 32) {
-        const uint8x16_t q = vld1q_u8(w + 4);
+    for (int64_t b = 0; b < K / 32; b++, w += bytes, x += 32) {
         float32x4_t v[8];
-        affine32(vandq_u8(q, vdupq_n_u8(0xF)), vshrq_n_u8(q, 4), fp16_load(w), fp16_load(w + 2), v);
+        block32(w, type, v);
         fma_rows(a, v, 8, x, K, R);
     }
     store_rows(a, R, out, ldo);
 }
+
+#define DOT_BLOCKS32(name, type)                                                                         \
+    static ALWAYS_INLINE void dot_##name(int64_t K, const uint8_t *w, const float *x, const int R, float *out, \
+                                         int64_t ldo) {                                                  \
+        dot_blocks32(K, w, x, R, out, ldo, type);                                                        \
+    }
+DOT_BLOCKS32(q4_0, KVREF_TYPE_Q4_0)
+DOT_BLOCKS32(q4_1, KVREF_TYPE_Q4_1)
+DOT_BLOCKS32(q5_0, KVREF_TYPE_Q5_0)
+DOT_BLOCKS32(q8_0, KVREF_TYPE_Q8_0)
+DOT_BLOCKS32(mxfp4, KVREF_TYPE_MXFP4)
 
 /* Q4_K: 32 bytes of nibbles per pair of sub-blocks, the low nibbles sub-block 2c, the high 2c + 1 */
 static ALWAYS_INLINE void dot_q4_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
@@ -584,7 +566,7 @@ static ALWAYS_INLINE void pv_typed(const kvref_attn_args *a, const kvref_attn_ch
 static ALWAYS_INLINE void kivi_levels16(const uint8_t *b, float32x4_t l[4]) {
     const uint8x8_t bytes = vld1_u8(b);
     const uint8x8x2_t e = vzip_u8(vand_u8(bytes, vdup_n_u8(15)), vshr_n_u8(bytes, 4));
-    u8_to_f32(vcombine_u8(e.val[0], e.val[1]), l);
+    s8_to_f32(vreinterpretq_s8_u8(vcombine_u8(e.val[0], e.val[1])), l); /* levels below 16 */
 }
 
 /* Scores of a chunk's KIVI4 keys: a quantized key decoded with its group's per-channel scales and
@@ -1109,38 +1091,9 @@ TARGET_I8MM static void packed_dot_i8mm(int32_t type, int64_t K, const uint8_t *
 
 /* ---- the tables ------------------------------------------------------------------------------ */
 
-#define NEON_TABLE_COMMON                                                                                \
-    .vec_dot = {                                                                                         \
-        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                                  \
-        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,                              \
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0, \
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k, [KVREF_TYPE_MXFP4] = vec_dot_mxfp4, \
-    },                                                                                                   \
-    .vec_dot_rows = {                                                                                    \
-        [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,                        \
-        [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,                    \
-        [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0,                    \
-        [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0, [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k,                    \
-        [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k, [KVREF_TYPE_MXFP4] = vec_dot_rows_mxfp4,                  \
-    },                                                                                                   \
-    .dequant = {                                                                                         \
-        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,                                  \
-        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,                              \
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0, \
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k, [KVREF_TYPE_MXFP4] = dequant_mxfp4, \
-    },                                                                                                   \
-    .gemm_f32 = gemm_f32,                                                                                \
-    .tile_columns = tile_columns,                                                                        \
-    .swiglu = swiglu,                                                                                    \
-    .geglu = geglu,                                                                                      \
-    .swiglu_oai = swiglu_oai,                                                                            \
-    .quantize_q8 = quantize_q8,                                                                          \
-    .read_sum = read_sum,                                                                                \
-    .to_fp16 = to_fp16
-
 const kvref_kernels kvref_kernels_neon = {
     .isa = KVREF_ISA_NEON,
-    NEON_TABLE_COMMON,
+    KVREF_SIMD_TABLE_COMMON,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot,
 };
@@ -1148,7 +1101,7 @@ const kvref_kernels kvref_kernels_neon = {
 #if KVREF_NEON_DOT
 const kvref_kernels kvref_kernels_neon_dotprod = {
     .isa = KVREF_ISA_NEON_DOTPROD,
-    NEON_TABLE_COMMON,
+    KVREF_SIMD_TABLE_COMMON,
     .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot_dotprod,
     .gemm_q8 = gemm_q8_dotprod,
@@ -1156,7 +1109,7 @@ const kvref_kernels kvref_kernels_neon_dotprod = {
 
 const kvref_kernels kvref_kernels_neon_i8mm = {
     .isa = KVREF_ISA_NEON_I8MM,
-    NEON_TABLE_COMMON,
+    KVREF_SIMD_TABLE_COMMON,
     .attn = {.score = attn_score_dotprod, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
     .packed_dot = packed_dot_i8mm,
     .gemm_q8 = gemm_q8_i8mm,
