@@ -13,11 +13,11 @@
  * widening multiplies (smull, pairwise adds), sdot (four byte products a lane), or smmla (a 2 x 8 by
  * 8 x 2 byte matrix product: two rows of x against two weight rows). The plain table has no 8-bit
  * GEMM (gemm_q8 NULL: many rows of x go through packed weights, as on AVX2); the other two have one
- * on the portable decoder's tiles (q8_tile NULL). The functions that use sdot or
- * smmla carry target attributes, and pool.c selects their tables only after the CPU reports the
- * feature, so one build runs on a plain ARMv8.0-A core (Cortex-A53) too. The kernels are written once
- * with the integer step a constant function argument, which the compiler inlines into each table's
- * copy.
+ * on the portable decoder's tiles (q8_tile NULL). The functions that use sdot or smmla carry target
+ * attributes, and pool.c selects their tables only after the CPU reports the feature, so one build
+ * runs on a plain ARMv8.0-A core (Cortex-A53) too. The kernels are written once with the integer step
+ * a constant function argument, which the compiler inlines into each table's copy
+ * (tests/test_build.py checks that no other function holds sdot or smmla).
  */
 #include "internal.h"
 
