@@ -221,10 +221,10 @@ static int x86_has_avx512vnni(void) {
 #endif
 
 #if KVREF_NEON_DOT
-/* The kernel's hardware capability bits (Linux), or the sysctl feature flags (macOS); elsewhere
- * (other kernels, where neither is asked) only plain NEON is used. */
+/* sdot and smmla as the OS reports them: the kernel's hardware capability bits (Linux), or the sysctl
+ * feature flags (macOS); on other systems the plain NEON table runs. */
 #if defined(__linux__)
-#define ARM_HWCAP_ASIMDDP (1UL << 20)  /* <asm/hwcap.h>'s HWCAP_ASIMDDP, HWCAP2_I8MM */
+#define ARM_HWCAP_ASIMDDP (1UL << 20)  /* <asm/hwcap.h>'s HWCAP_ASIMDDP, HWCAP2_I8MM (older headers lack it) */
 #define ARM_HWCAP2_I8MM (1UL << 13)
 static int arm_has_dotprod(void) { return (getauxval(AT_HWCAP) & ARM_HWCAP_ASIMDDP) != 0; }
 static int arm_has_i8mm(void) { return arm_has_dotprod() && (getauxval(AT_HWCAP2) & ARM_HWCAP2_I8MM) != 0; }
