@@ -21,11 +21,12 @@
 #endif
 
 /* aarch64: Advanced SIMD is part of the base architecture. sdot and smmla are used through target
- * attributes, which GCC's arm_neon.h honours and clang's from version 16 on (before, it declares
- * them only when the whole file is compiled for those features). */
+ * attributes, which the arm_neon.h of GCC 10 and later honours and clang's from version 16 on
+ * (before, it declares them only when the whole file is compiled for those features); older
+ * compilers build the plain NEON table alone. */
 #if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVREF_NEON 1
-#if defined(__clang__) && __clang_major__ < 16
+#if defined(__clang__) ? __clang_major__ < 16 : __GNUC__ < 10
 #define KVREF_NEON_DOT 0
 #else
 #define KVREF_NEON_DOT 1
