@@ -22,7 +22,7 @@ def defined_symbols(obj) -> set[str]:
 def test_the_c_sources_build_for_aarch64_with_only_the_portable_kernels(tmp_path, monkeypatch):
     for name in ("KVREF_CFLAGS", "KVREF_SANITIZE"):  # host-specific flags (-march=native, ASan) stay out
         monkeypatch.delenv(name, raising=False)
-    cflags, ldflags = build.compiler_flags()
+    cflags, ldflags = build.compiler_flags(msvc=False)
     objects = {}
     for name in build.SOURCES:
         objects[name] = tmp_path / f"{name}.o"
@@ -37,3 +37,16 @@ def test_the_c_sources_build_for_aarch64_with_only_the_portable_kernels(tmp_path
     api = set().union(*(defined_symbols(obj) for obj in objects.values()))
     assert {"kvref_pool_create", "kvref_forward", "kvref_attention", "kvref_matmul"} <= api
     assert library.stat().st_size > 0
+
+
+def test_msvc_gets_msvc_flags_and_no_gnu_ones(monkeypatch):
+    # setuptools compiles with MSVC on Windows: a GNU flag there (-O3, -Wall, -fvisibility) is an error or
+    # silently means something else
+    monkeypatch.delenv("KVREF_CFLAGS", raising=False)
+    monkeypatch.delenv("KVREF_SANITIZE", raising=False)
+    cflags, ldflags = build.compiler_flags(msvc=True)
+    assert {"/std:c11", "/experimental:c11atomics", "/O2"} <= set(cflags)
+    assert not [flag for flag in cflags + ldflags if flag.startswith("-")]
+    monkeypatch.setenv("KVREF_SANITIZE", "1")
+    with pytest.raises(RuntimeError, match="GCC or Clang"):
+        build.compiler_flags(msvc=True)
