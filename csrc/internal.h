@@ -36,6 +36,14 @@
 #define KVREF_NEON_DOT 0
 #endif
 
+/* A hint to bring the line at p into the caches (locality 3: L1 ... 0: none), where the compiler has
+ * one: GCC and Clang (clang-cl included); MSVC builds go without. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVREF_PREFETCH(p, locality) __builtin_prefetch((p), 0, (locality))
+#else
+#define KVREF_PREFETCH(p, locality) ((void)(p))
+#endif
+
 /* ---- block layouts (GGML, as stored in GGUF files) ------------------------------------------ */
 
 #define QK4_0 32
@@ -339,7 +347,7 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
                                        int64_t nrows) {
     const int64_t width = kvref_kv_element_bytes(type), i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
     for (int64_t i = i0; i < i1; i++)
-        for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
+        for (int64_t o = 0; o < D * width; o += 64) KVREF_PREFETCH(base + row[i] * width + o, 2);
 }
 
 /* Ask for the I8 scales of K and V (those that are I8) of keys i0 .. i0+15 of the nrows looked up,
@@ -349,8 +357,8 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
 static inline void kvref_attn_prefetch_scales(const kvref_attn_chunk *c, int64_t i0) {
     const int64_t i1 = i0 + 16 < c->nrows ? i0 + 16 : c->nrows;
     for (int64_t i = i0; i < i1; i++) {
-        if (c->k_scales != NULL) __builtin_prefetch(c->k_scales + c->srow[i], 0, 2);
-        if (c->v_scales != NULL) __builtin_prefetch(c->v_scales + c->srow[i], 0, 2);
+        if (c->k_scales != NULL) KVREF_PREFETCH(c->k_scales + c->srow[i], 2);
+        if (c->v_scales != NULL) KVREF_PREFETCH(c->v_scales + c->srow[i], 2);
     }
 }
 
@@ -617,7 +625,7 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
 #define KVREF_PACK_PREFETCH_RECORDS 4
 /* every cache line of the record of `bytes` at rec, into L1 */
 static inline void kvref_pack_prefetch(const uint8_t *rec, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(rec + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) KVREF_PREFETCH(rec + off, 3);
 }
 static inline int kvref_packable(int32_t type) { return kvref_q8_tile_type(type); }
 static inline int32_t kvref_pack_bias(int32_t type) {

@@ -1071,7 +1071,9 @@ TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds)
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
         float d, id;
-        const int bad = 0x01 | 0x08 | 0x10 | 0x80; /* fpclass: quiet NaN, +inf, -inf, signalling NaN */
+        /* fpclass: quiet NaN, +inf, -inf, signalling NaN; an integer constant expression (a const int
+         * is not one, and Clang refuses it as the immediate) */
+        enum { bad = 0x01 | 0x08 | 0x10 | 0x80 };
         const int finite = (_mm512_fpclass_ps_mask(v0, bad) | _mm512_fpclass_ps_mask(v1, bad)) == 0;
         kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), finite, &d, &id);
         const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);

@@ -29,7 +29,7 @@
 static inline void prefetch_row(const uint8_t *w, int64_t n, int64_t n1, int64_t rb) {
     if (KVREF_PREFETCH_ROWS > 0 && n + KVREF_PREFETCH_ROWS < n1) {
         const uint8_t *ahead = w + (n + KVREF_PREFETCH_ROWS) * rb;
-        for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        for (int64_t b = 0; b < rb; b += 64) KVREF_PREFETCH(ahead + b, 0);
     }
 }
 
