@@ -28,9 +28,9 @@
 
 #include <math.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "internal.h"
+#include "platform.h"
 
 #define ROWS_PARALLEL_MIN 16   /* from this many new positions on, row-wise steps use the pool */
 #define ROWS_PER_UNIT 4
@@ -111,12 +111,6 @@ typedef struct {
     kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu, geglu or swiglu_oai) */
     const kvref_model *model;
 } fw;
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
 
 /* ---- row-wise steps: one function per new position, on the pool when there are many --------- */
 
@@ -260,7 +254,7 @@ static void matmul(const fw *f, const float *x, int64_t T, const kvref_tensor *w
 
 /* q, k, v = xb @ Wq.T, xb @ Wk.T, xb @ Wv.T */
 static void qkv_projections(fw *f) {
-    const int64_t t0 = now_ns();
+    const int64_t t0 = kvref_now_ns();
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model;
@@ -273,7 +267,7 @@ static void qkv_projections(fw *f) {
         matmul(f, s->xb, f->T, &lw->wk, s->k);
         matmul(f, s->xb, f->T, &lw->wv, s->v);
     }
-    s->ns[FAM_PROJ] += now_ns() - t0;
+    s->ns[FAM_PROJ] += kvref_now_ns() - t0;
 }
 
 /* x += in @ W.T: a block's output projection added into the residual stream (Wo after attention,
@@ -281,7 +275,7 @@ static void qkv_projections(fw *f) {
  * x += rms_norm(in @ W.T) * gain. The block's normed input xb is dead by now (its projections read
  * it), so the output goes there before the add unless it can be added as produced. */
 static void residual_projection(fw *f, const float *in, int which, const float *bias, const float *post_norm) {
-    int64_t t0 = now_ns();
+    int64_t t0 = kvref_now_ns();
     const kvref_tensor *w = projection(f->c, f->lw, which);
     kvref_state *s = f->s;
     const int decode = decode_path(f, f->T, 1, &which), direct = decode && bias == NULL && post_norm == NULL;
@@ -298,22 +292,22 @@ static void residual_projection(fw *f, const float *in, int which, const float *
         for_each_row(f, bias_row);
     }
     if (post_norm != NULL) { /* the block's output normalised before the add (Gemma 3) */
-        s->ns[FAM_PROJ] += now_ns() - t0;
-        t0 = now_ns();
+        s->ns[FAM_PROJ] += kvref_now_ns() - t0;
+        t0 = kvref_now_ns();
         f->gain = post_norm;
         f->norm_rows = s->xb;
         for_each_row(f, norm_row);
         f->norm_rows = NULL;
-        s->ns[FAM_OTHER] += now_ns() - t0;
-        t0 = now_ns();
+        s->ns[FAM_OTHER] += kvref_now_ns() - t0;
+        t0 = kvref_now_ns();
     }
     if (!direct) for_each_row(f, residual_row);
-    s->ns[FAM_PROJ] += now_ns() - t0;
+    s->ns[FAM_PROJ] += kvref_now_ns() - t0;
 }
 
 /* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
 static void gate_up_projections(fw *f) {
-    const int64_t t0 = now_ns();
+    const int64_t t0 = kvref_now_ns();
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
     const int64_t E = f->c->d_model, F = f->c->d_ff;
@@ -328,15 +322,15 @@ static void gate_up_projections(fw *f) {
         matmul(f, s->xb, f->T, &lw->w_up, s->up);
         for_each_row(f, glu_row);
     }
-    s->ns[FAM_PROJ] += now_ns() - t0;
+    s->ns[FAM_PROJ] += kvref_now_ns() - t0;
 }
 
 /* x += [rms_norm](moe(xb)) (moe.c): a mixture of experts' MLP, its output in xb before the add */
 static void mixture_of_experts(fw *f) {
-    int64_t t0 = now_ns();
+    int64_t t0 = kvref_now_ns();
     f->s->expert_bytes += kvref_moe_run(f->pool, f->c, f->lw->moe, f->int8, f->s->xb, f->T, f->s->moe);
-    f->s->ns[FAM_PROJ] += now_ns() - t0;
-    t0 = now_ns();
+    f->s->ns[FAM_PROJ] += kvref_now_ns() - t0;
+    t0 = kvref_now_ns();
     if (f->lw->post_ffn_norm != NULL) { /* the block's output normalised before the add */
         f->gain = f->lw->post_ffn_norm;
         f->norm_rows = f->s->xb;
@@ -344,32 +338,32 @@ static void mixture_of_experts(fw *f) {
         f->norm_rows = NULL;
     }
     for_each_row(f, residual_row);
-    f->s->ns[FAM_OTHER] += now_ns() - t0;
+    f->s->ns[FAM_OTHER] += kvref_now_ns() - t0;
 }
 
 /* ---- the other steps ------------------------------------------------------------------------ */
 
 /* x = tok_embeddings[token_ids] */
 static void embed_tokens(fw *f) {
-    const int64_t t0 = now_ns();
+    const int64_t t0 = kvref_now_ns();
     for_each_row(f, embed_row);
-    f->s->ns[FAM_OTHER] += now_ns() - t0;
+    f->s->ns[FAM_OTHER] += kvref_now_ns() - t0;
 }
 
 /* xb = rms_norm(x) * gain */
 static void rms_norm(fw *f, const float *gain) {
-    const int64_t t0 = now_ns();
+    const int64_t t0 = kvref_now_ns();
     f->gain = gain;
     f->norm_rows = NULL;
     for_each_row(f, norm_row);
-    f->s->ns[FAM_OTHER] += now_ns() - t0;
+    f->s->ns[FAM_OTHER] += kvref_now_ns() - t0;
 }
 
 /* q, k as the decoder makes them (biases, QK-norm, RoPE for their positions) */
 static void prepare_qk(fw *f) {
-    const int64_t t0 = now_ns();
+    const int64_t t0 = kvref_now_ns();
     for_each_row(f, qk_row);
-    f->s->ns[FAM_OTHER] += now_ns() - t0;
+    f->s->ns[FAM_OTHER] += kvref_now_ns() - t0;
 }
 
 /* the attention of new queries t0 .. t0+n-1 over the first S keys of the layer in cache kv, at the
@@ -389,9 +383,9 @@ static kvref_attn_job attention_job(const fw *f, const kvref_kv *kv, int64_t t0,
 }
 
 static void attend(fw *f, kvref_attn_job *jobs, int64_t n) {
-    const int64_t start = now_ns();
+    const int64_t start = kvref_now_ns();
     kvref_attention_run(f->pool, jobs, n);
-    f->s->ns[FAM_ATTN] += now_ns() - start;
+    f->s->ns[FAM_ATTN] += kvref_now_ns() - start;
 }
 
 /* Sequence b's new rows r0 .. r1-1: k, v -> its cache at positions [length, length + n); its
@@ -406,14 +400,14 @@ static void store_and_attend_sequence(fw *f, int64_t b, float *partial, int64_t 
     kvref_state *s = f->s;
     const int64_t r0 = f->bounds[b], r1 = f->bounds[b + 1], length = f->lengths[b];
     const int64_t ring = kvref_kv_ring(kv, f->layer);
-    int64_t t0 = now_ns();
+    int64_t t0 = kvref_now_ns();
     if (ring == 0) {
         if (f->B == 1) for_each_row(f, store_row);
         else for (int64_t t = r0; t < r1; t++) store_row(f, t);
         if (kv->k_type == KVREF_TYPE_KIVI4) /* in position order: a group is quantized as it completes */
             kvref_kv_store_kivi_k(kv, f->kk, f->layer, length, s->k + r0 * f->c->n_kv_heads * f->c->head_dim,
                                   r1 - r0);
-        s->ns[FAM_OTHER] += now_ns() - t0;
+        s->ns[FAM_OTHER] += kvref_now_ns() - t0;
         s->jobs[s->n_jobs++] = attention_job(f, kv, r0, r1 - r0, length + r1 - r0, s->k_positions, partial);
         return;
     }
@@ -421,10 +415,10 @@ static void store_and_attend_sequence(fw *f, int64_t b, float *partial, int64_t 
     for (int64_t a = r0; a < r1; a += step) {
         const int64_t e = a + step < r1 ? a + step : r1, written = length + e - r0;
         const int64_t S = written < ring ? written : ring;
-        t0 = now_ns();
+        t0 = kvref_now_ns();
         for (int64_t t = a; t < e; t++) store_row(f, t);
         for (int64_t j = 0; j < S; j++) slots[j] = j + ring * ((written - 1 - j) / ring);
-        s->ns[FAM_OTHER] += now_ns() - t0;
+        s->ns[FAM_OTHER] += kvref_now_ns() - t0;
         kvref_attn_job job = attention_job(f, kv, a, e - a, S, slots, partial);
         if (e < r1) attend(f, &job, 1);
         else s->jobs[s->n_jobs++] = job;
@@ -532,32 +526,32 @@ static void latent_per_head(fw *f, const float *in, int64_t in_stride, const kvr
 /* q (absorbed: [T, H, R + Dr]) and k (latent keys: [T, R + Dr]) from xb, as project_latent and
  * absorbed_queries make them */
 static void latent_queries_and_keys(fw *f) {
-    int64_t t0 = now_ns();
+    int64_t t0 = kvref_now_ns();
     const kvref_model_desc *c = f->c;
     kvref_state *s = f->s;
     const int64_t H = c->n_heads, R = c->kv_lora_rank, Dr = c->qk_rope_head_dim;
     latent_down_projections(f);
     if (c->q_lora_rank > 0) { /* the query through its low-rank bottleneck: lq = rms_norm(lh) @ Wq.T */
-        s->ns[FAM_PROJ] += now_ns() - t0;
-        t0 = now_ns();
+        s->ns[FAM_PROJ] += kvref_now_ns() - t0;
+        t0 = kvref_now_ns();
         for_each_row(f, latent_query_norm_row);
-        s->ns[FAM_OTHER] += now_ns() - t0;
-        t0 = now_ns();
+        s->ns[FAM_OTHER] += kvref_now_ns() - t0;
+        t0 = kvref_now_ns();
         latent_projection(f, s->lh, W_Q, s->lq);
     }
     latent_per_head(f, s->lq, H * c->head_dim, &f->lw->w_uk, s->q, H * (R + Dr)); /* q_nope -> W_UK^T q_nope */
-    s->ns[FAM_PROJ] += now_ns() - t0;
-    t0 = now_ns();
+    s->ns[FAM_PROJ] += kvref_now_ns() - t0;
+    t0 = kvref_now_ns();
     for_each_row(f, latent_rope_row);
-    s->ns[FAM_OTHER] += now_ns() - t0;
+    s->ns[FAM_OTHER] += kvref_now_ns() - t0;
 }
 
 /* lo = each head's latent attention output through W_UV: [T, H, R] -> [T, H*Dv], the input of Wo */
 static const float *latent_values(fw *f) {
-    const int64_t t0 = now_ns();
+    const int64_t t0 = kvref_now_ns();
     const int64_t H = f->c->n_heads;
     latent_per_head(f, f->s->att, H * f->c->kv_lora_rank, &f->lw->w_uv, f->s->lo, H * f->c->v_head_dim);
-    f->s->ns[FAM_PROJ] += now_ns() - t0;
+    f->s->ns[FAM_PROJ] += kvref_now_ns() - t0;
     return f->s->lo;
 }
 
@@ -585,7 +579,7 @@ static void exact_top_task(void *vctx, int64_t unit, int thread) {
 
 /* logits = rms_norm(x[rows]) @ output.T, rows = every new position, or each sequence's last one */
 static void final_logits(fw *f) {
-    int64_t t0 = now_ns();
+    int64_t t0 = kvref_now_ns();
     const kvref_model_desc *c = f->c;
     const int64_t E = c->d_model, V = c->vocab_size;
     kvref_state *s = f->s;
@@ -595,8 +589,8 @@ static void final_logits(fw *f) {
         const int64_t t = f->all_logits ? i : f->bounds[i + 1] - 1;
         kvref_rms_norm_row(s->x + t * E, E, c->output_norm, c->norm_eps, s->xb + i * E);
     }
-    s->ns[FAM_OTHER] += now_ns() - t0;
-    t0 = now_ns();
+    s->ns[FAM_OTHER] += kvref_now_ns() - t0;
+    t0 = kvref_now_ns();
     if (decode_path(f, n, 1, (const int[]){W_HEAD})) {
         const kvref_mv_part none = {0};
         const kvref_mv mv = matvec(f, s->xb, n, E, 1, part(f, W_HEAD, f->logits, V), none, none);
@@ -609,7 +603,7 @@ static void final_logits(fw *f) {
         else kvref_pool_run(f->pool, exact_top_task, (void *)f, n);
     }
     if (c->final_softcap > 0.0f) kvref_soft_cap_run(f->pool, f->logits, n * V, c->final_softcap, f->logits); /* Gemma 2 */
-    s->ns[FAM_PROJ] += now_ns() - t0;
+    s->ns[FAM_PROJ] += kvref_now_ns() - t0;
 }
 
 /* ---- model and state ------------------------------------------------------------------------ */
@@ -768,14 +762,16 @@ void kvref_model_destroy(kvref_model *model) {
     free(model);
 }
 
-/* n items of `size` bytes, 64-byte aligned (aligned_alloc wants a multiple of the alignment) */
-static void *alloc_aligned(int64_t n, size_t size) { return aligned_alloc(64, ((size_t)n * size + 63) & ~(size_t)63); }
+/* n items of `size` bytes, 64-byte aligned (released with kvref_aligned_free) */
+static void *alloc_aligned(int64_t n, size_t size) { return kvref_aligned_alloc((size_t)n * size); }
 static void *alloc_floats(int64_t n) { return alloc_aligned(n, sizeof(float)); }
 
 static void free_rows(kvref_state *s) {
-    void *bufs[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->lq, s->lh, s->lo, s->lx, s->ly, s->cs,
-                    s->q_positions, s->row_seq};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    void *floats[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->lq, s->lh, s->lo, s->lx,
+                      s->ly}; /* alloc_floats's */
+    for (size_t i = 0; i < sizeof floats / sizeof floats[0]; i++) kvref_aligned_free(floats[i]);
+    void *lists[] = {s->cs, s->q_positions, s->row_seq};
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) free(lists[i]);
     s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->lq = s->lh = s->lo = s->lx = s->ly = NULL;
     s->cs = NULL;
     s->q_positions = s->row_seq = NULL;
@@ -797,11 +793,8 @@ int kvref_state_create(const kvref_model *model, kvref_state **out) {
 void kvref_state_destroy(kvref_state *state) {
     if (state == NULL) return;
     free_rows(state);
-    free(state->k_positions);
-    free(state->slot_positions);
-    free(state->partial);
-    free(state->jobs);
-    free(state->parts);
+    void *grown[] = {state->k_positions, state->slot_positions, state->partial, state->jobs, state->parts}; /* grow's */
+    for (size_t i = 0; i < sizeof grown / sizeof grown[0]; i++) kvref_aligned_free(grown[i]);
     kvref_moe_state_destroy(state->moe);
     free(state);
 }
@@ -814,7 +807,7 @@ static int grow(void **p, int64_t *have, int64_t need, size_t size) {
     const int64_t n = need > 2 * *have ? need : 2 * *have;
     void *q = alloc_aligned(n, size);
     if (q == NULL) return KVREF_ERR_NOMEM;
-    free(*p);
+    kvref_aligned_free(*p);
     *p = q;
     *have = n;
     return KVREF_OK;
@@ -940,7 +933,7 @@ static int forward_pass(fw *f, int64_t S) {
     kvref_state *state = f->s;
     const kvref_model_desc *c = f->c;
     const int64_t T = f->T;
-    const int64_t t_start = now_ns();
+    const int64_t t_start = kvref_now_ns();
     int status = state_reserve(state, T, S, f->B, f->bounds, f->lengths);
     if (status == KVREF_OK) { /* tiles of the prefill GEMM */
         const size_t scratch = f->int8 ? kvref_matmul_int8_scratch_bytes(T, f->model->max_k)
@@ -968,7 +961,7 @@ static int forward_pass(fw *f, int64_t S) {
             kvref_rope_cos_sin(f->model->rope_dim, c->layers[l].rope_freqs, state->q_positions[t],
                                state->cs + (table * state->rows + t) * c->head_dim);
     }
-    state->ns[FAM_OTHER] += now_ns() - t_start;
+    state->ns[FAM_OTHER] += kvref_now_ns() - t_start;
 
     const int latent = c->kv_lora_rank > 0;
     embed_tokens(f);                                      /* x = tok_embeddings[token_ids] */

@@ -20,6 +20,30 @@
 #define KVREF_X86 0
 #endif
 
+/* aarch64: Advanced SIMD is part of the base architecture. sdot and smmla are used through target
+ * attributes, which the arm_neon.h of GCC 10 and later honours and clang's from version 16 on
+ * (before, it declares them only when the whole file is compiled for those features); older
+ * compilers build the plain NEON table alone. */
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVREF_NEON 1
+#if defined(__clang__) ? __clang_major__ < 16 : __GNUC__ < 10
+#define KVREF_NEON_DOT 0
+#else
+#define KVREF_NEON_DOT 1
+#endif
+#else
+#define KVREF_NEON 0
+#define KVREF_NEON_DOT 0
+#endif
+
+/* A hint to bring the line at p into the caches (locality 3: L1 ... 0: none), where the compiler has
+ * one: GCC and Clang (clang-cl included); MSVC builds go without. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVREF_PREFETCH(p, locality) __builtin_prefetch((p), 0, (locality))
+#else
+#define KVREF_PREFETCH(p, locality) ((void)(p))
+#endif
+
 /* ---- block layouts (GGML, as stored in GGUF files) ------------------------------------------ */
 
 #define QK4_0 32
@@ -323,7 +347,7 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
                                        int64_t nrows) {
     const int64_t width = kvref_kv_element_bytes(type), i1 = i0 + 8 < nrows ? i0 + 8 : nrows;
     for (int64_t i = i0; i < i1; i++)
-        for (int64_t o = 0; o < D * width; o += 64) __builtin_prefetch(base + row[i] * width + o, 0, 2);
+        for (int64_t o = 0; o < D * width; o += 64) KVREF_PREFETCH(base + row[i] * width + o, 2);
 }
 
 /* Ask for the I8 scales of K and V (those that are I8) of keys i0 .. i0+15 of the nrows looked up,
@@ -333,8 +357,8 @@ static inline void kvref_attn_prefetch(const uint8_t *base, int32_t type, int64_
 static inline void kvref_attn_prefetch_scales(const kvref_attn_chunk *c, int64_t i0) {
     const int64_t i1 = i0 + 16 < c->nrows ? i0 + 16 : c->nrows;
     for (int64_t i = i0; i < i1; i++) {
-        if (c->k_scales != NULL) __builtin_prefetch(c->k_scales + c->srow[i], 0, 2);
-        if (c->v_scales != NULL) __builtin_prefetch(c->v_scales + c->srow[i], 0, 2);
+        if (c->k_scales != NULL) KVREF_PREFETCH(c->k_scales + c->srow[i], 2);
+        if (c->v_scales != NULL) KVREF_PREFETCH(c->v_scales + c->srow[i], 2);
     }
 }
 
@@ -367,6 +391,22 @@ typedef void (*kvref_vec_dot_rows_fn)(int64_t K, const uint8_t *w_row, const flo
         for (; t < T; t++) dot_##name(K, w, x + t * K, 1, out + t * ldo, ldo);                           \
     }
 
+/* The entries a SIMD table fills with its file's functions of these names: vec_dot_<type>,
+ * vec_dot_rows_<type> (KVREF_DOT_KERNELS) and dequant_<type> for every weight type, and the
+ * one-per-table kernels; the table adds .isa, .attn and its 8-bit kernels. */
+#define KVREF_WEIGHT_TYPE_ENTRIES(prefix)                                                                \
+    {                                                                                                    \
+        [KVREF_TYPE_F32] = prefix##f32, [KVREF_TYPE_F16] = prefix##f16, [KVREF_TYPE_BF16] = prefix##bf16, \
+        [KVREF_TYPE_Q4_0] = prefix##q4_0, [KVREF_TYPE_Q4_1] = prefix##q4_1, [KVREF_TYPE_Q5_0] = prefix##q5_0, \
+        [KVREF_TYPE_Q8_0] = prefix##q8_0, [KVREF_TYPE_Q4_K] = prefix##q4_k, [KVREF_TYPE_Q6_K] = prefix##q6_k, \
+        [KVREF_TYPE_MXFP4] = prefix##mxfp4,                                                              \
+    }
+#define KVREF_SIMD_TABLE_COMMON                                                                          \
+    .vec_dot = KVREF_WEIGHT_TYPE_ENTRIES(vec_dot_), .vec_dot_rows = KVREF_WEIGHT_TYPE_ENTRIES(vec_dot_rows_), \
+    .dequant = KVREF_WEIGHT_TYPE_ENTRIES(dequant_), .gemm_f32 = gemm_f32, .tile_columns = tile_columns,   \
+    .swiglu = swiglu, .geglu = geglu, .swiglu_oai = swiglu_oai, .quantize_q8 = quantize_q8,             \
+    .read_sum = read_sum, .to_fp16 = to_fp16
+
 /* out[t * 16 + r] = row r of a packed group (K values; the layout is below) dotted with row t of x
  * in 8-bit blocks, for t < T <= 8, r < 16: the 8-bit GEMM's sum (kvref_gemm_q8_fn) over blocks b
  * (Q6_K: its 16-value sub-blocks) in order from 0 of fl(d_x d_w) I_b, then (Q4_1, Q4_K) m_w s_x,
@@ -392,6 +432,9 @@ typedef void (*kvref_gemm_fn)(int64_t K, const float *x, int64_t T, const float 
  * 32 values) -> an 8-bit tile as above, rows nw .. KVREF_TILE_N-1 zero; `tile` has room for
  * KVREF_Q8_TILE_SCRATCH(K) bytes, and a decoder may stage rows past the tile's records */
 typedef void (*kvref_q8_tile_fn)(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
+/* the portable 8-bit tile decoder (matmul.c), for every type kvref_q8_tile_type takes: what a table's
+ * q8_tile must equal byte for byte, and what runs where it is NULL or the blocks are 16 values */
+void kvref_q8_tile_ref(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile);
 typedef void (*kvref_gemm_q8_fn)(int64_t K, const uint8_t *xu, const float *xds, int64_t T, const uint8_t *tile,
                                  int64_t bv, int64_t nw, int affine, float *y, int64_t ldy);
 /* tile[k * KVREF_TILE_N + i] = rows[i * K + k] for i < 16, k < K: sixteen dequantized weight rows
@@ -448,6 +491,14 @@ void kvref_avx2_packed_dot(int32_t type, int64_t K, const uint8_t *group, const 
                            const int32_t *xsum, int64_t T, float *out);
 /* the AVX2 score kernel of an I8 K (maddubs), which AVX-512 CPUs without VNNI use too */
 void kvref_avx2_attn_score_i8(const kvref_attn_args *a, const kvref_attn_chunk *c, float *p);
+#endif
+
+#if KVREF_NEON
+extern const kvref_kernels kvref_kernels_neon;
+#if KVREF_NEON_DOT
+extern const kvref_kernels kvref_kernels_neon_dotprod; /* neon plus sdot */
+extern const kvref_kernels kvref_kernels_neon_i8mm;    /* neon plus sdot and smmla */
+#endif
 #endif
 
 /* scalar reference pieces the SIMD tables reuse for types they do not specialise */
@@ -574,7 +625,7 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
 #define KVREF_PACK_PREFETCH_RECORDS 4
 /* every cache line of the record of `bytes` at rec, into L1 */
 static inline void kvref_pack_prefetch(const uint8_t *rec, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(rec + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) KVREF_PREFETCH(rec + off, 3);
 }
 static inline int kvref_packable(int32_t type) { return kvref_q8_tile_type(type); }
 static inline int32_t kvref_pack_bias(int32_t type) {

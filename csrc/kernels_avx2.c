@@ -1119,35 +1119,9 @@ TARGET static void to_fp16(int64_t n, const float *x, uint16_t *out) {
 
 const kvref_kernels kvref_kernels_avx2 = {
     .isa = KVREF_ISA_AVX2,
-    .vec_dot = {
-        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,
-        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_q8_0,
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k, [KVREF_TYPE_MXFP4] = vec_dot_mxfp4,
-    },
-    .vec_dot_rows = {
-        [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,
-        [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,
-        [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0, [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,
-        [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,
-        [KVREF_TYPE_MXFP4] = vec_dot_rows_mxfp4,
-    },
-    .dequant = {
-        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,
-        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0, [KVREF_TYPE_Q8_0] = dequant_q8_0,
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k, [KVREF_TYPE_MXFP4] = dequant_mxfp4,
-    },
-    .gemm_f32 = gemm_f32,
-    .tile_columns = tile_columns,
+    KVREF_SIMD_TABLE_COMMON,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 8, .kivi_lanes = 16},
-    .swiglu = swiglu,
-    .geglu = geglu,
-    .swiglu_oai = swiglu_oai,
     .packed_dot = kvref_avx2_packed_dot,
-    .quantize_q8 = quantize_q8,
-    .read_sum = read_sum,
-    .to_fp16 = to_fp16,
 };
 
 #endif /* KVREF_X86 */

@@ -1071,7 +1071,9 @@ TARGET static void quantize_q8(int64_t K, const float *x, int8_t *qs, float *ds)
     for (int64_t b = 0; b < K / 32; b++, x += 32, qs += 32, ds += 2) {
         const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
         float d, id;
-        const int bad = 0x01 | 0x08 | 0x10 | 0x80; /* fpclass: quiet NaN, +inf, -inf, signalling NaN */
+        /* fpclass: quiet NaN, +inf, -inf, signalling NaN; an integer constant expression (a const int
+         * is not one, and Clang refuses it as the immediate) */
+        enum { bad = 0x01 | 0x08 | 0x10 | 0x80 };
         const int finite = (_mm512_fpclass_ps_mask(v0, bad) | _mm512_fpclass_ps_mask(v1, bad)) == 0;
         kvref_q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), finite, &d, &id);
         const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
@@ -1515,44 +1517,10 @@ TARGET_VNNI static void attn_score_vnni(const kvref_attn_args *a, const kvref_at
     }
 }
 
-#define AVX512_TABLE_COMMON                                                                      \
-    .vec_dot = {                                                                                 \
-        [KVREF_TYPE_F32] = vec_dot_f32, [KVREF_TYPE_F16] = vec_dot_f16,                          \
-        [KVREF_TYPE_BF16] = vec_dot_bf16, [KVREF_TYPE_Q4_0] = vec_dot_q4_0,                      \
-        [KVREF_TYPE_Q4_1] = vec_dot_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_q5_0,                      \
-        [KVREF_TYPE_Q8_0] = vec_dot_q8_0,                                                        \
-        [KVREF_TYPE_Q4_K] = vec_dot_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_q6_k,                      \
-        [KVREF_TYPE_MXFP4] = vec_dot_mxfp4,                                                      \
-    },                                                                                           \
-    .vec_dot_rows = {                                                                            \
-        [KVREF_TYPE_F32] = vec_dot_rows_f32, [KVREF_TYPE_F16] = vec_dot_rows_f16,                \
-        [KVREF_TYPE_BF16] = vec_dot_rows_bf16, [KVREF_TYPE_Q4_0] = vec_dot_rows_q4_0,            \
-        [KVREF_TYPE_Q4_1] = vec_dot_rows_q4_1, [KVREF_TYPE_Q5_0] = vec_dot_rows_q5_0,            \
-        [KVREF_TYPE_Q8_0] = vec_dot_rows_q8_0,                                                   \
-        [KVREF_TYPE_Q4_K] = vec_dot_rows_q4_k, [KVREF_TYPE_Q6_K] = vec_dot_rows_q6_k,            \
-        [KVREF_TYPE_MXFP4] = vec_dot_rows_mxfp4,                                                 \
-    },                                                                                           \
-    .dequant = {                                                                                 \
-        [KVREF_TYPE_F32] = dequant_f32, [KVREF_TYPE_F16] = dequant_f16,                          \
-        [KVREF_TYPE_BF16] = dequant_bf16, [KVREF_TYPE_Q4_0] = dequant_q4_0,                      \
-        [KVREF_TYPE_Q4_1] = dequant_q4_1, [KVREF_TYPE_Q5_0] = dequant_q5_0,                      \
-        [KVREF_TYPE_Q8_0] = dequant_q8_0,                                                        \
-        [KVREF_TYPE_Q4_K] = dequant_q4_k, [KVREF_TYPE_Q6_K] = dequant_q6_k,                      \
-        [KVREF_TYPE_MXFP4] = dequant_mxfp4,                                                      \
-    },                                                                                           \
-    .gemm_f32 = gemm_f32,                                                                        \
-    .tile_columns = tile_columns,                                                                \
-    .swiglu = swiglu,                                                                            \
-    .geglu = geglu,                                                                              \
-    .swiglu_oai = swiglu_oai,                                                                    \
-    .quantize_q8 = quantize_q8,                                                                  \
-    .read_sum = read_sum,                                                                        \
-    .to_fp16 = to_fp16
-
 /* AVX-512 without VNNI: the packed 8-bit kernel is AVX2's (kernels_avx2.c) */
 const kvref_kernels kvref_kernels_avx512 = {
     .isa = KVREF_ISA_AVX512,
-    AVX512_TABLE_COMMON,
+    KVREF_SIMD_TABLE_COMMON,
     .attn = {.score = attn_score, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,
              .kivi_lanes = 32},
     .packed_dot = kvref_avx2_packed_dot,
@@ -1560,7 +1528,7 @@ const kvref_kernels kvref_kernels_avx512 = {
 
 const kvref_kernels kvref_kernels_avx512_vnni = {
     .isa = KVREF_ISA_AVX512,
-    AVX512_TABLE_COMMON,
+    KVREF_SIMD_TABLE_COMMON,
     .attn = {.score = attn_score_vnni, .exp = attn_exp, .values = attn_values, .i8_lanes = 16,
              .kivi_lanes = 32},
     .packed_dot = packed_dot_vnni,

@@ -50,7 +50,10 @@ enum kvref_isa {
     KVREF_ISA_AUTO = -1,       /* the best this CPU supports */
     KVREF_ISA_SCALAR = 0,      /* portable C (the reference loops) */
     KVREF_ISA_AVX2 = 1,        /* x86-64 AVX2 + FMA + F16C */
-    KVREF_ISA_AVX512 = 2       /* x86-64 AVX-512 F/BW/VL/DQ (+ AVX2 + FMA + F16C) */
+    KVREF_ISA_AVX512 = 2,      /* x86-64 AVX-512 F/BW/VL/DQ (+ AVX2 + FMA + F16C) */
+    KVREF_ISA_NEON = 3,        /* aarch64 Advanced SIMD (every ARMv8-A CPU) */
+    KVREF_ISA_NEON_DOTPROD = 4, /* aarch64 NEON + the 8-bit dot product (sdot, FEAT_DotProd) */
+    KVREF_ISA_NEON_I8MM = 5    /* aarch64 NEON + sdot + the 8-bit matrix multiply (smmla, FEAT_I8MM) */
 };
 
 /* Tensor types, numbered as GGML/GGUF number them (kvref.formats.ggml.GGMLType). */
@@ -126,8 +129,8 @@ int kvref_matmul_experts(kvref_pool *pool,
  * b (the K-quants' sub-blocks of 32 and 16 values), in order, of fl(d_x d_w) I_b and then (with an
  * offset) m_w s_x, each a fused multiply-add into a float32 sum, I_b the exact integer dot product:
  * bit for bit whatever T, the instruction set or the thread count (from KVREF_GEMM_Q8_MIN_T rows
- * of x on, with the scalar kernels or AVX-512 VNNI, as an integer GEMM on 8-bit tiles, else on
- * weights packed per call as kvref_pack_int8 packs them). Every other weight type gives exactly
+ * of x on, with the scalar kernels, AVX-512 VNNI or NEON sdot/smmla, as an integer GEMM on 8-bit
+ * tiles, else on weights packed per call as kvref_pack_int8 packs them). Every other weight type gives exactly
  * kvref_matmul's result. Arguments as kvref_matmul. */
 int kvref_matmul_int8(kvref_pool *pool,
                       const float *x, int64_t T, int64_t K,

@@ -29,7 +29,7 @@
 static inline void prefetch_row(const uint8_t *w, int64_t n, int64_t n1, int64_t rb) {
     if (KVREF_PREFETCH_ROWS > 0 && n + KVREF_PREFETCH_ROWS < n1) {
         const uint8_t *ahead = w + (n + KVREF_PREFETCH_ROWS) * rb;
-        for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        for (int64_t b = 0; b < rb; b += 64) KVREF_PREFETCH(ahead + b, 0);
     }
 }
 
@@ -197,7 +197,7 @@ typedef struct {
 } q8_ctx;
 
 /* nw <= KVREF_TILE_N rows of w (rb bytes each) -> an 8-bit tile (internal.h), rows nw.. zero */
-static void q8_tile(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
+void kvref_q8_tile_ref(int32_t type, int64_t K, const uint8_t *w, int64_t rb, int64_t nw, uint8_t *tile) {
     const int64_t bv = kvref_q8_tile_values(type);
     for (int64_t n = 0; n < KVREF_TILE_N; n++)
         for (int64_t b = 0; b < K / bv; b++) {
@@ -221,7 +221,7 @@ static void mm_q8_tile_unit(void *vctx, int64_t unit, int thread) {
     const int64_t nw = n0 + KVREF_TILE_N < c->N ? KVREF_TILE_N : c->N - n0;
     uint8_t *tile = kvref_pool_scratch(c->pool, thread); /* KVREF_Q8_TILE_SCRATCH: less than a float tile */
     if (c->kk->q8_tile != NULL && kvref_q8_tile_values(c->type) == 32) c->kk->q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
-    else q8_tile(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
+    else kvref_q8_tile_ref(c->type, c->K, c->w + n0 * c->rb, c->rb, nw, tile);
     const int affine = c->type == KVREF_TYPE_Q4_1 || c->type == KVREF_TYPE_Q4_K;
     c->kk->gemm_q8(c->K, c->xu, c->xds, c->T, tile, kvref_q8_tile_values(c->type), nw, affine, c->y + n0, c->N);
 }

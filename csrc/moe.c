@@ -11,9 +11,12 @@
  * Shape legend as kvref.h; X experts, k of them per position, R = T k rows (row t k + j: position t
  * through its j-th expert), Fx an expert's hidden width, Fs the shared expert's.
  */
+#define _POSIX_C_SOURCE 200809L /* platform.h */
+
 #include <stdlib.h>
 
 #include "internal.h"
+#include "platform.h"
 
 struct kvref_moe_state {
     int64_t rows;              /* T the buffers hold */
@@ -297,12 +300,12 @@ void kvref_moe_state_destroy(kvref_moe_state *s) {
     if (s == NULL) return;
     void *bufs[] = {s->logits, s->experts, s->weights, s->route, s->ids, s->first, s->placed, s->order, s->slot,
                     s->xs, s->gate, s->up, s->y};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) kvref_aligned_free(bufs[i]);
     free(s);
 }
 
-/* n items of `size` bytes, 64-byte aligned */
-static void *alloc64(int64_t n, size_t size) { return aligned_alloc(64, ((size_t)n * size + 63) & ~(size_t)63); }
+/* n items of `size` bytes, 64-byte aligned (released with kvref_aligned_free) */
+static void *alloc64(int64_t n, size_t size) { return kvref_aligned_alloc((size_t)n * size); }
 
 int kvref_moe_reserve(kvref_moe_state **ps, const kvref_model_desc *c, int64_t T) {
     if (c->router.n_experts == 0 || (*ps != NULL && (*ps)->rows >= T)) return KVREF_OK;

@@ -1,6 +1,7 @@
 /* pool.c: the persistent thread pool, run-time CPU detection, and the small query functions.
  *
- * A pool owns n_threads - 1 pthreads that live until kvref_pool_destroy. A kernel call publishes
+ * A pool owns n_threads - 1 threads (pthreads, or Win32 threads: platform.h) that live until
+ * kvref_pool_destroy. A kernel call publishes
  * a task (a function over units); the calling thread and every awake worker claim units one at a
  * time and run them. Idle workers spin briefly on a generation counter after each task (decode
  * issues hundreds of small calls per token, and a futex wake costs tens of microseconds), then
@@ -14,18 +15,22 @@
  * until every claimed unit is done.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DARWIN_C_SOURCE /* macOS: sysctlbyname beside the POSIX names */
 
-#include <pthread.h>
-#include <sched.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "internal.h"
+#include "platform.h"
 
 #if KVREF_X86
 #include <cpuid.h>
+#endif
+#if KVREF_NEON_DOT && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#if KVREF_NEON_DOT && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 /* How long an idle worker spins before sleeping: longer than the Python gap between two kernel
@@ -51,9 +56,9 @@ struct kvref_pool {
     int32_t isa;
     const kvref_kernels *kernels;
 
-    pthread_mutex_t call_lock;          /* held for the whole of one kernel call */
-    pthread_mutex_t mu;                 /* guards sleeping on cv */
-    pthread_cond_t cv;
+    kvref_mutex call_lock;              /* held for the whole of one kernel call */
+    kvref_mutex mu;                     /* guards sleeping on cv */
+    kvref_cond cv;
     atomic_uint_fast64_t generation;    /* bumped to wake workers for a task (or to stop) */
     atomic_int sleepers;                /* workers blocked (or about to block) on cv */
     atomic_int stop;
@@ -65,7 +70,7 @@ struct kvref_pool {
     atomic_uint_fast64_t claim;         /* tag | n | next unit, see above */
     atomic_int_fast64_t done;           /* units of the current batch finished */
 
-    pthread_t *threads;
+    kvref_thread *threads;
     struct kvref_worker *workers;
     int n_started;
 
@@ -81,12 +86,6 @@ static inline void cpu_relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
 /* Claim and run units of the published batch until none is left. */
@@ -105,21 +104,21 @@ static void claim_units(kvref_pool *pool, int thread) {
     }
 }
 
-static void *worker_main(void *arg) {
+static kvref_thread_result KVREF_THREAD_CALL worker_main(void *arg) {
     struct kvref_worker *w = arg;
     kvref_pool *pool = w->pool;
     uint_fast64_t seen = 0;
     for (;;) {
         uint_fast64_t g = atomic_load_explicit(&pool->generation, memory_order_acquire);
         if (g == seen) {
-            int64_t deadline = now_ns() + KVREF_SPIN_NS;
+            int64_t deadline = kvref_now_ns() + KVREF_SPIN_NS;
             for (int i = 0;; i++) {
                 cpu_relax();
                 g = atomic_load_explicit(&pool->generation, memory_order_acquire);
                 if (g != seen) break;
                 if ((i & 255) == 255) {
-                    if (now_ns() > deadline) break;
-                    sched_yield(); /* on a busy core, let the caller or another process run */
+                    if (kvref_now_ns() > deadline) break;
+                    kvref_yield(); /* on a busy core, let the caller or another process run */
                 }
             }
         }
@@ -127,17 +126,17 @@ static void *worker_main(void *arg) {
             /* announce the sleep before the last look at generation: publish() bumps generation
              * before it reads sleepers (both sequentially consistent), so either this look sees
              * the new task or publish() sees a sleeper and broadcasts under mu */
-            pthread_mutex_lock(&pool->mu);
+            kvref_mutex_lock(&pool->mu);
             atomic_fetch_add(&pool->sleepers, 1);
-            while ((g = atomic_load(&pool->generation)) == seen) pthread_cond_wait(&pool->cv, &pool->mu);
+            while ((g = atomic_load(&pool->generation)) == seen) kvref_cond_wait(&pool->cv, &pool->mu);
             atomic_fetch_sub(&pool->sleepers, 1);
-            pthread_mutex_unlock(&pool->mu);
+            kvref_mutex_unlock(&pool->mu);
         }
         seen = g;
         if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
         claim_units(pool, w->index);
     }
-    return NULL;
+    return 0;
 }
 
 /* Wake the workers for a new task. Spinning workers see the generation change by themselves;
@@ -146,9 +145,9 @@ static void *worker_main(void *arg) {
 static void publish(kvref_pool *pool) {
     atomic_fetch_add(&pool->generation, 1);
     if (atomic_load(&pool->sleepers) > 0) {
-        pthread_mutex_lock(&pool->mu);
-        pthread_cond_broadcast(&pool->cv);
-        pthread_mutex_unlock(&pool->mu);
+        kvref_mutex_lock(&pool->mu);
+        kvref_cond_broadcast(&pool->cv);
+        kvref_mutex_unlock(&pool->mu);
     }
 }
 
@@ -172,7 +171,7 @@ void kvref_pool_run(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t n_uni
         /* wait only for units other threads claimed and are still running */
         for (int i = 0; atomic_load_explicit(&pool->done, memory_order_acquire) < n; i++) {
             cpu_relax();
-            if ((i & 255) == 255) sched_yield(); /* a worker holding a unit was descheduled */
+            if ((i & 255) == 255) kvref_yield(); /* a worker holding a unit was descheduled */
         }
     }
 }
@@ -213,6 +212,28 @@ static int x86_has_avx512vnni(void) {
 }
 #endif
 
+#if KVREF_NEON_DOT
+/* sdot and smmla as the OS reports them: the kernel's hardware capability bits (Linux), or the sysctl
+ * feature flags (macOS); on other systems the plain NEON table runs. */
+#if defined(__linux__)
+#define ARM_HWCAP_ASIMDDP (1UL << 20)  /* <asm/hwcap.h>'s HWCAP_ASIMDDP, HWCAP2_I8MM (older headers lack it) */
+#define ARM_HWCAP2_I8MM (1UL << 13)
+static int arm_has_dotprod(void) { return (getauxval(AT_HWCAP) & ARM_HWCAP_ASIMDDP) != 0; }
+static int arm_has_i8mm(void) { return arm_has_dotprod() && (getauxval(AT_HWCAP2) & ARM_HWCAP2_I8MM) != 0; }
+#elif defined(__APPLE__)
+static int arm_sysctl_flag(const char *name) {
+    int value = 0;
+    size_t size = sizeof value;
+    return sysctlbyname(name, &value, &size, NULL, 0) == 0 && value != 0;
+}
+static int arm_has_dotprod(void) { return arm_sysctl_flag("hw.optional.arm.FEAT_DotProd"); }
+static int arm_has_i8mm(void) { return arm_has_dotprod() && arm_sysctl_flag("hw.optional.arm.FEAT_I8MM"); }
+#else
+static int arm_has_dotprod(void) { return 0; }
+static int arm_has_i8mm(void) { return 0; }
+#endif
+#endif
+
 int32_t kvref_isa_supported(int32_t isa) {
     switch (isa) {
     case KVREF_ISA_AUTO:
@@ -224,14 +245,26 @@ int32_t kvref_isa_supported(int32_t isa) {
     case KVREF_ISA_AVX512:
         return x86_has_avx512();
 #endif
+#if KVREF_NEON
+    case KVREF_ISA_NEON:
+        return 1; /* part of every AArch64 CPU */
+#endif
+#if KVREF_NEON_DOT
+    case KVREF_ISA_NEON_DOTPROD:
+        return arm_has_dotprod();
+    case KVREF_ISA_NEON_I8MM:
+        return arm_has_i8mm();
+#endif
     default:
         return 0;
     }
 }
 
 int32_t kvref_isa_best(void) {
-    if (kvref_isa_supported(KVREF_ISA_AVX512)) return KVREF_ISA_AVX512;
-    if (kvref_isa_supported(KVREF_ISA_AVX2)) return KVREF_ISA_AVX2;
+    static const int32_t best_first[] = {KVREF_ISA_AVX512, KVREF_ISA_AVX2, KVREF_ISA_NEON_I8MM, KVREF_ISA_NEON_DOTPROD,
+                                         KVREF_ISA_NEON};
+    for (size_t i = 0; i < sizeof best_first / sizeof best_first[0]; i++)
+        if (kvref_isa_supported(best_first[i])) return best_first[i];
     return KVREF_ISA_SCALAR;
 }
 
@@ -240,6 +273,13 @@ static const kvref_kernels *kernels_for(int32_t isa) {
 #if KVREF_X86
     case KVREF_ISA_AVX512: return x86_has_avx512vnni() ? &kvref_kernels_avx512_vnni : &kvref_kernels_avx512;
     case KVREF_ISA_AVX2: return &kvref_kernels_avx2;
+#endif
+#if KVREF_NEON
+    case KVREF_ISA_NEON: return &kvref_kernels_neon;
+#endif
+#if KVREF_NEON_DOT
+    case KVREF_ISA_NEON_DOTPROD: return &kvref_kernels_neon_dotprod;
+    case KVREF_ISA_NEON_I8MM: return &kvref_kernels_neon_i8mm;
 #endif
     default: return &kvref_kernels_scalar;
     }
@@ -251,22 +291,22 @@ static void stop_workers(kvref_pool *pool) {
     if (pool->n_started > 0) {
         atomic_store_explicit(&pool->stop, 1, memory_order_release);
         publish(pool);
-        for (int i = 0; i < pool->n_started; i++) pthread_join(pool->threads[i], NULL);
+        for (int i = 0; i < pool->n_started; i++) kvref_thread_join(pool->threads[i]);
         pool->n_started = 0;
     }
 }
 
 static void free_pool(kvref_pool *pool) {
     if (pool->scratch) {
-        for (int64_t i = 0; i < pool->n_threads; i++) free(pool->scratch[i]);
+        for (int64_t i = 0; i < pool->n_threads; i++) kvref_aligned_free(pool->scratch[i]);
         free(pool->scratch);
     }
-    free(pool->shared);
+    kvref_aligned_free(pool->shared);
     free(pool->threads);
     free(pool->workers);
-    pthread_cond_destroy(&pool->cv);
-    pthread_mutex_destroy(&pool->mu);
-    pthread_mutex_destroy(&pool->call_lock);
+    kvref_cond_destroy(&pool->cv);
+    kvref_mutex_destroy(&pool->mu);
+    kvref_mutex_destroy(&pool->call_lock);
     free(pool);
 }
 
@@ -274,7 +314,7 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
     if (out == NULL) return KVREF_ERR_NULL;
     *out = NULL;
     if (n_threads < 1 || n_threads > KVREF_MAX_THREADS) return KVREF_ERR_DIM;
-    if (isa < KVREF_ISA_AUTO || isa > KVREF_ISA_AVX512) return KVREF_ERR_VALUE;
+    if (isa < KVREF_ISA_AUTO || isa > KVREF_ISA_NEON_I8MM) return KVREF_ERR_VALUE;
     if (!kvref_isa_supported(isa)) return KVREF_ERR_ISA;
     if (isa == KVREF_ISA_AUTO) isa = kvref_isa_best();
 
@@ -283,9 +323,9 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
     pool->n_threads = n_threads;
     pool->isa = isa;
     pool->kernels = kernels_for(isa);
-    pthread_mutex_init(&pool->call_lock, NULL);
-    pthread_mutex_init(&pool->mu, NULL);
-    pthread_cond_init(&pool->cv, NULL);
+    kvref_mutex_init(&pool->call_lock);
+    kvref_mutex_init(&pool->mu);
+    kvref_cond_init(&pool->cv);
     atomic_init(&pool->generation, 0);
     atomic_init(&pool->sleepers, 0);
     atomic_init(&pool->stop, 0);
@@ -293,28 +333,22 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
     atomic_init(&pool->done, 0);
 
     pool->scratch = calloc((size_t)n_threads, sizeof(void *));
-    pool->threads = calloc((size_t)n_threads, sizeof(pthread_t));
+    pool->threads = calloc((size_t)n_threads, sizeof(kvref_thread));
     pool->workers = calloc((size_t)n_threads, sizeof(struct kvref_worker));
     if (pool->scratch == NULL || pool->threads == NULL || pool->workers == NULL) {
         free_pool(pool);
         return KVREF_ERR_NOMEM;
     }
-    /* Workers block every signal (they inherit the mask they are created with): a Ctrl-C must reach
-     * the thread that runs Python, whose blocking read (input(), a pipe) it interrupts. Delivered
-     * to a worker, it would only set Python's flag while the main thread slept on. */
-    sigset_t all, caller;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &caller);
+    /* workers never take a signal (kvref_thread_start): a Ctrl-C reaches the thread that runs Python */
     int status = KVREF_OK;
     for (int i = 1; i < n_threads && status == KVREF_OK; i++) {
         pool->workers[i].pool = pool;
         pool->workers[i].index = i;
-        if (pthread_create(&pool->threads[pool->n_started], NULL, worker_main, &pool->workers[i]) != 0)
+        if (kvref_thread_start(&pool->threads[pool->n_started], worker_main, &pool->workers[i]) != 0)
             status = KVREF_ERR_THREAD;
         else
             pool->n_started++;
     }
-    pthread_sigmask(SIG_SETMASK, &caller, NULL);
     if (status != KVREF_OK) {
         stop_workers(pool);
         free_pool(pool);
@@ -326,17 +360,17 @@ int kvref_pool_create(int64_t n_threads, int32_t isa, kvref_pool **out) {
 
 void kvref_pool_destroy(kvref_pool *pool) {
     if (pool == NULL) return;
-    pthread_mutex_lock(&pool->call_lock); /* let a running call finish */
+    kvref_mutex_lock(&pool->call_lock); /* let a running call finish */
     stop_workers(pool);
-    pthread_mutex_unlock(&pool->call_lock);
+    kvref_mutex_unlock(&pool->call_lock);
     free_pool(pool);
 }
 
 int64_t kvref_pool_threads(const kvref_pool *pool) { return pool ? pool->n_threads : 0; }
 int32_t kvref_pool_isa(const kvref_pool *pool) { return pool ? pool->isa : -1; }
 const kvref_kernels *kvref_pool_kernels(const kvref_pool *pool) { return pool->kernels; }
-void kvref_pool_lock(kvref_pool *pool) { pthread_mutex_lock(&pool->call_lock); }
-void kvref_pool_unlock(kvref_pool *pool) { pthread_mutex_unlock(&pool->call_lock); }
+void kvref_pool_lock(kvref_pool *pool) { kvref_mutex_lock(&pool->call_lock); }
+void kvref_pool_unlock(kvref_pool *pool) { kvref_mutex_unlock(&pool->call_lock); }
 
 static size_t round_up_64(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -344,9 +378,9 @@ int kvref_pool_reserve(kvref_pool *pool, size_t nbytes) {
     nbytes = round_up_64(nbytes < 64 ? 64 : nbytes);
     if (nbytes <= pool->scratch_bytes) return KVREF_OK;
     for (int64_t i = 0; i < pool->n_threads; i++) {
-        void *p = aligned_alloc(64, nbytes);
+        void *p = kvref_aligned_alloc(nbytes);
         if (p == NULL) return KVREF_ERR_NOMEM; /* buffers replaced so far are larger: still valid */
-        free(pool->scratch[i]);
+        kvref_aligned_free(pool->scratch[i]);
         pool->scratch[i] = p;
     }
     pool->scratch_bytes = nbytes;
@@ -358,9 +392,9 @@ void *kvref_pool_scratch(kvref_pool *pool, int thread) { return pool->scratch[th
 void *kvref_pool_shared(kvref_pool *pool, size_t nbytes) {
     nbytes = round_up_64(nbytes < 64 ? 64 : nbytes);
     if (nbytes > pool->shared_bytes) {
-        void *p = aligned_alloc(64, nbytes);
+        void *p = kvref_aligned_alloc(nbytes);
         if (p == NULL) return NULL;
-        free(pool->shared);
+        kvref_aligned_free(pool->shared);
         pool->shared = p;
         pool->shared_bytes = nbytes;
     }

@@ -166,7 +166,7 @@ def gguf_metadata() -> dict:
 # each instruction set's attention kernels: int8 scale groups narrower than a vector go to the
 # portable chunk kernels (csrc/scalar.c), whose summation order differs from the SIMD kernels'.
 NATIVE_KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
-ATTENTION_LANES = {"scalar": 1, "avx2": 8, "avx512": 16}
+ATTENTION_LANES = {"scalar": 1, "avx2": 8, "avx512": 16, "neon": 8, "neon_dotprod": 8, "neon_i8mm": 8}
 
 
 def reads_like_float_kv(isa: str, cache) -> bool:

@@ -1,16 +1,23 @@
 """The native module's build (kvref/native/build.py) beyond this machine's x86-64: the same C sources
-and flags build for aarch64, where the x86 kernel files compile to nothing and the scalar kernels
-are the kernel set (issue 4: one source tree that still builds on aarch64)."""
+and flags build for aarch64, where the x86 kernel files compile to nothing and the NEON kernel
+tables join the scalar one (issue 4: one source tree that still builds on aarch64; issue 25: NEON;
+whether those kernels compute the right values is tests/harness's, under qemu-aarch64); Clang (macOS's
+compiler) compiles them warning-clean for x86-64, aarch64 and Windows, and they call nothing Linux-only
+outside a Linux guard; MSVC gets MSVC's flags."""
 
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from kvref.native import build
 
+CLANG = shutil.which("clang")
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 NM = shutil.which("aarch64-linux-gnu-nm")
+OBJDUMP = shutil.which("aarch64-linux-gnu-objdump")
 
 
 def defined_symbols(obj) -> set[str]:
@@ -18,11 +25,24 @@ def defined_symbols(obj) -> set[str]:
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
 
-@pytest.mark.skipif(CROSS is None or NM is None, reason="needs the aarch64-linux-gnu cross toolchain")
-def test_the_c_sources_build_for_aarch64_with_only_the_portable_kernels(tmp_path, monkeypatch):
+def instructions_by_function(obj, mnemonics) -> dict[str, set[str]]:
+    """The functions of obj whose disassembly uses each of `mnemonics`."""
+    out = subprocess.run([OBJDUMP, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+    found, function = {m: set() for m in mnemonics}, None
+    for line in out.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+        elif "\t" in line and (fields := line.split("\t")) and len(fields) > 2 and fields[2].split()[0] in found:
+            found[fields[2].split()[0]].add(function)
+    return found
+
+
+@pytest.mark.skipif(CROSS is None or NM is None or OBJDUMP is None,
+                    reason="needs the aarch64-linux-gnu cross toolchain")
+def test_the_c_sources_build_for_aarch64_with_the_neon_tables_and_no_x86_kernels(tmp_path, monkeypatch):
     for name in ("KVREF_CFLAGS", "KVREF_SANITIZE"):  # host-specific flags (-march=native, ASan) stay out
         monkeypatch.delenv(name, raising=False)
-    cflags, ldflags = build.compiler_flags()
+    cflags, ldflags = build.compiler_flags(msvc=False)
     objects = {}
     for name in build.SOURCES:
         objects[name] = tmp_path / f"{name}.o"
@@ -34,6 +54,75 @@ def test_the_c_sources_build_for_aarch64_with_only_the_portable_kernels(tmp_path
                     "-o", str(library)], check=True)
     assert "kvref_kernels_scalar" in defined_symbols(objects["scalar.c"])
     assert defined_symbols(objects["kernels_avx2.c"]) == defined_symbols(objects["kernels_avx512.c"]) == set()
+    assert defined_symbols(objects["kernels_neon.c"]) == {"kvref_kernels_neon", "kvref_kernels_neon_dotprod",
+                                                          "kvref_kernels_neon_i8mm"}
+    # one build for every ARMv8-A core: sdot and smmla only in the functions the dotprod and i8mm tables hold
+    # (their target attributes), never in the plain NEON table's, which a Cortex-A53 runs
+    assert instructions_by_function(objects["kernels_neon.c"], ("sdot", "smmla")) == {
+        "sdot": {"attn_score_dotprod", "packed_dot_dotprod", "gemm_q8_dotprod"},
+        "smmla": {"packed_dot_i8mm", "gemm_q8_i8mm"}}
     api = set().union(*(defined_symbols(obj) for obj in objects.values()))
     assert {"kvref_pool_create", "kvref_forward", "kvref_attention", "kvref_matmul"} <= api
     assert library.stat().st_size > 0
+
+
+def test_msvc_gets_msvc_flags_and_no_gnu_ones(monkeypatch):
+    # setuptools compiles with MSVC on Windows: a GNU flag there (-O3, -Wall, -fvisibility) is an error or
+    # silently means something else
+    monkeypatch.delenv("KVREF_CFLAGS", raising=False)
+    monkeypatch.delenv("KVREF_SANITIZE", raising=False)
+    cflags, ldflags = build.compiler_flags(msvc=True)
+    assert {"/std:c11", "/experimental:c11atomics", "/O2"} <= set(cflags)
+    assert not [flag for flag in cflags + ldflags if flag.startswith("-")]
+    monkeypatch.setenv("KVREF_SANITIZE", "1")
+    with pytest.raises(RuntimeError, match="GCC or Clang"):
+        build.compiler_flags(msvc=True)
+
+
+# clang targets: this machine; aarch64, Apple silicon's architecture (with Debian's aarch64 headers: there
+# is no macOS SDK here); Windows (mingw-w64's headers), as clang-cl and mingw builds compile it. Each
+# needs the headers its cross gcc package installs.
+CLANG_TARGETS = [(None, None), ("aarch64-linux-gnu", "aarch64-linux-gnu-gcc"),
+                 ("x86_64-w64-mingw32", "x86_64-w64-mingw32-gcc")]
+
+
+@pytest.mark.skipif(CLANG is None, reason="needs clang: apt-get install clang")
+@pytest.mark.parametrize("target,headers", CLANG_TARGETS, ids=["host", "aarch64", "windows"])
+def test_the_c_core_compiles_warning_clean_with_clang(target, headers, monkeypatch):
+    if headers is not None and shutil.which(headers) is None:
+        pytest.skip(f"needs {headers}'s headers: apt-get install {'gcc-aarch64-linux-gnu' if 'aarch64' in headers else 'mingw-w64'}")
+    for name in ("KVREF_CFLAGS", "KVREF_SANITIZE"):
+        monkeypatch.delenv(name, raising=False)
+    cflags, _ = build.compiler_flags(msvc=False)
+    for name in build.SOURCES:
+        subprocess.run([CLANG, *([f"--target={target}"] if target else []), *cflags, "-Werror", "-fsyntax-only",
+                        "-I", str(build.CSRC), str(build.CSRC / name)], check=True)
+
+
+# calls and names only Linux has (macOS and the BSDs are POSIX without them): CPU affinity and counts,
+# auxiliary vector (hardware capabilities), futexes, /proc, Linux mmap and madvise flags
+LINUX_ONLY = {"getauxval", "sched_getaffinity", "sched_setaffinity", "pthread_setaffinity_np", "CPU_COUNT", "prctl",
+              "syscall", "futex", "get_nprocs", "sysinfo", "memfd_create", "MAP_POPULATE", "MAP_HUGETLB",
+              "MADV_HUGEPAGE", "proc"}
+
+
+def identifiers_from_csrc(preprocessed: str) -> set[str]:
+    """The identifiers of the preprocessed lines that come from csrc/ (the linemarkers name each line's
+    file), not from the system headers."""
+    names, ours = set(), False
+    for line in preprocessed.splitlines():
+        if marker := re.match(r'# \d+ "([^"]*)"', line):
+            ours = Path(marker.group(1)).resolve().parent == build.CSRC.resolve()
+        elif ours:
+            names |= set(re.findall(r"[A-Za-z_]\w*", line))  # string literals too: "/proc/cpuinfo" names proc
+    return names
+
+
+@pytest.mark.skipif(CLANG is None, reason="needs clang: apt-get install clang")
+def test_the_c_core_calls_nothing_linux_only_outside_a_linux_guard():
+    # preprocessed as a POSIX system that is not Linux sees it (macOS): the Linux macros undefined
+    for name in build.SOURCES:
+        out = subprocess.run([CLANG, "-std=c11", "-E", "-U__linux__", "-U__linux", "-Ulinux", "-U__gnu_linux__",
+                              "-I", str(build.CSRC), str(build.CSRC / name)], check=True, capture_output=True,
+                             text=True).stdout
+        assert not identifiers_from_csrc(out) & LINUX_ONLY, name

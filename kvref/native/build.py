@@ -38,7 +38,7 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CSRC = ROOT / "csrc"
-SOURCES = ["pool.c", "scalar.c", "kernels_avx2.c", "kernels_avx512.c", "matmul.c", "attention.c",
+SOURCES = ["pool.c", "scalar.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_neon.c", "matmul.c", "attention.c",
            "elementwise.c", "kvcache.c", "forward.c", "moe.c"]
 MODULE = "kvref.native._kvref"
 
@@ -69,8 +69,18 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def compiler_flags():
-    """(cflags, ldflags) for the C sources: KVREF_SANITIZE=1 builds with ASan/UBSan; KVREF_CFLAGS adds flags."""
+def compiler_flags(msvc: bool = sys.platform == "win32"):
+    """(cflags, ldflags) for the C sources: KVREF_SANITIZE=1 builds with ASan/UBSan; KVREF_CFLAGS adds flags.
+
+    On Windows setuptools compiles with MSVC, which takes none of the GNU flags: it gets C11 with MSVC's
+    C11 atomics (Visual Studio 2022 17.5 or later) and /O2. MSVC defines neither __GNUC__ nor __clang__,
+    so the AVX2 and AVX-512 files compile to nothing there (internal.h, KVREF_X86) and such a module runs
+    the scalar kernels; GCC and Clang builds for Windows (mingw-w64, as tests/harness builds the core and
+    runs it under wine) compile every kernel table. The sanitizer build needs GCC or Clang."""
+    if msvc:
+        if os.environ.get("KVREF_SANITIZE", "") not in ("", "0"):
+            raise RuntimeError("KVREF_SANITIZE=1 needs GCC or Clang (-fsanitize), not MSVC")
+        return ["/std:c11", "/experimental:c11atomics", "/O2", "/W3", *os.environ.get("KVREF_CFLAGS", "").split()], []
     if os.environ.get("KVREF_SANITIZE", "") not in ("", "0"):
         cflags = ["-std=c11", "-O1", "-g", "-fno-omit-frame-pointer",
                   "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
@@ -95,7 +105,7 @@ def make_builder(absolute_paths: bool = False) -> FFI:
         '#include "kvref.h"',
         sources=[path(CSRC / name) for name in SOURCES],
         include_dirs=[path(CSRC)],
-        depends=[path(CSRC / name) for name in ("kvref.h", "internal.h")],
+        depends=[path(CSRC / name) for name in ("kvref.h", "internal.h", "platform.h")],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
         libraries=["m", "pthread"] if sys.platform != "win32" else [],

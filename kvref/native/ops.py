@@ -44,8 +44,8 @@ kvref.native: Kernels.c_pool, check_status and check_weight exist for the fused 
 
 Threads: the module functions run on a shared pool per (threads, isa), created on first use with
 `threads` from the argument, else KVREF_THREADS (read once, at the first call; reset_default()
-re-reads it), else the CPUs this process may run on. KVREF_ISA (auto|scalar|avx2|avx512) forces
-an instruction set the same way. Results
+re-reads it), else the CPUs this process may run on. KVREF_ISA (auto|scalar|avx2|avx512 on
+x86-64, auto|scalar|neon|neon_dotprod|neon_i8mm on aarch64) forces an instruction set the same way. Results
 do not depend on the thread count (see csrc/kvref.h). `Kernels(threads=..., isa=...)` binds the
 same functions to one pool, for a backend that wants its own.
 """
@@ -75,8 +75,10 @@ from .descriptors import (KV_TYPES, KVDescriptor, cache_descriptor, in_place_pro
 WEIGHT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
                 GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.MXFP4)
 
+# narrowest first within each architecture (supported_isas keeps this order: the best is last)
 ISAS = {"auto": lib.KVREF_ISA_AUTO, "scalar": lib.KVREF_ISA_SCALAR, "avx2": lib.KVREF_ISA_AVX2,
-        "avx512": lib.KVREF_ISA_AVX512}
+        "avx512": lib.KVREF_ISA_AVX512, "neon": lib.KVREF_ISA_NEON, "neon_dotprod": lib.KVREF_ISA_NEON_DOTPROD,
+        "neon_i8mm": lib.KVREF_ISA_NEON_I8MM}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 _F32 = np.dtype(np.float32)

@@ -1,0 +1,63 @@
+"""The C kernel harness (tests/harness/kernels.c): every kernel table against the scalar table and the
+pool through kvref.h, built and run on this machine, for aarch64 under qemu-aarch64 once per dispatch path
+(QEMU_CPU=max has dotprod and i8mm, neoverse-n1 dotprod only, cortex-a53 neither), and for Windows
+(mingw-w64) under wine, which runs it on this CPU: every x86 table this CPU has. A target whose compiler or emulator is missing is skipped with the command that installs
+it; KVREF_REQUIRE_EMULATORS=1 (.ci/run sets it) makes that a failure instead."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
+import build as harness  # noqa: E402
+
+REQUIRE = os.environ.get("KVREF_REQUIRE_EMULATORS", "") not in ("", "0")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """target -> the harness built for it: every target whose tools are here, built together on first use
+    (the compilers of different targets overlap)"""
+    available = [t for t in harness.TARGETS if not harness.missing_tools(t)]
+    exes = {}
+
+    def get(target):
+        if target not in available:
+            message = f"needs {', '.join(harness.missing_tools(target))}: {harness.TARGETS[target].install}"
+            if REQUIRE:
+                pytest.fail(message)
+            pytest.skip(message)
+        if not exes:
+            exes.update(harness.build(available, tmp_path_factory.mktemp("harness")))
+        return exes[target]
+
+    return get
+
+
+def assert_all_ok(result):
+    report = result.stdout
+    assert result.returncode == 0, report + result.stderr
+    assert "FAIL" not in report and report.rstrip().endswith("all ok"), report
+    # the best table this CPU (or emulated CPU) has was checked kernel by kernel, unless it is the
+    # scalar table, the reference; its pool in any case
+    best = report.splitlines()[0].removeprefix("best instruction set: ")
+    if best != "scalar":
+        assert f"ok    {best} vec_dot q4_0 " in report and f"ok    {best} attn.score f16/f16 " in report, report
+    assert f"ok    {best} pool threads 1/2/4 matmul " in report, report
+    assert "ok    api wrong arguments status " in report, report
+
+
+def test_every_kernel_table_of_this_machine_equals_the_scalar_table_within_its_bounds(built):
+    assert_all_ok(harness.run("native", built("native")))
+
+
+@pytest.mark.parametrize("cpu", ["max", "neoverse-n1", "cortex-a53"])
+def test_every_aarch64_kernel_table_equals_the_scalar_table_under_qemu(built, cpu):
+    assert_all_ok(harness.run("aarch64", built("aarch64"), {"QEMU_CPU": cpu}))
+
+
+def test_every_kernel_table_of_the_windows_build_equals_the_scalar_table_under_wine(built):
+    # the Win32 thread pool (csrc/platform.h), _aligned_malloc, and the CPU detection of a Windows process
+    assert_all_ok(harness.run("windows", built("windows")))
