@@ -1,11 +1,10 @@
 /* pool.c: the persistent thread pool, run-time CPU detection, and the small query functions.
  *
  * A pool owns n_threads - 1 threads (pthreads, or Win32 threads: platform.h) that live until
- * kvref_pool_destroy. A kernel call publishes
- * a task (a function over units); the calling thread and every awake worker claim units one at a
- * time and run them. Idle workers spin briefly on a generation counter after each task (decode
- * issues hundreds of small calls per token, and a futex wake costs tens of microseconds), then
- * sleep on a condition variable.
+ * kvref_pool_destroy. A kernel call publishes a task (a function over units); the calling thread and
+ * every awake worker claim units one at a time and run them. Idle workers spin briefly on a
+ * generation counter after each task (decode issues hundreds of small calls per token, and a futex
+ * wake costs tens of microseconds), then sleep on a condition variable.
  *
  * The caller waits only for units that were claimed, never for a worker to show up: on a busy
  * machine where a worker is descheduled, the caller simply runs every unit itself. Claims go

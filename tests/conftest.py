@@ -13,6 +13,7 @@ import ctypes
 import functools
 import mmap
 import os
+import shutil
 import signal
 
 import hypothesis.strategies as st
@@ -52,6 +53,17 @@ OPTIONAL = {
 # an oracle that imports without these but fails at its first real use (transformers' GGUF and model
 # classes need torch): asking for it asks for them first, so it skips as they would
 NEEDS = {"transformers": ["torch"]}
+
+
+def require_tools(*tools: str, install: str) -> None:
+    """Skip the calling test unless every command in `tools` is on PATH, saying which are missing and the
+    command that installs them; with KVREF_REQUIRE_TOOLS=1 (.ci/run, which installs them) fail instead."""
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        message = f"needs {', '.join(missing)}: {install}"
+        if os.environ.get("KVREF_REQUIRE_TOOLS", "") not in ("", "0"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def require(name: str):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvref.native import build
+from tests.conftest import require_tools
 
 CLANG = shutil.which("clang")
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
@@ -37,9 +38,9 @@ def instructions_by_function(obj, mnemonics) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.skipif(CROSS is None or NM is None or OBJDUMP is None,
-                    reason="needs the aarch64-linux-gnu cross toolchain")
 def test_the_c_sources_build_for_aarch64_with_the_neon_tables_and_no_x86_kernels(tmp_path, monkeypatch):
+    require_tools("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-nm", "aarch64-linux-gnu-objdump",
+                  install="apt-get install gcc-aarch64-linux-gnu")
     for name in ("KVREF_CFLAGS", "KVREF_SANITIZE"):  # host-specific flags (-march=native, ASan) stay out
         monkeypatch.delenv(name, raising=False)
     cflags, ldflags = build.compiler_flags(msvc=False)
@@ -80,23 +81,23 @@ def test_msvc_gets_msvc_flags_and_no_gnu_ones(monkeypatch):
 
 
 # clang targets: this machine; aarch64, Apple silicon's architecture (with Debian's aarch64 headers: there
-# is no macOS SDK here); Windows (mingw-w64's headers), as clang-cl and mingw builds compile it. Each
-# needs the headers its cross gcc package installs.
-CLANG_TARGETS = [(None, None), ("aarch64-linux-gnu", "aarch64-linux-gnu-gcc"),
-                 ("x86_64-w64-mingw32", "x86_64-w64-mingw32-gcc")]
+# is no macOS SDK here); Windows (mingw-w64's headers), as clang-cl and mingw builds compile it. Each: its
+# --target, the cross gcc whose headers it borrows, and that gcc's package.
+CLANG_TARGETS = {"host": (None, None, None),
+                 "aarch64": ("aarch64-linux-gnu", "aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),
+                 "windows": ("x86_64-w64-mingw32", "x86_64-w64-mingw32-gcc", "mingw-w64")}
 
 
-@pytest.mark.skipif(CLANG is None, reason="needs clang: apt-get install clang")
-@pytest.mark.parametrize("target,headers", CLANG_TARGETS, ids=["host", "aarch64", "windows"])
-def test_the_c_core_compiles_warning_clean_with_clang(target, headers, monkeypatch):
-    if headers is not None and shutil.which(headers) is None:
-        pytest.skip(f"needs {headers}'s headers: apt-get install {'gcc-aarch64-linux-gnu' if 'aarch64' in headers else 'mingw-w64'}")
-    for name in ("KVREF_CFLAGS", "KVREF_SANITIZE"):
-        monkeypatch.delenv(name, raising=False)
+@pytest.mark.parametrize("name", CLANG_TARGETS)
+def test_the_c_core_compiles_warning_clean_with_clang(name, monkeypatch):
+    target, headers, package = CLANG_TARGETS[name]
+    require_tools("clang", *filter(None, [headers]), install=" ".join(filter(None, ["apt-get install clang", package])))
+    for variable in ("KVREF_CFLAGS", "KVREF_SANITIZE"):
+        monkeypatch.delenv(variable, raising=False)
     cflags, _ = build.compiler_flags(msvc=False)
-    for name in build.SOURCES:
+    for source in build.SOURCES:
         subprocess.run([CLANG, *([f"--target={target}"] if target else []), *cflags, "-Werror", "-fsyntax-only",
-                        "-I", str(build.CSRC), str(build.CSRC / name)], check=True)
+                        "-I", str(build.CSRC), str(build.CSRC / source)], check=True)
 
 
 # calls and names only Linux has (macOS and the BSDs are POSIX without them): CPU affinity and counts,
@@ -118,8 +119,8 @@ def identifiers_from_csrc(preprocessed: str) -> set[str]:
     return names
 
 
-@pytest.mark.skipif(CLANG is None, reason="needs clang: apt-get install clang")
 def test_the_c_core_calls_nothing_linux_only_outside_a_linux_guard():
+    require_tools("clang", install="apt-get install clang")
     # preprocessed as a POSIX system that is not Linux sees it (macOS): the Linux macros undefined
     for name in build.SOURCES:
         out = subprocess.run([CLANG, "-std=c11", "-E", "-U__linux__", "-U__linux", "-Ulinux", "-U__gnu_linux__",

@@ -1,19 +1,18 @@
 """The C kernel harness (tests/harness/kernels.c): every kernel table against the scalar table and the
 pool through kvref.h, built and run on this machine, for aarch64 under qemu-aarch64 once per dispatch path
 (QEMU_CPU=max has dotprod and i8mm, neoverse-n1 dotprod only, cortex-a53 neither), and for Windows
-(mingw-w64) under wine, which runs it on this CPU: every x86 table this CPU has. A target whose compiler or emulator is missing is skipped with the command that installs
-it; KVREF_REQUIRE_EMULATORS=1 (.ci/run sets it) makes that a failure instead."""
+(mingw-w64) under wine, which runs it on this CPU: every x86 table this CPU has. A target whose compiler
+or emulator is missing is skipped with the command that installs it (tests.conftest.require_tools)."""
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_tools
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 import build as harness  # noqa: E402
-
-REQUIRE = os.environ.get("KVREF_REQUIRE_EMULATORS", "") not in ("", "0")
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +23,8 @@ def built(tmp_path_factory):
     exes = {}
 
     def get(target):
-        if target not in available:
-            message = f"needs {', '.join(harness.missing_tools(target))}: {harness.TARGETS[target].install}"
-            if REQUIRE:
-                pytest.fail(message)
-            pytest.skip(message)
+        t = harness.TARGETS[target]
+        require_tools(t.compiler, *t.runner, install=t.install)
         if not exes:
             exes.update(harness.build(available, tmp_path_factory.mktemp("harness")))
         return exes[target]

@@ -50,7 +50,7 @@ TARGETS = {
 
 def missing_tools(target: str) -> list[str]:
     t = TARGETS[target]
-    return [tool for tool in (t.compiler, *t.runner[:1]) if shutil.which(tool) is None]
+    return [tool for tool in (t.compiler, *t.runner) if shutil.which(tool) is None]
 
 
 def cflags() -> list[str]:

@@ -1,20 +1,21 @@
 /* kernels.c: every kernel table this CPU and build can run, entry by entry, against the scalar table,
- * and the thread pool through the public API (kvref.h). A plain C program linked with the csrc sources, so it
- * runs where Python cannot: an aarch64 build under qemu-aarch64, a Windows build under wine
- * (tests/harness/build.py builds it, tests/test_harness.py runs it).
+ * and the thread pool through the public API (kvref.h). A plain C program linked with the csrc
+ * sources, so it runs where Python cannot: an aarch64 build under qemu-aarch64, a Windows build under
+ * wine (tests/harness/build.py builds it, tests/test_harness.py runs it).
  *
  * The tables are found through the pool (kvref_pool_create(1, isa) for every isa id until the pool
  * refuses the id as out of range), so a new instruction set's table is checked as soon as the pool
- * dispatches to it; ISA_NAMES only gives it a name in the report.
+ * dispatches to it; ISA_NAMES only gives it a name in the report. The scalar table is the reference:
+ * only its pool is checked.
  *
  * Bounds are those of tests/test_native.py and the kernel comments of csrc/internal.h: bit for bit where
  * they say every table computes the same bits (dequant, vec_dot_rows against the table's own vec_dot,
  * tile_columns, the I8 score, packed_dot, quantize_q8, gemm_q8, q8_tile, read_sum, to_fp16), else the
  * float32 rounding bound of the two orders of operations. u, gamma(n) and UNDERFLOW_SLACK are
- * kvref/tolerance.py's. The inputs are seeded: a run is the same run on every machine.
+ * kvref/tolerance.py's. The inputs come from a seeded generator: a run repeats itself.
  *
- * One line per (table, kernel, type): "ok", or "FAIL" with the first mismatch; the exit status is 1 if
- * any line failed. */
+ * One line per (table, kernel, type): "ok", "FAIL" with the first mismatch, or "--" for what is not
+ * there to check; the exit status is 1 if any line failed. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
