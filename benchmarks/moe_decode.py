@@ -9,8 +9,8 @@ heads and 4 kv heads of 128 with QK-norm, 128 experts of width 768 of which 8 ru
 stack in --type blocks (random quants, scales chosen so values have a std of ~0.02), and runs `kvref bench`
 on it (bench.run: prefill, decode, the split by kernel family, the experts' bytes read per token beside the
 active experts' bytes, the roofline). No file is written and no other engine runs: this measures how
-close the native kernels' expert projections come to the read bandwidth, not llama.cpp's speed (issue
-27's item 5 asks for a GGUF of these shapes beside llama.cpp).
+close the native kernels' expert projections come to the read bandwidth, not llama.cpp's speed (for a
+GGUF of these shapes that llama.cpp also runs: synthetic.py --shapes qwen3-30b-a3b-4l, then compare.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Bench models of real shapes: random-weight GGUF files with the exact tensor shapes of released models.
 
     PYTHONPATH=. /work/llama-venv/bin/python benchmarks/synthetic.py [--shapes llama3.2-1b llama3.2-3b qwen2.5-1.5b
-        llama3.1-8b] [--types Q4_K_M Q4_0 Q8_0 Q6_K] [--out /work/bench-models] [--tokenizer GGUF] [--keep-f16]
+        llama3.1-8b qwen3-30b-a3b-4l] [--types Q4_K_M Q4_0 Q8_0 Q6_K] [--out /work/bench-models] [--tokenizer GGUF]
+        [--keep-f16]
     PYTHONPATH=. /work/llama-venv/bin/python benchmarks/synthetic.py --check FILE...
 
 writes OUT/<shape>-<type>.gguf for each shape and type (issue 24), then checks each: kvref (native
@@ -13,13 +14,24 @@ does for a real model (Q4_K_M: Q6_K for the LM head or the tied embedding and fo
 projections). The f16 file is deleted afterwards unless --keep-f16.
 
 What is real: every tensor name and shape, the vocabulary size (the embedding and LM head are a fifth
-of a 1B model's bytes), tied or untied embeddings, Q/K/V biases (Qwen 2.5), the RoPE base and Llama 3's
-RoPE scaling (a rope_freqs.weight tensor of divisors, computed as llama.cpp's converter does). What is
-not: the weights, drawn from a normal distribution (std 0.02 for matrices and embeddings, norm gains 1,
+of a 1B model's bytes), tied or untied embeddings, Q/K/V biases (Qwen 2.5), QK-norm (Qwen 3), the RoPE
+base and Llama 3's RoPE scaling (a rope_freqs.weight tensor of divisors, computed as llama.cpp's
+converter does), and for a mixture of experts (issue 27) the expert count, the experts used per token,
+the expert width and the router (ffn_gate_inp, f32). qwen3-30b-a3b-4l is Qwen3-30B-A3B with 4 of its 48
+layers, so that the f16 file (5.8 GiB) and the quantized ones fit this machine. What is not: the
+weights, drawn from a normal distribution (std 0.02 for matrices, routers and embeddings, norm gains 1,
 biases std 0.02) so that activations stay finite in every engine, and the tokenizer, which is the
 tokenizer GGUF's (default: kvref's default model, SmolLM2) padded with unused filler tokens up to the
 real vocabulary size. These files measure speed and memory only; the text they generate means
 nothing, and accuracy is measured on the real models.
+
+Random weights route alike: with embeddings of std 0.02 the attention outputs dominate every position's
+residual stream, so a 64-token prompt of qwen3-30b-a3b-4l reached only 37-90 of the 128 experts per layer
+and greedy decoding repeated one token whose steps shared 7.1-7.5 of their 8 experts. Scaling the router
+cannot help (top-k is unchanged by a common scale), so the MoE shape, whose LM head is its own matrix, has
+embeddings of std 1 (Shape.embedding_std): each position's own token then dominates, the same prompt
+reaches 90-120 experts per layer, and decoding walks through distinct tokens whose consecutive steps
+share 0.6-1.5 of 8 experts (uniform choice: 0.5).
 
 Needs the gguf and llama-cpp-python packages (the benchmark venv's, never kvref's runtime dependencies)
 and kvref importable there (PYTHONPATH=. with its native module built, its dependencies installed).
@@ -60,6 +72,11 @@ class Shape:
     tie_embeddings: bool
     qkv_bias: bool = False
     llama3_rope_factor: float | None = None  # rope_scaling {"rope_type": "llama3", "factor": ...}
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm gains over each head (Qwen 3)
+    n_experts: int = 0  # a mixture of experts when > 0: every layer's FFN is n_experts experts and a router
+    n_experts_used: int = 0
+    expert_d_ff: int = 0
+    embedding_std: float = WEIGHT_STD  # of token_embd.weight when the LM head is its own matrix
 
 
 LLAMA3_VOCAB, QWEN25_VOCAB = 128256, 151936
@@ -72,7 +89,11 @@ SHAPES = {
                           qkv_bias=True),
     "llama3.1-8b": Shape("llama", 32, 4096, 32, 8, 128, 14336, LLAMA3_VOCAB, 131072, 500000.0, 1e-5, False,
                          llama3_rope_factor=8.0),
+    # Qwen3-30B-A3B's layers (issue 27 item 5), 4 of its 48 so that the f16 file (5.8 GiB) fits this machine
+    "qwen3-30b-a3b-4l": Shape("qwen3moe", 4, 2048, 32, 4, 128, 6144, QWEN25_VOCAB, 40960, 1000000.0, 1e-6, False,
+                              qk_norm=True, n_experts=128, n_experts_used=8, expert_d_ff=768, embedding_std=1.0),
 }
+ROUTER = "ffn_gate_inp.weight"  # kept in f32 as llama.cpp's converter writes it, and its quantizer leaves it
 
 
 def llama3_rope_divisors(shape: Shape) -> np.ndarray:
@@ -102,10 +123,17 @@ def tensor_shapes(shape: Shape) -> dict:
         out["rope_freqs.weight"] = (shape.head_dim // 2,)
     for i in range(shape.n_layers):
         block = {"attn_norm.weight": (E,), "attn_q.weight": (q_dim, E), "attn_k.weight": (kv_dim, E),
-                 "attn_v.weight": (kv_dim, E), "attn_output.weight": (E, q_dim), "ffn_norm.weight": (E,),
-                 "ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)}
+                 "attn_v.weight": (kv_dim, E), "attn_output.weight": (E, q_dim), "ffn_norm.weight": (E,)}
+        if shape.n_experts:
+            X, Fx = shape.n_experts, shape.expert_d_ff
+            block.update({"ffn_gate_inp.weight": (X, E), "ffn_gate_exps.weight": (X, Fx, E),
+                          "ffn_up_exps.weight": (X, Fx, E), "ffn_down_exps.weight": (X, E, Fx)})
+        else:
+            block.update({"ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)})
         if shape.qkv_bias:
             block.update({"attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,)})
+        if shape.qk_norm:
+            block.update({"attn_q_norm.weight": (shape.head_dim,), "attn_k_norm.weight": (shape.head_dim,)})
         out.update({f"blk.{i}.{name}": dims for name, dims in block.items()})
     out["output_norm.weight"] = (E,)
     if not shape.tie_embeddings:
@@ -119,8 +147,9 @@ def random_tensor(name: str, dims: tuple, shape: Shape, rng: np.random.Generator
         return llama3_rope_divisors(shape)
     if name.endswith("norm.weight"):
         return np.ones(dims, dtype=np.float32)
-    values = rng.standard_normal(dims, dtype=np.float32) * np.float32(WEIGHT_STD)
-    return values if name.endswith(".bias") else values.astype(np.float16)
+    std = shape.embedding_std if name == "token_embd.weight" else WEIGHT_STD
+    values = rng.standard_normal(dims, dtype=np.float32) * np.float32(std)
+    return values if name.endswith(".bias") or name.endswith(ROUTER) else values.astype(np.float16)
 
 
 def tokenizer_fields(path: Path, vocab_size: int) -> list:
@@ -158,12 +187,16 @@ def write_f16(shape_name: str, shape: Shape, tokenizer: Path, path: Path, seed: 
                "key_length": shape.head_dim, "value_length": shape.head_dim,
                "rope_dimension_count": shape.head_dim, "rope_freq_base": shape.rope_theta,
                "layer_norm_rms_eps": shape.norm_eps, "vocab_size": shape.vocab_size}
+    if shape.n_experts:
+        numbers.update({"expert_count": shape.n_experts, "expert_used_count": shape.n_experts_used,
+                        "expert_feed_forward_length": shape.expert_d_ff})
     for name, value in numbers.items():  # GGUFWriter.add_<name> writes <architecture>.<its key>
         getattr(writer, f"add_{name}")(value)
     for key, value, vtype, item_type in tokenizer_fields(tokenizer, shape.vocab_size):
         writer.add_key_value(key, value, vtype, sub_type=item_type)
     shapes = tensor_shapes(shape)
-    dtypes = {name: np.float32 if len(dims) == 1 else np.float16 for name, dims in shapes.items()}
+    dtypes = {name: np.float32 if len(dims) == 1 or name.endswith(ROUTER) else np.float16
+              for name, dims in shapes.items()}
     for name, dims in shapes.items():
         writer.add_tensor_info(name, dims, np.dtype(dtypes[name]), int(np.prod(dims)) * np.dtype(dtypes[name]).itemsize)
     writer.write_header_to_file()
