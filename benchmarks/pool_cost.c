@@ -18,23 +18,17 @@
 
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "internal.h"
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
+#include "platform.h"
 
 static void empty_unit(void *ctx, int64_t unit, int thread) { (void)ctx, (void)unit, (void)thread; }
 
 /* a unit of `*(int64_t *)ctx` ns of spinning */
 static void busy_unit(void *ctx, int64_t unit, int thread) {
     (void)unit, (void)thread;
-    const int64_t t0 = now_ns();
-    while (now_ns() - t0 < *(const int64_t *)ctx) {
+    const int64_t t0 = kvref_now_ns();
+    while (kvref_now_ns() - t0 < *(const int64_t *)ctx) {
     }
 }
 
@@ -47,9 +41,9 @@ typedef struct {
 
 static void handoff_unit(void *ctx, int64_t unit, int thread) {
     handoff *h = ctx;
-    h->start[unit] = now_ns();
+    h->start[unit] = kvref_now_ns();
     h->thread[unit] = thread;
-    while (now_ns() - h->start[unit] < 2000000) {
+    while (kvref_now_ns() - h->start[unit] < 2000000) {
     }
 }
 
@@ -66,9 +60,9 @@ static int64_t median(int64_t *v, int n) {
 /* median ns of one run of `units` units of `fn`, `rounds` runs back to back */
 static int64_t run_cost(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t units, int rounds, int64_t *t) {
     for (int r = 0; r < rounds; r++) {
-        const int64_t t0 = now_ns();
+        const int64_t t0 = kvref_now_ns();
         kvref_pool_run(pool, fn, ctx, units);
-        t[r] = now_ns() - t0;
+        t[r] = kvref_now_ns() - t0;
     }
     return median(t, rounds);
 }
@@ -78,12 +72,12 @@ static int64_t run_cost(kvref_pool *pool, kvref_task_fn fn, void *ctx, int64_t u
 static int64_t handoff_cost(kvref_pool *pool, int64_t pause_ns, int rounds, int64_t *t) {
     int n = 0;
     for (int r = 0; r < rounds; r++) {
-        const int64_t until = now_ns() + pause_ns;
-        while (now_ns() < until) {
+        const int64_t until = kvref_now_ns() + pause_ns;
+        while (kvref_now_ns() < until) {
             if (pause_ns > 100000) nanosleep(&(struct timespec){0, 100000}, NULL);
         }
         handoff h = {{0, 0}, {-1, -1}};
-        const int64_t t0 = now_ns();
+        const int64_t t0 = kvref_now_ns();
         kvref_pool_run(pool, handoff_unit, &h, 2);
         for (int u = 0; u < 2; u++)
             if (h.thread[u] > 0) t[n++] = h.start[u] - t0;
