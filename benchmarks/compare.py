@@ -30,6 +30,13 @@ Cases (the targets of issue 4; --context, --new-tokens etc. change the sizes):
            sequence id per row, in a second context with n_seq_max = --batch; others: not run)
   context  the cache is filled with 4096 positions by prefills of 512 (not timed; its rate is reported as
            "fill"), then 64 decode steps are timed (llama-bench's `-d 4096 -n 64`)
+Roofline: each round also runs a probe worker per thread count (`kvref bench`'s fixed read probe, the
+native kernels' vector loads over a buffer 4x the last-level cache, with T threads) and counts the bytes
+a decode step must read: the file's weights (kvref.tools.machine.weight_bytes_per_token on the exact
+mode's load: every tensor but the embedding table, one embedding row, the active experts) plus the f16
+K/V the step attends to. Each decode and context rate times those bytes, over that round's probe
+bandwidth, is the fraction of the roofline the engine reached; the report gives its median over rounds.
+The same bytes count for every engine: what the file holds, not what an engine repacks it into.
 A decode step is, for every engine: the forward over the token just selected, then the argmax of the
 last logits (greedy, the end token ignored). Every engine gets the same token ids (kvref's tokenizer on
 PASSAGE of kvref.tools.bench, repeated); each worker warms up (8-token prompt, 4 steps) before timing.
@@ -315,6 +322,22 @@ def worker(args) -> dict:
     return out
 
 
+def probe_worker(args) -> dict:
+    """The roofline's two halves at this thread count: the probe's read bandwidth, and the bytes a decode
+    and a context step read (weights of the file, f16 K/V at the case's average cached positions)."""
+    import kvref
+    from kvref.tools import machine
+
+    model = kvref.load(model_file(args.model), backend="c", threads=args.threads[0], activations="float32")
+    roof = machine.read_bandwidth(model)
+    weights = machine.weight_bytes_per_token(model)
+    positions = {"decode": args.prompt_tokens + args.new_tokens / 2, "context": args.context + args.context_steps / 2}
+    return {"engine": "probe", "threads": args.threads[0], "bandwidth_gb_s": roof["bandwidth_gb_s"],
+            "range_gb_s": roof["range_gb_s"], "probe_bytes": roof["probe_bytes"], "weight_bytes": weights,
+            "step_bytes": {case: weights + machine.kv_bytes_per_token(model, n, "float16")
+                           for case, n in positions.items()}}
+
+
 def model_file(path):
     from kvref.loader import model_path
 
@@ -429,7 +452,7 @@ def main():
     if args.quick:
         args.rounds, args.new_tokens, args.prefill_tokens, args.context, args.context_steps = 1, 16, 64, 256, 8
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(json.dumps(probe_worker(args) if args.worker == "probe" else worker(args)))
         return
 
     env = environment()
@@ -445,10 +468,16 @@ def main():
           f"{' + ' + str(len(env['modified_files'])) + ' modified files' if env['modified_files'] else ''}; "
           f"load average {env['load_avg_start'][0]:.2f}; CPU {describe_cpu(env['cpu'])}", file=sys.stderr)
     started = time.perf_counter()
-    runs = []
+    runs, probes = [], []
     for r in range(args.rounds):
         order = engines[r % len(engines):] + engines[:r % len(engines)] if engines else []
         for threads in args.threads:
+            probe = run_worker("probe", threads, args) if engines and installed("kvref-c") is None else None
+            if probe is not None:
+                probe["round"] = r + 1
+                probes.append(probe)
+                print(f"round {r + 1}/{args.rounds}: read probe   {threads} thread(s): "
+                      f"{probe['bandwidth_gb_s']:.1f} GB/s", file=sys.stderr)
             for engine in order:
                 t0 = time.perf_counter()
                 load = os.getloadavg()[0]
@@ -473,6 +502,9 @@ def main():
                     medians[(case, threads, engine)] = statistics.median(rates)
                     best[(case, threads, engine)] = max(rates)
     print(report(medians, runs, engines, args, env, elapsed))
+    roof = rooflines(runs, probes, engines, args)
+    if roof:
+        print(roof)
     if args.rounds > 1:
         print(table(best, engines, args, "\nbest round (the least disturbed by other processes; a round another "
                     "process slowed shows as a gap between this table and the medians)"))
@@ -481,7 +513,7 @@ def main():
             "environment": env, "elapsed_s": elapsed, "settings": {k: v for k, v in vars(args).items() if k != "worker"},
             "medians": [{"case": c, "threads": t, "engine": e, "tok_s": v, "best_tok_s": best[(c, t, e)]}
                         for (c, t, e), v in medians.items()],
-            "runs": runs}, indent=1))
+            "runs": runs, "probes": probes}, indent=1))
 
 
 def describe_cpu(c) -> str:
@@ -492,21 +524,23 @@ def describe_cpu(c) -> str:
 def table(medians, engines, args, title) -> str:
     """Rows of tok/s per (case, threads), a column per engine, then each engine / llama.cpp."""
     lines = [title]
-    head = f"{'case':<24}{'threads':>8}" + "".join(f"{e:>14}" for e in engines)
+    width = {e: max(14, len(e) + 2) for e in engines}  # a column per engine, wide enough for its name
+    ratio_width = {e: max(20, len(e) + 8) for e in engines}
+    head = f"{'case':<24}{'threads':>8}" + "".join(f"{e:>{width[e]}}" for e in engines)
     others = [e for e in engines if e != "llama.cpp"]
     if "llama.cpp" in engines:
-        head += "  |" + "".join(f"{e + '/llama':>20}" for e in others)
+        head += "  |" + "".join(f"{e + '/llama':>{ratio_width[e]}}" for e in others)
     lines.append(head)
     for case in args.cases:
         for threads in args.threads:
             row = f"{case_label(case, args):<24}{threads:>8}"
-            row += "".join(f"{medians[(case, threads, e)]:>14.1f}" if (case, threads, e) in medians else f"{'-':>14}"
-                           for e in engines)
+            row += "".join(f"{medians[(case, threads, e)]:>{width[e]}.1f}" if (case, threads, e) in medians
+                           else f"{'-':>{width[e]}}" for e in engines)
             base = medians.get((case, threads, "llama.cpp"))
             if "llama.cpp" in engines:
                 row += "  |" + "".join(
-                    f"{medians[(case, threads, e)] / base:>19.2f}x" if base and (case, threads, e) in medians
-                    else f"{'-':>20}" for e in others)
+                    f"{medians[(case, threads, e)] / base:>{ratio_width[e] - 1}.2f}x"
+                    if base and (case, threads, e) in medians else f"{'-':>{ratio_width[e]}}" for e in others)
             lines.append(row)
     return "\n".join(lines)
 
@@ -538,6 +572,29 @@ def report(medians, runs, engines, args, env, elapsed) -> str:
     agree = first_tokens(runs, engines)
     if agree:
         lines.append("greedy decode tokens equal to kvref-numpy's (of the first 32): " + agree)
+    return "\n".join(lines)
+
+
+def rooflines(runs, probes, engines, args) -> str:
+    """Per decode case and thread count: the probe's median bandwidth, the bytes a step reads, and each
+    engine's median fraction of the roofline (its rate x those bytes / its round's probe bandwidth)."""
+    lines = []
+    for case in ("decode", "context"):
+        for threads in args.threads:
+            got = {x["round"]: x for x in probes if x["threads"] == threads}
+            if case not in args.cases or not got:
+                continue
+            bandwidth = statistics.median(x["bandwidth_gb_s"] for x in got.values())
+            step = next(iter(got.values()))["step_bytes"][case]
+            parts = []
+            for e in engines:
+                fractions = [x[case]["tok_s"] * step / (got[x["round"]]["bandwidth_gb_s"] * 1e9) for x in runs
+                             if x["engine"] == e and x["threads"] == threads and case in x and x["round"] in got]
+                if fractions:
+                    parts.append(f"{e} {100 * statistics.median(fractions):.0f} %")
+            lines.append(f"roofline, {case_label(case, args)}, {threads} thread(s): probe {bandwidth:.1f} GB/s "
+                         f"(median of {len(got)} round(s)), a step reads {step / 2**20:.1f} MiB (the file's weights "
+                         f"+ f16 K/V); reached: " + ", ".join(parts))
     return "\n".join(lines)
 
 
