@@ -243,10 +243,10 @@ class FusedForward:
         self._keep.append(a)
         return ffi.cast(ctype, ffi.from_buffer(a))
 
-    def _pinned(self, a):
+    def _pinned(self, a, copy=False):
         """a when nothing public can free, resize or write its memory (kvref.weights.pin), its pin
-        kept; otherwise a read-only copy only this object holds."""
-        owner = pin(a)
+        kept; otherwise, or with `copy`, a read-only copy only this object holds."""
+        owner = None if copy else pin(a)
         if owner is None:
             a = owner = np.array(a, order="C")  # a copy, aligned
             a.flags.writeable = False
@@ -261,7 +261,9 @@ class FusedForward:
             raise DTypeError(f"{name} has dtype {g.dtype}; expected a float array")
         if g.dtype == np.float32 and not g.flags.aligned:  # C reads it as float *
             raise ShapeError(f"{name} is not aligned to its dtype (address {g.ctypes.data:#x}); pass a copy")
-        g = self._pinned(np.ascontiguousarray(g, dtype=np.float32))
+        # copied in the int8 mode: read in the file, a vector maps the page-cache folio around it back in,
+        # pages of the packed projections beside it that were released once packed
+        g = self._pinned(np.ascontiguousarray(g, dtype=np.float32), copy=self.activations == "int8")
         return ffi.cast("const float *", ffi.from_buffer(g))
 
     def _tensor(self, dst, w, name, projection=False):

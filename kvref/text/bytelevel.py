@@ -81,7 +81,7 @@ class ByteLevelBPE:
         self.pre = pre
         self._ranks = MergeRanks(merges, self.ids, len(tokens))
         if not ignore_merges:  # else a word may be any token whole
-            self.ids = self._ranks.narrow(specials)
+            self.ids = self._ranks.narrow(tokens, specials)
         self._patterns = tuple(_compile(p) for p in split_patterns)
         self._nfc = nfc
         self._ignore_merges = ignore_merges

@@ -66,7 +66,7 @@ class SentencePieceBPE:
         else:
             ranks = MergeRanks(merges, self.ids, len(tokens))
             if not ignore_merges:  # else a word may be any token whole
-                self.ids = ranks.narrow(texts_of_types(tokens, token_types, SPECIAL_TYPES))
+                self.ids = ranks.narrow(tokens, texts_of_types(tokens, token_types, SPECIAL_TYPES))
             self._rank = ranks.rank
         self._word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._encode_word)
 

@@ -6,6 +6,8 @@ import array
 import itertools
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from ..errors import TokenizerError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type); a tokenizer.json maps onto them
@@ -31,21 +33,29 @@ class TokenTexts(Sequence):
     as one bytes object: token i's UTF-8 at [ends[i], ends[i + 1]). ~9 bytes a token beside its text,
     against ~60-100 for a str object and a list slot: 128,256 tokens take ~2 MB instead of ~9."""
 
-    def __init__(self, tokens: Iterable[str]):
+    def __init__(self, tokens: list[str]):
         # surrogatepass: a tokenizer.json may hold a lone surrogate, which comes back as it was
-        self._utf8, self._ends = packed([t.encode("utf-8", "surrogatepass") for t in tokens])
+        self._utf8 = "".join(tokens).encode("utf-8", "surrogatepass")
+        # where each token ends: at the start of the character after its last, counted in one pass
+        # over the UTF-8 (a character starts at every byte but a continuation byte 0b10xxxxxx)
+        starts = np.flatnonzero(np.frombuffer(self._utf8, dtype=np.uint8) & 0xC0 != 0x80)  # [characters]
+        chars = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))  # [V]
+        ends = np.append(starts, len(self._utf8))[np.cumsum(chars)]  # [V]
+        self._ends = np.append(0, ends).astype(np.uint32 if len(self._utf8) < 2**32 else np.int64)  # [V + 1]
+        self._n = len(tokens)
 
     def __len__(self) -> int:
-        return len(self._ends) - 1
+        return self._n
 
     def __getitem__(self, i: int) -> str:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"token id {i} is outside the vocabulary [0, {len(self)})")
-        i %= len(self)
+        if not -self._n <= i < self._n:
+            raise IndexError(f"token id {i} is outside the vocabulary [0, {self._n})")
+        if i < 0:
+            i += self._n
         return self._utf8[self._ends[i]:self._ends[i + 1]].decode("utf-8", "surrogatepass")
 
     def __iter__(self) -> Iterator[str]:
-        return map(self.__getitem__, range(len(self)))
+        return map(self.__getitem__, range(self._n))
 
 
 def texts_of_types(tokens: Sequence[str], token_types: Sequence[int], types: Collection[int]) -> set[str]:
@@ -99,12 +109,17 @@ class MergeRanks:
             return self._rank[merged]
         return self._later_split(merged, len(left))
 
-    def narrow(self, keep: Collection[str]) -> dict[str, int]:
-        """The entries of the text -> id map this was built with that BPE by these merges looks up, and
-        `keep`; rank() reads that map from now on. A word starts as single characters, and only a
-        merge makes a longer symbol: any other token (llama.cpp's [PAD] fillers, a file's unused
-        ids) is looked up by nothing, and each leaves out ~150 bytes of str, int and dict entry."""
-        self._ids = {text: i for text, i in self._ids.items() if len(text) == 1 or self._left[i] or text in keep}
+    def narrow(self, tokens: list[str], keep: Collection[str]) -> dict[str, int]:
+        """The entries of the text -> id map this was built with (from `tokens`) that BPE by these
+        merges looks up, and `keep`; rank() reads that map from now on. A word starts as single
+        characters, and only a merge makes a longer symbol: any other token (llama.cpp's [PAD]
+        fillers, a file's unused ids) is looked up by nothing, and each leaves out ~150 bytes of str,
+        int and dict entry. A merge's token is the id the map gives its text (a later duplicate)."""
+        ids = self._ids
+        made = np.flatnonzero(np.frombuffer(self._left, dtype=np.int32))  # ids of tokens merges make
+        single = np.flatnonzero(np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens)) == 1)
+        self._ids = {tokens[i]: i for i in made.tolist()}
+        self._ids.update((text, ids[text]) for text in (*(tokens[i] for i in single.tolist()), *keep))
         return self._ids
 
     def _later_split(self, merged: int, left_length: int) -> int | None:
