@@ -339,7 +339,7 @@ def test_llama_bpe_encodes_as_hf_tokenizers_with_llama3s_pre_tokenizer(data):
 
 # Bytes a GGUF tokenizer holds per vocabulary entry once its metadata is gone, the token texts
 # included, on SmolLM2's 49,152 tokens and 48,900 merges padded with unused filler tokens to Llama 3's
-# 128,256, as benchmarks/synthetic.py writes its bench files: 102 on CPython 3.11 (12.5 MiB). A filler
+# 128,256, as benchmarks/synthetic.py writes its bench files: 104 on CPython 3.11 (12.7 MiB). A filler
 # is its text and bytes in two shared bytes objects, their ends, a type byte and MergeRanks' arrays
 # (~45 bytes); a real token also a str, an id and an entry in the encoder's map. A str per token in a
 # list and in the map, as before, came to 174 (21.3 MiB): issue 24's budget of file + cache + 60 MB

@@ -98,7 +98,9 @@ class ByteLevelBPE:
         """What a token decodes to: special tokens are plain text; the others are byte characters. A
         token with a character outside the byte table decodes as its own UTF-8, as in HF's ByteLevel
         decoder."""
-        if token_type in SPECIAL_TYPES:
+        # ASCII text is its own bytes either way: printable ASCII characters stand for themselves in the
+        # table, and a text with another one is outside it
+        if token_type in SPECIAL_TYPES or text.isascii():
             return text.encode("utf-8")
         try:
             return bytes([CHAR_TO_BYTE[c] for c in text])

@@ -35,13 +35,7 @@ class TokenTexts(Sequence):
 
     def __init__(self, tokens: list[str]):
         # surrogatepass: a tokenizer.json may hold a lone surrogate, which comes back as it was
-        self._utf8 = "".join(tokens).encode("utf-8", "surrogatepass")
-        # where each token ends: at the start of the character after its last, counted in one pass
-        # over the UTF-8 (a character starts at every byte but a continuation byte 0b10xxxxxx)
-        starts = np.flatnonzero(np.frombuffer(self._utf8, dtype=np.uint8) & 0xC0 != 0x80)  # [characters]
-        chars = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))  # [V]
-        ends = np.append(starts, len(self._utf8))[np.cumsum(chars)]  # [V]
-        self._ends = np.append(0, ends).astype(np.uint32 if len(self._utf8) < 2**32 else np.int64)  # [V + 1]
+        self._utf8, self._ends = packed([t.encode("utf-8", "surrogatepass") for t in tokens])
         self._n = len(tokens)
 
     def __len__(self) -> int:
@@ -60,7 +54,9 @@ class TokenTexts(Sequence):
 
 def texts_of_types(tokens: Sequence[str], token_types: Sequence[int], types: Collection[int]) -> set[str]:
     """The texts of the tokens whose type is one of `types` (each text read only for those)."""
-    return {tokens[i] for i, kind in enumerate(token_types) if kind in types}
+    wanted = np.zeros(256, dtype=bool)  # [type] one of `types`
+    wanted[list(types)] = True
+    return {tokens[i] for i in np.flatnonzero(wanted[np.asarray(token_types, dtype=np.uint8)]).tolist()}
 
 
 def token_ids(tokens: list[str]) -> dict[str, int]:
