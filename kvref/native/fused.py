@@ -204,7 +204,11 @@ class FusedForward:
         if c.n_experts:
             desc.router = router_descriptor(decoder.router(c), c.n_experts)[0]
             desc.expert_d_ff, desc.shared_d_ff = c.experts_d_ff, c.shared_expert_d_ff
-        self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
+        if weights.tok_embeddings is weights.output:  # tied: one table, which C knows by its address
+            for field in ("data", "nbytes", "type", "rows", "cols"):  # not `packed`: the head's, read by C for rows
+                setattr(desc.tok_embeddings, field, getattr(desc.output, field))
+        else:
+            self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")
         desc.layers = layers
         out = ffi.new("kvref_model **")
