@@ -136,12 +136,22 @@ static void for_each_row(const fw *f, row_fn fn) {
     kvref_pool_run(f->pool, rows_task, &c, (f->T + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT);
 }
 
-/* x[t] = tok_embeddings[token_ids[t]], dequantized exactly as kvref_embed does */
+/* x[t] = tok_embeddings[token_ids[t]], dequantized exactly as kvref_embed does. A table that is
+ * the LM head, packed (the int8 mode), gives its row from the packed copy, unpacked into xb[t] (E
+ * floats hold a row of any type): its file pages were released once packed, and reading a row
+ * there maps the page-cache folio around it back in (~150 KiB a token on the 1B bench file) */
 static void embed_row(const fw *f, int64_t t) {
-    const kvref_tensor *e = &f->c->tok_embeddings;
-    const int64_t rb = kvref_row_nbytes(e->type, e->cols);
+    const kvref_tensor *e = &f->c->tok_embeddings, *head = &f->c->output;
+    const int64_t id = f->token_ids[t];
     float *x = f->s->x + t * f->c->d_model;
-    kvref_dequant_row(e->type, e->cols, (const uint8_t *)e->data + f->token_ids[t] * rb, x);
+    const uint8_t *row = (const uint8_t *)e->data + id * kvref_row_nbytes(e->type, e->cols);
+    if (head->packed != NULL && head->data == e->data) {
+        uint8_t *unpacked = (uint8_t *)(f->s->xb + t * f->c->d_model);
+        kvref_unpack_row(e->type, e->cols, (const uint8_t *)head->packed + id / KVREF_PACK_ROWS *
+                         kvref_pack_group_bytes(e->type, e->cols), (int)(id % KVREF_PACK_ROWS), unpacked);
+        row = unpacked;
+    }
+    kvref_dequant_row(e->type, e->cols, row, x);
     const float scale = f->c->embedding_scale;
     if (scale != 1.0f) /* as the decoder, which multiplies only then */
         for (int64_t i = 0; i < e->cols; i++) x[i] = x[i] * scale;

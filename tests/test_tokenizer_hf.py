@@ -103,7 +103,7 @@ def gguf_twin(tok: Tokenizer) -> Tokenizer:
     """The same vocabulary and merges as GGUF metadata with the qwen2 pre-tokenizer."""
     spec = json.loads(qwen_style(nfc=False)[1].to_str())["model"]
     return Tokenizer.from_gguf_metadata({
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tok.tokens,
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": list(tok.tokens),
         "tokenizer.ggml.token_type": tok.token_types, "tokenizer.ggml.merges": [" ".join(m) for m in spec["merges"]]})
 
 

@@ -324,6 +324,13 @@ class GGUFFile:
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
         self.tensors = _place_tensors(entries, self.data_offset, cur.size, self.alignment)
 
+    def header(self):
+        """Read-only uint8 view of the bytes before the tensor data (header, metadata, tensor table), all
+        parsed when the file was opened."""
+        if self._data is None:
+            raise GGUFError(f"{self.path} is closed")
+        return self._data[:self.data_offset].view(np.ndarray)
+
     def close(self):
         self._data = None
 

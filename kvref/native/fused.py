@@ -67,7 +67,8 @@ and Q6_K weights, and multiplied with integer dot products (llama.cpp does the s
 are packed once, here (kvref_pack_int8: 16 rows interleaved, so each 4-byte dot product instruction
 serves 16 rows and a block's values are decoded once for every row of x), and C reads only the packed
 copy; the file's pages of them are dropped from the resident set (kvref.weights.release_pages), so
-the copy costs no memory beside them (it keeps the file's bit width: Q4_K's takes 2.8% more, its
+the copy costs no memory beside them (an embedding table that is the LM head gives its rows from the
+packed copy too, and the norm vectors are copied: reading the file maps page-cache folios back in) (it keeps the file's bit width: Q4_K's takes 2.8% more, its
 6-bit scales and mins a byte each). Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j| beyond the
 float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on SmolLM2
 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens on the two reference
@@ -203,7 +204,11 @@ class FusedForward:
         if c.n_experts:
             desc.router = router_descriptor(decoder.router(c), c.n_experts)[0]
             desc.expert_d_ff, desc.shared_d_ff = c.experts_d_ff, c.shared_expert_d_ff
-        self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
+        if weights.tok_embeddings is weights.output:  # tied: one table, which C knows by its address
+            for field in ("data", "nbytes", "type", "rows", "cols"):  # not `packed`: the head's, read by C for rows
+                setattr(desc.tok_embeddings, field, getattr(desc.output, field))
+        else:
+            self._tensor(desc.tok_embeddings, weights.tok_embeddings, "tok_embeddings")
         desc.output_norm = self._vector(weights.output_norm, E, "output_norm")
         desc.layers = layers
         out = ffi.new("kvref_model **")
@@ -243,10 +248,10 @@ class FusedForward:
         self._keep.append(a)
         return ffi.cast(ctype, ffi.from_buffer(a))
 
-    def _pinned(self, a):
+    def _pinned(self, a, copy=False):
         """a when nothing public can free, resize or write its memory (kvref.weights.pin), its pin
-        kept; otherwise a read-only copy only this object holds."""
-        owner = pin(a)
+        kept; otherwise, or with `copy`, a read-only copy only this object holds."""
+        owner = None if copy else pin(a)
         if owner is None:
             a = owner = np.array(a, order="C")  # a copy, aligned
             a.flags.writeable = False
@@ -261,7 +266,9 @@ class FusedForward:
             raise DTypeError(f"{name} has dtype {g.dtype}; expected a float array")
         if g.dtype == np.float32 and not g.flags.aligned:  # C reads it as float *
             raise ShapeError(f"{name} is not aligned to its dtype (address {g.ctypes.data:#x}); pass a copy")
-        g = self._pinned(np.ascontiguousarray(g, dtype=np.float32))
+        # copied in the int8 mode: read in the file, a vector maps the page-cache folio around it back in,
+        # pages of the packed projections beside it that were released once packed
+        g = self._pinned(np.ascontiguousarray(g, dtype=np.float32), copy=self.activations == "int8")
         return ffi.cast("const float *", ffi.from_buffer(g))
 
     def _tensor(self, dst, w, name, projection=False):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import regex
 
@@ -69,15 +69,19 @@ class ByteLevelBPE:
     """Text -> ids by byte-level BPE. split_patterns: the pre-tokenizer, regexes applied in turn;
     pre: its name (tokenizer.ggml.pre, or "tokenizer.json"); nfc: NFC-normalize text first (HF's
     normalizer; llama.cpp normalizes nothing); ignore_merges: a word that is a token whole is that
-    token (Llama 3's tokenizer.json, llama.cpp's llama-bpe)."""
+    token (Llama 3's tokenizer.json, llama.cpp's llama-bpe); specials: the special tokens' texts, which
+    the Tokenizer splits out and looks up in .ids. Without ignore_merges, .ids holds only what
+    encoding looks up (MergeRanks.narrow)."""
 
     strip_leading_space = False
 
     def __init__(self, tokens: list[str], merges: Iterable[tuple[str, str]], split_patterns, pre: str,
-                 nfc: bool = False, ignore_merges: bool = False):
+                 nfc: bool = False, ignore_merges: bool = False, specials: Collection[str] = ()):
         self.ids = token_ids(tokens)
         self.pre = pre
         self._ranks = MergeRanks(merges, self.ids, len(tokens))
+        if not ignore_merges:  # else a word may be any token whole
+            self.ids = self._ranks.narrow(tokens, specials)
         self._patterns = tuple(_compile(p) for p in split_patterns)
         self._nfc = nfc
         self._ignore_merges = ignore_merges
@@ -94,7 +98,9 @@ class ByteLevelBPE:
         """What a token decodes to: special tokens are plain text; the others are byte characters. A
         token with a character outside the byte table decodes as its own UTF-8, as in HF's ByteLevel
         decoder."""
-        if token_type in SPECIAL_TYPES:
+        # ASCII text is its own bytes either way: printable ASCII characters stand for themselves in the
+        # table, and a text with another one is outside it
+        if token_type in SPECIAL_TYPES or text.isascii():
             return text.encode("utf-8")
         try:
             return bytes([CHAR_TO_BYTE[c] for c in text])

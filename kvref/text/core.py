@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import codecs
-import itertools
 import operator
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,15 +21,17 @@ import regex
 from ..errors import TokenError, TokenizerError
 from . import gguf, hf
 from .pieces import pieces
-from .vocab import ALWAYS_SPLIT_TYPES, SPECIAL_TYPES
+from .vocab import ALWAYS_SPLIT_TYPES, SPECIAL_TYPES, TokenTexts, packed, texts_of_types
 
 
 class Tokenizer:
     """Text <-> token ids with a model file's vocabulary and model type.
 
-    model: the model type's encoder, with .ids (token text -> id), .encode(text, first),
-    .token_bytes(text, token_type), .strip_leading_space and .pre (the pre-tokenizer's name, None
-    for SentencePiece-style models). eos_ids: every id that ends generation; eos_id is always one.
+    model: the model type's encoder, with .ids (token text -> id, of every token encoding looks up),
+    .encode(text, first), .token_bytes(text, token_type), .strip_leading_space and .pre (the
+    pre-tokenizer's name, None for SentencePiece-style models). eos_ids: every id that ends
+    generation; eos_id is always one. .tokens: the token texts by id (a TokenTexts, read as a list);
+    .token_types: their types, a byte each.
     """
 
     def __init__(self, tokens: list[str], token_types: list[int], model, bos_id: int | None = None,
@@ -44,21 +45,22 @@ class Tokenizer:
         for name, flag, value in (("bos", add_bos, bos_id), ("eos", add_eos, eos_id)):
             if flag and value is None:
                 raise TokenizerError(f"add_{name}_token is true but the file has no {name}_token_id")
-        self.tokens = tokens
-        self.token_types = token_types
+        self.tokens = TokenTexts(tokens)
+        self._vocab_size = len(tokens)
+        try:
+            self.token_types = array.array("B", token_types)  # [V] a byte each
+        except (OverflowError, TypeError):
+            raise TokenizerError("token types should be llama.cpp's token type numbers, 0..6") from None
         self.model = model
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.eos_ids = frozenset({*eos_ids, *([] if eos_id is None else [eos_id])})
         self.add_bos = add_bos
         self.add_eos = add_eos
-        # every token's bytes in one bytes object, token i at [ends[i], ends[i + 1]): one object
-        # instead of one per token (~2 MB fewer for a vocabulary of 50,000)
-        pieces = [model.token_bytes(text, kind) for text, kind in zip(tokens, token_types)]
-        self._bytes = b"".join(pieces)
-        self._bytes_ends = array.array("q", itertools.accumulate(map(len, pieces), initial=0))  # [V + 1]
-        self._special_all = _special_regex(tokens, token_types, SPECIAL_TYPES)
-        self._special_always = _special_regex(tokens, token_types, ALWAYS_SPLIT_TYPES)
+        # every token's bytes in one bytes object (~2 MB fewer for a vocabulary of 50,000)
+        self._bytes, self._bytes_ends = packed([model.token_bytes(t, kind) for t, kind in zip(tokens, token_types)])
+        self._special_all = _special_regex(texts_of_types(tokens, token_types, SPECIAL_TYPES))
+        self._special_always = _special_regex(texts_of_types(tokens, token_types, ALWAYS_SPLIT_TYPES))
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict) -> "Tokenizer":
@@ -76,7 +78,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tokens)
+        return self._vocab_size
 
     @property
     def pre(self) -> str | None:
@@ -138,8 +140,8 @@ class Tokenizer:
             index = operator.index(token_id)
         except TypeError:
             raise TokenError(f"token id {token_id!r} is not an integer") from None
-        if isinstance(token_id, (bool, np.bool_)) or not 0 <= index < len(self.tokens):
-            raise TokenError(f"token id {token_id!r} is outside the vocabulary [0, {len(self.tokens)})")
+        if isinstance(token_id, (bool, np.bool_)) or not 0 <= index < self._vocab_size:
+            raise TokenError(f"token id {token_id!r} is outside the vocabulary [0, {self._vocab_size})")
         return index
 
     def _split_special(self, text: str, special: bool) -> list[str | int]:
@@ -177,7 +179,7 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _special_regex(tokens: list[str], token_types: list[int], types: frozenset):
-    """One alternation of the special tokens of these types, longest first so it wins at a position."""
-    texts = sorted({t for t, kind in zip(tokens, token_types) if kind in types and t}, key=len, reverse=True)
+def _special_regex(texts: set[str]):
+    """One alternation of these special tokens' texts, longest first so it wins at a position."""
+    texts = sorted(texts - {""}, key=len, reverse=True)
     return regex.compile("|".join(regex.escape(t) for t in texts)) if texts else None

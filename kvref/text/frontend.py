@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import TokenizerError
 from ..generation.config import GenerationConfig
 from . import templates
-from .vocab import SPECIAL_TYPES
+from .vocab import SPECIAL_TYPES, texts_of_types
 
 
 @dataclass
@@ -47,7 +47,7 @@ class TextFrontEnd:
             self.chat_template_origin = (self.chat_template, f"the file's own ({own})")
         elif self.tokenizer is not None:
             tok = self.tokenizer
-            specials = {text for text, kind in zip(tok.tokens, tok.token_types) if kind in SPECIAL_TYPES}
+            specials = texts_of_types(tok.tokens, tok.token_types, SPECIAL_TYPES)
             name, why = templates.detect(architecture, specials)
             self.use_builtin_template(name, f"the file has none; {why}")
 

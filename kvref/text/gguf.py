@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import TokenizerError
 from .bytelevel import PRE_TOKENIZERS, ByteLevelBPE
 from .sentencepiece import SentencePieceBPE
-from .vocab import CONTROL, NORMAL, TOKEN_TYPES
+from .vocab import CONTROL, NORMAL, SPECIAL_TYPES, TOKEN_TYPES, texts_of_types
 
 MODELS = ("gpt2", "llama")
 # Control tokens that end a turn although the file does not name them: llama.cpp finds them by their
@@ -37,7 +37,7 @@ def tokenizer_parts(metadata: dict) -> dict:
         token_types = [NORMAL] * len(tokens)
     pre = _get(metadata, "tokenizer.ggml.pre", str, "default")
     if model == "gpt2":
-        encoder = _byte_level(metadata, tokens, pre)
+        encoder = _byte_level(metadata, tokens, texts_of_types(tokens, token_types, SPECIAL_TYPES), pre)
     else:
         encoder = SentencePieceBPE(
             tokens, token_types, scores=_scores(metadata, len(tokens)),
@@ -52,14 +52,14 @@ def tokenizer_parts(metadata: dict) -> dict:
         eos_ids=_end_of_generation_ids(metadata, tokens, token_types))
 
 
-def _byte_level(metadata: dict, tokens: list[str], pre: str) -> ByteLevelBPE:
+def _byte_level(metadata: dict, tokens: list[str], specials: set[str], pre: str) -> ByteLevelBPE:
     if pre not in PRE_TOKENIZERS:
         raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                              f"expected one of {sorted(PRE_TOKENIZERS)}")
     # a generator: each split pair lives only until MergeRanks has read it
     merges = (merge_pair(m) for m in _string_list(metadata, "tokenizer.ggml.merges"))
     # llama.cpp takes a word that is a token whole for Llama 3 (its tokenizer.json's ignore_merges)
-    return ByteLevelBPE(tokens, merges, PRE_TOKENIZERS[pre], pre, ignore_merges=pre == "llama-bpe")
+    return ByteLevelBPE(tokens, merges, PRE_TOKENIZERS[pre], pre, ignore_merges=pre == "llama-bpe", specials=specials)
 
 
 def merge_pair(merge: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ from ..errors import TokenizerError
 from ..limits import read_json_file
 from .bytelevel import GPT2_REGEX, ByteLevelBPE
 from .sentencepiece import SPACE, SentencePieceBPE
-from .vocab import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
+from .vocab import BYTE, CONTROL, NORMAL, SPECIAL_TYPES, UNKNOWN, USER_DEFINED, texts_of_types
 
 
 def tokenizer_parts(directory: Path) -> dict:
@@ -114,11 +114,11 @@ def _encoder(spec: dict, tokens: list[str], token_types: list[int]):
     steps = _pre_tokenizer(spec.get("pre_tokenizer"))
     _check_added_normalization(spec, normalizer)
     if any(kind == "ByteLevel" for kind, _ in steps):
-        return _byte_level(spec, tokens, merges, normalizer, steps)
+        return _byte_level(spec, tokens, texts_of_types(tokens, token_types, SPECIAL_TYPES), merges, normalizer, steps)
     return _sentencepiece(spec, tokens, token_types, merges, normalizer, steps)
 
 
-def _byte_level(spec, tokens, merges, normalizer, steps) -> ByteLevelBPE:
+def _byte_level(spec, tokens, specials, merges, normalizer, steps) -> ByteLevelBPE:
     if normalizer - {"NFC"}:
         raise TokenizerError(f"normalizer {sorted(normalizer - {'NFC'})} with a ByteLevel pre-tokenizer is not supported")
     if any(kind in ("Metaspace", "SpaceMergedWithPrevious") for kind, _ in steps):
@@ -127,7 +127,7 @@ def _byte_level(spec, tokens, merges, normalizer, steps) -> ByteLevelBPE:
     _decoder_types(spec.get("decoder"), {"ByteLevel"})
     patterns = [p for kind, p in steps if p is not None]
     return ByteLevelBPE(tokens, merges, patterns, "tokenizer.json", nfc="NFC" in normalizer,
-                        ignore_merges=bool(spec["model"].get("ignore_merges")))
+                        ignore_merges=bool(spec["model"].get("ignore_merges")), specials=specials)
 
 
 def _sentencepiece(spec, tokens, token_types, merges, normalizer, steps) -> SentencePieceBPE:

@@ -16,12 +16,15 @@ token_to_piece lstrip, HF's Metaspace / Strip decoders).
 
 from __future__ import annotations
 
+import array
 import functools
 import unicodedata
 
+import numpy as np
+
 from ..errors import TokenizerError
 from .pieces import merge_adjacent
-from .vocab import BYTE, NORMAL, UNUSED, MergeRanks, token_ids
+from .vocab import BYTE, NORMAL, SPECIAL_TYPES, UNUSED, MergeRanks, texts_of_types, token_ids
 
 SPACE = "\u2581"  # "▁", SentencePiece's visible space
 # when a stretch of text between special tokens gets SPACE prepended:
@@ -37,7 +40,9 @@ class SentencePieceBPE:
     """Text -> ids over characters with "▁" for spaces. Exactly one of `scores` (one per token: merge
     by the score of the merged piece) or `merges` (pairs, merge by rank) is given. split_words: cut
     before each "▁" first (HF's Metaspace split=True). unk_id: the token of a character whose bytes
-    have no byte tokens; fuse_unk: consecutive unknown characters are one unknown token (HF)."""
+    have no byte tokens; fuse_unk: consecutive unknown characters are one unknown token (HF). By
+    merges and without ignore_merges, .ids holds only what encoding looks up (MergeRanks.narrow: the
+    special tokens, which the Tokenizer splits out, among them); by scores any token can be formed."""
 
     def __init__(self, tokens: list[str], token_types: list[int], *, scores=None, merges=None,
                  space_prefix: str = "every", split_words: bool = False, nfc: bool = False,
@@ -59,7 +64,10 @@ class SentencePieceBPE:
         if scores is not None:
             self._rank = self._score_rank(scores)
         else:
-            self._rank = MergeRanks(merges, self.ids, len(tokens)).rank
+            ranks = MergeRanks(merges, self.ids, len(tokens))
+            if not ignore_merges:  # else a word may be any token whole
+                self.ids = ranks.narrow(tokens, texts_of_types(tokens, token_types, SPECIAL_TYPES))
+            self._rank = ranks.rank
         self._word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._encode_word)
 
     def encode(self, text: str, first: bool) -> list[int]:
@@ -91,7 +99,8 @@ class SentencePieceBPE:
 
     def _score_rank(self, scores):
         """llama.cpp's SPM order: a pair ranks by minus the score of the token it forms, if any."""
-        ids, scores = self.ids, [float(s) for s in scores]
+        # a float64 array: 8 bytes a token, not a float object and a list slot (32); the same values
+        ids, scores = self.ids, array.array("d", np.asarray(scores, dtype=np.float64).tobytes())
 
         def rank(a, b):
             merged = ids.get(a + b)
