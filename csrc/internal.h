@@ -622,7 +622,9 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  * multiply: a record then takes long enough to multiply that the hardware prefetcher alone leaves
  * the next one's loads waiting on memory. With fewer rows the kernels stream near the read
  * bandwidth and the requests only cost issue slots (docs/benchmarks.md). */
+#ifndef KVREF_PACK_PREFETCH_RECORDS /* benchmarks/packed_kernel.py builds other distances */
 #define KVREF_PACK_PREFETCH_RECORDS 4
+#endif
 /* every cache line of the record of `bytes` at rec, into L1 */
 static inline void kvref_pack_prefetch(const uint8_t *rec, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) KVREF_PREFETCH(rec + off, 3);
