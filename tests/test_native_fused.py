@@ -195,8 +195,10 @@ def assert_int8_key_logits_within_bound(config, got, want):
     up to the first row whose top tokens differ (the greedy steps after it ran on other tokens). The
     bound is measured on models with d_model >= 16, like QUANTIZED_LOGIT_BOUNDS: a residual stream of a
     few elements feeding wide heads (d_model 5, head_dim 26: 0.25 on logits of 2.75) amplifies any K/V
-    or query rounding beyond any fixed fraction, so there only the bit-for-bit equality is asserted."""
-    if config.d_model < 16:
+    or query rounding beyond any fixed fraction, so there only the bit-for-bit equality is asserted. The
+    same holds for a mixture that chooses among its experts: the rounding can flip a router's choice in a
+    later layer, a jump no fraction bounds (0.82 on logits up to 0.66 in a top-1 mixture of 4 experts)."""
+    if config.d_model < 16 or config.n_experts_used < config.n_experts:
         return
     picked = np.argmax(got, axis=-1) != np.argmax(want, axis=-1)
     rows = int(np.argmax(picked)) + 1 if picked.any() else len(got)
