@@ -258,10 +258,10 @@ TARGET static ALWAYS_INLINE void dot_q8_0(int64_t K, const uint8_t *w, const flo
 
 /* ---- 256-value super-blocks ------------------------------------------------------------------ */
 
-/* Keep the n floats at p in memory for the reads that follow: each read is then a broadcast load, which
- * GCC would otherwise turn into a lane permute of the register just stored (a shuffle, the scarce
- * resource of these kernels) */
-#define IN_MEMORY(p, n) __asm__("" : "+m"(*(float(*)[n])(p)))
+/* Keep the `bytes` bytes at p in memory for the reads that follow: each read is then a load (a broadcast,
+ * or a widening from memory), which GCC would otherwise turn into lane permutes or extracts of the
+ * register just stored (a shuffle each, the scarce resource of these kernels) */
+#define IN_MEMORY(p, bytes) __asm__("" : "+m"(*(char(*)[bytes])(void *)(p)))
 
 /* dm[j] = d * sc_j and dm[8 + j] = -(dmin * m_j) for the eight sub-blocks j of the Q4_K super-block w
  * (d, dmin its scales; both products exact), all sixteen in one vector: each sub-block's table is then
@@ -274,7 +274,7 @@ TARGET static inline void q4_k_scales(const uint8_t *w, float dm[16]) {
     const __m512 by = _mm512_mask_blend_ps(0xFF00, d, _mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f))); /* d x 8, -dmin x 8 */
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)sm)));
     _mm512_storeu_ps(dm, _mm512_mul_ps(q, by));
-    IN_MEMORY(dm, 16);
+    IN_MEMORY(dm, 16 * sizeof(float));
 }
 
 /* v[0..3] = the 64 values of sub-blocks 2c and 2c+1 of the Q4_K super-block w (dm: q4_k_scales),
@@ -324,12 +324,14 @@ TARGET static inline void q6_k_bytes(const uint8_t *w, int8_t q[QK_K]) {
         _mm512_storeu_si512(q + 128 * h, _mm512_sub_epi8(q01, off));
         _mm512_storeu_si512(q + 128 * h + 64, _mm512_sub_epi8(q23, off));
     }
+    IN_MEMORY(q, QK_K);
 }
 
 /* ds[j] = d * scale_j for the 16 sub-blocks of the Q6_K super-block w (exact: an 11-bit by an 8-bit integer) */
 TARGET static inline void q6_k_scales(const uint8_t *w, float ds[16]) {
     const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(w + 192))));
     _mm512_storeu_ps(ds, _mm512_mul_ps(s, bcast_fp16(w + 208)));
+    IN_MEMORY(ds, 16 * sizeof(float));
 }
 
 /* the 16 values of sub-block j: (d * scale_j) * (q - 32), one rounding as NumPy's */
