@@ -133,6 +133,19 @@ static inline void kvref_q4k_scale_min(int j, const uint8_t *scales, uint8_t *sc
     }
 }
 
+/* kvref_q4k_scale_min for all eight sub-blocks at once: scales in out[0..7], mins in out[8..15],
+ * four bytes per 32-bit word (sub-blocks 4..7 take bits 7:6 of bytes 0..7 as their bits 5:4) */
+static inline void kvref_q4k_scales_mins(const uint8_t *scales, uint8_t out[16]) {
+    const uint32_t six = 0x3f3f3f3fu, low = 0x0f0f0f0fu, top = 0x30303030u;
+    uint32_t s[3], f[4];
+    memcpy(s, scales, 12);
+    f[0] = s[0] & six;
+    f[1] = (s[2] & low) | (s[0] >> 2 & top);
+    f[2] = s[1] & six;
+    f[3] = (s[2] >> 4 & low) | (s[1] >> 2 & top);
+    memcpy(out, f, 16);
+}
+
 /* ---- 8-bit activation blocks (the "int8" activation mode) ---------------------------------------
  *
  * A row of K activations (K a multiple of 32) rounded to 8 bits per block of 32, llama.cpp's Q8_1,

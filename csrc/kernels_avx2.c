@@ -208,19 +208,26 @@ TARGET static ALWAYS_INLINE void dot_q8_0(int64_t K, const uint8_t *w, const flo
     store_sum2(R, a, out, ldo);
 }
 
+/* dm[j] = d * sc_j and dm[8 + j] = -(dmin * m_j) for the eight sub-blocks j of the Q4_K super-block w
+ * (both products exact): each sub-block's scale and min are then two broadcast loads */
+TARGET static inline void q4_k_scales(const uint8_t *w, float dm[16]) {
+    uint8_t sm[16];
+    kvref_q4k_scales_mins(w + 4, sm);
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_u(sm)), _mm256_set1_ps(fp16_load(w))));
+    _mm256_storeu_ps(dm + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_u(sm + 8)), _mm256_set1_ps(-fp16_load(w + 2))));
+}
+
 TARGET static ALWAYS_INLINE void dot_q4_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi32(0xF);
+    float dm[16];
     __m256 a[ROWS_MAX][2];
     ZERO_ROWS(a, 2);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
-        const float d = fp16_load(w), dmin = fp16_load(w + 2);
-        const uint8_t *scales = w + 4, *qs = w + 16;
+        const uint8_t *qs = w + 16;
+        q4_k_scales(w, dm);
         for (int c = 0; c < 4; c++) {
-            uint8_t sc0, m0, sc1, m1;
-            kvref_q4k_scale_min(2 * c, scales, &sc0, &m0);
-            kvref_q4k_scale_min(2 * c + 1, scales, &sc1, &m1);
-            const __m256 d0 = _mm256_set1_ps(d * (float)sc0), n0 = _mm256_set1_ps(-(dmin * (float)m0));
-            const __m256 d1 = _mm256_set1_ps(d * (float)sc1), n1 = _mm256_set1_ps(-(dmin * (float)m1));
+            const __m256 d0 = _mm256_set1_ps(dm[2 * c]), n0 = _mm256_set1_ps(dm[8 + 2 * c]);
+            const __m256 d1 = _mm256_set1_ps(dm[2 * c + 1]), n1 = _mm256_set1_ps(dm[8 + 2 * c + 1]);
             for (int g = 0; g < 4; g++) {
                 const __m256i q = bytes8_u(qs + 32 * c + 8 * g);
                 const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low4)), d0, n0);
@@ -233,28 +240,41 @@ TARGET static ALWAYS_INLINE void dot_q4_k(int64_t K, const uint8_t *w, const flo
     store_sum2(R, a, out, ldo);
 }
 
+/* q[i] = q_i - 32 for the 256 values of the Q6_K super-block w, in order, as int8 (kernels_avx512.c's
+ * q6_k_bytes, 32 values a vector): value 128 h + 32 r + l is ql's nibble with bits 2r+1:2r of
+ * qh[32 h + l] shifted into bits 5:4 (per 16-bit word: a byte's neighbour lands outside them) */
+TARGET static inline void q6_k_bytes(const uint8_t *w, int8_t q[QK_K]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i la = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * h));
+        const __m256i lb = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(w + 128 + 32 * h));
+        const __m256i v[4] = {
+            _mm256_or_si256(_mm256_and_si256(la, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top)),
+            _mm256_or_si256(_mm256_and_si256(lb, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low), _mm256_and_si256(qh, top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), top)),
+        };
+        for (int r = 0; r < 4; r++) _mm256_storeu_si256((__m256i *)(void *)(q + 128 * h + 32 * r), _mm256_sub_epi8(v[r], off));
+    }
+}
+
+/* Decoded to int8 first, then 8 values at a time (d * scale) * (q - 32), the first product exact,
+ * one rounding as NumPy's. Values 8i.. go to accumulator i / 4 % 4: the 32-value runs of the
+ * super-block's layout, each accumulator's in the order of the layout's halves. */
 TARGET static ALWAYS_INLINE void dot_q6_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
-    const __m256i low4 = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    _Alignas(32) int8_t q[QK_K];
+    float ds[16];
     __m256 a[ROWS_MAX][4];
     ZERO_ROWS(a, 4);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
-        const int8_t *scales = (const int8_t *)(w + 192);
-        const float d = fp16_load(w + 208);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
-            for (int l0 = 0; l0 < 32; l0 += 8) {
-                const __m256i la = bytes8_u(ql + l0), lb = bytes8_u(ql + 32 + l0), h = bytes8_u(qh + l0);
-                __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_slli_epi32(_mm256_and_si256(h, two), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), two), 4));
-                q[2] = _mm256_or_si256(_mm256_srli_epi32(la, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), two), 4));
-                q[3] = _mm256_or_si256(_mm256_srli_epi32(lb, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 6), two), 4));
-                for (int j = 0; j < 4; j++) {
-                    const float ds = d * (float)scales[8 * half + 2 * j + l0 / 16];
-                    const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], off)), _mm256_set1_ps(ds));
-                    FMA_ROWS(a, j, wv, x, 128 * half + 32 * j + l0);
-                }
-            }
+        const __m256 d = _mm256_set1_ps(fp16_load(w + 208));
+        q6_k_bytes(w, q);
+        for (int h = 0; h < 2; h++) /* exact: an 11-bit by an 8-bit integer */
+            _mm256_storeu_ps(ds + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(w + 192 + 8 * h)), d));
+        for (int i = 0; i < QK_K / 8; i++) {
+            const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s((const uint8_t *)q + 8 * i)), _mm256_set1_ps(ds[i / 2]));
+            FMA_ROWS(a, i / 4 % 4, wv, x, 8 * i);
         }
     }
     for (int r = 0; r < R; r++)

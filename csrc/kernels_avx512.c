@@ -258,15 +258,31 @@ TARGET static ALWAYS_INLINE void dot_q8_0(int64_t K, const uint8_t *w, const flo
 
 /* ---- 256-value super-blocks ------------------------------------------------------------------ */
 
-/* v[0..3] = the 64 values of sub-blocks 2c and 2c+1 of the Q4_K super-block w (d, dmin its scales),
+/* Keep the `bytes` bytes at p in memory for the reads that follow: each read is then a load (a broadcast,
+ * or a widening from memory), which GCC would otherwise turn into lane permutes or extracts of the
+ * register just stored (a shuffle each, the scarce resource of these kernels) */
+#define IN_MEMORY(p, bytes) __asm__("" : "+m"(*(char(*)[bytes])(void *)(p)))
+
+/* dm[j] = d * sc_j and dm[8 + j] = -(dmin * m_j) for the eight sub-blocks j of the Q4_K super-block w
+ * (d, dmin its scales; both products exact), all sixteen in one vector: each sub-block's table is then
+ * built from two broadcast loads, with no scalar unpacking, conversion or register broadcast per sub-block */
+TARGET static inline void q4_k_scales(const uint8_t *w, float dm[16]) {
+    uint8_t sm[16];
+    kvref_q4k_scales_mins(w + 4, sm);
+    __m512 d, dmin;
+    bcast_fp16_pair(w, &d, &dmin);
+    const __m512 by = _mm512_mask_blend_ps(0xFF00, d, _mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f))); /* d x 8, -dmin x 8 */
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)sm)));
+    _mm512_storeu_ps(dm, _mm512_mul_ps(q, by));
+    IN_MEMORY(dm, 16 * sizeof(float));
+}
+
+/* v[0..3] = the 64 values of sub-blocks 2c and 2c+1 of the Q4_K super-block w (dm: q4_k_scales),
  * in order: the 32 bytes hold sub-block 2c in the low nibbles, 2c+1 in the high; each value is
  * d * sc * q - dmin * m with both products exact, one rounding as NumPy's */
-TARGET static inline void q4_k_values(const uint8_t *w, float d, float dmin, int c, __m512 iota, __m512 v[4]) {
-    uint8_t sc0, m0, sc1, m1;
-    kvref_q4k_scale_min(2 * c, w + 4, &sc0, &m0);
-    kvref_q4k_scale_min(2 * c + 1, w + 4, &sc1, &m1);
-    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc0), _mm512_set1_ps(-(dmin * (float)m0)));
-    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d * (float)sc1), _mm512_set1_ps(-(dmin * (float)m1)));
+TARGET static inline void q4_k_values(const uint8_t *w, const float *dm, int c, __m512 iota, __m512 v[4]) {
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * c]), _mm512_set1_ps(dm[8 + 2 * c]));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * c + 1]), _mm512_set1_ps(dm[8 + 2 * c + 1]));
     const __m512i q0 = load_nibble_bytes(w + 16 + 32 * c), q1 = load_nibble_bytes(w + 16 + 32 * c + 16);
     v[0] = _mm512_permutexvar_ps(q0, t0);
     v[1] = _mm512_permutexvar_ps(q1, t0);
@@ -276,50 +292,70 @@ TARGET static inline void q4_k_values(const uint8_t *w, float d, float dmin, int
 
 TARGET static ALWAYS_INLINE void dot_q4_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
     const __m512 iota = iota16();
+    float dm[16];
     __m512 a[ROWS_MAX][4];
     ZERO_ROWS(a, 4);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, x += QK_K) {
-        const float d = fp16_load(w), dmin = fp16_load(w + 2);
+        q4_k_scales(w, dm);
         for (int c = 0; c < 4; c++) {
             __m512 v[4];
-            q4_k_values(w, d, dmin, c, iota, v);
+            q4_k_values(w, dm, c, iota, v);
             for (int j = 0; j < 4; j++) FMA_ROWS(a, j, v[j], x, 64 * c + 16 * j);
         }
     }
     store_sum4(R, a, out, ldo);
 }
 
-/* v[r] = the 16 values at 128 * half + 32 * r + l0 of the Q6_K super-block w (d its scale), r < 4:
- * (d * scale) * (q - 32), the first product exact, one rounding as NumPy's */
-TARGET static inline void q6_k_values(const uint8_t *w, float d, int half, int l0, __m512 v[4]) {
-    const __m512i low4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
-    const int8_t *scales = (const int8_t *)(w + 192);
-    const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
-    const __m512i la = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l0)));
-    const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 + l0)));
-    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l0)));
-    __m512i q[4];
-    q[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
-    q[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
-    q[2] = _mm512_or_si512(_mm512_srli_epi32(la, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), two), 4));
-    q[3] = _mm512_or_si512(_mm512_srli_epi32(lb, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), two), 4));
-    for (int r = 0; r < 4; r++) {
-        const float ds = d * (float)scales[8 * half + 2 * r + l0 / 16]; /* exact */
-        v[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[r], off)), _mm512_set1_ps(ds));
+/* q[i] = q_i - 32 for the 256 values of the Q6_K super-block w, in order, as int8: 64 values a vector,
+ * their low four bits from ql's nibbles and the top two from qh, shifted into bits 5:4 per 16-bit word
+ * (a byte's neighbour lands outside them). Value 128 h + 32 r + l takes bits 2r+1:2r of qh[32 h + l]. */
+TARGET static inline void q6_k_bytes(const uint8_t *w, int8_t q[QK_K]) {
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    /* shifts per 16-bit word: the first 32 bytes' values (l) take qh's bits 1:0 and 5:4, the last 32's (32 + l) 3:2 and 7:6 */
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(w + 64 * h);  /* values l and 32 + l (low nibbles), 64 + l and 96 + l (high) */
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(const void *)(w + 128 + 32 * h)));
+        const __m512i h01 = _mm512_and_si512(_mm512_sllv_epi16(qh, up), top);
+        const __m512i h23 = _mm512_and_si512(_mm512_srlv_epi16(qh, down), top);
+        const __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low), h01);
+        const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), h23);
+        _mm512_storeu_si512(q + 128 * h, _mm512_sub_epi8(q01, off));
+        _mm512_storeu_si512(q + 128 * h + 64, _mm512_sub_epi8(q23, off));
     }
+    IN_MEMORY(q, QK_K);
 }
 
+/* ds[j] = d * scale_j for the 16 sub-blocks of the Q6_K super-block w (exact: an 11-bit by an 8-bit integer) */
+TARGET static inline void q6_k_scales(const uint8_t *w, float ds[16]) {
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(w + 192))));
+    _mm512_storeu_ps(ds, _mm512_mul_ps(s, bcast_fp16(w + 208)));
+    IN_MEMORY(ds, 16 * sizeof(float));
+}
+
+/* the 16 values of sub-block j: (d * scale_j) * (q - 32), one rounding as NumPy's */
+TARGET static inline __m512 q6_k_values(const int8_t *q, const float *ds, int j) {
+    const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(const void *)(q + 16 * j))));
+    return _mm512_mul_ps(qf, _mm512_set1_ps(ds[j]));
+}
+
+/* The super-block's values are decoded to int8 first, 64 at a time with byte operations, then
+ * widened 16 at a time: a widening, a conversion and a multiply per 16 values, where decoding each
+ * 16 from its own bytes took ~10 vector operations. Sub-block j goes to accumulator j / 2 % 4, the
+ * order of the 32-value runs the super-block's layout interleaves. */
 TARGET static ALWAYS_INLINE void dot_q6_k(int64_t K, const uint8_t *w, const float *x, const int R, float *out, int64_t ldo) {
+    _Alignas(64) int8_t q[QK_K];
+    float ds[16];
     __m512 a[ROWS_MAX][4];
     ZERO_ROWS(a, 4);
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, x += QK_K) {
-        const float d = fp16_load(w + 208);
-        for (int half = 0; half < 2; half++)
-            for (int l0 = 0; l0 < 32; l0 += 16) {
-                __m512 v[4];
-                q6_k_values(w, d, half, l0, v);
-                for (int j = 0; j < 4; j++) FMA_ROWS(a, j, v[j], x, 128 * half + 32 * j + l0);
-            }
+        q6_k_bytes(w, q);
+        q6_k_scales(w, ds);
+        for (int j = 0; j < 16; j++) {
+            const __m512 v = q6_k_values(q, ds, j);
+            FMA_ROWS(a, j / 2 % 4, v, x, 16 * j);
+        }
     }
     store_sum4(R, a, out, ldo);
 }
@@ -403,25 +439,24 @@ TARGET static void dequant_f32(int64_t K, const uint8_t *w, float *out) { kvref_
 
 TARGET static void dequant_q4_k(int64_t K, const uint8_t *w, float *out) {
     const __m512 iota = iota16();
+    float dm[16];
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q4_K, out += QK_K) {
-        const float d = fp16_load(w), dmin = fp16_load(w + 2);
+        q4_k_scales(w, dm);
         for (int c = 0; c < 4; c++) {
             __m512 v[4];
-            q4_k_values(w, d, dmin, c, iota, v);
+            q4_k_values(w, dm, c, iota, v);
             for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 64 * c + 16 * r, v[r]);
         }
     }
 }
 
 TARGET static void dequant_q6_k(int64_t K, const uint8_t *w, float *out) {
+    _Alignas(64) int8_t q[QK_K];
+    float ds[16];
     for (int64_t b = 0; b < K / QK_K; b++, w += BYTES_Q6_K, out += QK_K) {
-        const float d = fp16_load(w + 208);
-        for (int half = 0; half < 2; half++)
-            for (int l0 = 0; l0 < 32; l0 += 16) {
-                __m512 v[4];
-                q6_k_values(w, d, half, l0, v);
-                for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 128 * half + 32 * r + l0, v[r]);
-            }
+        q6_k_bytes(w, q);
+        q6_k_scales(w, ds);
+        for (int j = 0; j < 16; j++) _mm512_storeu_ps(out + 16 * j, q6_k_values(q, ds, j));
     }
 }
 
