@@ -46,7 +46,6 @@ class Tokenizer:
             if flag and value is None:
                 raise TokenizerError(f"add_{name}_token is true but the file has no {name}_token_id")
         self.tokens = TokenTexts(tokens)
-        self._vocab_size = len(tokens)
         try:
             self.token_types = array.array("B", token_types)  # [V] a byte each
         except (OverflowError, TypeError):
@@ -78,7 +77,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size
+        return len(self.tokens)
 
     @property
     def pre(self) -> str | None:
@@ -140,8 +139,8 @@ class Tokenizer:
             index = operator.index(token_id)
         except TypeError:
             raise TokenError(f"token id {token_id!r} is not an integer") from None
-        if isinstance(token_id, (bool, np.bool_)) or not 0 <= index < self._vocab_size:
-            raise TokenError(f"token id {token_id!r} is outside the vocabulary [0, {self._vocab_size})")
+        if isinstance(token_id, (bool, np.bool_)) or not 0 <= index < self.vocab_size:
+            raise TokenError(f"token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
         return index
 
     def _split_special(self, text: str, special: bool) -> list[str | int]:
