@@ -575,6 +575,14 @@ def report(medians, runs, engines, args, env, elapsed) -> str:
     return "\n".join(lines)
 
 
+def roofline_fractions(runs, probes, engine, threads, case) -> list[float]:
+    """Each round's fraction of the roofline for one engine: its rate x the bytes a step reads / that
+    round's probe bandwidth (rounds without a probe are left out)."""
+    got = {x["round"]: x for x in probes if x["threads"] == threads}
+    return [x[case]["tok_s"] * got[x["round"]]["step_bytes"][case] / (got[x["round"]]["bandwidth_gb_s"] * 1e9)
+            for x in runs if x["engine"] == engine and x["threads"] == threads and case in x and x["round"] in got]
+
+
 def rooflines(runs, probes, engines, args) -> str:
     """Per decode case and thread count: the probe's median bandwidth, the bytes a step reads, and each
     engine's median fraction of the roofline (its rate x those bytes / its round's probe bandwidth)."""
@@ -588,8 +596,7 @@ def rooflines(runs, probes, engines, args) -> str:
             step = next(iter(got.values()))["step_bytes"][case]
             parts = []
             for e in engines:
-                fractions = [x[case]["tok_s"] * step / (got[x["round"]]["bandwidth_gb_s"] * 1e9) for x in runs
-                             if x["engine"] == e and x["threads"] == threads and case in x and x["round"] in got]
+                fractions = roofline_fractions(runs, probes, e, threads, case)
                 if fractions:
                     parts.append(f"{e} {100 * statistics.median(fractions):.0f} %")
             lines.append(f"roofline, {case_label(case, args)}, {threads} thread(s): probe {bandwidth:.1f} GB/s "

@@ -5,10 +5,10 @@
  *
  * Random weights of TYPE (a kvref type number; K values a row) packed into GROUPS groups of 16 rows,
  * and T rows of random x rounded to 8-bit blocks; then, REPEAT times, every group against every row
- * of x, 8 rows a kernel call, group after group as a prefill pass or a batched decode step runs them
+ * of x, up to 8 rows a kernel call, group after group as a prefill pass or a decode step runs them
  * (matmul.c, mv_rows). With T = 128 and a few groups the weights and x stay in cache: the kernel's
- * arithmetic. With T = 8 and tens of MiB of groups every record comes from memory once: a batched
- * decode step. Prints one JSON object: ns per (row of x, record of 16 weight rows and 32 values), the
+ * arithmetic. With T = 8 or 1 and tens of MiB of groups every record comes from memory once: a batched
+ * or a single-sequence decode step. Prints one JSON object: ns per (row of x, record of 16 weight rows and 32 values), the
  * fastest of the REPEAT passes and their median, and the multiply-adds per second of the fastest.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -39,8 +39,10 @@ int main(int argc, char **argv) {
     }
     const int32_t type = atoi(argv[1]);
     const int64_t K = atoll(argv[2]), T = atoll(argv[3]), G = atoll(argv[4]), repeat = atoll(argv[5]);
-    if (!kvref_packable(type) || kvref_row_nbytes(type, K) <= 0 || T < 8 || T % 8 != 0 || G < 1 || repeat < 1) {
-        fprintf(stderr, "packed_kernel: TYPE must be packable, K whole blocks, T a multiple of 8, GROUPS and REPEAT >= 1\n");
+    if (!kvref_packable(type) || kvref_row_nbytes(type, K) <= 0 || T < 1 || (T > 8 && T % 8 != 0) || G < 1 ||
+        repeat < 1) {
+        fprintf(stderr, "packed_kernel: TYPE must be packable, K whole blocks, T at most 8 or a multiple of 8, "
+                        "GROUPS and REPEAT >= 1\n");
         return 2;
     }
     const kvref_kernels *kk = &kvref_kernels_avx512_vnni;
@@ -72,7 +74,8 @@ int main(int argc, char **argv) {
         const int64_t t0 = kvref_now_ns();
         for (int64_t g = 0; g < G; g++)
             for (int64_t t = 0; t < T; t += 8) {
-                kk->packed_dot(type, K, groups + g * gb, qs + t * K, ds + t * (K / 16), xsum + t * (K / 16), 8, out);
+                kk->packed_dot(type, K, groups + g * gb, qs + t * K, ds + t * (K / 16), xsum + t * (K / 16),
+                               T - t < 8 ? T - t : 8, out);
                 checksum += out[0]; /* the calls cannot be dropped */
             }
         ns[r] = (double)(kvref_now_ns() - t0);
@@ -80,8 +83,9 @@ int main(int argc, char **argv) {
     qsort(ns, (size_t)repeat, sizeof(double), cmp_double);
     const double row_records = (double)G * (double)T * (double)(K / 32);
     printf("{\"type\": %d, \"K\": %lld, \"T\": %lld, \"groups\": %lld, \"group_bytes\": %lld, \"prefetch_records\": %d, "
-           "\"ns_fastest\": %.4f, \"ns_median\": %.4f, \"gmac_s\": %.2f, \"checksum\": %.6g}\n",
+           "\"ns_fastest\": %.4f, \"ns_median\": %.4f, \"gmac_s\": %.2f, \"gb_s\": %.2f, \"checksum\": %.6g}\n",
            type, (long long)K, (long long)T, (long long)G, (long long)gb, KVREF_PACK_PREFETCH_RECORDS,
-           ns[0] / row_records, ns[repeat / 2] / row_records, row_records * 512.0 / ns[0], checksum);
+           ns[0] / row_records, ns[repeat / 2] / row_records, row_records * 512.0 / ns[0], (double)(G * gb) / ns[0],
+           checksum);
     return 0;
 }

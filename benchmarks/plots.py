@@ -12,6 +12,12 @@
                            JSON files `benchmarks/compare.py --cases context --context N --json
                            decode_vs_context_N.json` wrote into --measured (one per N); left out
                            when there are none
+  by-model-size.png        kvref's C forward beside llama.cpp by model size and weight type, 2 threads:
+                           decode and 512-token prefill as ratios to llama.cpp's tok/s, and the
+                           decode's fraction of the roofline, from the JSON files `benchmarks/compare.py
+                           --engines kvref-c kvref-c-int8 llama.cpp --cases decode prefill --json` wrote
+                           into --measured/by-size (docs/benchmarks.md has the commands); left out when
+                           there are none
   layers.png               kvref's units in the layers tests/test_layering.py declares, lowest at the
                            bottom, with the number of import statements from each layer to each one
                            below it (read from the source, as the test reads it)
@@ -26,10 +32,13 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
+import matplotlib.lines  # noqa: E402
 import matplotlib.patches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
 
+from compare import roofline_fractions  # noqa: E402  (benchmarks/, this script's folder)
 from kvref import trace  # noqa: E402
 from kvref.cache import bytes_per_position, cache_bytes  # noqa: E402
 from kvref.cache.hybrid import positions_held  # noqa: E402
@@ -113,6 +122,71 @@ def decode_vs_context(out: Path, measured: Path) -> bool:
     return True
 
 
+# the engines of the by-model-size figure, as compare.py names them, and how they are drawn
+SIZE_ENGINES = {"kvref-c-int8": ("kvref, default (int8 activations)", "o", "full"),
+                "kvref-c": ("kvref --exact (float32 activations)", "o", "none"),
+                "llama.cpp": ("llama.cpp", "s", "full")}
+SIZE_TYPE_COLORS = {"Q4_0": "tab:blue", "Q4_1": "tab:cyan", "Q4_K_M": "tab:orange", "Q6_K": "tab:green",
+                    "Q8_0": "tab:red"}
+
+
+def by_model_size(out: Path, measured: Path) -> bool:
+    runs = {}  # (model, weight type) -> compare.py's JSON, file names compare_<model>-<weight type>.json
+    for path in sorted((measured / "by-size").glob("compare_*.json")):
+        data = json.loads(path.read_text())
+        if data["probes"]:  # else a run whose workers all failed
+            model, wtype = path.stem.removeprefix("compare_").rsplit("-", 1)
+            runs[model, wtype] = data
+    if not runs:
+        return False
+    smallest = {}
+    for (model, _), data in runs.items():
+        smallest[model] = min(smallest.get(model, 1e30), data["probes"][0]["weight_bytes"])
+    models = sorted(smallest, key=smallest.get)  # by size: each model a slot on the x axis, its types side by side
+    types = list(SIZE_TYPE_COLORS)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    panels = [(axes[0], "decode", "decode tok/s / llama.cpp's", {"default": 1.5, "--exact": 1.0}),
+              (axes[1], "prefill", "prefill 512 tok/s / llama.cpp's", {"default": 2.5})]
+    for (model, wtype), data in runs.items():
+        x = models.index(model) + 0.16 * (types.index(wtype) - (len(types) - 1) / 2)
+        color = SIZE_TYPE_COLORS[wtype]
+        rate = {(m["case"], m["engine"]): m["tok_s"] for m in data["medians"] if m["threads"] == 2 and m["tok_s"]}
+        for ax, case, _, _ in panels:
+            for engine, (_, marker, fill) in SIZE_ENGINES.items():
+                if engine != "llama.cpp" and (case, engine) in rate and (case, "llama.cpp") in rate:
+                    ax.plot(x, rate[case, engine] / rate[case, "llama.cpp"], marker=marker, fillstyle=fill,
+                            color=color, markersize=8, linestyle="none")
+        for engine, (_, marker, fill) in SIZE_ENGINES.items():
+            fractions = roofline_fractions(data["runs"], data["probes"], engine, 2, "decode")
+            if fractions:
+                axes[2].plot(x, 100 * float(np.median(fractions)), marker=marker, fillstyle=fill, color=color,
+                             markersize=8, linestyle="none")
+    for ax, case, ylabel, targets in panels:
+        for label, y in targets.items():
+            ax.axhline(y, color="0.5", linestyle="--", linewidth=1)
+            ax.annotate(f"target, {label}", (0, y), xycoords=("axes fraction", "data"), ha="left", va="bottom",
+                        fontsize=8, color="0.4")
+        ax.axhline(1.0, color="0.2", linewidth=0.8)
+        ax.set(ylabel=ylabel, title=f"{case}, 2 threads (medians of 3 rounds)")
+    axes[2].axhline(80, color="0.5", linestyle="--", linewidth=1)
+    axes[2].annotate("target", (0, 80), xycoords=("axes fraction", "data"), ha="left", va="bottom", fontsize=8,
+                     color="0.4")
+    axes[2].set(ylabel="% of the roofline (rate x the file's bytes / probe)",
+                title="decode against the read probe, 2 threads")
+    for ax in axes:
+        ax.set_xticks(range(len(models)), [m.replace("-", "\n", 1) for m in models], fontsize=8)
+        ax.set_xlim(-0.5, len(models) - 0.5)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3, axis="y")
+    handles = [matplotlib.lines.Line2D([], [], color="0.3", marker=m, fillstyle=f, linestyle="none", label=label)
+               for label, m, f in SIZE_ENGINES.values()]
+    handles += [matplotlib.patches.Patch(color=c, label=t) for t, c in SIZE_TYPE_COLORS.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out / "by-model-size.png", dpi=110)
+    plt.close(fig)
+    return True
+
 def layers(out: Path):
     import sys
 
@@ -154,8 +228,8 @@ def main():
     cost_per_execution(args.out)
     cache_bytes_by_layout(args.out)
     layers(args.out)
-    made = decode_vs_context(args.out, args.measured)
-    print(f"wrote figures to {args.out}" + ("" if made else f" (no measured JSON in {args.measured})"))
+    made = [decode_vs_context(args.out, args.measured), by_model_size(args.out, args.measured)]
+    print(f"wrote figures to {args.out}" + ("" if all(made) else f" (some measured JSON missing in {args.measured})"))
 
 
 if __name__ == "__main__":
