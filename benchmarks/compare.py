@@ -46,8 +46,9 @@ counts are fixed at start-up; no engine shares a process with another), with OMP
 OPENBLAS_NUM_THREADS, MKL_NUM_THREADS and KVREF_THREADS set to T. Rounds interleave the engines
 (their order rotates each round) so that all of them see the same machine load; the report gives
 medians over rounds and ratios to llama.cpp (> 1: faster than llama.cpp). Rates are wall-clock rates
-measured in Python around each engine's own call, the same way for all engines; llama.cpp's own
-counters (llama_perf_context) are recorded beside them in the JSON.
+measured in Python around each engine's own call, the same way for all engines; each engine's own
+counters for the timed part of a case are recorded beside them in the JSON ("perf": llama.cpp's
+llama_perf_context, kvref's C forward seconds by kernel family).
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ class KvrefEngine:
 
         return [int(np.argmax(logits)) for logits in forward_batch(self.model, id_lists, self.caches)]
 
+    def _perf_reset(self):
+        self.model.reset_timings()
+
+    def perf(self) -> dict | None:
+        """The C forward's own counters since the last reset (Model.timings(): seconds by kernel family,
+        forward calls); None for the shared decoder, which keeps none."""
+        return self.model.timings()
+
 
 class LlamaEngine:
     def __init__(self, path, threads, n_ctx, flash_attn=True):
@@ -119,11 +128,13 @@ class LlamaEngine:
             self.llm = llama_cpp.Llama(str(path), **options)
             flash_attn = None
         self.n_vocab = self.llm.n_vocab()
+        self.timed_ctx = self.llm.ctx  # the context whose counters perf() reads: the batch case's its own
         self.info = {"version": llama_cpp.__version__, "threads": threads, "n_ctx": n_ctx, "n_batch": 512,
                      "flash_attn": flash_attn, "kv_dtype": "float16 (default type_k/type_v)"}
 
     def reset(self, capacity):
         self.llm.reset()  # n_tokens = 0; the next eval removes every stored position from the KV cache
+        self.timed_ctx = self.llm.ctx
         self._perf_reset()
 
     def feed(self, ids):
@@ -144,6 +155,7 @@ class LlamaEngine:
         self.batch_ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=n, verbose=False)
         self.positions = [0] * n
+        self.timed_ctx = self.batch_ctx.ctx
 
     def feed_batch(self, id_lists):
         # one llama_decode per batch of at most 512 tokens, each sequence's last position's logits kept
@@ -169,14 +181,14 @@ class LlamaEngine:
     def _perf_reset(self):
         fn = getattr(self.llama_cpp, "llama_perf_context_reset", None)
         if fn is not None:
-            fn(self.llm.ctx)
+            fn(self.timed_ctx)
 
     def perf(self) -> dict | None:
         """llama.cpp's own counters since the last reset: prompt-eval and eval milliseconds and counts."""
         fn = getattr(self.llama_cpp, "llama_perf_context", None)
         if fn is None:
             return None
-        p = fn(self.llm.ctx)
+        p = fn(self.timed_ctx)
         return {"t_p_eval_ms": p.t_p_eval_ms, "n_p_eval": p.n_p_eval, "t_eval_ms": p.t_eval_ms, "n_eval": p.n_eval}
 
 
@@ -281,6 +293,8 @@ def worker(args) -> dict:
         if case == "prefill":
             ids = prompt_ids(tokenizer, args.prefill_tokens)
             engine.reset(len(ids))
+            if hasattr(engine, "_perf_reset"):
+                engine._perf_reset()
             t0 = time.perf_counter()
             engine.feed(ids)
             seconds = time.perf_counter() - t0
@@ -301,12 +315,14 @@ def worker(args) -> dict:
             prompts = [prompt_ids(tokenizer, args.prompt_tokens * (b + 1))[-args.prompt_tokens:] for b in range(n)]
             engine.reset_batch(n, args.prompt_tokens + args.new_tokens)
             tokens = engine.feed_batch(prompts)
+            if hasattr(engine, "_perf_reset"):
+                engine._perf_reset()
             t0 = time.perf_counter()
             for _ in range(args.new_tokens):
                 tokens = engine.feed_batch([[t] for t in tokens])
             seconds = time.perf_counter() - t0
             out[case] = {"sequences": n, "steps": args.new_tokens, "seconds": seconds,
-                         "tok_s": n * args.new_tokens / seconds}
+                         "tok_s": n * args.new_tokens / seconds, "perf": perf()}
         elif case == "context":
             ids = prompt_ids(tokenizer, args.context)
             engine.reset(len(ids) + args.context_steps)
