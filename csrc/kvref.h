@@ -468,7 +468,7 @@ enum { KVREF_HEAD_EXACT_K = 32 };
 /* An execution of more rows than this (a long prompt, or a batch's rows in all) runs as passes of
  * near-equal size, at most this many rows each, one after another: each pass is the execution of its
  * rows, from the cache positions the earlier passes wrote. Its buffers hold one pass, so a prefill's
- * memory does not grow with the prompt (at Llama 3.2 1B's shapes, 68 KiB per row beside up's
+ * memory does not grow with the prompt (at Llama 3.2 1B's shapes, 48 KiB per row beside up's
  * chunk, KVREF_UP_FLOATS), and every pass still has the rows a GEMM needs (more than
  * KVREF_PASS_ROWS / 2). The price: the weights stream once per pass, against a pass's worth of GEMM
  * work each time. */
