@@ -59,6 +59,9 @@ struct kvref_state {
     float *x;                  /* [rows, E]     residual stream */
     float *xb;                 /* [rows, E]     a block's normed input; once its projections have read it,
                                 *                the block's output before the residual add */
+    /* A layer's attention block uses q .. ly and its MLP gate and up, never one the other's: the two
+     * sets share one allocation, `blocks` (at Llama 3.2 1B's shapes 20 KiB a row beside gate's 32) */
+    float *blocks;
     float *q;                  /* [rows, H*D]   queries (rotated in place); MLA: [rows, H, R + Dr] absorbed */
     float *k, *v;              /* [rows, Hkv*D] new keys (rotated in place) and values; MLA: [rows, R + Dr]
                                 *                latent keys, v unused */
@@ -67,7 +70,9 @@ struct kvref_state {
                                 *      values (W_UV after attention) */
     float *lx, *ly;            /* MLA: [rows, max(Dn, R)], [rows, max(R, Dv)] one head's rows in and out of its
                                 *      up-projection */
-    float *gate, *up;          /* [rows, F]     MLP hidden; gate becomes silu(gate) * up */
+    float *gate;               /* [rows, F]     MLP hidden: gate, then act(gate) * up */
+    float *up;                 /* [min(rows * F, KVREF_UP_FLOATS)] a chunk of up's columns for every row
+                                *                (kvref.h: [T, up_columns(F, T)]) */
     double *cs;                /* [n_tables, rows, D] RoPE cos | sin of each new position, per table */
     int64_t *q_positions;      /* [rows] each new position's own position */
     int64_t *row_seq;          /* [rows] the sequence each new position belongs to */
@@ -109,6 +114,7 @@ typedef struct {
     const float *bias;         /* the bias the current bias step adds to xb */
     float *norm_rows;          /* ... and the rows it normalises in place (NULL: x into xb) */
     kvref_glu_fn glu;          /* the MLP's gate activation (the kernel table's swiglu, geglu or swiglu_oai) */
+    int64_t hidden0, hidden_n; /* the chunk of hidden columns glu_row gates: [hidden0, hidden0 + hidden_n) */
     const kvref_model *model;
 } fw;
 
@@ -210,10 +216,10 @@ static void residual_row(const fw *f, int64_t t) {
     for (int64_t i = 0; i < E; i++) x[i] = x[i] + y[i];
 }
 
-/* gate[t] = act(gate[t]) * up[t] */
+/* gate[t, chunk] = act(gate[t, chunk]) * up[t], up holding the chunk's columns of each row */
 static void glu_row(const fw *f, int64_t t) {
-    const int64_t F = f->c->d_ff;
-    f->glu(F, f->s->gate + t * F, f->s->up + t * F, f->s->gate + t * F);
+    float *gate = f->s->gate + t * f->c->d_ff + f->hidden0;
+    f->glu(f->hidden_n, gate, f->s->up + t * f->hidden_n, gate);
 }
 
 /* ---- projections ------------------------------------------------------------------------- */
@@ -228,10 +234,27 @@ static const kvref_tensor *projection(const kvref_model_desc *c, const kvref_lay
 /* its packed copy when an int8 execution reads one, else NULL */
 static const uint8_t *packed(const fw *f, int which) { return f->int8 ? projection(f->c, f->lw, which)->packed : NULL; }
 
+/* weight w into y [T, ldy] (its packed copy when an int8 execution reads one) */
+static kvref_mv_part tensor_part(const fw *f, const kvref_tensor *w, float *y, int64_t ldy) {
+    return (kvref_mv_part){(const uint8_t *)w->data, f->int8 ? w->packed : NULL, w->type, w->rows, y, ldy};
+}
+
 /* projection `which` into y [T, ldy] */
 static kvref_mv_part part(const fw *f, int which, float *y, int64_t ldy) {
-    const kvref_tensor *w = projection(f->c, f->lw, which);
-    return (kvref_mv_part){(const uint8_t *)w->data, packed(f, which), w->type, w->rows, y, ldy};
+    return tensor_part(f, projection(f->c, f->lw, which), y, ldy);
+}
+
+/* rows n0 .. n0+n-1 of w as a weight of their own, its packed copy's groups included (n0 a multiple
+ * of KVREF_PACK_ROWS) */
+static kvref_tensor weight_rows(const kvref_tensor *w, int64_t n0, int64_t n) {
+    kvref_tensor rows = *w;
+    const int64_t rb = kvref_row_nbytes(w->type, w->cols);
+    rows.data = (const uint8_t *)w->data + n0 * rb;
+    rows.nbytes = n * rb;
+    rows.rows = n;
+    if (w->packed != NULL)
+        rows.packed = (const uint8_t *)w->packed + n0 / KVREF_PACK_ROWS * kvref_pack_group_bytes(w->type, w->cols);
+    return rows;
 }
 
 /* A decode-path projection of x [T, K] into up to three weights (parts, set by the caller): with
@@ -315,22 +338,40 @@ static void residual_projection(fw *f, const float *in, int which, const float *
     s->ns[FAM_PROJ] += kvref_now_ns() - t0;
 }
 
-/* gate = act(xb @ Wg.T) * (xb @ Wu.T) */
+/* hidden columns per chunk of the up projection for T rows (kvref.h, KVREF_UP_FLOATS) */
+static int64_t up_columns(int64_t F, int64_t T) {
+    _Static_assert(KVREF_PASS_ROWS * KVREF_TILE_N <= KVREF_UP_FLOATS, "a pass's rows hold a tile's columns");
+    _Static_assert(KVREF_TILE_N % KVREF_PACK_ROWS == 0, "chunks of whole packed groups");
+    return T * F <= KVREF_UP_FLOATS ? F : KVREF_UP_FLOATS / T / KVREF_TILE_N * KVREF_TILE_N;
+}
+
+/* gate = act(xb @ Wg.T) * (xb @ Wu.T), up_columns at a time: on the decode path gate's and up's rows
+ * of a chunk in one dispatch (x rounded to 8 bits once, for every chunk), on the GEMM path gate whole,
+ * then each chunk of up */
 static void gate_up_projections(fw *f) {
     const int64_t t0 = kvref_now_ns();
     const kvref_layer_desc *lw = f->lw;
     kvref_state *s = f->s;
-    const int64_t E = f->c->d_model, F = f->c->d_ff;
+    const int64_t E = f->c->d_model, F = f->c->d_ff, cols = up_columns(F, f->T);
     if (decode_path(f, f->T, 2, (const int[]){W_GATE, W_UP})) {
         const kvref_mv_part none = {0};
-        kvref_mv mv = matvec(f, s->xb, f->T, E, 2, part(f, W_GATE, s->gate, F),
-                             part(f, W_UP, s->up, F), none);
+        kvref_mv mv = matvec(f, s->xb, f->T, E, 2, part(f, W_GATE, s->gate, F), part(f, W_UP, s->up, cols), none);
         mv.glu = f->glu;
-        kvref_mv_run(f->pool, &mv);
+        for (int64_t n0 = 0; n0 < F; n0 += cols) {
+            const int64_t n = F - n0 < cols ? F - n0 : cols;
+            const kvref_tensor gate = weight_rows(&lw->w_gate, n0, n), up = weight_rows(&lw->w_up, n0, n);
+            mv.part[0] = tensor_part(f, &gate, s->gate + n0, F);
+            mv.part[1] = tensor_part(f, &up, s->up, n);
+            kvref_mv_run(f->pool, &mv);
+        }
     } else {
         matmul(f, s->xb, f->T, &lw->w_gate, s->gate);
-        matmul(f, s->xb, f->T, &lw->w_up, s->up);
-        for_each_row(f, glu_row);
+        for (f->hidden0 = 0; f->hidden0 < F; f->hidden0 += cols) {
+            f->hidden_n = F - f->hidden0 < cols ? F - f->hidden0 : cols;
+            const kvref_tensor up = weight_rows(&lw->w_up, f->hidden0, f->hidden_n);
+            matmul(f, s->xb, f->T, &up, s->up); /* [T, hidden_n] */
+            for_each_row(f, glu_row);
+        }
     }
     s->ns[FAM_PROJ] += kvref_now_ns() - t0;
 }
@@ -777,12 +818,12 @@ static void *alloc_aligned(int64_t n, size_t size) { return kvref_aligned_alloc(
 static void *alloc_floats(int64_t n) { return alloc_aligned(n, sizeof(float)); }
 
 static void free_rows(kvref_state *s) {
-    void *floats[] = {s->x, s->xb, s->q, s->k, s->v, s->att, s->gate, s->up, s->lq, s->lh, s->lo, s->lx,
-                      s->ly}; /* alloc_floats's */
+    void *floats[] = {s->x, s->xb, s->blocks}; /* alloc_floats's */
     for (size_t i = 0; i < sizeof floats / sizeof floats[0]; i++) kvref_aligned_free(floats[i]);
     void *lists[] = {s->cs, s->q_positions, s->row_seq};
     for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) free(lists[i]);
-    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->lq = s->lh = s->lo = s->lx = s->ly = NULL;
+    s->x = s->xb = s->blocks = s->q = s->k = s->v = s->att = s->gate = s->up = s->lq = s->lh = s->lo = s->lx = s->ly =
+        NULL;
     s->cs = NULL;
     s->q_positions = s->row_seq = NULL;
     s->rows = 0;
@@ -823,6 +864,21 @@ static int grow(void **p, int64_t *have, int64_t need, size_t size) {
     return KVREF_OK;
 }
 
+/* floats of n buffers of sizes[i] floats laid out one after the other, each 64-byte aligned */
+static int64_t laid_out_floats(const int64_t *sizes, int n) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (sizes[i] + 15) / 16 * 16;
+    return total;
+}
+
+/* *bufs[i] = buffer i of that layout from base */
+static void lay_out(float *base, float **const *bufs, const int64_t *sizes, int n) {
+    for (int i = 0; i < n; i++) {
+        *bufs[i] = base;
+        base += (sizes[i] + 15) / 16 * 16;
+    }
+}
+
 /* Grow the buffers to the execution of B sequences (rows bounds, cache lengths) of T rows in all,
  * attending to at most S positions each (never shrinks them). */
 static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const int64_t *bounds,
@@ -832,27 +888,28 @@ static int state_reserve(kvref_state *s, int64_t T, int64_t S, int64_t B, const 
     const int64_t E = c->d_model, H = c->n_heads, QD = H * c->head_dim, KVD = m->cache_heads * m->key_dim;
     const int latent = c->kv_lora_rank > 0; /* MLA's buffers (kvref_state), one float each otherwise */
     const int64_t R = c->kv_lora_rank, Dn = c->head_dim - c->qk_rope_head_dim, Dv = c->v_head_dim;
-    if (T > s->rows) {
-        const int64_t rows = T > 2 * s->rows ? T : 2 * s->rows;
+    if (T > s->rows) { /* at most a pass's rows: more would never be used */
+        const int64_t grown = T > 2 * s->rows ? T : 2 * s->rows, rows = grown < KVREF_PASS_ROWS ? grown : KVREF_PASS_ROWS;
         free_rows(s);
         s->x = alloc_floats(rows * E);
         s->xb = alloc_floats(rows * E);
-        s->q = alloc_floats(rows * H * m->key_dim);
-        s->k = alloc_floats(rows * KVD);
-        s->v = alloc_floats(latent ? 1 : rows * KVD);
-        s->att = alloc_floats(rows * H * m->value_dim);
-        s->gate = alloc_floats(rows * c->d_ff);
-        s->up = alloc_floats(rows * c->d_ff);
-        s->lq = alloc_floats(latent ? rows * QD : 1);
-        s->lh = alloc_floats(latent && c->q_lora_rank > 0 ? rows * c->q_lora_rank : 1);
-        s->lo = alloc_floats(latent ? rows * H * Dv : 1);
-        s->lx = alloc_floats(latent ? rows * (Dn > R ? Dn : R) : 1);
-        s->ly = alloc_floats(latent ? rows * (Dv > R ? Dv : R) : 1);
+        float **const attention[] = {&s->q, &s->k, &s->v, &s->att, &s->lq, &s->lh, &s->lo, &s->lx, &s->ly};
+        const int64_t attention_floats[] = {rows * H * m->key_dim, rows * KVD, latent ? 0 : rows * KVD,
+                                            rows * H * m->value_dim, latent ? rows * QD : 0,
+                                            latent ? rows * c->q_lora_rank : 0, latent ? rows * H * Dv : 0,
+                                            latent ? rows * (Dn > R ? Dn : R) : 0, latent ? rows * (Dv > R ? Dv : R) : 0};
+        float **const mlp[] = {&s->gate, &s->up};
+        const int64_t mlp_floats[] = {rows * c->d_ff, rows * c->d_ff < KVREF_UP_FLOATS ? rows * c->d_ff : KVREF_UP_FLOATS};
+        const int64_t a = laid_out_floats(attention_floats, 9), b = laid_out_floats(mlp_floats, 2);
+        s->blocks = alloc_floats(a > b ? a : b);
+        if (s->blocks != NULL) {
+            lay_out(s->blocks, attention, attention_floats, 9);
+            lay_out(s->blocks, mlp, mlp_floats, 2);
+        }
         s->cs = malloc((size_t)((s->model->n_tables > 0 ? s->model->n_tables : 1) * rows * c->head_dim) * sizeof(double));
         s->q_positions = malloc((size_t)rows * sizeof(int64_t));
         s->row_seq = malloc((size_t)rows * sizeof(int64_t));
-        if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->lq || !s->lh ||
-            !s->lo || !s->lx || !s->ly || !s->cs || !s->q_positions || !s->row_seq) {
+        if (!s->x || !s->xb || !s->blocks || !s->cs || !s->q_positions || !s->row_seq) {
             free_rows(s);
             return KVREF_ERR_NOMEM;
         }

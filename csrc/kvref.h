@@ -468,10 +468,20 @@ enum { KVREF_HEAD_EXACT_K = 32 };
 /* An execution of more rows than this (a long prompt, or a batch's rows in all) runs as passes of
  * near-equal size, at most this many rows each, one after another: each pass is the execution of its
  * rows, from the cache positions the earlier passes wrote. Its buffers hold one pass, so a prefill's
- * memory does not grow with the prompt (at Llama 3.2 1B's shapes, 100 KiB per row), and every pass
- * still has the rows a GEMM needs (more than KVREF_PASS_ROWS / 2). The price: the weights stream
- * once per pass, against a pass's worth of GEMM work each time. */
+ * memory does not grow with the prompt (at Llama 3.2 1B's shapes, 48 KiB per row beside up's
+ * chunk, KVREF_UP_FLOATS), and every pass still has the rows a GEMM needs (more than
+ * KVREF_PASS_ROWS / 2). The price: the weights stream once per pass, against a pass's worth of GEMM
+ * work each time. */
 enum { KVREF_PASS_ROWS = 128 };
+
+/* A pass of T rows computes its MLP's up projection in chunks of n hidden columns when T * F floats
+ * would exceed this: each chunk, [T, n], is gated into its columns of gate ([T, F], which the down
+ * projection reads whole) as soon as it is made, so the pass holds one chunk of up beside gate
+ * rather than a second [T, F] (4 MiB fewer at Llama 3.2 1B's shapes). n is F when T * F fits, else
+ * the most whole GEMM tiles of 32 columns whose T rows fit (1024 columns at 128 rows). No value
+ * changes: each output is one weight row's dot product with one row of x whichever rows a call
+ * multiplies, and the gate acts on each element alone. */
+enum { KVREF_UP_FLOATS = 131072 };
 
 /* Run T new tokens at positions length .. length+T-1 of a cache.
  *   token_ids:  int64 [T], each in [0, V)

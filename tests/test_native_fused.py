@@ -123,10 +123,11 @@ def family_configs(draw, max_layers=4):
 
 
 @st.composite
-def quantized_models(draw, max_layers=3, families=False):
+def quantized_models(draw, max_layers=3, families=False, d_ff=None):
     """(config, weights) whose matrices are in random formats: every weight type the native kernels
     read, wherever the input width K is a whole number of that type's blocks; with `families`, random
-    family fields too (their biases and gains float32), and head_dim 256 with one kv head (Gemma 3)."""
+    family fields too (their biases and gains float32), and head_dim 256 with one kv head (Gemma 3).
+    d_ff: the MLP's width (default: drawn)."""
     n_kv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([2, 6, 8, 16, 32, 64, 80, 128] + ([256] if families else [])))
@@ -134,7 +135,7 @@ def quantized_models(draw, max_layers=3, families=False):
     n_layers = draw(st.integers(1, max_layers))
     config = kvref.ModelConfig(
         n_layers=n_layers, d_model=draw(st.sampled_from([32, 64, 256])),
-        n_heads=n_kv * group, n_kv_heads=n_kv, head_dim=head_dim, d_ff=draw(st.sampled_from([32, 96, 256])),
+        n_heads=n_kv * group, n_kv_heads=n_kv, head_dim=head_dim, d_ff=d_ff or draw(st.sampled_from([32, 96, 256])),
         vocab_size=draw(st.integers(8, 80)), max_seq_len=96, rope_theta=draw(st.sampled_from([10000.0, 500.0])),
         tie_embeddings=draw(st.booleans()), **(draw(family_fields(n_layers)) if families else {}))
     seed = draw(st.integers(0, 2**16))
@@ -424,6 +425,25 @@ def test_a_prefill_longer_than_a_pass_is_bit_identical_to_the_decoder_run_pass_b
     want, want_cache = run(decoder_forward(isa, new_cache(config, *kv_dtype)), reference, config, weights, tokens,
                            pass_sizes(T), kv_dtype, 1)
     assert ff.timings()["calls"] == 2  # the prefill was one C call
+    assert_same_execution(got, got_cache, want, want_cache)
+
+
+@settings(max_examples=6)
+@given(st.data(), ISAS, st.sampled_from(["float32", "int8"]))
+def test_a_pass_whose_mlp_runs_up_in_column_chunks_is_bit_identical_to_the_decoder(data, isa, activations):
+    # csrc/kvref.h, KVREF_UP_FLOATS: T rows of d_ff columns beyond it run the up projection a chunk of
+    # whole 32-column tiles at a time, gated into gate's columns, the last chunk shorter than the others
+    T = data.draw(st.integers(lib.KVREF_PASS_ROWS // 2, lib.KVREF_PASS_ROWS))
+    chunk = lib.KVREF_UP_FLOATS // T // 32 * 32
+    d_ff = 32 * data.draw(st.integers(chunk // 32 + 1, 2 * chunk // 32 - 1))  # not a multiple of the chunk
+    config, weights = data.draw(quantized_models(max_layers=2, families=data.draw(st.booleans()), d_ff=d_ff))
+    config = config.replace(max_seq_len=T + 1)
+    tokens = data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=T, max_size=T))
+    ops = nops.kernels(2, isa)
+    ff = fused.FusedForward(config, weights, activations)
+    reference = Int8Kernels(ops, weights.output) if activations == "int8" else ops
+    got, got_cache = run(c_forward(ff), ops, config, weights, tokens, [T], "float16", 1)
+    want, want_cache = run(decoder.forward, reference, config, weights, tokens, [T], "float16", 1)
     assert_same_execution(got, got_cache, want, want_cache)
 
 
