@@ -605,8 +605,7 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  * one 4-byte dot product instruction (VNNI vpdpbusd, AVX2 maddubs) multiplies 16 weight rows by the
  * same 4 bytes of x, each lane its own row: no horizontal sums, and a block's values are decoded
  * once for every row of x. Every field keeps the file's bit width, so a decode step reads the bytes
- * of the file (the K-quants' 6-bit scales and mins take a byte each: Q4_K 1.028x its file bytes,
- * Q6_K 1.0095x for the header's padding; the others exactly the file's).
+ * of the file: exactly its bytes for every type but Q6_K, 1.0095x for its header's padding.
  * A record is one 32-value block of the 16 rows:
  *   - Q4_0, Q4_1, Q5_0, Q8_0: first their scales, float16 d [16] as in the file (Q4_1: then m [16]);
  *     the K-quants' records hold no scales (their super-block's header does, below);
@@ -618,11 +617,16 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  *     mask v: value 4v + i of row r), Q6_K's bits 4-5 as two vectors of 2-bit fields (byte 4r + i of
  *     vector g: those of vectors 4g, 4g + 1, 4g + 2, 4g + 3 in its bits 0-1, 2-3, 4-5, 6-7).
  * A K-quant super-block (256 values: 8 records) of the 16 rows starts with a header of
- * KVREF_PACK_HEADER bytes, the file's fields of the 16 rows side by side (row r at index r):
- *   - Q4_K: d [16], dmin [16] float16; the 6-bit scales sc [8][16] and mins m [8][16], a byte each
- *     (sub-block j of row r at 16 j + r);
- *   - Q6_K: d [16] float16; the 8-bit scales sc [16][16] (16-value sub-block j of row r at 16 j + r);
- *     32 zero bytes, so the records start 64-byte aligned.
+ * kvref_pack_header_bytes, the file's fields of the 16 rows side by side (row r at index r):
+ *   - Q4_K (256 bytes): d [16], dmin [16] float16; then the 12 bytes that hold each row's six-bit
+ *     scales and mins in the file (kvref_q4k_scale_min), as 12 planes [12][16] (byte k of row r at
+ *     16 k + r). A kernel unpacks the 16 rows' sc [8][16] and m [8][16] from them once per
+ *     super-block, 64 bytes (4 planes) at a time: sc 0-3 = planes 0-3 & 63, m 0-3 = planes 4-7 & 63,
+ *     sc 4-7 = the low nibbles of planes 8-11 with bits 7:6 of planes 0-3 as bits 5:4, m 4-7 = their
+ *     high nibbles with those of planes 4-7 (kvref_q4k_scales_mins's operations, 16 rows wide);
+ *   - Q6_K (320 bytes): d [16] float16; the 8-bit scales sc [16][16] (16-value sub-block j of row r
+ *     at 16 j + r); 32 zero bytes.
+ *   Either way the records start 64-byte aligned.
  * Record b's scales are kvref_q8_block_scales's, products of two of those fields computed in the
  * kernel (exact in float32): Q4_K d sc_j and -(dmin m_j), Q6_K d sc of each 16-value half.
  * A group of 16 rows is its K / 32 records in block order (each K-quant super-block's header before
@@ -630,7 +634,6 @@ static inline void kvref_q8_weight_block(int32_t type, const uint8_t *row, int64
  * count u x, and q x = u x - bias sum(x) takes the bias off with x's sums per 16 values
  * (kvref_mv.xsum). */
 #define KVREF_PACK_ROWS 16
-#define KVREF_PACK_HEADER 320
 /* With 4 or more rows of x, the packed kernels ask for the record this many ahead of the one they
  * multiply: a record then takes long enough to multiply that the hardware prefetcher alone leaves
  * the next one's loads waiting on memory. With fewer rows the kernels stream near the read
@@ -666,10 +669,14 @@ static inline int64_t kvref_pack_values_at(int32_t type) { return kvref_pack_pla
 static inline int64_t kvref_pack_record_bytes(int32_t type) {
     return kvref_pack_values_at(type) + (type == KVREF_TYPE_Q8_0 ? 512 : 256);
 }
-/* records per span (a K-quant super-block; 1 for the others), and a span's bytes, header included */
+/* records per span (a K-quant super-block; 1 for the others), its header's bytes, and a span's bytes,
+ * header included */
 static inline int64_t kvref_pack_span(int32_t type) { return kvref_pack_kquant(type) ? QK_K / 32 : 1; }
+static inline int64_t kvref_pack_header_bytes(int32_t type) {
+    return type == KVREF_TYPE_Q4_K ? 256 : type == KVREF_TYPE_Q6_K ? 320 : 0;
+}
 static inline int64_t kvref_pack_span_bytes(int32_t type) {
-    return (kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0) + kvref_pack_span(type) * kvref_pack_record_bytes(type);
+    return kvref_pack_header_bytes(type) + kvref_pack_span(type) * kvref_pack_record_bytes(type);
 }
 /* bytes of a group of 16 rows of K values */
 static inline int64_t kvref_pack_group_bytes(int32_t type, int64_t K) {
@@ -680,7 +687,7 @@ static inline const uint8_t *kvref_pack_header(int32_t type, const uint8_t *grou
     return group + b / kvref_pack_span(type) * kvref_pack_span_bytes(type);
 }
 static inline const uint8_t *kvref_pack_record(int32_t type, const uint8_t *group, int64_t b) {
-    return kvref_pack_header(type, group, b) + (kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0) +
+    return kvref_pack_header(type, group, b) + kvref_pack_header_bytes(type) +
            b % kvref_pack_span(type) * kvref_pack_record_bytes(type);
 }
 /* rows 0 .. nr-1 of w (nr <= 16, rb bytes each, K values of a packable type) -> one packed group,

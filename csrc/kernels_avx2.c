@@ -1021,13 +1021,31 @@ TARGET static ALWAYS_INLINE __m256 fp16x8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
 }
 
-/* rows 8h .. 8h+7's scales of record j of a span (header hd, record rec): s[0] d (Q6_K: of values
- * 0-15), s[1] m (Q6_K: d of 16-31); the K-quants' from the header's d (and -dmin, nd), each product exact */
-TARGET static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *hd, const uint8_t *rec, int64_t j, int h,
-                                               __m256 d, __m256 nd, __m256 s[2]) {
+/* a Q4_K header's 12 planes (internal.h) -> sm: the 16 rows' sc [8][16], then m [8][16], a byte
+ * each; planes 0-3, 4-7 and 8-11 are two vectors each */
+TARGET static ALWAYS_INLINE void q4k_header_scales_mins(const uint8_t *hd, uint8_t sm[256]) {
+    const __m256i six = _mm256_set1_epi8(63), low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    for (int i = 0; i < 64; i += 32) {
+        const __m256i p0 = _mm256_loadu_si256((const __m256i *)(const void *)(hd + 64 + i));
+        const __m256i p4 = _mm256_loadu_si256((const __m256i *)(const void *)(hd + 128 + i));
+        const __m256i p8 = _mm256_loadu_si256((const __m256i *)(const void *)(hd + 192 + i));
+        _mm256_store_si256((__m256i *)(void *)(sm + i), _mm256_and_si256(p0, six));
+        _mm256_store_si256((__m256i *)(void *)(sm + 64 + i),
+                           _mm256_or_si256(_mm256_and_si256(p8, low), _mm256_and_si256(_mm256_srli_epi16(p0, 2), top)));
+        _mm256_store_si256((__m256i *)(void *)(sm + 128 + i), _mm256_and_si256(p4, six));
+        _mm256_store_si256((__m256i *)(void *)(sm + 192 + i), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p8, 4), low),
+                                                                             _mm256_and_si256(_mm256_srli_epi16(p4, 2), top)));
+    }
+}
+
+/* rows 8h .. 8h+7's scales of record j of a span (header hd, record rec, Q4_K's sm unpacked from hd):
+ * s[0] d (Q6_K: of values 0-15), s[1] m (Q6_K: d of 16-31); the K-quants' from the header's d (and
+ * -dmin, nd), each product exact */
+TARGET static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *hd, const uint8_t *sm, const uint8_t *rec,
+                                               int64_t j, int h, __m256 d, __m256 nd, __m256 s[2]) {
     if (type == KVREF_TYPE_Q4_K) {
-        s[0] = _mm256_mul_ps(d, header_bytes(hd + 64 + 16 * j + 8 * h, 0));
-        s[1] = _mm256_mul_ps(nd, header_bytes(hd + 192 + 16 * j + 8 * h, 0));
+        s[0] = _mm256_mul_ps(d, header_bytes(sm + 16 * j + 8 * h, 0));
+        s[1] = _mm256_mul_ps(nd, header_bytes(sm + 128 + 16 * j + 8 * h, 0));
     } else if (type == KVREF_TYPE_Q6_K) {
         s[0] = _mm256_mul_ps(d, header_bytes(hd + 32 + 32 * j + 8 * h, 1));
         s[1] = _mm256_mul_ps(d, header_bytes(hd + 48 + 32 * j + 8 * h, 1));
@@ -1042,15 +1060,19 @@ TARGET static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *hd, 
 TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                  const float *ds, const int32_t *xsum, const int R, int h, float *out) {
     const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type), span = kvref_pack_span(type);
-    const int64_t header = kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0;
+    const int64_t header = kvref_pack_header_bytes(type);
     const int32_t bias = type == KVREF_TYPE_Q8_0 ? 0 : kvref_pack_bias(type);
     __m256 acc[4];
+    _Alignas(32) uint8_t sm[256];
     for (int t = 0; t < R; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += span) {
         const uint8_t *hd = kvref_pack_header(type, group, b0);
         __m256 d = _mm256_setzero_ps(), nd = _mm256_setzero_ps();
         if (kvref_pack_kquant(type)) d = fp16x8(hd + 16 * h);
-        if (type == KVREF_TYPE_Q4_K) nd = _mm256_xor_ps(fp16x8(hd + 32 + 16 * h), _mm256_set1_ps(-0.0f));
+        if (type == KVREF_TYPE_Q4_K) {
+            nd = _mm256_xor_ps(fp16x8(hd + 32 + 16 * h), _mm256_set1_ps(-0.0f));
+            q4k_header_scales_mins(hd, sm);
+        }
         for (int64_t j = 0; j < span; j++) {
             const int64_t b = b0 + j;
             const uint8_t *rec = hd + header + j * rec_bytes;
@@ -1058,7 +1080,7 @@ TARGET static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const 
             __m256i u[8];
             packed_values(type, rec, h, u);
             __m256 sc[2];
-            packed_scales(type, hd, rec, j, h, d, nd, sc);
+            packed_scales(type, hd, sm, rec, j, h, d, nd, sc);
             for (int t = 0; t < R; t++) {
                 const int32_t *xs = xsum + t * (K / 16) + 2 * b;
                 __m256i half[2] = {_mm256_set1_epi32(-bias * xs[0]), _mm256_set1_epi32(-bias * xs[1])};

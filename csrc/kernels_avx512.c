@@ -1180,13 +1180,26 @@ TARGET_VNNI static ALWAYS_INLINE __m512 fp16x16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
 }
 
-/* the 16 rows' scales of record j of a span (header h, record rec): s[0] d (Q6_K: of values 0-15),
- * s[1] m (Q6_K: d of 16-31); the K-quants' from the header's d (and -dmin, nd), each product exact */
-TARGET_VNNI static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *h, const uint8_t *rec, int64_t j,
-                                                    __m512 d, __m512 nd, __m512 s[2]) {
+/* a Q4_K header's 12 planes (internal.h) -> sm: the 16 rows' sc [8][16], then m [8][16], a byte
+ * each; planes 0-3, 4-7 and 8-11 are one vector each */
+TARGET_VNNI static ALWAYS_INLINE void q4k_header_scales_mins(const uint8_t *h, uint8_t sm[256]) {
+    const __m512i p0 = _mm512_loadu_si512(h + 64), p4 = _mm512_loadu_si512(h + 128), p8 = _mm512_loadu_si512(h + 192);
+    const __m512i six = _mm512_set1_epi8(63), low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    _mm512_store_si512(sm, _mm512_and_si512(p0, six));
+    _mm512_store_si512(sm + 64, _mm512_or_si512(_mm512_and_si512(p8, low), _mm512_and_si512(_mm512_srli_epi16(p0, 2), top)));
+    _mm512_store_si512(sm + 128, _mm512_and_si512(p4, six));
+    _mm512_store_si512(sm + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p8, 4), low),
+                                                 _mm512_and_si512(_mm512_srli_epi16(p4, 2), top)));
+}
+
+/* the 16 rows' scales of record j of a span (header h, record rec, Q4_K's sm unpacked from h):
+ * s[0] d (Q6_K: of values 0-15), s[1] m (Q6_K: d of 16-31); the K-quants' from the header's d (and
+ * -dmin, nd), each product exact */
+TARGET_VNNI static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *h, const uint8_t *sm, const uint8_t *rec,
+                                                    int64_t j, __m512 d, __m512 nd, __m512 s[2]) {
     if (type == KVREF_TYPE_Q4_K) {
-        s[0] = _mm512_mul_ps(d, header_bytes(h + 64 + 16 * j, 0));
-        s[1] = _mm512_mul_ps(nd, header_bytes(h + 192 + 16 * j, 0));
+        s[0] = _mm512_mul_ps(d, header_bytes(sm + 16 * j, 0));
+        s[1] = _mm512_mul_ps(nd, header_bytes(sm + 128 + 16 * j, 0));
     } else if (type == KVREF_TYPE_Q6_K) {
         s[0] = _mm512_mul_ps(d, header_bytes(h + 32 + 32 * j, 1));
         s[1] = _mm512_mul_ps(d, header_bytes(h + 48 + 32 * j, 1));
@@ -1202,16 +1215,20 @@ TARGET_VNNI static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t 
 TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs,
                                                       const float *ds, const int32_t *xsum, const int R, float *out) {
     const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type), span = kvref_pack_span(type);
-    const int64_t header = kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0;
+    const int64_t header = kvref_pack_header_bytes(type);
     const int32_t bias = kvref_pack_bias(type);
     __m512 acc[8];
+    _Alignas(64) uint8_t sm[256];
     UNROLL_ROWS
     for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += span) {
         const uint8_t *h = kvref_pack_header(type, group, b0);
         __m512 d = _mm512_setzero_ps(), nd = _mm512_setzero_ps();
         if (kvref_pack_kquant(type)) d = fp16x16(h);
-        if (type == KVREF_TYPE_Q4_K) nd = _mm512_xor_ps(fp16x16(h + 32), _mm512_set1_ps(-0.0f));
+        if (type == KVREF_TYPE_Q4_K) {
+            nd = _mm512_xor_ps(fp16x16(h + 32), _mm512_set1_ps(-0.0f));
+            q4k_header_scales_mins(h, sm);
+        }
         for (int64_t j = 0; j < span; j++) {
             const int64_t b = b0 + j;
             const uint8_t *rec = h + header + j * rec_bytes;
@@ -1219,7 +1236,7 @@ TARGET_VNNI static ALWAYS_INLINE void packed_dot_rows(int32_t type, int64_t K, c
             __m512i u[8];
             packed_values(type, rec, u);
             __m512 sc[2];
-            packed_scales(type, h, rec, j, d, nd, sc);
+            packed_scales(type, h, sm, rec, j, d, nd, sc);
             UNROLL_ROWS
             for (int t = 0; t < R; t++) {
                 const int8_t *x = qs + t * K + 32 * b;

@@ -781,16 +781,30 @@ static ALWAYS_INLINE void packed_values(int32_t type, const uint8_t *rec, int h,
     }
 }
 
-/* rows 8h + 4k .. +3's scales of record j of a span (header hd, record rec): s[k][0] d (Q6_K: of
- * values 0-15), s[k][1] m (Q6_K: d of 16-31); the K-quants' from the header's fields, each product
- * exact, as kernels_avx2.c's packed_scales */
-static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *hd, const uint8_t *rec, int64_t j, int h,
-                                        float32x4_t s[2][2]) {
+/* a Q4_K header's 12 planes (internal.h) -> sm: the 16 rows' sc [8][16], then m [8][16], a byte
+ * each; a plane is one register */
+static ALWAYS_INLINE void q4k_header_scales_mins(const uint8_t *hd, uint8_t sm[256]) {
+    for (int k = 0; k < 4; k++) {
+        const uint8x16_t p0 = vld1q_u8(hd + 64 + 16 * k), p4 = vld1q_u8(hd + 128 + 16 * k), p8 = vld1q_u8(hd + 192 + 16 * k);
+        vst1q_u8(sm + 16 * k, vandq_u8(p0, vdupq_n_u8(63)));
+        vst1q_u8(sm + 128 + 16 * k, vandq_u8(p4, vdupq_n_u8(63)));
+        /* sub-block k + 4: a nibble of plane 8 + k (vsli keeps the low one), bits 7:6 of plane k (4 + k
+         * for the min) inserted above it */
+        vst1q_u8(sm + 64 + 16 * k, vsliq_n_u8(p8, vshrq_n_u8(p0, 6), 4));
+        vst1q_u8(sm + 192 + 16 * k, vsliq_n_u8(vshrq_n_u8(p8, 4), vshrq_n_u8(p4, 6), 4));
+    }
+}
+
+/* rows 8h + 4k .. +3's scales of record j of a span (header hd, record rec, Q4_K's sm unpacked from
+ * hd): s[k][0] d (Q6_K: of values 0-15), s[k][1] m (Q6_K: d of 16-31); the K-quants' from the
+ * header's fields, each product exact, as kernels_avx2.c's packed_scales */
+static ALWAYS_INLINE void packed_scales(int32_t type, const uint8_t *hd, const uint8_t *sm, const uint8_t *rec, int64_t j,
+                                        int h, float32x4_t s[2][2]) {
     for (int k = 0; k < 2; k++) {
         const int r0 = 8 * h + 4 * k;
         if (type == KVREF_TYPE_Q4_K) {
-            s[k][0] = vmulq_f32(f16x4(hd + 2 * r0), bytes4(hd + 64 + 16 * j + r0, 0));
-            s[k][1] = vmulq_f32(vnegq_f32(f16x4(hd + 32 + 2 * r0)), bytes4(hd + 192 + 16 * j + r0, 0));
+            s[k][0] = vmulq_f32(f16x4(hd + 2 * r0), bytes4(sm + 16 * j + r0, 0));
+            s[k][1] = vmulq_f32(vnegq_f32(f16x4(hd + 32 + 2 * r0)), bytes4(sm + 128 + 16 * j + r0, 0));
         } else if (type == KVREF_TYPE_Q6_K) {
             s[k][0] = vmulq_f32(f16x4(hd + 2 * r0), bytes4(hd + 32 + 32 * j + r0, 1));
             s[k][1] = vmulq_f32(f16x4(hd + 2 * r0), bytes4(hd + 48 + 32 * j + r0, 1));
@@ -827,12 +841,14 @@ static ALWAYS_INLINE void packed_isums_neon(const int8x16_t u[8][2], const int8_
 static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const uint8_t *group, const int8_t *qs, const float *ds,
                                           const int32_t *xsum, const int R, int h, float *out, const packed_isums_fn isums) {
     const int64_t nb = K / 32, rec_bytes = kvref_pack_record_bytes(type), span = kvref_pack_span(type);
-    const int64_t header = kvref_pack_kquant(type) ? KVREF_PACK_HEADER : 0;
+    const int64_t header = kvref_pack_header_bytes(type);
     const int32_t bias = type == KVREF_TYPE_Q8_0 ? 0 : kvref_pack_bias(type);
     float32x4_t acc[ROWS_MAX][2];
+    uint8_t sm[256];
     for (int t = 0; t < R; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0.0f);
     for (int64_t b0 = 0; b0 < nb; b0 += span) {
         const uint8_t *hd = kvref_pack_header(type, group, b0);
+        if (type == KVREF_TYPE_Q4_K) q4k_header_scales_mins(hd, sm);
         for (int64_t j = 0; j < span; j++) {
             const int64_t b = b0 + j;
             const uint8_t *rec = hd + header + j * rec_bytes;
@@ -840,7 +856,7 @@ static ALWAYS_INLINE void packed_dot_half(int32_t type, int64_t K, const uint8_t
             int8x16_t u[8][2];
             packed_values(type, rec, h, u);
             float32x4_t sc[2][2];
-            packed_scales(type, hd, rec, j, h, sc);
+            packed_scales(type, hd, sm, rec, j, h, sc);
             int32x4_t half[ROWS_MAX][2][2];
             for (int t = 0; t < R; t++)
                 for (int e = 0; e < 2; e++) half[t][e][0] = half[t][e][1] = vdupq_n_s32(-bias * xsum[t * (K / 16) + 2 * b + e]);

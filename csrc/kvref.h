@@ -326,9 +326,9 @@ typedef struct kvref_tensor {
 } kvref_tensor;
 
 /* Bytes of a [rows, cols] weight of `type` packed for the int8 activation mode, every field at the
- * file's bit width: Q4_0, Q4_1, Q5_0 and Q8_0 weights in as many bytes as the file's (rows rounded up
- * to 16), Q4_K in 1.028 times them (its 6-bit scales and mins a byte each) and Q6_K in 1.0095 (a
- * header padded to 64 bytes); 0 for the other types, which that mode reads in file layout. */
+ * file's bit width: Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights in as many bytes as the file's (rows
+ * rounded up to 16), Q6_K in 1.0095 times them (a header padded to 64 bytes); 0 for the other types,
+ * which that mode reads in file layout. */
 int64_t kvref_packed_nbytes(int32_t type, int64_t rows, int64_t cols);
 /* w (as kvref_matmul takes it) -> out [out_nbytes = kvref_packed_nbytes(...)], 64-byte aligned: its
  * rows 16 at a time in the layout of the int8 mode's kernels, whose every 4-byte dot product

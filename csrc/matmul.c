@@ -309,13 +309,13 @@ static void pack_kquant_row(int32_t type, const uint8_t *row, int64_t s, int r, 
     if (type == KVREF_TYPE_Q4_K) {
         memcpy(span + 2 * r, w, 2);      /* d */
         memcpy(span + 32 + 2 * r, w + 2, 2); /* dmin */
-        for (int j = 0; j < 8; j++) kvref_q4k_scale_min(j, w + 4, span + 64 + 16 * j + r, span + 192 + 16 * j + r);
+        for (int k = 0; k < 12; k++) span[64 + 16 * k + r] = w[4 + k]; /* the scales and mins' bytes, plane k */
     } else {
         memcpy(span + 2 * r, w + 208, 2); /* d */
         for (int j = 0; j < 16; j++) span[32 + 16 * j + r] = w[192 + j];
     }
     for (int64_t b = 0; b < 8; b++) {
-        uint8_t *rec = span + KVREF_PACK_HEADER + b * kvref_pack_record_bytes(type);
+        uint8_t *rec = span + kvref_pack_header_bytes(type) + b * kvref_pack_record_bytes(type);
         uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
         int8_t q[32];
         float d, m;
@@ -371,18 +371,13 @@ static void unpack_kquant_row(int32_t type, const uint8_t *span, int64_t s, int 
     if (type == KVREF_TYPE_Q4_K) {
         memcpy(w, span + 2 * r, 2);
         memcpy(w + 2, span + 32 + 2 * r, 2);
-        const uint8_t *sc = span + 64 + r, *mn = span + 192 + r; /* sub-block j's at [16 j] */
-        for (int j = 0; j < 4; j++) { /* kvref_q4k_scale_min read backwards: 6 bits each into 12 bytes */
-            w[4 + j] = (uint8_t)(sc[16 * j] | (sc[16 * (j + 4)] >> 4) << 6);
-            w[8 + j] = (uint8_t)(mn[16 * j] | (mn[16 * (j + 4)] >> 4) << 6);
-            w[12 + j] = (uint8_t)((sc[16 * (j + 4)] & 0xF) | (mn[16 * (j + 4)] & 0xF) << 4);
-        }
+        for (int k = 0; k < 12; k++) w[4 + k] = span[64 + 16 * k + r];
     } else {
         memcpy(w + 208, span + 2 * r, 2);
         for (int j = 0; j < 16; j++) w[192 + j] = span[32 + 16 * j + r];
     }
     for (int64_t b = 0; b < 8; b++) {
-        const uint8_t *rec = span + KVREF_PACK_HEADER + b * kvref_pack_record_bytes(type);
+        const uint8_t *rec = span + kvref_pack_header_bytes(type) + b * kvref_pack_record_bytes(type);
         const uint8_t *vals = rec + kvref_pack_values_at(type), *planes = rec + kvref_pack_planes_at(type);
         for (int k = 0; k < 32; k++) {
             const int v = k / 4, lane = 4 * r + k % 4;

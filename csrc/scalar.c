@@ -422,8 +422,10 @@ static float packed_scale(int32_t type, const uint8_t *group, int64_t b, int whi
     const uint8_t *h = kvref_pack_header(type, group, b);
     const int j = (int)(b % kvref_pack_span(type));
     if (type == KVREF_TYPE_Q6_K) return kvref_load_fp16(h + 2 * r) * (float)(int8_t)h[32 + 16 * (2 * j + which) + r];
-    return which == 0 ? kvref_load_fp16(h + 2 * r) * (float)h[64 + 16 * j + r]
-                      : -(kvref_load_fp16(h + 32 + 2 * r) * (float)h[192 + 16 * j + r]);
+    uint8_t scales[12], sc, m; /* row r's 12 bytes of the file's scales and mins, one from each plane */
+    for (int k = 0; k < 12; k++) scales[k] = h[64 + 16 * k + r];
+    kvref_q4k_scale_min((int)j, scales, &sc, &m);
+    return which == 0 ? kvref_load_fp16(h + 2 * r) * (float)sc : -(kvref_load_fp16(h + 32 + 2 * r) * (float)m);
 }
 
 /* the definition of the packed kernels (internal.h, kvref_packed_dot_fn) */

@@ -44,6 +44,7 @@ def assert_all_ok(result, tables):
     assert best == (tables[-1] if tables else "scalar"), report
     assert f"ok    {best} pool threads 1/2/4 matmul " in report, report
     assert "ok    api wrong arguments status " in report, report
+    assert "ok    pack round trip q4_k " in report, report
 
 
 def x86_tables():

@@ -735,6 +735,22 @@ def test_int8_matmul_is_bit_identical_to_the_scalar_kernel_on_every_isa_thread_c
     np.testing.assert_array_equal(nops.kernels(threads, isa).matmul_int8(x[-1:], w), want[-1:])
 
 
+@pytest.mark.parametrize("isa", nops.supported_isas())
+def test_the_packed_q4_k_kernel_reads_all_twelve_scale_planes_as_the_scalar_kernel(isa):
+    # a packed Q4_K header keeps each row's 12 bytes of 6-bit scales and mins as the file has them, and
+    # each kernel unpacks the 16 rows' 8 scales and 8 mins from those planes once per super-block
+    # (csrc/internal.h); random blocks give every plane every bit pattern, and every row count below
+    # the GEMM switch runs the packed kernel with its 8, 4, 2 and 1-row blocks
+    rng = np.random.default_rng(24)
+    N, K = 48, 512
+    w = sane_quantized(GGMLType.Q4_K, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), rng)
+    x = rng.standard_normal((nops.GEMM_Q8_MIN_T - 1, K)).astype(np.float32)
+    want = nops.kernels(1, "scalar").matmul_int8(x, w)
+    np.testing.assert_array_equal(nops.kernels(1, isa).matmul_int8(x, w), want)
+    for T in range(1, len(x)):
+        np.testing.assert_array_equal(nops.kernels(1, isa).matmul_int8(x[:T], w), want[:T])
+
+
 @given(int8_cases(), ISAS, THREADS)
 def test_int8_matmul_below_the_gemm_switch_gives_each_row_of_x_its_single_row_result_bit_for_bit(case, isa, threads):
     # the packed kernels decode a weight block's integers once for every row of x, and each row keeps
@@ -1351,16 +1367,16 @@ PACK_BIAS = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q5_0: 16, GGMLType.Q8_
 
 def kquant_header(w, rows, s):
     """The header of super-block s of a K-quant's 16 rows `rows` (csrc/internal.h): the file's fields
-    side by side, row r at index r: Q4_K d [16], dmin [16] float16, sc [8][16], m [8][16] a byte each;
-    Q6_K d [16], sc [16][16], 32 zero bytes. Rows past the weight's are zero."""
+    side by side, row r at index r: Q4_K d [16], dmin [16] float16, then its 12 bytes of 6-bit scales
+    and mins as planes [12][16] (byte k of row r at 16 k + r); Q6_K d [16], sc [16][16], 32 zero bytes.
+    Rows past the weight's are zero."""
     N, K = w.shape
     size = BLOCK_LAYOUT[w.ggml_type][1]
     blocks = np.zeros((16, size), np.uint8)
     have = np.arange(rows.start, rows.stop) < N
     blocks[have] = w.data.reshape(N, K // 256, size)[rows.start:min(rows.stop, N), s]
     if w.ggml_type == GGMLType.Q4_K:
-        sc, mn = quants._scales_mins_k4(blocks[:, 4:16])  # [16, 8] each
-        return np.concatenate([blocks[:, 0:2].reshape(-1), blocks[:, 2:4].reshape(-1), sc.T.reshape(-1), mn.T.reshape(-1)])
+        return np.concatenate([blocks[:, 0:2].reshape(-1), blocks[:, 2:4].reshape(-1), blocks[:, 4:16].T.reshape(-1)])
     return np.concatenate([blocks[:, 208:210].reshape(-1), blocks[:, 192:208].T.reshape(-1), np.zeros(32, np.uint8)])
 
 
@@ -1434,9 +1450,8 @@ def test_pack_int8_writes_the_documented_layout(gtype, N, nb, seed):
     K = (256 if gtype in (GGMLType.Q4_K, GGMLType.Q6_K) else 32) * nb
     w = sane_quantized(gtype, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), rng)
     nbytes = lib.kvref_packed_nbytes(int(gtype), N, K)
-    # the file's bytes, rows rounded to 16, but for the K-quants' header per 16 rows and super-block: Q4_K's
-    # 6-bit scales and mins a byte each (+ 64 bytes), Q6_K's padding (+ 32)
-    extra = {GGMLType.Q4_K: 64, GGMLType.Q6_K: 32}.get(gtype, 0) * (K // 256)
+    # the file's bytes, rows rounded to 16, but for Q6_K's header padding per 16 rows and super-block (+ 32)
+    extra = 32 * (K // 256) if gtype == GGMLType.Q6_K else 0
     assert nbytes == -(-N // 16) * (16 * row_nbytes(gtype, K) + extra)
     buf = np.zeros(nbytes + 64, np.uint8)
     out = buf[-buf.ctypes.data % 64:][:nbytes]
@@ -1447,15 +1462,18 @@ def test_pack_int8_writes_the_documented_layout(gtype, N, nb, seed):
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_a_fused_forward_reads_the_packed_bytes_of_its_int8_projections(activations):
-    # what kvref bench's roofline counts: a Q4_K packed copy holds its 6-bit scales and mins a byte each
+    # what kvref bench's roofline counts: a Q4_K packed copy is exactly the file's bytes, a Q6_K one
+    # 32 more per 16 rows and super-block (its header's padding)
     config = kvref.ModelConfig(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=32, max_seq_len=8)
     weights = random_weights(config, seed=2)
     rng = np.random.default_rng(2)
     wq = sane_quantized(GGMLType.Q4_K, np.asarray(weights.layers[0].wq), rng)
-    weights = replace(weights, layers=[replace(weights.layers[0], wq=wq)])
+    wo = sane_quantized(GGMLType.Q6_K, np.asarray(weights.layers[0].wo), rng)
+    weights = replace(weights, layers=[replace(weights.layers[0], wq=wq, wo=wo)])
     ff = fused.FusedForward(config, weights, activations)
-    want = 16 * (16 * 144 + 64) if activations == "int8" else wq.data.nbytes  # 16 groups of 16 rows
-    assert ff.read_nbytes(wq) == want and wq.data.nbytes == 256 * 144
+    assert wq.data.nbytes == 256 * 144 and wo.data.nbytes == 256 * 210
+    assert ff.read_nbytes(wq) == wq.data.nbytes
+    assert ff.read_nbytes(wo) == (16 * (16 * 210 + 32) if activations == "int8" else wo.data.nbytes)  # 16 groups
     assert ff.read_nbytes(weights.layers[0].wk) == weights.layers[0].wk.nbytes  # float32: no packed form
 
 

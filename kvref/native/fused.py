@@ -67,8 +67,8 @@ and Q6_K weights, and multiplied with integer dot products (llama.cpp does the s
 are packed once, here (kvref_pack_int8: 16 rows interleaved, so each 4-byte dot product instruction
 serves 16 rows and a block's values are decoded once for every row of x), and C reads only the packed
 copy; the file's pages of them are dropped from the resident set (kvref.weights.release_pages), so
-the copy costs no memory beside them (it keeps the file's bit width: Q4_K's takes 2.8% more, its
-6-bit scales and mins a byte each). An embedding table that is the LM head gives its rows from the
+the copy costs no memory beside them (it keeps the file's bit width and, but for Q6_K's 0.95% of
+header padding, the file's bytes). An embedding table that is the LM head gives its rows from the
 packed copy too, and the norm vectors are copied: reading the file maps page-cache folios back in. Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j| beyond the
 float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on SmolLM2
 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens on the two reference

@@ -681,6 +681,25 @@ static void check_packed(const char *name, const kvref_kernels *kk, int32_t type
     line_end(&l);
 }
 
+/* kvref_unpack_row gives back every packed row's file bytes, and a packed group of a type that keeps
+ * them all (every packable type but Q6_K, whose header is padded) is exactly their bytes */
+static void check_pack_round_trip(int32_t type) {
+    line_t l;
+    line_begin(&l, "pack", "round trip", type_name(type));
+    const int64_t K = 512, rb = kvref_row_nbytes(type, K), gb = kvref_pack_group_bytes(type, K);
+    if (type != KVREF_TYPE_Q6_K && gb != 16 * rb) mismatch(&l, 0, "a group of %ld bytes for 16 rows of %ld", (long)gb, (long)rb);
+    for (int64_t nr = 16; nr >= 5; nr -= 11) {
+        uint8_t *w = take((size_t)(16 * rb)), *group = take((size_t)gb), *row = take((size_t)rb);
+        random_weight(type, nr, K, w);
+        kvref_pack_group(type, K, w, rb, nr, group);
+        for (int r = 0; r < nr; r++) {
+            kvref_unpack_row(type, K, group, r, row);
+            expect_bytes(&l, row, w + r * rb, (size_t)rb, "unpacked byte");
+        }
+    }
+    line_end(&l);
+}
+
 /* the 8-bit GEMM on the portable decoder's tiles, and the table's decoder against it: bit for bit */
 static void check_gemm_q8(const char *name, const kvref_kernels *kk, int32_t type) {
     const int64_t bv = kvref_q8_tile_values(type), TN = KVREF_TILE_N, ldy = 40;
@@ -875,6 +894,8 @@ int main(void) {
     arena = block + (64 - (uintptr_t)block % 64) % 64;
     char buf[32];
     printf("best instruction set: %s\n", isa_name(kvref_isa_best(), buf, sizeof buf));
+    for (int32_t type = 0; type < KVREF_TYPE_SLOTS; type++)
+        if (kvref_packable(type)) check_pack_round_trip(type);
     /* every isa id the pool knows, until it refuses one as out of range */
     for (int32_t isa = KVREF_ISA_SCALAR;; isa++) {
         const char *name = isa_name(isa, buf, sizeof buf);
