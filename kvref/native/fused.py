@@ -70,8 +70,9 @@ copy; the file's pages of them are dropped from the resident set (kvref.weights.
 the copy costs no memory beside them (it keeps the file's bit width and, but for Q6_K's 0.95% of
 header padding, the file's bytes). An embedding table that is the LM head gives its rows from the
 packed copy too, and the norm vectors are copied: reading the file maps page-cache folios back in. Each such output moves by at most sum_b d_b (1/2 + 2**-16) sum_{j in b} |w_j| beyond the
-float32 rounding of the exact mode; other weight types stay exact. Exact is the default: on SmolLM2
-the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens on the two reference
+float32 rounding of the exact mode; other weight types stay exact. Exact is this class's default and
+so kvref.load's (the programs, `kvref run`, `chat`, `serve` and `bench`, ask for int8 unless given
+--exact or KVREF_ACTIVATIONS): on SmolLM2 the int8 greedy continuation leaves the float32 reference after 5 and 24 tokens on the two reference
 prompts, llama.cpp's after 5 and 25 (tests/test_native_fused.py has the bounds and the measurements).
 
 The descriptor's pointers stay valid for the object's life: C reads only memory that nothing
