@@ -289,12 +289,12 @@ def worker(args) -> dict:
     engine.reset(WARMUP_PROMPT + WARMUP_STEPS)
     decode_steps(engine, fill(engine, prompt_ids(tokenizer, WARMUP_PROMPT)), WARMUP_STEPS)
     perf = getattr(engine, "perf", lambda: None)
+    reset_perf = getattr(engine, "_perf_reset", lambda: None)  # perf() then counts the timed part alone
     for case in args.cases:
         if case == "prefill":
             ids = prompt_ids(tokenizer, args.prefill_tokens)
             engine.reset(len(ids))
-            if hasattr(engine, "_perf_reset"):
-                engine._perf_reset()
+            reset_perf()
             t0 = time.perf_counter()
             engine.feed(ids)
             seconds = time.perf_counter() - t0
@@ -303,8 +303,7 @@ def worker(args) -> dict:
             ids = prompt_ids(tokenizer, args.prompt_tokens)
             engine.reset(len(ids) + args.new_tokens)
             token = fill(engine, ids)
-            if hasattr(engine, "_perf_reset"):
-                engine._perf_reset()
+            reset_perf()
             seconds, tokens = decode_steps(engine, token, args.new_tokens)
             out[case] = {"prompt_tokens": len(ids), "steps": args.new_tokens, "seconds": seconds,
                          "tok_s": args.new_tokens / seconds, "tokens": [token] + tokens[:31], "perf": perf()}
@@ -315,8 +314,7 @@ def worker(args) -> dict:
             prompts = [prompt_ids(tokenizer, args.prompt_tokens * (b + 1))[-args.prompt_tokens:] for b in range(n)]
             engine.reset_batch(n, args.prompt_tokens + args.new_tokens)
             tokens = engine.feed_batch(prompts)
-            if hasattr(engine, "_perf_reset"):
-                engine._perf_reset()
+            reset_perf()
             t0 = time.perf_counter()
             for _ in range(args.new_tokens):
                 tokens = engine.feed_batch([[t] for t in tokens])
@@ -329,8 +327,7 @@ def worker(args) -> dict:
             t0 = time.perf_counter()
             token = fill(engine, ids)
             fill_s = time.perf_counter() - t0
-            if hasattr(engine, "_perf_reset"):
-                engine._perf_reset()
+            reset_perf()
             seconds, _ = decode_steps(engine, token, args.context_steps)
             out[case] = {"context": len(ids), "steps": args.context_steps, "seconds": seconds,
                          "tok_s": args.context_steps / seconds, "fill_tok_s": len(ids) / fill_s, "perf": perf()}
